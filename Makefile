@@ -1,0 +1,52 @@
+# One command to run the demo, one to run the tests. Both set everything up on a fresh clone.
+#   make run    install, generate the demo models, serve presets/demo.toml on 127.0.0.1:8080
+#   make test   install (with test extras), generate the test models, lint, type-check, test
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HOST ?= 127.0.0.1
+PORT ?= 8080
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-test models run test lint bench clean
+
+$(VENV)/.base: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel
+	$(PIP) install -q torch==2.13.0
+	@# A CUDA build of llama.cpp only where a GPU is really there (nvcc alone is not enough).
+	if command -v nvcc >/dev/null && nvidia-smi -L >/dev/null 2>&1; then \
+	  CMAKE_ARGS="-DGGML_CUDA=on" $(PIP) install -q -e .; \
+	else \
+	  $(PIP) install -q -e .; \
+	fi
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.base
+setup-test: $(VENV)/.test
+
+models: $(VENV)/.base
+	$(PY) -m worker.testing.tiny_models --out models --size tiny
+
+run: setup models
+	$(VENV)/bin/omni-router --preset presets/demo.toml --host $(HOST) --port $(PORT)
+
+lint: setup-test
+	$(VENV)/bin/ruff check router worker tests bench scripts
+	$(VENV)/bin/mypy worker/wire.py worker/sampling_params.py
+
+test: setup-test models lint
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+bench: setup-test models
+	$(PY) -m worker.testing.tiny_models --out models --size small
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) models

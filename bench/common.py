@@ -1,0 +1,134 @@
+"""Small helpers shared by the benchmarks: percentiles, medians, and a server subprocess handle.
+
+A `Server` is started in its own process group with its output going to a log file (never an
+undrained pipe), is ready when `GET /health` answers 200, and is stopped with SIGTERM to the
+group, a bounded wait, then SIGKILL. Start failures raise `ServerStartError` with the log tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]; NaN for no values."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    clean = [v for v in values if not math.isnan(v)]
+    return statistics.median(clean) if clean else math.nan
+
+
+def log_tail(path: Path, num_chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-num_chars:]
+    except OSError:
+        return "<no log>"
+
+
+@dataclass
+class Server:
+    """A benchmark target. `cmd` None means an external server already running at `base_url`."""
+
+    name: str
+    base_url: str
+    cmd: list[str] | None = None
+    log_path: Path | None = None
+    env: dict[str, str] | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def start(self, timeout: float) -> None:
+        if self.cmd is not None:
+            assert self.log_path is not None
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            with self.log_path.open("wb") as log:
+                self.proc = subprocess.Popen(
+                    self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True, env=self.env,
+                )
+        self._wait_healthy(timeout)
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        last = "no answer yet"
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ServerStartError(
+                    f"{self.name} exited with code {self.proc.returncode} before becoming healthy.\n"
+                    f"command: {' '.join(self.cmd or [])}\nlog ({self.log_path}) tail:\n"
+                    f"{log_tail(self.log_path) if self.log_path else ''}"
+                )
+            try:
+                r = httpx.get(f"{self.base_url}/health", timeout=2.0)
+                if r.status_code == 200:
+                    return
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(0.2)
+        self.stop()
+        raise ServerStartError(
+            f"{self.name} not healthy at {self.base_url}/health after {timeout:.0f}s (last: {last}).\n"
+            f"log ({self.log_path}) tail:\n{log_tail(self.log_path) if self.log_path else ''}"
+        )
+
+    def cpu_seconds(self) -> float:
+        """User+system CPU time of the server process tree so far (0 for external servers)."""
+        if self.proc is None:
+            return 0.0
+        import psutil
+
+        try:
+            p = psutil.Process(self.proc.pid)
+            procs = [p, *p.children(recursive=True)]
+            total = 0.0
+            for q in procs:
+                with contextlib.suppress(psutil.Error):
+                    t = q.cpu_times()
+                    total += t.user + t.system
+            return total
+        except psutil.Error:
+            return 0.0
+
+    def stop(self, timeout: float = 10.0) -> None:
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)

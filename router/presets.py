@@ -1,0 +1,380 @@
+"""Model presets: INI (llama.cpp `--models-preset` compatible) and TOML -> validated dataclasses.
+
+INI: `[*]` holds global defaults, one `[name]` section per model, keys are llama-server option
+names without dashes (short aliases `m c np ngl t b a` accepted), `;` / `#` comments.
+TOML: `[defaults]` and `[models.NAME]` tables with the same keys (`-` or `_` both accepted).
+Precedence: router CLI overrides > model section > global defaults > built-in defaults.
+
+Every error is a `PresetError` whose message names the file, the line (INI) or the key path
+(TOML), and the valid values. Unknown keys and duplicate names/aliases are errors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+Backend = Literal["auto", "llama_cpp", "torch", "cmd", "remote"]
+BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "cmd", "remote")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
+
+
+class PresetError(ValueError):
+    """A bad preset; the message is one line fit for the user."""
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    backend: Backend = "auto"
+    model: Path | None = None
+    aliases: tuple[str, ...] = ()
+    ctx_size: int | None = None
+    parallel: int | None = None
+    batch_size: int | None = None
+    n_gpu_layers: int | None = None
+    threads: int | None = None
+    chat_template: str | None = None
+    load_on_startup: bool = False
+    stop_timeout: float = 10.0
+    load_timeout: float = 300.0
+    cmd: str | None = None
+    upstream: str | None = None
+    ttl: float | None = None  # idle seconds before sleep; None = router default, 0 = never
+    pin: bool = False
+    source: str = ""  # where it was defined, for messages
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.aliases)
+
+    @property
+    def is_remote(self) -> bool:
+        return self.backend == "remote"
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def _int(lo: int) -> Callable[[str], int]:
+    def conv(raw: str) -> int:
+        try:
+            v = int(str(raw).strip())
+        except ValueError:
+            raise ValueError(f"expected an integer >= {lo}") from None
+        if v < lo:
+            raise ValueError(f"expected an integer >= {lo}")
+        return v
+
+    return conv
+
+
+def _float(lo: float, *, strict: bool = False) -> Callable[[str], float]:
+    def conv(raw: str) -> float:
+        try:
+            v = float(str(raw).strip())
+        except ValueError:
+            raise ValueError(f"expected a number {'>' if strict else '>='} {lo:g}") from None
+        if v < lo or (strict and v == lo):
+            raise ValueError(f"expected a number {'>' if strict else '>='} {lo:g}")
+        return v
+
+    return conv
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _bool(raw: str) -> bool:
+    s = str(raw).strip().lower()
+    if s in _TRUE:
+        return True
+    if s in _FALSE:
+        return False
+    raise ValueError("expected one of true, false, 1, 0, yes, no, on, off")
+
+
+def _backend(raw: str) -> str:
+    s = str(raw).strip()
+    if s not in BACKENDS:
+        raise ValueError(f"expected one of {', '.join(BACKENDS)}")
+    return s
+
+
+def _text(raw: str) -> str:
+    s = str(raw).strip()
+    if not s:
+        raise ValueError("expected a non-empty string")
+    return s
+
+
+def _aliases(raw: str | list[str]) -> tuple[str, ...]:
+    items = raw if isinstance(raw, list) else str(raw).split(",")
+    out = tuple(str(a).strip() for a in items if str(a).strip())
+    for a in out:
+        if not NAME_RE.match(a):
+            raise ValueError(f"alias {a!r} has characters outside [A-Za-z0-9._:/@+-]")
+    return out
+
+
+def _upstream(raw: str) -> str:
+    s = str(raw).strip().rstrip("/")
+    if not re.match(r"^https?://[^/\s]+", s):
+        raise ValueError("expected an http:// or https:// URL")
+    return s
+
+
+# canonical key -> (dataclass field, converter)
+_KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "model": ("model", _text),
+    "backend": ("backend", _backend),
+    "alias": ("aliases", _aliases),
+    "ctx-size": ("ctx_size", _int(0)),
+    "parallel": ("parallel", _int(1)),
+    "batch-size": ("batch_size", _int(1)),
+    "n-gpu-layers": ("n_gpu_layers", _int(-1)),
+    "threads": ("threads", _int(-1)),
+    "chat-template": ("chat_template", _text),
+    "load-on-startup": ("load_on_startup", _bool),
+    "stop-timeout": ("stop_timeout", _float(0, strict=True)),
+    "load-timeout": ("load_timeout", _float(0, strict=True)),
+    "cmd": ("cmd", _text),
+    "upstream": ("upstream", _upstream),
+    "ttl": ("ttl", _float(0)),
+    "pin": ("pin", _bool),
+}
+_SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
+          "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads"}
+VALID_KEYS = ", ".join(sorted(_KEYS))
+
+
+def canonical_key(key: str) -> str | None:
+    k = key.strip().lower().replace("_", "-").lstrip("-")
+    k = _SHORT.get(k, k)
+    return k if k in _KEYS else None
+
+
+# --------------------------------------------------------------------------- raw sections
+
+
+@dataclass
+class _RawSection:
+    """Key -> (value, where) for one section, before validation."""
+
+    name: str
+    where: str
+    values: dict[str, tuple[Any, str]] = field(default_factory=dict)
+
+
+def _parse_ini(path: Path) -> tuple[_RawSection, list[_RawSection]]:
+    glob = _RawSection("*", f"{path}")
+    sections: list[_RawSection] = []
+    current: _RawSection | None = None
+    seen: dict[str, int] = {}
+    text = path.read_text(encoding="utf-8")
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        s = line.strip()
+        if not s or s[0] in ";#":
+            continue
+        where = f"{path}:{lineno}"
+        if s.startswith("["):
+            if not s.endswith("]"):
+                raise PresetError(f"{where}: malformed section header {s!r} (expected [name])")
+            name = s[1:-1].strip()
+            if name == "*":
+                current = glob
+                continue
+            if not name or not NAME_RE.match(name):
+                raise PresetError(f"{where}: invalid model name {name!r} (use letters, digits and ._:/@+-)")
+            if name in seen:
+                raise PresetError(f"{where}: duplicate model name [{name}] (first defined on line {seen[name]})")
+            seen[name] = lineno
+            current = _RawSection(name, where)
+            sections.append(current)
+            continue
+        if "=" not in s:
+            raise PresetError(f"{where}: expected 'key = value', got {s!r}")
+        key, _, value = s.partition("=")
+        key = key.strip()
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        if key == "version" and current is None:
+            continue  # llama.cpp's preset files start with `version = 1`
+        if current is None:
+            raise PresetError(f"{where}: key {key!r} outside a section (put defaults under [*])")
+        _put(current, key, value, where)
+    return glob, sections
+
+
+def _parse_toml(path: Path) -> tuple[_RawSection, list[_RawSection]]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise PresetError(f"{path}: invalid TOML: {e}") from None
+    for top in data:
+        if top not in ("defaults", "models", "version"):
+            raise PresetError(f"{path}: unknown top-level key {top!r} (valid: defaults, models)")
+    glob = _RawSection("*", f"{path}: defaults")
+    defaults = data.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise PresetError(f"{path}: 'defaults' must be a table")
+    for key, value in defaults.items():
+        _put(glob, key, value, f"{path}: defaults.{key}")
+    models = data.get("models", {})
+    if not isinstance(models, dict):
+        raise PresetError(f"{path}: 'models' must be a table of [models.NAME] tables")
+    sections = []
+    for name, table in models.items():
+        if not isinstance(table, dict):
+            raise PresetError(f"{path}: models.{name} must be a table")
+        if not NAME_RE.match(name):
+            raise PresetError(f"{path}: models.{name}: invalid model name (use letters, digits and ._:/@+-)")
+        sec = _RawSection(name, f"{path}: models.{name}")
+        for key, value in table.items():
+            _put(sec, key, value, f"{path}: models.{name}.{key}")
+        sections.append(sec)
+    return glob, sections
+
+
+def _put(sec: _RawSection, key: str, value: Any, where: str) -> None:
+    canon = canonical_key(key)
+    if canon is None:
+        raise PresetError(f"{where}: unknown key {key!r} (valid: {VALID_KEYS}; short: c, np, ngl, t, b, a, m)")
+    if canon in sec.values:
+        raise PresetError(f"{where}: key {key!r} given twice in [{sec.name}] (first at {sec.values[canon][1]})")
+    if isinstance(value, bool):
+        value = "true" if value else "false"
+    elif isinstance(value, (int, float)):
+        value = str(value)
+    elif isinstance(value, list) and canon != "alias":
+        raise PresetError(f"{where}: expected a single value, got a list")
+    elif isinstance(value, dict):
+        raise PresetError(f"{where}: expected a value, got a table")
+    sec.values[canon] = (value, where)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _resolve_model(raw: str, base_dir: Path) -> Path:
+    p = Path(os.path.expanduser(raw))
+    if p.is_absolute() or p.exists():
+        return p.resolve() if p.exists() else p
+    alt = base_dir / p
+    return alt.resolve() if alt.exists() else p
+
+
+def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> ModelPreset:
+    kwargs: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for layer in layers:
+        for canon, (value, at) in layer.values.items():
+            fname, conv = _KEYS[canon]
+            try:
+                kwargs[fname] = conv(value)
+            except ValueError as e:
+                raise PresetError(f"{at}: invalid value {value!r} for {canon!r}: {e}") from None
+            origin[fname] = at
+    model = kwargs.pop("model", None)
+    preset = ModelPreset(name=name, source=where, **kwargs)
+    if model is not None:
+        preset = replace(preset, model=_resolve_model(model, base_dir))
+    _check(preset, origin)
+    return preset
+
+
+def _check(p: ModelPreset, origin: Mapping[str, str]) -> None:
+    at = p.source
+    if p.backend == "remote":
+        if not p.upstream:
+            raise PresetError(f"{at}: backend = remote needs 'upstream = http://host:port'")
+        return
+    if p.upstream:
+        raise PresetError(f"{origin['upstream']}: 'upstream' is only valid with backend = remote")
+    if p.backend == "cmd":
+        if not p.cmd:
+            raise PresetError(f"{at}: backend = cmd needs 'cmd = \"server --port ${{PORT}} ...\"'")
+        if "${PORT}" not in p.cmd:
+            raise PresetError(f"{origin['cmd']}: 'cmd' must contain ${{PORT}} (the port the router assigns)")
+        return
+    if p.cmd:
+        raise PresetError(f"{origin['cmd']}: 'cmd' is only valid with backend = cmd")
+    if p.model is None:
+        raise PresetError(f"{at}: missing key 'model' (a .gguf file or a Hugging Face model folder)")
+    if not p.model.exists():
+        raise PresetError(f"{origin.get('model', at)}: model path {str(p.model)!r} does not exist")
+
+
+def load_presets(path: str | Path, overrides: Mapping[str, Any] | None = None) -> list[ModelPreset]:
+    """Read and validate a preset file; `overrides` (router CLI, canonical keys) win over it."""
+    path = Path(path)
+    if not path.is_file():
+        raise PresetError(f"{path}: preset file not found")
+    suffix = path.suffix.lower()
+    if suffix == ".toml":
+        glob, sections = _parse_toml(path)
+    elif suffix in (".ini", ".cfg", ".conf", ""):
+        glob, sections = _parse_ini(path)
+    else:
+        raise PresetError(f"{path}: unknown preset format {suffix!r} (valid: .ini, .toml)")
+    cli = _cli_section(overrides)
+    base_dir = path.parent.resolve()
+    presets = [_build(s.name, [glob, s, cli], base_dir, s.where) for s in sections]
+    check_unique(presets)
+    return presets
+
+
+def _cli_section(overrides: Mapping[str, Any] | None) -> _RawSection:
+    cli = _RawSection("command line", "command line")
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _put(cli, key, value, f"command line --{key}")
+    return cli
+
+
+def scan_models_dir(directory: str | Path, overrides: Mapping[str, Any] | None = None) -> list[ModelPreset]:
+    """One preset per `*.gguf` file and per Hugging Face folder (has config.json) in `directory`."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise PresetError(f"--models-dir {d}: not a directory")
+    cli = _cli_section(overrides)
+    found: list[ModelPreset] = []
+    for entry in sorted(d.iterdir()):
+        is_gguf = entry.is_file() and entry.suffix == ".gguf" and "mmproj" not in entry.name
+        is_hf = entry.is_dir() and (entry / "config.json").is_file()
+        if not (is_gguf or is_hf):
+            continue
+        name = entry.stem if is_gguf else entry.name
+        if not NAME_RE.match(name):
+            continue
+        sec = _RawSection(name, str(entry), {"model": (str(entry), str(entry))})
+        found.append(_build(name, [sec, cli], d, str(entry)))
+    return found
+
+
+def merge(presets: list[ModelPreset], scanned: list[ModelPreset]) -> list[ModelPreset]:
+    """Presets win over `--models-dir` entries with the same name or model path."""
+    taken = {n for p in presets for n in p.names}
+    paths = {p.model for p in presets if p.model is not None}
+    out = list(presets)
+    out.extend(s for s in scanned if s.name not in taken and s.model not in paths)
+    check_unique(out)
+    return out
+
+
+def check_unique(presets: list[ModelPreset]) -> None:
+    owner: dict[str, ModelPreset] = {}
+    for p in presets:
+        for n in p.names:
+            if n in owner and owner[n] is not p:
+                raise PresetError(f"{p.source}: name or alias {n!r} already used by [{owner[n].name}] ({owner[n].source})")
+            if n in owner:
+                raise PresetError(f"{p.source}: alias {n!r} repeated")
+            owner[n] = p

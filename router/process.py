@@ -1,0 +1,188 @@
+"""One worker subprocess: argv, spawn, readiness, stop. Effects only; no lifecycle decisions.
+
+- Spawned in a new session (its own process group) so that a stop reaches its children too.
+- The child asks the kernel for SIGTERM when the router dies (PR_SET_PDEATHSIG, set in
+  preexec) and our own worker also gets `--parent-pid` and watches it: no orphans, however
+  the router exits.
+- stdout+stderr go to one pipe read line by line into a 50-line tail (the crash report).
+- `stop()`: SIGTERM to the group, wait `timeout`, SIGKILL to the group, reap, then drain the
+  pipe with a bound (a grandchild may still hold it open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import shlex
+import signal
+import socket
+import sys
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from router.presets import ModelPreset
+
+log = logging.getLogger("omni.router.process")
+
+LOG_TAIL_LINES = 50
+DRAIN_TIMEOUT_S = 1.0
+_PR_SET_PDEATHSIG = 1
+_libc: Any = None
+with contextlib.suppress(OSError):
+    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "127.0.0.1") -> list[str]:
+    """The command line for one model: our worker, or the user's `cmd` with ${PORT} filled in."""
+    if preset.backend == "cmd":
+        assert preset.cmd is not None
+        text = preset.cmd.replace("${PORT}", str(port)).replace("${HOST}", host)
+        text = text.replace("${MODEL}", str(preset.model or ""))
+        return shlex.split(text)
+    argv = [sys.executable, "-m", "worker.cli", "--model", str(preset.model), "--alias", preset.name,
+            "--host", host, "--port", str(port), "--parent-pid", str(parent_pid)]
+    if preset.backend != "auto":
+        argv += ["--backend", preset.backend]
+    for flag, value in (("--ctx-size", preset.ctx_size), ("--parallel", preset.parallel),
+                        ("--batch-size", preset.batch_size), ("--n-gpu-layers", preset.n_gpu_layers),
+                        ("--threads", preset.threads), ("--chat-template", preset.chat_template)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """preexec_fn: runs in the child between fork and exec; async-signal-safe calls only."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the router died before prctl took effect
+        os._exit(1)
+
+
+class LoadError(Exception):
+    pass
+
+
+class WorkerProcess:
+    """A started subprocess with its log tail."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, name: str) -> None:
+        self.proc = proc
+        self.name = name
+        self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self._reader = asyncio.create_task(self._read_log())
+
+    @classmethod
+    async def spawn(cls, argv: list[str], name: str, cwd: str | None = None) -> WorkerProcess:
+        parent = os.getpid()
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: _die_with_parent(parent),
+            cwd=cwd,
+        )
+        log.info("model %s: spawned pid %d: %s", name, proc.pid, shlex.join(argv))
+        return cls(proc, name)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    async def _read_log(self) -> None:
+        stream = self.proc.stdout
+        assert stream is not None
+        while True:
+            try:
+                line = await stream.readline()
+            except ValueError:  # a line longer than the stream limit: skip it
+                continue
+            if not line:
+                return
+            text = line.decode(errors="replace").rstrip()
+            self.log_tail.append(text)
+            log.debug("[%s] %s", self.name, text)
+
+    async def wait(self) -> int:
+        """Wait for exit, then drain the pipe with a bound; returns the exit code."""
+        code = await self.proc.wait()
+        await self._drain()
+        return code
+
+    async def _drain(self) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), DRAIN_TIMEOUT_S)
+        except (TimeoutError, asyncio.CancelledError):
+            self._reader.cancel()
+
+    def _signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    async def stop(self, timeout: float) -> int:
+        """SIGTERM the group, wait `timeout`, SIGKILL the group, reap, drain."""
+        if self.proc.returncode is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout)
+            except TimeoutError:
+                log.warning("model %s: pid %d ignored SIGTERM for %.1fs, killing", self.name, self.pid, timeout)
+        # Even after a clean exit, children left in the group must go.
+        self._signal_group(signal.SIGKILL)
+        return await self.wait()
+
+    def tail_text(self, lines: int = 5) -> str:
+        return " | ".join(list(self.log_tail)[-lines:])
+
+
+async def wait_ready(
+    client: httpx.AsyncClient,
+    base_url: str,
+    proc: WorkerProcess,
+    timeout: float,
+    on_progress: Callable[[dict[str, Any]], None],
+    interval: float = 0.02,
+) -> None:
+    """Poll `GET /health` until 200 (not sleeping); raise LoadError on exit, 500, or timeout."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        if proc.returncode is not None:
+            raise LoadError(f"exited with code {proc.returncode} while loading")
+        try:
+            r = await client.get(f"{base_url}/health", timeout=2.0)
+            if r.status_code == 200:
+                body = r.json()
+                if not (isinstance(body, dict) and body.get("is_sleeping")):
+                    return
+            elif r.status_code == 503:
+                err = r.json().get("error", {})
+                progress = err.get("progress") if isinstance(err, dict) else None
+                if isinstance(progress, dict):
+                    on_progress(progress)
+            elif r.status_code >= 500:
+                raise LoadError(f"/health answered {r.status_code}: {r.text[:300]}")
+        except (httpx.TransportError, ValueError):
+            pass  # not listening yet, or a partial body
+        if loop.time() > deadline:
+            raise LoadError(f"not ready after {timeout:g}s")
+        await asyncio.sleep(interval)

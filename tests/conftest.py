@@ -1,0 +1,14 @@
+"""Session fixtures shared by every test package: the generated tiny models."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.util import ROOT
+from worker.testing.tiny_models import ModelPaths, ensure_model
+
+
+@pytest.fixture(scope="session")
+def tiny_models() -> ModelPaths:
+    """The tiny HF model and its GGUF twins under models/ (generated once, reused after)."""
+    return ensure_model(ROOT / "models", "tiny")

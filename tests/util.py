@@ -1,0 +1,91 @@
+"""Helpers shared by the real-process tests: free ports, deadlines, spawning workers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(pred: Callable[[], T], timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> T:
+    """Poll `pred` until it returns a truthy value (returned) or fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = pred()
+            if value:
+                return value
+        except Exception as e:  # the thing polled may not be up yet
+            last_exc = e
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc!r})")
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    """SIGTERM the process group, wait, SIGKILL if needed."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+@contextlib.contextmanager
+def run_worker(model: str | Path, *args: str, timeout: float = 60.0) -> Iterator[str]:
+    """Start `omni-worker --model MODEL ARGS` on a free port; yield its base URL once healthy."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "worker.cli", "--model", str(model), "--port", str(port), *args]
+    # A file, not a pipe: an undrained pipe would block a chatty worker.
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in finally)
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                log.seek(0)
+                err = log.read().decode(errors="replace")
+                raise RuntimeError(f"worker exited with {proc.returncode}:\n{err[-3000:]}")
+            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if healthy():
+                    break
+            except RuntimeError:
+                raise
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker on {base} not healthy after {timeout}s")
+            time.sleep(0.05)
+        yield base
+    finally:
+        stop_process(proc)
+        log.close()

@@ -1,0 +1,387 @@
+"""The llama.cpp backend: llama-cpp-python's low-level ctypes API, nothing from `llama_cpp.Llama`.
+
+One `llama_context` with a *unified* KV cache (`kv_unified`): `n_ctx` cells shared by
+`n_seq_max` sequences, so any slot may use the whole context. The engine thread is the only
+caller of `decode`, `sample`, `seq_rm`, `sleep` and `wake`.
+
+Two models are loaded from the same file: a vocab-only one (a few MB, loaded first and kept
+through sleep) that serves tokenization from any thread, and the full one that `sleep` frees.
+
+The batch is one `llama_batch` whose arrays are numpy buffers allocated once (`_BatchBuffers`),
+so filling it is a handful of slice assignments per entry, not a Python loop per token.
+Sampling is llama.cpp's sampler chain per request (`llama_sampler_sample` reads the logits row
+of the batch index directly); numpy touches the logits only for logprobs or a token mask.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import llama_cpp as ll
+import numpy as np
+
+from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, Sample, SampleItem
+from worker.sampling_params import SamplingParams
+
+log = logging.getLogger("worker.llama_cpp")
+
+Progress = Callable[[str, float], None]
+
+KV_TYPES: dict[str, int] = {
+    "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30,
+}
+FLASH_ATTN: dict[str, int] = {"auto": -1, "off": 0, "on": 1}
+
+_GGML_LOG_WARN = 3
+_GGML_LOG_CONT = 5
+_backend_ready = False
+
+
+def _on_llama_log(level: int, text: bytes, _user: Any) -> None:
+    # Only warnings and errors: llama.cpp's info chatter would flood the router's 50-line tail.
+    if level >= _GGML_LOG_WARN and level != _GGML_LOG_CONT and text:
+        msg = text.decode(errors="replace").rstrip()
+        if msg:
+            log.warning("llama.cpp: %s", msg)
+
+
+_LOG_CALLBACK = ll.llama_log_callback(_on_llama_log)  # module-level: must outlive every call
+
+
+def _init_llama_backend() -> None:
+    global _backend_ready
+    if not _backend_ready:
+        ll.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        ll.llama_backend_init()
+        _backend_ready = True
+
+
+class _BatchBuffers:
+    """A `llama_batch` over numpy arrays of capacity `n`: one sequence id per token."""
+
+    def __init__(self, n: int) -> None:
+        self.token = np.zeros(n, dtype=np.int32)
+        self.pos = np.zeros(n, dtype=np.int32)
+        self.n_seq_id = np.ones(n, dtype=np.int32)
+        self.seq = np.zeros(n, dtype=np.int32)
+        self.logits = np.zeros(n, dtype=np.int8)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (i32p * n)(*(ctypes.cast(base + 4 * i, i32p) for i in range(n)))
+        self.batch = ll.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(i32p),
+            embd=None,
+            pos=self.pos.ctypes.data_as(i32p),
+            n_seq_id=self.n_seq_id.ctypes.data_as(i32p),
+            seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p)),
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def fill(self, entries: Sequence[BatchEntry], arange: np.ndarray) -> list[int]:
+        """Write `entries`; return the batch index of every entry that wants logits."""
+        out_rows: list[int] = []
+        i = 0
+        for e in entries:
+            n = len(e.tokens)
+            j = i + n
+            if n == 1:
+                self.token[i] = e.tokens[0]
+                self.pos[i] = e.pos
+            else:
+                self.token[i:j] = e.tokens
+                self.pos[i:j] = arange[e.pos : e.pos + n]
+            self.seq[i:j] = e.seq_id
+            self.logits[i:j] = 0
+            if e.logits:
+                self.logits[j - 1] = 1
+                out_rows.append(j - 1)
+            i = j
+        self.batch.n_tokens = i
+        return out_rows
+
+
+class LlamaCppBackend:
+    """The `Backend` Protocol over a GGUF file (see worker/backends/base.py)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        n_ctx: int = 4096,
+        n_seq_max: int = 4,
+        n_batch: int = 2048,
+        n_ubatch: int = 512,
+        n_gpu_layers: int | None = None,
+        threads: int | None = None,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
+        flash_attn: str = "auto",
+        progress: Progress | None = None,
+    ) -> None:
+        _init_llama_backend()
+        if not os.path.isfile(model_path):
+            raise FileNotFoundError(f"model file not found: {model_path}")
+        for name, value in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
+            if value not in KV_TYPES:
+                raise ValueError(f"{name}: {value!r} is not one of {sorted(KV_TYPES)}")
+        if flash_attn not in FLASH_ATTN:
+            raise ValueError(f"flash_attn: {flash_attn!r} is not one of {sorted(FLASH_ATTN)}")
+        self._path = model_path
+        self._req_n_ctx = n_ctx
+        self.n_seq_max = n_seq_max
+        self.n_batch = n_batch
+        self._n_ubatch = min(n_ubatch, n_batch)
+        self._n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers
+        self._threads = threads or os.cpu_count() or 1
+        self._type_k = KV_TYPES[cache_type_k]
+        self._type_v = KV_TYPES[cache_type_v]
+        self._flash_attn = FLASH_ATTN[flash_attn]
+        self._progress = progress or (lambda phase, fraction: None)
+        self._abort = threading.Event()
+        self._model: Any = None
+        self._ctx: Any = None
+        self._out_rows: list[int] = []
+        self._pieces: dict[int, bytes] = {}
+        self._eog_ids: list[int] | None = None
+
+        self._vocab_model = self._load_model(vocab_only=True)
+        self._vocab = ll.llama_model_get_vocab(self._vocab_model)
+        self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
+        self._load()
+        self._meta = self._read_meta()
+        self._buf = _BatchBuffers(self.n_batch)
+        self._arange = np.arange(self.n_ctx + self.n_batch, dtype=np.int32)
+
+    # -- loading ------------------------------------------------------------------------
+    def abort_loading(self) -> None:
+        """Make an in-progress load stop at the next progress callback (any thread)."""
+        self._abort.set()
+
+    def _load_model(self, *, vocab_only: bool) -> Any:
+        params = ll.llama_model_default_params()
+        params.vocab_only = vocab_only
+        params.n_gpu_layers = self._n_gpu_layers
+        if not vocab_only:
+
+            def on_progress(fraction: float, _user: Any) -> bool:
+                self._progress("loading weights", float(fraction))
+                return not self._abort.is_set()
+
+            self._progress_cb = ll.llama_progress_callback(on_progress)  # kept alive on self
+            params.progress_callback = self._progress_cb
+        model = ll.llama_model_load_from_file(self._path.encode(), params)
+        if not model:
+            if self._abort.is_set():
+                raise RuntimeError("model loading aborted")
+            raise RuntimeError(f"llama.cpp failed to load {self._path!r} (not a valid GGUF model?)")
+        return model
+
+    def _load(self) -> None:
+        self._model = self._load_model(vocab_only=False)
+        self._progress("creating context", 0.0)
+        cp = ll.llama_context_default_params()
+        cp.n_ctx = self._req_n_ctx
+        cp.n_batch = self.n_batch
+        cp.n_ubatch = self._n_ubatch
+        cp.n_seq_max = self.n_seq_max
+        cp.n_threads = self._threads
+        cp.n_threads_batch = self._threads
+        cp.flash_attn_type = self._flash_attn
+        cp.type_k = self._type_k
+        cp.type_v = self._type_v
+        cp.kv_unified = True
+        cp.no_perf = True
+        ctx = ll.llama_init_from_model(self._model, cp)
+        if not ctx:
+            ll.llama_model_free(self._model)
+            self._model = None
+            raise RuntimeError("llama.cpp failed to create a context (out of memory? bad --ctx-size?)")
+        self._ctx = ctx
+        self._mem = ll.llama_get_memory(ctx)
+        self.n_ctx = int(ll.llama_n_ctx(ctx))
+        self._progress("warming up", 1.0)
+        self._warmup()
+
+    def _warmup(self) -> None:
+        """One throwaway decode pages the weights in, so the first request is not slow."""
+        bos = ll.llama_vocab_bos(self._vocab)
+        tok = bos if bos >= 0 else 0
+        buf = _BatchBuffers(1)
+        buf.fill([BatchEntry(seq_id=0, tokens=[tok], pos=0, logits=True)], np.arange(1, dtype=np.int32))
+        ll.llama_decode(self._ctx, buf.batch)
+        ll.llama_memory_clear(self._mem, True)
+
+    def _read_meta(self) -> ModelMeta:
+        tmpl = ll.llama_model_chat_template(self._model, None)
+        bos = int(ll.llama_vocab_bos(self._vocab))
+        eos = int(ll.llama_vocab_eos(self._vocab))
+        return ModelMeta(
+            path=self._path,
+            n_vocab=self.n_vocab,
+            n_ctx_train=int(ll.llama_model_n_ctx_train(self._model)),
+            n_params=int(ll.llama_model_n_params(self._model)),
+            size_bytes=int(ll.llama_model_size(self._model)),
+            bos_token=self._piece(bos, special=True).decode(errors="replace") if bos >= 0 else "",
+            eos_token=self._piece(eos, special=True).decode(errors="replace") if eos >= 0 else "",
+            bos_token_id=bos,
+            eos_token_id=eos,
+            add_bos=bool(ll.llama_vocab_get_add_bos(self._vocab)),
+            chat_template=tmpl.decode(errors="replace") if tmpl else None,
+        )
+
+    @property
+    def meta(self) -> ModelMeta:
+        return self._meta
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._ctx is None
+
+    # -- tokenizer (any thread) -----------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        while True:
+            arr = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(self._vocab, data, len(data), arr, cap, add_special, parse_special)
+            if n >= 0:
+                return list(arr[:n])
+            cap = -n
+
+    def _piece(self, token: int, *, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
+
+    def token_to_piece(self, token: int) -> bytes:
+        piece = self._pieces.get(token)
+        if piece is None:
+            if not 0 <= token < self.n_vocab:
+                raise ValueError(f"token id {token} out of range [0, {self.n_vocab})")
+            piece = self._pieces[token] = self._piece(token, special=False)
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return bool(ll.llama_vocab_is_eog(self._vocab, token))
+
+    def _eog_tokens(self) -> list[int]:
+        if self._eog_ids is None:
+            self._eog_ids = [t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)]
+        return self._eog_ids
+
+    # -- engine thread ----------------------------------------------------------------------
+    def decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus:
+        n = sum(len(e.tokens) for e in entries)
+        if n == 0 or n > self.n_batch:
+            raise ValueError(f"batch of {n} tokens (capacity {self.n_batch})")
+        self._out_rows = self._buf.fill(entries, self._arange)
+        ret = ll.llama_decode(self._ctx, self._buf.batch)
+        if ret == 0:
+            return DecodeStatus.OK
+        if ret == 1:
+            return DecodeStatus.NO_KV_SPACE
+        raise RuntimeError(f"llama_decode failed with status {ret}")
+
+    def seq_rm(self, seq_id: int, p0: int) -> None:
+        if self._ctx is not None and not ll.llama_memory_seq_rm(self._mem, seq_id, p0, -1):
+            # A partial removal can fail only for recurrent models; drop the whole sequence.
+            ll.llama_memory_seq_rm(self._mem, seq_id, 0, -1)
+
+    def new_sampler(self, params: SamplingParams, seed: int) -> Any:
+        chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_params(no_perf=True))
+        add = ll.llama_sampler_chain_add
+        bias = dict(params.logit_bias)
+        if params.ignore_eos:
+            bias.update({t: float("-inf") for t in self._eog_tokens()})
+        bias = {t: b for t, b in bias.items() if 0 <= t < self.n_vocab}
+        if bias:
+            arr = (ll.llama_logit_bias * len(bias))(*(ll.llama_logit_bias(t, b) for t, b in bias.items()))
+            add(chain, ll.llama_sampler_init_logit_bias(self.n_vocab, len(bias), arr))
+        if params.has_penalties:
+            last_n = self.n_ctx if params.repeat_last_n < 0 else params.repeat_last_n
+            add(
+                chain,
+                ll.llama_sampler_init_penalties(
+                    self.n_vocab, last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+                ),
+            )
+        if params.is_greedy:
+            add(chain, ll.llama_sampler_init_greedy())
+            return chain
+        if params.top_k > 0:
+            add(chain, ll.llama_sampler_init_top_k(params.top_k))
+        if params.top_p < 1.0:
+            add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
+        if params.min_p > 0.0:
+            add(chain, ll.llama_sampler_init_min_p(params.min_p, 1))
+        add(chain, ll.llama_sampler_init_temp(params.temperature))
+        add(chain, ll.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        return chain
+
+    def free_sampler(self, sampler: Any) -> None:
+        ll.llama_sampler_free(sampler)
+
+    def _logits_row(self, batch_idx: int) -> np.ndarray:
+        ptr = ll.llama_get_logits_ith(self._ctx, batch_idx)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def sample(self, items: Sequence[SampleItem], params: Sequence[SamplingParams]) -> list[Sample]:
+        out: list[Sample] = []
+        for item, p in zip(items, params, strict=True):
+            idx = self._out_rows[item.logits_index]
+            logprobs: np.ndarray | None = None
+            if p.logprobs or item.mask is not None:
+                row = self._logits_row(idx)
+                if p.logprobs:
+                    logprobs = _log_softmax(row)
+                if item.mask is not None:
+                    row[~item.mask] = -np.inf  # in place: the sampler reads this very buffer
+            token = int(ll.llama_sampler_sample(item.sampler, self._ctx, idx))
+            if logprobs is None:
+                out.append(Sample(token))
+            else:
+                out.append(Sample(token, float(logprobs[token]), _top(logprobs, p.top_logprobs)))
+        return out
+
+    def sleep(self) -> None:
+        if self._ctx is not None:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    def wake(self) -> None:
+        if self._ctx is None:
+            self._abort.clear()
+            self._load()
+
+    def close(self) -> None:
+        self.sleep()
+        if self._vocab_model is not None:
+            ll.llama_model_free(self._vocab_model)
+            self._vocab_model = None
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def _top(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:
+    if k <= 0:
+        return []
+    k = min(k, logprobs.shape[0])
+    ids = np.argpartition(-logprobs, k - 1)[:k]
+    ids = ids[np.argsort(-logprobs[ids], kind="stable")]
+    return [(int(t), float(logprobs[t])) for t in ids]

@@ -1,0 +1,44 @@
+"""The engine's own sampling parameters: a plain frozen dataclass, built by the wire types."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling and stopping settings (llama-server's defaults).
+
+    temperature <= 0 means greedy (exact argmax). top_k <= 0, top_p >= 1 and min_p <= 0
+    disable their samplers. repeat_last_n: 0 disables penalties, -1 means the whole context.
+    seed None means a random seed per request. max_tokens None means until EOS or a full context.
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    n: int = 1
+    cache_prompt: bool = True
+    id_slot: int = -1
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repeat_last_n != 0 and (
+            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )

@@ -1,0 +1,345 @@
+"""Deterministic random-weight Llama models for tests, the demo and benchmarks.
+
+Model hubs are unreachable here, so the project makes its own models. One spec produces:
+
+    models/<name>/                 HF format: config.json, model.safetensors (float32),
+                                   tokenizer.json, tokenizer_config.json (ChatML template),
+                                   generation_config.json
+    models/<name>-f32.gguf         the same weights, F32
+    models/<name>-f16.gguf         the same weights, F16 matrices (norms stay F32)
+
+The tokenizer is a byte-level BPE trained offline with `tokenizers` on a generated corpus;
+in GGUF it is tokenizer model `gpt2` with pre-tokenizer `gpt-2` (the same regex as HF's
+ByteLevel). Special tokens `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` are control tokens;
+eos is `<|im_end|>` and no BOS is added (as Qwen/ChatML models do).
+
+llama.cpp applies RoPE to interleaved pairs while HF Llama rotates halves, so Q and K rows are
+permuted on the way into GGUF (`_permute_qk`). Everything is derived from `seed`, so running
+the factory twice writes identical files.
+
+Usage:  python -m worker.testing.tiny_models --out models --size tiny|small|all
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BOS, EOS, PAD = "<|endoftext|>", "<|im_end|>", "<|endoftext|>"
+FORMAT_VERSION = 1  # bump to force regeneration when the layout changes
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    max_positions: int
+    tie_embeddings: bool
+    seed: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+SPECS = {
+    # ~1 MB: fast tests. Untied output so greedy text varies instead of echoing its input.
+    "tiny": ModelSpec("tiny-llama", 1024, 64, 2, 4, 2, 192, 4096, tie_embeddings=False, seed=1234),
+    # ~135 MB in F16: benchmarks. Tied embeddings exercise the "no output.weight" GGUF path.
+    "small": ModelSpec("small-llama", 8192, 768, 12, 12, 4, 1536, 8192, tie_embeddings=True, seed=4321),
+}
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    hf_dir: Path
+    gguf_f32: Path
+    gguf_f16: Path
+
+
+def model_paths(out: Path, spec: ModelSpec) -> ModelPaths:
+    return ModelPaths(out / spec.name, out / f"{spec.name}-f32.gguf", out / f"{spec.name}-f16.gguf")
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+_WORDS = (
+    "the of and to in is was for on that with as by at from it an be this which or are have had not "
+    "but were his they one all their there been has more when can who will would so if what about "
+    "model token router worker slot batch stream server request cache prompt context memory thread "
+    "engine sample logits kernel tensor layer weight python llama vector queue event health sleep "
+    "wake load unload spawn kill signal socket header chunk delta choice usage timing latency "
+    "hello world yes no maybe please thanks quick brown fox jumps over lazy dog time day year "
+    "café naïve résumé über straße 東京 北京 模型 数据 こんにちは мир данные 🙂 🚀 ✨"
+).split()
+_CODE = [
+    "def f(x):\n    return x + 1\n",
+    "for i in range(10):\n    print(i)\n",
+    '{"key": "value", "n": 42, "ok": true}\n',
+    "if (a && b) { return c; }\n",
+    "SELECT id, name FROM users WHERE id = 7;\n",
+]
+
+
+def _corpus(seed: int, n_lines: int) -> list[str]:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        kind = rng.random()
+        if kind < 0.75:
+            words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 20))]
+            if rng.random() < 0.3:
+                words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+            line = " ".join(words).capitalize() + rng.choice([".", "!", "?", ",", ";", ":"])
+        elif kind < 0.9:
+            line = rng.choice(_CODE)
+        else:
+            line = f"<|im_start|>{rng.choice(['user', 'assistant', 'system'])}\n{rng.choice(_WORDS)}<|im_end|>"
+        lines.append(line)
+    return lines
+
+
+def train_tokenizer(spec: ModelSpec):  # -> tokenizers.Tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    n_lines = 4000 if spec.vocab_size <= 2048 else 40000
+    tok.train_from_iterator(_corpus(spec.seed, n_lines), trainer=trainer)
+    return tok
+
+
+def _vocab_and_merges(tok) -> tuple[list[str], list[str]]:
+    state = json.loads(tok.to_str())
+    vocab: dict[str, int] = state["model"]["vocab"]
+    for added in state["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [""] * len(vocab)
+    for text, idx in vocab.items():
+        tokens[idx] = text
+    assert all(tokens), "token ids are not contiguous"
+    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"]["merges"]]
+    return tokens, merges
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def make_weights(spec: ModelSpec, n_vocab: int) -> dict[str, np.ndarray]:
+    """HF-named float32 tensors. Scales keep activations O(1) and logits peaked (std ~3)."""
+    rng = np.random.default_rng(spec.seed)
+    h, kv = spec.hidden, spec.kv_heads * spec.head_dim
+
+    def lin(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(np.float32)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
+
+    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((n_vocab, h), dtype=np.float32)}
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(h)
+        w[p + "self_attn.q_proj.weight"] = lin(h, h)
+        w[p + "self_attn.k_proj.weight"] = lin(kv, h)
+        w[p + "self_attn.v_proj.weight"] = lin(kv, h)
+        w[p + "self_attn.o_proj.weight"] = lin(h, h)
+        w[p + "post_attention_layernorm.weight"] = norm(h)
+        w[p + "mlp.gate_proj.weight"] = lin(spec.intermediate, h)
+        w[p + "mlp.up_proj.weight"] = lin(spec.intermediate, h)
+        w[p + "mlp.down_proj.weight"] = lin(h, spec.intermediate)
+    w["model.norm.weight"] = norm(h)
+    if not spec.tie_embeddings:
+        w["lm_head.weight"] = lin(n_vocab, h) * np.float32(3.0)
+    return w
+
+
+def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF rotate-half row order -> llama.cpp interleaved-pair row order."""
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+# --------------------------------------------------------------------------- writers
+
+
+def write_hf(out_dir: Path, spec: ModelSpec, tok, weights: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n_vocab = tok.get_vocab_size()
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": n_vocab,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_positions,
+        "rms_norm_eps": spec.rms_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "bos_token_id": ids[BOS],
+        "eos_token_id": ids[EOS],
+        "pad_token_id": ids[PAD],
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec.max_positions,
+        "chat_template": CHATML_TEMPLATE,
+        "added_tokens_decoder": {
+            str(ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                          "normalized": False, "single_word": False}
+            for t in SPECIAL_TOKENS
+        },
+    }
+    gen_config = {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
+    (out_dir / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
+    tok.save(str(out_dir / "tokenizer.json"))
+    save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_gguf(path: Path, spec: ModelSpec, tok, weights: dict[str, np.ndarray], f16: bool) -> None:
+    import gguf
+
+    tokens, merges = _vocab_and_merges(tok)
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    types = [
+        gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens
+    ]
+    tmp = path.with_suffix(".gguf.tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(spec.name)
+    w.add_context_length(spec.max_positions)
+    w.add_embedding_length(spec.hidden)
+    w.add_block_count(spec.layers)
+    w.add_feed_forward_length(spec.intermediate)
+    w.add_head_count(spec.heads)
+    w.add_head_count_kv(spec.kv_heads)
+    w.add_rope_dimension_count(spec.head_dim)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_vocab_size(len(tokens))
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(ids[BOS])
+    w.add_eos_token_id(ids[EOS])
+    w.add_pad_token_id(ids[PAD])
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    w.add_chat_template(CHATML_TEMPLATE)
+
+    def put(name: str, arr: np.ndarray) -> None:
+        is_matrix = arr.ndim == 2
+        w.add_tensor(name, arr.astype(np.float16) if (f16 and is_matrix) else arr.astype(np.float32))
+
+    put("token_embd.weight", weights["model.embed_tokens.weight"])
+    for i in range(spec.layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        put(b + "attn_norm.weight", weights[p + "input_layernorm.weight"])
+        put(b + "attn_q.weight", _permute_qk(weights[p + "self_attn.q_proj.weight"], spec.heads))
+        put(b + "attn_k.weight", _permute_qk(weights[p + "self_attn.k_proj.weight"], spec.kv_heads))
+        put(b + "attn_v.weight", weights[p + "self_attn.v_proj.weight"])
+        put(b + "attn_output.weight", weights[p + "self_attn.o_proj.weight"])
+        put(b + "ffn_norm.weight", weights[p + "post_attention_layernorm.weight"])
+        put(b + "ffn_gate.weight", weights[p + "mlp.gate_proj.weight"])
+        put(b + "ffn_up.weight", weights[p + "mlp.up_proj.weight"])
+        put(b + "ffn_down.weight", weights[p + "mlp.down_proj.weight"])
+    put("output_norm.weight", weights["model.norm.weight"])
+    if not spec.tie_embeddings:
+        put("output.weight", weights["lm_head.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def ensure_model(out: Path, size: str = "tiny", force: bool = False) -> ModelPaths:
+    """Generate the model of `size` under `out` unless it is already there (idempotent)."""
+    spec = SPECS[size]
+    paths = model_paths(out, spec)
+    stamp = out / f".{size}.done"
+    expected = f"{FORMAT_VERSION}:{spec}"
+    if not force and stamp.exists() and stamp.read_text() == expected:
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
+    tok = train_tokenizer(spec)
+    weights = make_weights(spec, tok.get_vocab_size())
+    if paths.hf_dir.exists():
+        shutil.rmtree(paths.hf_dir)
+    write_hf(paths.hf_dir, spec, tok, weights)
+    write_gguf(paths.gguf_f32, spec, tok, weights, f16=False)
+    write_gguf(paths.gguf_f16, spec, tok, weights, f16=True)
+    stamp.write_text(expected)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Generate deterministic random-weight test models.")
+    ap.add_argument("--out", type=Path, default=Path("models"))
+    ap.add_argument("--size", choices=[*SPECS, "all"], default="tiny")
+    ap.add_argument("--force", action="store_true", help="regenerate even if present")
+    args = ap.parse_args(argv)
+    for size in SPECS if args.size == "all" else [args.size]:
+        p = ensure_model(args.out, size, force=args.force)
+        print(f"{size}: {p.hf_dir} {p.gguf_f32} {p.gguf_f16}")
+
+
+if __name__ == "__main__":
+    main()

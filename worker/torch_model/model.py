@@ -1,0 +1,241 @@
+"""The Llama-family forward pass over one flat, mixed batch (gpt-fast / nano-vllm style).
+
+Covers Llama 2/3, Mistral, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm): RMSNorm,
+rotary embeddings (HF "rotate half" layout), grouped-query attention, SwiGLU, tied or untied
+embeddings. q/k/v and gate/up projections are packed into one matrix each at load time
+(`load_weights` maps HF names onto row slices), so a layer is four matmuls.
+
+A forward pass takes every token of the batch as one row: decoding slots (one token each) and
+prompt chunks alike. Each token writes its K/V into the cache cell the KV cache gave it, then
+attends over cells [0, n_kv) through a boolean mask built from (seq_id, position) by
+`KVCache.attention_mask`; so no padding and no per-sequence Python loop. Only the rows in
+`logit_rows` go through the final norm and the LM head.
+
+Numerics mirror transformers (RMSNorm in float32, RoPE tables computed in float32 and cast to
+the model dtype) so float32 logits match `LlamaForCausalLM` to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from worker.torch_model.config import ModelConfig, RopeConfig
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> Tensor:
+    """Per-pair inverse frequencies in float32, computed exactly as transformers does."""
+    inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.type == "linear":
+        return inv / rope.factor
+    if rope.type == "llama3":
+        old = rope.original_max_position_embeddings
+        low_wavelen = old / rope.low_freq_factor
+        high_wavelen = old / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv
+
+
+def rope_tables(rope: RopeConfig, head_dim: int, n_pos: int) -> tuple[Tensor, Tensor]:
+    """cos and sin tables of shape [n_pos, head_dim] (float32)."""
+    freqs = torch.outer(torch.arange(n_pos, dtype=torch.float32), rope_inv_freq(rope, head_dim))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """q [T, n_heads, d]; k, v [n_kv_heads, n_kv, d]; mask [group*T, n_kv] (rows group-major).
+
+    GQA without repeating K/V: the query heads sharing one KV head are folded into the query
+    length, so each KV head is read once.
+    """
+    t, n_heads, d = q.shape
+    n_kv_heads = k.shape[0]
+    group = n_heads // n_kv_heads
+    qg = q.view(t, n_kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, n_kv_heads, group * t, d)
+    out = F.scaled_dot_product_attention(qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask)
+    return out.view(n_kv_heads, group, t, d).permute(2, 0, 1, 3).reshape(t, n_heads * d)
+
+
+def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Layer(nn.Module):
+    def __init__(
+        self, cfg: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        self.cfg = cfg
+        self.split = (q, kv, kv)
+        self.input_norm = _param((h,), dtype, device)
+        self.post_norm = _param((h,), dtype, device)
+        self.qkv = _param((q + 2 * kv, h), dtype, device)
+        self.qkv_bias = _param((q + 2 * kv,), dtype, device) if qkv_bias else None
+        self.o = _param((h, q), dtype, device)
+        self.o_bias = _param((h,), dtype, device) if o_bias else None
+        self.q_norm = _param((cfg.head_dim,), dtype, device) if qk_norm else None
+        self.k_norm = _param((cfg.head_dim,), dtype, device) if qk_norm else None
+        self.gate_up = _param((2 * i, h), dtype, device)
+        self.down = _param((h, i), dtype, device)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor, mask: Tensor, n_kv: int
+    ) -> Tensor:
+        cfg, t = self.cfg, x.shape[0]
+        eps = cfg.rms_norm_eps
+        q, k, v = F.linear(rms_norm(x, self.input_norm, eps), self.qkv, self.qkv_bias).split(self.split, dim=-1)
+        q = q.view(t, cfg.num_heads, cfg.head_dim)
+        k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q = rms_norm(q, self.q_norm, eps)
+            k = rms_norm(k, self.k_norm, eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_cache.index_copy_(1, cells, k.transpose(0, 1))
+        v_cache.index_copy_(1, cells, v.view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1))
+        o = attention(q, k_cache[:, :n_kv], v_cache[:, :n_kv], mask)
+        x = x + F.linear(o, self.o, self.o_bias)
+        gate, up = F.linear(rms_norm(x, self.post_norm, eps), self.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down)
+
+
+class Model(nn.Module):
+    """Weights plus RoPE tables; `forward` is one step over a flat batch (see module doc)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        n_pos: int = 4096,
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.layers = nn.ModuleList(
+            Layer(cfg, qkv_bias=qkv_bias, o_bias=o_bias, qk_norm=qk_norm, dtype=dtype, device=device)
+            for _ in range(cfg.num_layers)
+        )
+        self.norm = _param((cfg.hidden_size,), dtype, device)
+        self.lm_head = self.embed if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.cos = torch.empty(0)
+        self.sin = torch.empty(0)
+        self.ensure_positions(n_pos)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def ensure_positions(self, n_pos: int) -> None:
+        """Grow the RoPE tables to cover positions [0, n_pos)."""
+        if self.cos.shape[0] >= n_pos and self.cos.device == self.device:
+            return
+        cos, sin = rope_tables(self.cfg.rope, self.cfg.head_dim, max(n_pos, self.cos.shape[0]))
+        self.cos = cos.to(device=self.device, dtype=self.dtype)
+        self.sin = sin.to(device=self.device, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cells: Tensor,
+        mask: Tensor,
+        n_kv: int,
+        logit_rows: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+    ) -> Tensor:
+        """tokens, positions, cells: [T]; mask: [group*T, n_kv] bool; returns float32 logits of logit_rows."""
+        x = F.embedding(tokens, self.embed)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], cells, mask, n_kv)
+        x = rms_norm(x[logit_rows], self.norm, self.cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head).float()
+
+    # -- loading -------------------------------------------------------------------------
+
+    def _target(self, name: str) -> tuple[Tensor, int, int] | None:
+        """HF tensor name -> (destination parameter, row offset, rows); None for ignored names."""
+        cfg = self.cfg
+        parts = name.removeprefix("model.").split(".")
+        if parts == ["embed_tokens", "weight"]:
+            return self.embed, 0, cfg.vocab_size
+        if parts == ["norm", "weight"]:
+            return self.norm, 0, cfg.hidden_size
+        if parts == ["lm_head", "weight"]:
+            return (None if cfg.tie_word_embeddings else (self.lm_head, 0, cfg.vocab_size))
+        if parts[0] != "layers" or "rotary_emb" in parts:
+            return None
+        layer = self.layers[int(parts[1])]
+        assert isinstance(layer, Layer)
+        q, kv, i = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        module, kind = ".".join(parts[2:-1]), parts[-1]
+        packed = {
+            "self_attn.q_proj": ("qkv", 0, q),
+            "self_attn.k_proj": ("qkv", q, kv),
+            "self_attn.v_proj": ("qkv", q + kv, kv),
+            "self_attn.o_proj": ("o", 0, cfg.hidden_size),
+            "mlp.gate_proj": ("gate_up", 0, i),
+            "mlp.up_proj": ("gate_up", i, i),
+            "mlp.down_proj": ("down", 0, cfg.hidden_size),
+            "input_layernorm": ("input_norm", 0, cfg.hidden_size),
+            "post_attention_layernorm": ("post_norm", 0, cfg.hidden_size),
+            "self_attn.q_norm": ("q_norm", 0, cfg.head_dim),
+            "self_attn.k_norm": ("k_norm", 0, cfg.head_dim),
+        }
+        if module not in packed:
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        attr, offset, rows = packed[module]
+        if kind == "bias":
+            attr = {"qkv": "qkv_bias", "o": "o_bias"}.get(attr, attr + "_bias")
+        param = getattr(layer, attr, None)
+        if param is None:
+            raise ValueError(f"unexpected tensor {name!r} in checkpoint")
+        return param, offset, rows
+
+    def load_weights(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy HF-named tensors into the packed parameters; every parameter must be covered."""
+        filled: dict[int, int] = {}
+        for name, tensor in tensors:
+            target = self._target(name)
+            if target is None:
+                continue
+            param, offset, rows = target
+            if tensor.shape[0] != rows or tuple(tensor.shape[1:]) != tuple(param.shape[1:]):
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not fit the config")
+            param.data[offset : offset + rows].copy_(tensor)
+            filled[id(param)] = filled.get(id(param), 0) + rows
+        for pname, param in self.named_parameters():
+            if filled.get(id(param), 0) != param.shape[0]:
+                raise ValueError(f"checkpoint does not fill parameter {pname} (model code layout)")

@@ -1,0 +1,458 @@
+"""Wire types shared by the router and the worker (no torch, no llama_cpp here).
+
+Pydantic lives at the edge only: a request body is parsed into one of the request models
+below, converts itself into the engine's plain `SamplingParams` with `to_sampling_params()`,
+and nothing but plain types travels inward. Response models carry `Literal` object names.
+
+Every HTTP error anywhere in the product is one envelope,
+`{"error": {"message", "type", "param", "code"}}`, raised as `APIError` and rendered by
+`api_error_handler` (register it with Starlette's `exception_handlers`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from worker.sampling_params import SamplingParams
+
+# --------------------------------------------------------------------------- errors
+
+ErrorType = Literal[
+    "invalid_request_error",
+    "authentication_error",
+    "not_found_error",
+    "exceed_context_size_error",
+    "unavailable_error",
+    "server_error",
+    "not_supported_error",
+]
+
+
+class APIError(Exception):
+    """An error that becomes the OpenAI error envelope with the given HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int = 400,
+        type: ErrorType = "invalid_request_error",
+        param: str | None = None,
+        code: str | int | None = None,
+        headers: dict[str, str] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+        self.extra = extra or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code, **self.extra)
+
+
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | int | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """The one error envelope. `extra` carries llama-server's additions (e.g. n_ctx)."""
+    err: dict[str, Any] = {"message": message, "type": type, "param": param, "code": code}
+    err.update(extra)
+    return {"error": err}
+
+
+def not_found(message: str, param: str | None = "model") -> APIError:
+    return APIError(message, status_code=404, type="not_found_error", param=param, code="model_not_found")
+
+
+async def api_error_handler(request: Request, exc: Exception) -> Response:
+    """Starlette exception handler for `APIError` (and, registered on 500, anything else)."""
+    if isinstance(exc, APIError):
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+    return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), status_code=500)
+
+
+async def http_exception_handler(request: Request, exc: Exception) -> Response:
+    """Starlette's own HTTPException (404 route, 405 method) in our envelope."""
+    status = int(getattr(exc, "status_code", 500))
+    detail = str(getattr(exc, "detail", "error"))
+    kind: str = "not_found_error" if status == 404 else "invalid_request_error"
+    return JSONResponse(error_body(detail, kind), status_code=status)
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "bytes"})
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    """`('stop', 'list[str]', 0)` -> `stop.0`: drop pydantic's union-branch tags."""
+    parts = [str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS)]
+    return ".".join(parts)
+
+
+def _describe_validation_error(exc: ValidationError) -> APIError:
+    first = exc.errors()[0]
+    loc = _field_path(tuple(first.get("loc", ())))
+    msg = first.get("msg", "invalid value")
+    return APIError(f"Invalid value for '{loc}': {msg}" if loc else msg, param=loc or None)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_json(raw: bytes | bytearray) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"Invalid JSON body: {e}") from None
+
+
+def parse_model(model_cls: type[M], raw: bytes | Any) -> M:
+    """Parse a request body (raw bytes or already-decoded JSON) or raise a 400 APIError."""
+    data = parse_json(raw) if isinstance(raw, (bytes, bytearray)) else raw
+    if not isinstance(data, dict):
+        raise APIError("Request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise _describe_validation_error(e) from None
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class OpenAIBaseModel(BaseModel):
+    """Unknown fields are accepted (and ignored unless someone reads them)."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class NvExt(OpenAIBaseModel):
+    """Dynamo's `nvext` extension object; the same fields are also accepted top-level."""
+
+    ignore_eos: bool | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    greedy_sampling: bool | None = None
+    use_raw_prompt: bool | None = None
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields common to chat completions and completions (OpenAI + llama-server extras)."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    n_predict: int | None = None  # llama-server alias; -1 = unlimited
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repeat_penalty: float | None = Field(default=None, gt=0)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    repeat_last_n: int | None = Field(default=None, ge=-1)
+    logit_bias: dict[str, float] | None = None
+    n_probs: int | None = Field(default=None, ge=0, le=20)
+    ignore_eos: bool | None = None
+    greedy_sampling: bool | None = None
+    cache_prompt: bool = True
+    id_slot: int = -1
+    nvext: NvExt | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and any(not isinstance(s, str) for s in v):
+            raise ValueError("stop must be a string or a list of strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        if v is not None:
+            for key in v:
+                try:
+                    int(key)
+                except ValueError:
+                    raise ValueError(f"logit_bias key {key!r} is not a token id") from None
+        return v
+
+    def _max_new_tokens(self) -> int | None:
+        if self.max_tokens is not None:
+            return self.max_tokens
+        if self.n_predict is not None and self.n_predict >= 0:
+            return self.n_predict
+        return None
+
+    def _common_params(self, *, logprobs: bool, top_logprobs: int, max_tokens: int | None) -> SamplingParams:
+        nv = self.nvext or NvExt()
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        greedy = bool(self.greedy_sampling or nv.greedy_sampling)
+        rep = self.repeat_penalty or self.repetition_penalty or nv.repetition_penalty
+        defaults = SamplingParams()
+        return SamplingParams(
+            temperature=0.0 if greedy else (defaults.temperature if self.temperature is None else self.temperature),
+            top_k=nv.top_k if nv.top_k is not None else (defaults.top_k if self.top_k is None else self.top_k),
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            min_p=defaults.min_p if self.min_p is None else self.min_p,
+            repeat_penalty=defaults.repeat_penalty if rep is None else rep,
+            repeat_last_n=defaults.repeat_last_n if self.repeat_last_n is None else self.repeat_last_n,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
+            max_tokens=max_tokens,
+            stop=tuple(s for s in stop if s),
+            ignore_eos=bool(self.ignore_eos or nv.ignore_eos),
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            n=self.n,
+            cache_prompt=self.cache_prompt,
+            id_slot=self.id_slot,
+        )
+
+
+ContentPart = dict[str, Any]
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    def text(self) -> str:
+        """Content flattened to text (text parts joined; other parts are rejected upstream)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self._max_new_tokens()
+        top = self.top_logprobs if self.top_logprobs is not None else (self.n_probs or 0)
+        return self._common_params(logprobs=self.logprobs or bool(self.n_probs), top_logprobs=top, max_tokens=max_tokens)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (a string or a token-id list each)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self) -> SamplingParams:
+        n_lp = self.logprobs if self.logprobs is not None else (self.n_probs or 0)
+        use_lp = self.logprobs is not None or bool(self.n_probs)
+        # Like llama-server (not OpenAI's 16): no max_tokens means until EOS or the context is full.
+        return self._common_params(logprobs=use_lp, top_logprobs=n_lp, max_tokens=self._max_new_tokens())
+
+
+class TokenizeRequest(OpenAIBaseModel):
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+    model: str | None = None
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    tokens: list[int]
+    model: str | None = None
+
+
+class ApplyTemplateRequest(OpenAIBaseModel):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    model: str | None = None
+
+
+# --------------------------------------------------------------------------- responses
+
+FinishReason = Literal["stop", "length", "tool_calls", "content_filter"]
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class Timings(OpenAIBaseModel):
+    """llama-server's `timings` object."""
+
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    prompt_per_token_ms: float = 0.0
+    prompt_per_second: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    predicted_per_token_ms: float = 0.0
+    predicted_per_second: float = 0.0
+
+
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(OpenAIBaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ResponseMessage(OpenAIBaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChoice(OpenAIBaseModel):
+    index: int
+    message: ResponseMessage
+    finish_reason: FinishReason | None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    timings: Timings | None = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning_content: str | None = None
+
+
+class ChatChunkChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    finish_reason: FinishReason | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    timings: Timings | None = None
+
+
+class CompletionLogprobs(OpenAIBaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    timings: Timings | None = None
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=now)
+    owned_by: str = "omni-router"
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
