@@ -39,6 +39,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -51,7 +52,16 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make `bench.common` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, Server, ServerStartError, free_port, median, percentile
+from bench.common import (
+    ROOT,
+    Server,
+    ServerStartError,
+    free_port,
+    median,
+    percentile,
+    self_cpu_seconds,
+    system_busy_seconds,
+)
 
 DEFAULT_MODEL = ROOT / "models" / "small-llama-f16.gguf"
 TARGET_KINDS = ("ours", "llama-server")
@@ -170,7 +180,11 @@ class Burst:
     num_tokens: int
     num_chunks: int
     errors: list[str]
-    idle_cpu_of_others: dict[str, float]  # other target -> CPU fraction used while idle
+    idle_cpu_of_others: dict[str, float]  # other target -> CPUs it used while idle
+    cpu_target: float = math.nan  # CPUs used during the burst by the target's processes
+    cpu_client: float = math.nan  # ... by this benchmark process
+    cpu_foreign: float = math.nan  # ... by everything else on the machine (noise)
+    foreign_before: float = math.nan  # foreign load measured just before the burst
 
 
 async def run_burst(client: httpx.AsyncClient, model_name: str, prompts: list[list[int]],
@@ -211,7 +225,7 @@ def llama_server_has_flag(binary: Path, flag: str) -> bool:
         out = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return False
-    return flag in out.stdout + out.stderr
+    return re.search(re.escape(flag) + r"(?![\w-])", out.stdout + out.stderr) is not None
 
 
 def build_targets(args: argparse.Namespace, log_dir: Path) -> tuple[list[Server], list[str]]:
@@ -263,6 +277,36 @@ def build_targets(args: argparse.Namespace, log_dir: Path) -> tuple[list[Server]
     return servers, notes
 
 
+async def wait_quiet(below: float, max_wait: float, window: float = 0.5) -> float:
+    """Wait until the machine's busy CPUs (our servers idle, so: other people's work) drop to
+    `below`, at most `max_wait` seconds; return the last measured load (CPUs)."""
+    deadline = time.monotonic() + max_wait
+    while True:
+        a = system_busy_seconds()
+        await asyncio.sleep(window)
+        load = (system_busy_seconds() - a) / window
+        if load <= below or time.monotonic() >= deadline:
+            return load
+
+
+async def measured_burst(target: Server, servers: list[Server], client: httpx.AsyncClient, model_name: str,
+                         prompts: list[list[int]], max_tokens: int, conc: int, round_idx: int) -> Burst:
+    """One burst, with the CPU time spent meanwhile by the target, us, idle targets and the rest."""
+    others = [o for o in servers if o is not target]
+    others0 = {o.name: o.cpu_seconds() for o in others}
+    sys0, tgt0, self0, t0 = system_busy_seconds(), target.cpu_seconds(), self_cpu_seconds(), time.perf_counter()
+    wall, results = await run_burst(client, model_name, prompts, max_tokens)
+    elapsed = time.perf_counter() - t0
+    d_sys, d_tgt = system_busy_seconds() - sys0, target.cpu_seconds() - tgt0
+    d_self = self_cpu_seconds() - self0
+    idle = {o.name: (o.cpu_seconds() - others0[o.name]) / elapsed for o in others}
+    b = summarize_burst(target.name, conc, round_idx, wall, results, idle)
+    b.cpu_target, b.cpu_client = d_tgt / elapsed, d_self / elapsed
+    # An external target's CPU is unknown: it counts as foreign.
+    b.cpu_foreign = max(0.0, (d_sys - d_tgt - d_self) / elapsed - sum(idle.values()))
+    return b
+
+
 async def model_name_of(client: httpx.AsyncClient) -> str:
     r = await client.get("/v1/models")
     r.raise_for_status()
@@ -294,15 +338,15 @@ async def run(args: argparse.Namespace, servers: list[Server], vocab: list[int])
             for conc in args.concurrency:
                 prompts = [make_prompt(vocab, round_idx, conc, i, lo, hi) for i in range(conc)]
                 for s in order:
-                    others = [o for o in servers if o is not s]
-                    cpu_before = {o.name: o.cpu_seconds() for o in others}
-                    wall, results = await run_burst(clients[s.name], model_names[s.name], prompts, args.max_tokens)
-                    idle_cpu = {o.name: (o.cpu_seconds() - cpu_before[o.name]) / wall for o in others}
-                    b = summarize_burst(s.name, conc, round_idx, wall, results, idle_cpu)
+                    foreign_before = await wait_quiet(args.quiet_below, args.quiet_wait)
+                    b = await measured_burst(s, servers, clients[s.name], model_names[s.name], prompts,
+                                             args.max_tokens, conc, round_idx)
+                    b.foreign_before = foreign_before
                     bursts.append(b)
                     log(f"round {round_idx + 1}/{args.rounds} N={conc:<2} {s.name:<14} {b.tok_s:7.1f} tok/s  "
                         f"TTFT p50 {b.ttft_p50_ms:7.1f} p99 {b.ttft_p99_ms:7.1f} ms  "
-                        f"ITL p50 {b.itl_p50_ms:6.1f} p99 {b.itl_p99_ms:6.1f} ms"
+                        f"ITL p50 {b.itl_p50_ms:6.1f} p99 {b.itl_p99_ms:6.1f} ms  "
+                        f"CPUs: target {b.cpu_target:.2f} client {b.cpu_client:.2f} foreign {b.cpu_foreign:.2f}"
                         + (f"  ERRORS: {len(b.errors)} ({b.errors[0]})" if b.errors else ""))
         return bursts
     finally:
@@ -325,6 +369,8 @@ def summarize(bursts: list[Burst], servers: list[Server], concurrency: list[int]
                 "itl_p50_ms": median([b.itl_p50_ms for b in mine]),
                 "itl_p99_ms": median([b.itl_p99_ms for b in mine]),
                 "num_errors": sum(len(b.errors) for b in mine),
+                "cpu_target": median([b.cpu_target for b in mine]),
+                "cpu_foreign": median([b.cpu_foreign for b in mine]),
                 "idle_cpu_of_others_max": max((max(b.idle_cpu_of_others.values(), default=0.0) for b in mine),
                                               default=0.0),
             }
@@ -335,28 +381,39 @@ def fmt(x: float, spec: str = "7.1f") -> str:
     return format(x, spec) if not math.isnan(x) else "   n/a"
 
 
-def print_report(table: dict[str, Any], servers: list[Server], concurrency: list[int],
+def paired_ratio(bursts: list[Burst], a: str, b: str, conc: int) -> float:
+    """Median over rounds of tok/s(a) / tok/s(b) within the same round: both ran back to back,
+    so a noisy minute hits both sides of a pair."""
+    by_round = {(x.target, x.round): x.tok_s for x in bursts if x.concurrency == conc}
+    rounds = sorted({x.round for x in bursts})
+    return median([by_round[a, r] / by_round[b, r] for r in rounds if (a, r) in by_round and (b, r) in by_round])
+
+
+def print_report(table: dict[str, Any], bursts: list[Burst], servers: list[Server], concurrency: list[int],
                  header: list[str]) -> None:
     print()
     for line in header:
         print(line)
     print()
-    print(f"{'N':>3}  {'target':<18} {'tok/s':>7} {'[min - max]':>17}  {'TTFT p50':>8} {'TTFT p99':>8}  "
-          f"{'ITL p50':>7} {'ITL p99':>7}  (ms; medians over rounds)")
+    print(f"{'N':>3}  {'target':<14} {'tok/s':>7} {'[min - max]':>17}  {'TTFT p50':>8} {'TTFT p99':>8}  "
+          f"{'ITL p50':>7} {'ITL p99':>7}  {'CPUs':>4} {'noise':>5}")
     a, b = (servers[0].name, servers[1].name) if len(servers) >= 2 else (servers[0].name, None)
     for conc in concurrency:
         for s in servers:
             r = table[s.name][conc]
             err = f"  {r['num_errors']} errors" if r["num_errors"] else ""
-            print(f"{conc:>3}  {s.name:<18} {fmt(r['tok_s'])} [{fmt(r['tok_s_min'])} - {fmt(r['tok_s_max'])}]  "
+            print(f"{conc:>3}  {s.name:<14} {fmt(r['tok_s'])} [{fmt(r['tok_s_min'])} - {fmt(r['tok_s_max'])}]  "
                   f"{fmt(r['ttft_p50_ms'], '8.1f')} {fmt(r['ttft_p99_ms'], '8.1f')}  "
-                  f"{fmt(r['itl_p50_ms'])} {fmt(r['itl_p99_ms'])}{err}")
+                  f"{fmt(r['itl_p50_ms'])} {fmt(r['itl_p99_ms'])}  {fmt(r['cpu_target'], '4.2f')} "
+                  f"{fmt(r['cpu_foreign'], '5.2f')}{err}")
         if b is not None:
             ra, rb = table[a][conc], table[b][conc]
             ratio = ra["tok_s"] / rb["tok_s"]
+            paired = paired_ratio(bursts, a, b, conc)
             mark = "ok" if ratio >= TARGET_RATIO else f"BELOW {TARGET_RATIO}x"
-            print(f"{'':>3}  {a + '/' + b:<18} {ratio:6.2f}x tok/s ({mark});  TTFT p99 "
-                  f"{ra['ttft_p99_ms'] / rb['ttft_p99_ms']:.2f}x, ITL p50 {ra['itl_p50_ms'] / rb['itl_p50_ms']:.2f}x")
+            print(f"{'':>3}  {a}/{b}: tok/s {ratio:.2f}x ({mark}; paired per round {paired:.2f}x), "
+                  f"TTFT p50 {ra['ttft_p50_ms'] / rb['ttft_p50_ms']:.2f}x p99 {ra['ttft_p99_ms'] / rb['ttft_p99_ms']:.2f}x, "
+                  f"ITL p50 {ra['itl_p50_ms'] / rb['itl_p50_ms']:.2f}x p99 {ra['itl_p99_ms'] / rb['itl_p99_ms']:.2f}x")
         print()
     if 1 in concurrency and 8 in concurrency:
         parts = []
@@ -364,10 +421,13 @@ def print_report(table: dict[str, Any], servers: list[Server], concurrency: list
             scale = table[s.name][8]["tok_s"] / table[s.name][1]["tok_s"]
             parts.append(f"{s.name} {scale:.2f}x" + ("" if scale >= TARGET_SCALING else f" (BELOW {TARGET_SCALING}x)"))
         print("scaling tok/s at N=8 vs N=1: " + ", ".join(parts))
+    print("tok/s: generated tokens / burst wall time; TTFT, ITL in ms; each a median over rounds of the "
+          "burst's value.\nCPUs: used by the target during its bursts; noise: CPUs used meanwhile by other "
+          "processes on the machine (medians).")
     for s in servers:
         idle = max(table[s.name][c]["idle_cpu_of_others_max"] for c in concurrency)
         if idle > 0.05:
-            print(f"WARNING: while {s.name} ran, another (idle) target used up to {idle:.0%} of a CPU")
+            print(f"WARNING: while {s.name} ran, another (idle) target used up to {idle:.2f} CPUs")
 
 
 def log(msg: str) -> None:
@@ -395,6 +455,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    metavar="MIN-MAX")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for our worker")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for llama-server")
+    p.add_argument("--quiet-below", type=float, default=0.3, metavar="CPUS",
+                   help="before each burst wait until other processes use at most this many CPUs ...")
+    p.add_argument("--quiet-wait", type=float, default=10.0, metavar="SECONDS", help="... but at most this long")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--json", type=Path, default=None, help="write config, every burst and the summary here")
@@ -419,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(ignore_eos, temperature 0) | prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens",
         *notes,
         f"logs: {log_dir}",
+        "load average at start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" ({os.cpu_count()} CPUs)",
     ]
     try:
         for s in servers:
@@ -434,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.stop()
     table = summarize(bursts, servers, args.concurrency)
-    print_report(table, servers, args.concurrency, header)
+    print_report(table, bursts, servers, args.concurrency, header)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({

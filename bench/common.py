@@ -49,6 +49,23 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(clean) if clean else math.nan
 
 
+def system_busy_seconds() -> float:
+    """CPU-seconds all CPUs of the machine have spent busy since boot (from /proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return math.nan
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    guest = sum(fields[8:10])  # already counted in user/nice
+    return (sum(fields) - idle - guest) / os.sysconf("SC_CLK_TCK")
+
+
+def self_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def log_tail(path: Path, num_chars: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-num_chars:]

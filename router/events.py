@@ -7,7 +7,7 @@ subscriber that falls behind loses its oldest events rather than slowing the rou
 Event names follow llama.cpp's router: `status_change` when a model's status changes
 (`{"model": name, "status": {...}}`). `/models/sse` also sends one `model_status` event per
 model on connect (a snapshot). Request events are `request` (`{"model", "path", "status",
-"duration_ms"}`), emitted only when someone listens.
+"duration_ms"}`), built only when someone listens for them.
 """
 
 from __future__ import annotations
@@ -22,25 +22,28 @@ Event = tuple[str, dict[str, Any]]
 
 class EventBus:
     def __init__(self, queue_size: int = 1000) -> None:
-        self._subscribers: set[asyncio.Queue[Event]] = set()
+        self._subscribers: dict[asyncio.Queue[Event], frozenset[str] | None] = {}
         self._queue_size = queue_size
 
-    @property
-    def has_subscribers(self) -> bool:
-        return bool(self._subscribers)
+    def wants(self, event: str) -> bool:
+        """Whether anyone listens for `event` (lets the hot path skip building the payload)."""
+        return any(names is None or event in names for names in self._subscribers.values())
 
     def emit(self, event: str, data: dict[str, Any]) -> None:
-        for q in self._subscribers:
+        for q, names in self._subscribers.items():
+            if names is not None and event not in names:
+                continue
             if q.full():
                 with contextlib.suppress(asyncio.QueueEmpty):
                     q.get_nowait()
             q.put_nowait((event, data))
 
     @contextlib.asynccontextmanager
-    async def subscribe(self) -> AsyncIterator[asyncio.Queue[Event]]:
+    async def subscribe(self, names: frozenset[str] | None = None) -> AsyncIterator[asyncio.Queue[Event]]:
+        """A queue of (event, data) for the given event names (None: all)."""
         q: asyncio.Queue[Event] = asyncio.Queue(self._queue_size)
-        self._subscribers.add(q)
+        self._subscribers[q] = names
         try:
             yield q
         finally:
-            self._subscribers.discard(q)
+            self._subscribers.pop(q, None)

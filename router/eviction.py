@@ -1,10 +1,14 @@
 """The eviction policy: pure, no I/O, no logging (llama-swap's `EvictionFor` idea).
 
 Given the model that needs a slot and a snapshot of the models holding slots, decide:
-admit now, evict one victim first, or wait. Victim = least recently used among models that
-are READY or SLEEPING, have no request in flight and are not pinned. A model that is already
-STOPPING frees a slot soon, so while one is stopping we wait instead of evicting another.
-A LOADING model is never a victim (its waiters would be aborted).
+admit now, evict one victim first, drain one, or wait. Victim = least recently used among
+models that are READY or SLEEPING, have no request in flight and are not pinned. A model that
+is already STOPPING frees a slot soon, so while one is stopping we wait instead of evicting
+another. A LOADING model is never a victim (its waiters would be aborted).
+
+If every candidate is busy, the least recently used busy one is *drained*: it finishes what it
+has in flight but admits nothing new (new requests for it queue behind the waiting model), so
+a model under constant traffic cannot starve the queue, and no running request is aborted.
 """
 
 from __future__ import annotations
@@ -37,11 +41,16 @@ class Evict:
 
 
 @dataclass(frozen=True)
+class Drain:
+    victim: str
+
+
+@dataclass(frozen=True)
 class Wait:
     reason: str
 
 
-Decision = Admit | Evict | Wait
+Decision = Admit | Evict | Drain | Wait
 
 
 def is_evictable(o: Occupant) -> bool:
@@ -55,7 +64,9 @@ def choose_victim(occupants: Sequence[Occupant], models_max: int) -> Decision:
     if any(o.state == ModelState.STOPPING for o in occupants):
         return Wait("a model is stopping")
     candidates = [o for o in occupants if is_evictable(o)]
-    if not candidates:
-        return Wait("every loaded model is busy, loading or pinned")
-    victim = min(candidates, key=lambda o: (o.last_used, o.name))
-    return Evict(victim.name)
+    if candidates:
+        return Evict(min(candidates, key=lambda o: (o.last_used, o.name)).name)
+    busy = [o for o in occupants if o.state in (ModelState.READY, ModelState.SLEEPING) and not o.is_pinned]
+    if busy:
+        return Drain(min(busy, key=lambda o: (o.last_used, o.name)).name)
+    return Wait("every loaded model is loading or pinned")

@@ -50,7 +50,7 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
     if preset.backend == "cmd":
         assert preset.cmd is not None
         text = preset.cmd.replace("${PORT}", str(port)).replace("${HOST}", host)
-        text = text.replace("${MODEL}", str(preset.model or ""))
+        text = text.replace("${MODEL}", str(preset.model or "")).replace("${PARENT_PID}", str(parent_pid))
         return shlex.split(text)
     argv = [sys.executable, "-m", "worker.cli", "--model", str(preset.model), "--alias", preset.name,
             "--host", host, "--port", str(port), "--parent-pid", str(parent_pid)]
@@ -86,7 +86,7 @@ class WorkerProcess:
         self._reader = asyncio.create_task(self._read_log())
 
     @classmethod
-    async def spawn(cls, argv: list[str], name: str, cwd: str | None = None) -> WorkerProcess:
+    async def spawn(cls, argv: list[str], name: str, env: dict[str, str] | None = None) -> WorkerProcess:
         parent = os.getpid()
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -95,7 +95,7 @@ class WorkerProcess:
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=lambda: _die_with_parent(parent),
-            cwd=cwd,
+            env=env,
         )
         log.info("model %s: spawned pid %d: %s", name, proc.pid, shlex.join(argv))
         return cls(proc, name)
@@ -162,9 +162,13 @@ async def wait_ready(
     on_progress: Callable[[dict[str, Any]], None],
     interval: float = 0.02,
 ) -> None:
-    """Poll `GET /health` until 200 (not sleeping); raise LoadError on exit, 500, or timeout."""
+    """Poll `GET /health` until 200 (not sleeping); raise LoadError on exit, 500, or timeout.
+
+    Fast polls first (small models are ready in about a second), slower ones for long loads.
+    """
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    start = loop.time()
+    deadline = start + timeout
     while True:
         if proc.returncode is not None:
             raise LoadError(f"exited with code {proc.returncode} while loading")
@@ -183,6 +187,7 @@ async def wait_ready(
                 raise LoadError(f"/health answered {r.status_code}: {r.text[:300]}")
         except (httpx.TransportError, ValueError):
             pass  # not listening yet, or a partial body
-        if loop.time() > deadline:
+        now = loop.time()
+        if now > deadline:
             raise LoadError(f"not ready after {timeout:g}s")
-        await asyncio.sleep(interval)
+        await asyncio.sleep(interval if now - start < 5.0 else 10 * interval)

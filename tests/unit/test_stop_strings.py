@@ -148,7 +148,10 @@ def test_randomized_against_reference() -> None:
 
 def longest_stop_prefix_suffix(text: str, stops: list[str]) -> int:
     """Brute force: length of the longest suffix of `text` that is a proper prefix of a stop."""
-    return max((k for k in range(1, len(text) + 1) for s in stops if len(s) > k and s.startswith(text[-k:])), default=0)
+    return max(
+        (k for k in range(1, len(text) + 1) for s in stops if len(s) > k and s.startswith(text[-k:])),
+        default=0,
+    )
 
 
 def test_emits_as_early_as_possible_and_never_retracts() -> None:

@@ -1,0 +1,77 @@
+"""Backend selection. Imports are lazy: the GGUF path never imports torch (fast start)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from worker.backends.base import Backend
+
+BackendKind = Literal["auto", "llama_cpp", "torch"]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    n_ctx: int = 4096
+    n_seq_max: int = 4
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    n_gpu_layers: int | None = None  # None: all layers when the build can offload
+    threads: int | None = None
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    flash_attn: str = "auto"
+    device: str | None = None  # torch only
+    dtype: str | None = None  # torch only
+
+
+def resolve_kind(kind: BackendKind, model_path: str) -> Literal["llama_cpp", "torch"]:
+    """`auto`: a *.gguf file -> llama_cpp; a directory with config.json -> torch."""
+    if kind != "auto":
+        return kind
+    if os.path.isdir(model_path):
+        if os.path.isfile(os.path.join(model_path, "config.json")):
+            return "torch"
+        raise ValueError(f"{model_path}: a model directory needs a config.json (HF format)")
+    if model_path.lower().endswith(".gguf"):
+        return "llama_cpp"
+    raise ValueError(f"{model_path}: cannot tell the backend; pass --backend llama_cpp or torch")
+
+
+def load_backend(
+    kind: BackendKind,
+    model_path: str,
+    options: BackendOptions,
+    progress: Callable[[str, float], None] | None = None,
+) -> Backend:
+    resolved = resolve_kind(kind, model_path)
+    if resolved == "llama_cpp":
+        from worker.backends.llama_cpp import LlamaCppBackend
+
+        return LlamaCppBackend(
+            model_path,
+            n_ctx=options.n_ctx,
+            n_seq_max=options.n_seq_max,
+            n_batch=options.n_batch,
+            n_ubatch=options.n_ubatch,
+            n_gpu_layers=options.n_gpu_layers,
+            threads=options.threads,
+            cache_type_k=options.cache_type_k,
+            cache_type_v=options.cache_type_v,
+            flash_attn=options.flash_attn,
+            progress=progress,
+        )
+    from worker.backends.torch_backend import TorchBackend  # type: ignore[import-not-found,unused-ignore]
+
+    backend: Backend = TorchBackend(
+        model_path,
+        n_ctx=options.n_ctx,
+        n_seq_max=options.n_seq_max,
+        n_batch=options.n_batch,
+        device=options.device,
+        dtype=options.dtype,
+        progress=progress,
+    )
+    return backend

@@ -138,7 +138,7 @@ class LlamaCppBackend:
         self.n_batch = n_batch
         self._n_ubatch = min(n_ubatch, n_batch)
         self._n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers
-        self._threads = threads or os.cpu_count() or 1
+        self._threads = threads or _default_threads()
         self._type_k = KV_TYPES[cache_type_k]
         self._type_v = KV_TYPES[cache_type_v]
         self._flash_attn = FLASH_ATTN[flash_attn]
@@ -372,10 +372,19 @@ class LlamaCppBackend:
             self._vocab_model = None
 
 
+def _default_threads() -> int:
+    """Physical cores we may run on (llama-server's default): hyperthreads only add contention."""
+    import psutil
+
+    physical = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    return max(1, min(physical, len(os.sched_getaffinity(0))))
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     x -= x.max()
-    return x - np.log(np.exp(x).sum())
+    out: np.ndarray = x - np.log(np.exp(x).sum())
+    return out
 
 
 def _top(logprobs: np.ndarray, k: int) -> list[tuple[int, float]]:

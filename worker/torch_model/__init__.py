@@ -1,6 +1,8 @@
 """Our own PyTorch implementation of Llama-family HF checkpoints (no transformers at run time).
 
-config.py reads config.json, weights.py streams safetensors into the model, model.py is the
-forward pass over a flat mixed batch, kv_cache.py the unified cell pool it attends over, and
-sampler.py the vectorised sampler chain. worker/backends/torch_backend.py ties them together.
+config.py reads config.json; weights.py streams safetensors into the model; model.py is the
+forward pass over one flat mixed batch; kv_cache.py is the unified cell pool and the per-step
+attention plan; sampler.py is the vectorised sampler chain; tokenizer.py wraps `tokenizers`
+and the tokenizer/generation configs; cuda_graphs.py captures decode steps on CUDA.
+worker/backends/torch_backend.py ties them together behind the Backend Protocol.
 """

@@ -2,20 +2,31 @@
 
 Why cells and not one region per slot: the Backend contract promises a unified KV of `n_ctx`
 cells where any slot may use up to the whole context. A per-slot region would cost
-n_seq_max x n_ctx memory; fixed-size pages would need a gather per layer. Here each cell
-records the (seq_id, position) it holds; a token attends to every cell of its own sequence at
-a position <= its own, expressed as one boolean mask over cells [0, n_kv), where n_kv is one
-past the highest used cell. Cells are handed out lowest-first, so n_kv stays close to the
-number of cells in use and attention cost follows the live context, not the pool size.
+n_seq_max x n_ctx memory. Here each cell records the (seq_id, position) it holds, cells are
+handed out lowest-first, and `n_kv` is one past the highest used cell.
 
-K and V are [layers, kv_heads, n_cells + 1, head_dim]: cells slice as a strided view that
-scaled_dot_product_attention reads in place. The extra last cell is scratch space for padded
-rows of fixed-shape (CUDA graph) batches; it is never handed out and never attended by real
-tokens. Bookkeeping (cell_seq, cell_pos) is numpy on the host: allocation and seq_rm are a
-few vectorised array ops per step.
+Attention plan (`plan`), built once per step and shared by all layers: a list of
+`AttnGroup`s, each a small batch of sequences whose query rows attend over *their own* cells,
+gathered by index from the pool:
+  - all single-token entries (decoding slots) form one group: B rows, keys padded to the
+    longest of their sequences;
+  - each multi-token entry (a prompt chunk) is its own group (B = 1, Tq = chunk length).
+The mask inside a group is by position (a cell at a position <= the query's, within the
+sliding window if any). So attention work follows each sequence's own length; one masked
+pass over the whole pool would cost (all rows) x (all live cells) instead.
+
+`unified_group` is the other form: every row against cells [0, n) of the pool, with a
+(seq, position) mask and no gather; the fixed-shape CUDA-graph path uses it.
+
+K and V are [layers, kv_heads, n_cells + 1, head_dim]. The extra last cell is scratch: padding
+of gathered groups points at it (masked out), and padded rows of CUDA-graph batches write and
+read it. It is never handed out. Bookkeeping (cell_seq, cell_pos) is numpy on the host:
+allocation, seq_rm and planning are a few vectorised array ops per step.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,6 +34,38 @@ from torch import Tensor
 
 FREE = -1
 SCRATCH = -2
+_FAR = np.iinfo(np.int64).max // 2  # the position given to padding: after every query
+
+
+@dataclass(slots=True)
+class AttnGroup:
+    """Query rows `rows` (B x Tq of them, sequence-major) attend keys `cells` [B, L] under `mask`.
+
+    cells None means the pool prefix [0, mask.shape[-1]) itself (no gather, B = 1).
+    mask: bool [B, 1, group * Tq, L], query rows head-group-major (see model.attention).
+    """
+
+    rows: Tensor | slice
+    cells: Tensor | None
+    mask: Tensor
+
+
+def position_mask(cell_pos: Tensor, q_pos: Tensor, group: int, window: int | None) -> Tensor:
+    """cell_pos [B, L], q_pos [B, Tq] -> bool [B, 1, group*Tq, L]: cell position <= query position."""
+    mask = cell_pos[:, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask &= cell_pos[:, None, :] > q_pos[:, :, None] - window
+    return (mask.repeat(1, group, 1) if group > 1 else mask).unsqueeze(1)
+
+
+def build_mask(
+    cell_seq: Tensor, cell_pos: Tensor, seq_ids: Tensor, positions: Tensor, group: int, window: int | None
+) -> Tensor:
+    """Unified form: bool [1, 1, group*T, n]: token t attends cell c iff same sequence and position rule."""
+    mask = (cell_seq[None, :] == seq_ids[:, None]) & (cell_pos[None, :] <= positions[:, None])
+    if window is not None:
+        mask &= cell_pos[None, :] > positions[:, None] - window
+    return (mask.repeat(group, 1) if group > 1 else mask)[None, None]
 
 
 class KVCache:
@@ -70,13 +113,31 @@ class KVCache:
     def clear(self) -> None:
         self.seq_rm(-1, 0)
 
-    def attention_mask(
-        self, seq_ids: Tensor, positions: Tensor, n_kv: int, group: int, window: int | None
-    ) -> Tensor:
-        """Bool [group*T, n_kv]: token t may attend cell c (rows repeated per query-head group)."""
-        cs = torch.from_numpy(self.cell_seq[:n_kv]).to(self.device, non_blocking=True)
-        cp = torch.from_numpy(self.cell_pos[:n_kv]).to(self.device, non_blocking=True)
-        mask = (cs[None, :] == seq_ids[:, None]) & (cp[None, :] <= positions[:, None])
-        if window is not None:
-            mask &= cp[None, :] > positions[:, None] - window
-        return mask.repeat(group, 1) if group > 1 else mask
+    def plan(
+        self, seq_ids: np.ndarray, starts: np.ndarray, lens: np.ndarray, group: int, window: int | None
+    ) -> list[AttnGroup]:
+        """The attention groups of one batch (per entry: sequence, first position, token count)."""
+        live = self.cell_seq[: self.n_kv]
+        offsets = np.cumsum(lens) - lens
+        dev = self.device
+        groups: list[AttnGroup] = []
+        single = np.flatnonzero(lens == 1)
+        if len(single):
+            own = [np.flatnonzero(live == s) for s in seq_ids[single]]
+            width = max(len(c) for c in own)
+            cells = np.full((len(single), width), self.scratch_cell, dtype=np.int64)
+            pos = np.full((len(single), width), _FAR, dtype=np.int64)
+            for j, c in enumerate(own):
+                cells[j, : len(c)] = c
+                pos[j, : len(c)] = self.cell_pos[c]
+            rows = torch.from_numpy(offsets[single]).to(dev)
+            q_pos = torch.from_numpy(starts[single][:, None]).to(dev)
+            mask = position_mask(torch.from_numpy(pos).to(dev), q_pos, group, window)
+            groups.append(AttnGroup(rows, torch.from_numpy(cells).to(dev), mask))
+        for i in np.flatnonzero(lens > 1):
+            c = np.flatnonzero(live == seq_ids[i])
+            q_pos = torch.arange(int(starts[i]), int(starts[i] + lens[i]), device=dev)[None]
+            mask = position_mask(torch.from_numpy(self.cell_pos[c][None]).to(dev), q_pos, group, window)
+            span = slice(int(offsets[i]), int(offsets[i] + lens[i]))
+            groups.append(AttnGroup(span, torch.from_numpy(c[None]).to(dev), mask))
+        return groups

@@ -6,10 +6,11 @@ embeddings. q/k/v and gate/up projections are packed into one matrix each at loa
 (`load_weights` maps HF names onto row slices), so a layer is four matmuls.
 
 A forward pass takes every token of the batch as one row: decoding slots (one token each) and
-prompt chunks alike. Each token writes its K/V into the cache cell the KV cache gave it, then
-attends over cells [0, n_kv) through a boolean mask built from (seq_id, position) by
-`KVCache.attention_mask`; so no padding and no per-sequence Python loop. Only the rows in
-`logit_rows` go through the final norm and the LM head.
+prompt chunks alike; all matmuls run over the flat [T, hidden] batch. Each token writes its
+K/V into the cache cell the KV cache gave it, then attends through the step's attention plan
+(`KVCache.plan`: decoding rows as one batch over their own sequences' cells, each prompt chunk
+on its own), with masks built from positions. Only the rows in `logit_rows` go through the
+final norm and the LM head.
 
 Numerics mirror transformers (RMSNorm in float32, RoPE tables computed in float32 and cast to
 the model dtype) so float32 logits match `LlamaForCausalLM` to ~1e-5.
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from worker.torch_model.config import ModelConfig, RopeConfig
+from worker.torch_model.kv_cache import AttnGroup
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -63,18 +65,38 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """q [T, n_heads, d]; k, v [n_kv_heads, n_kv, d]; mask [group*T, n_kv] (rows group-major).
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: list[AttnGroup]) -> Tensor:
+    """q [T, n_heads, d]; k/v_cache [n_kv_heads, n_cells + 1, d] -> [T, n_heads * d].
 
     GQA without repeating K/V: the query heads sharing one KV head are folded into the query
-    length, so each KV head is read once.
+    length (rows head-group-major), so each KV head is read once.
     """
     t, n_heads, d = q.shape
-    n_kv_heads = k.shape[0]
+    n_kv_heads = k_cache.shape[0]
     group = n_heads // n_kv_heads
-    qg = q.view(t, n_kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, n_kv_heads, group * t, d)
-    out = F.scaled_dot_product_attention(qg, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask)
-    return out.view(n_kv_heads, group, t, d).permute(2, 0, 1, 3).reshape(t, n_heads * d)
+    if len(plan) == 1 and isinstance(plan[0].rows, slice) and plan[0].rows == slice(0, t):
+        return _attend(q, k_cache, v_cache, plan[0], group)
+    out = q.new_empty((t, n_heads * d))
+    for g in plan:
+        out[g.rows] = _attend(q[g.rows], k_cache, v_cache, g, group)
+    return out
+
+
+def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, g: AttnGroup, group: int) -> Tensor:
+    rows, n_heads, d = q.shape
+    b = g.mask.shape[0]
+    tq = rows // b
+    n_kv_heads = k_cache.shape[0]
+    qg = q.view(b, tq, n_kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, n_kv_heads, group * tq, d)
+    if g.cells is None:
+        n = g.mask.shape[-1]
+        k, v = k_cache[None, :, :n], v_cache[None, :, :n]
+    else:
+        flat = g.cells.view(-1)  # index_select is ~8x faster than advanced indexing here
+        k = k_cache.index_select(1, flat).view(n_kv_heads, *g.cells.shape, d).transpose(0, 1)
+        v = v_cache.index_select(1, flat).view(n_kv_heads, *g.cells.shape, d).transpose(0, 1)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask)
+    return out.view(b, n_kv_heads, group, tq, d).permute(0, 3, 1, 2, 4).reshape(rows, n_heads * d)
 
 
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -88,7 +110,7 @@ class Layer(nn.Module):
         super().__init__()
         h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
         self.cfg = cfg
-        self.split = (q, kv, kv)
+        self.split = [q, kv, kv]
         self.input_norm = _param((h,), dtype, device)
         self.post_norm = _param((h,), dtype, device)
         self.qkv = _param((q + 2 * kv, h), dtype, device)
@@ -101,11 +123,11 @@ class Layer(nn.Module):
         self.down = _param((h, i), dtype, device)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor, mask: Tensor, n_kv: int
+        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor, plan: list[AttnGroup]
     ) -> Tensor:
         cfg, t = self.cfg, x.shape[0]
         eps = cfg.rms_norm_eps
-        q, k, v = F.linear(rms_norm(x, self.input_norm, eps), self.qkv, self.qkv_bias).split(self.split, dim=-1)
+        q, k, v = torch.split(F.linear(rms_norm(x, self.input_norm, eps), self.qkv, self.qkv_bias), self.split, dim=-1)
         q = q.view(t, cfg.num_heads, cfg.head_dim)
         k = k.view(t, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
@@ -115,7 +137,7 @@ class Layer(nn.Module):
         k = apply_rope(k, cos, sin)
         k_cache.index_copy_(1, cells, k.transpose(0, 1))
         v_cache.index_copy_(1, cells, v.view(t, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1))
-        o = attention(q, k_cache[:, :n_kv], v_cache[:, :n_kv], mask)
+        o = attention(q, k_cache, v_cache, plan)
         x = x + F.linear(o, self.o, self.o_bias)
         gate, up = F.linear(rms_norm(x, self.post_norm, eps), self.gate_up).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.down)
@@ -168,18 +190,17 @@ class Model(nn.Module):
         tokens: Tensor,
         positions: Tensor,
         cells: Tensor,
-        mask: Tensor,
-        n_kv: int,
+        plan: list[AttnGroup],
         logit_rows: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
     ) -> Tensor:
-        """tokens, positions, cells: [T]; mask: [group*T, n_kv] bool; returns float32 logits of logit_rows."""
+        """tokens, positions, cells: [T]; plan: see kv_cache; returns float32 logits of logit_rows [R, V]."""
         x = F.embedding(tokens, self.embed)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, k_cache[i], v_cache[i], cells, mask, n_kv)
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], cells, plan)
         x = rms_norm(x[logit_rows], self.norm, self.cfg.rms_norm_eps)
         return F.linear(x, self.lm_head).float()
 

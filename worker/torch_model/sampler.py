@@ -1,6 +1,6 @@
 """Vectorised sampling over a batch of logits rows, in llama.cpp's sampler-chain order.
 
-Per row: mask (False = forbidden) -> logit_bias -> penalties (repeat / presence / frequency
+Per row: mask (False = forbidden) -> logit_bias (+ EOG bans for ignore_eos) -> penalties (repeat / presence / frequency
 over the last `repeat_last_n` accepted tokens) -> greedy argmax when temperature <= 0, else
 top_k -> top_p -> min_p -> temperature -> draw. Each stage is one tensor op over all rows; the
 only per-row Python work is gathering sparse bias/penalty entries and drawing one uniform per
@@ -31,17 +31,22 @@ class SamplerState:
     params: SamplingParams
     generator: torch.Generator
     history: deque[int] = field(default_factory=deque)
+    bias: dict[int, float] = field(default_factory=dict)  # logit_bias plus EOG bans (ignore_eos)
 
     def accept(self, tokens: Iterable[int]) -> None:
         if self.params.has_penalties:
             self.history.extend(tokens)
 
 
-def new_state(params: SamplingParams, seed: int, n_ctx: int) -> SamplerState:
+def new_state(params: SamplingParams, seed: int, n_ctx: int, eog: Iterable[int] = ()) -> SamplerState:
+    """`eog`: end-of-generation tokens, banned when params.ignore_eos (as the llama.cpp path does)."""
     window = n_ctx if params.repeat_last_n < 0 else params.repeat_last_n
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-    return SamplerState(params=params, generator=gen, history=deque(maxlen=max(window, 1)))
+    bias = dict(params.logit_bias)
+    if params.ignore_eos:
+        bias.update({t: float("-inf") for t in eog})
+    return SamplerState(params=params, generator=gen, history=deque(maxlen=max(window, 1)), bias=bias)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +69,13 @@ def _apply_masks(x: Tensor, masks: Sequence[np.ndarray | None]) -> None:
     x[sel] = x[sel].masked_fill(~torch.from_numpy(allowed).to(x.device), float("-inf"))
 
 
-def _apply_bias(x: Tensor, params: Sequence[SamplingParams]) -> None:
+def _apply_bias(x: Tensor, states: Sequence[SamplerState]) -> None:
     rows: list[int] = []
     toks: list[int] = []
     vals: list[float] = []
     n_vocab = x.shape[1]
-    for i, p in enumerate(params):
-        for tok, bias in p.logit_bias.items():
+    for i, s in enumerate(states):
+        for tok, bias in s.bias.items():
             if 0 <= tok < n_vocab:
                 rows.append(i)
                 toks.append(tok)
@@ -110,7 +115,7 @@ def _apply_penalties(x: Tensor, states: Sequence[SamplerState], params: Sequence
 
 def _draw(x: Tensor, states: Sequence[SamplerState], params: Sequence[SamplingParams]) -> Tensor:
     """top_k -> top_p -> min_p -> temperature -> one draw per row; returns token ids [S]."""
-    n_rows, n_vocab = x.shape
+    n_vocab = x.shape[1]
     dev = x.device
     top_k = [p.top_k if 0 < p.top_k < n_vocab else n_vocab for p in params]
     k_max = max(top_k)
@@ -151,7 +156,7 @@ def sample_rows(
         return []
     x = logits.clone()
     _apply_masks(x, masks)
-    _apply_bias(x, params)
+    _apply_bias(x, states)
     _apply_penalties(x, states, params)
 
     tokens = x.argmax(dim=-1)

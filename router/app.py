@@ -1,0 +1,374 @@
+"""The router's HTTP surface: a thin raw-ASGI front (auth, CORS, the proxied routes) over a
+Starlette app for the router's own routes (/v1/models, /models/load|unload|sse, /props, /health).
+
+The proxied POST routes skip Starlette entirely (hot path): read the body, pick the model
+from its `model` field with one `json.loads`, admit the request (`ensure_ready`), forward.
+API keys are compared in constant time (`hmac.compare_digest`) against every configured key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import parse_qs
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Message, Receive, Scope, Send
+
+from router.events import EventBus
+from router.model import ModelHandle
+from router.pool import Pool
+from router.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
+from router.state import ModelState
+from worker.wire import APIError, api_error_handler, http_exception_handler, not_found
+
+log = logging.getLogger("omni.router.app")
+
+# client path -> worker path, for POST routes routed by the body's `model` field
+PROXY_POST: dict[str, str] = {
+    "/v1/chat/completions": "/v1/chat/completions",
+    "/chat/completions": "/v1/chat/completions",
+    "/v1/completions": "/v1/completions",
+    "/completions": "/v1/completions",
+    "/v1/embeddings": "/v1/embeddings",
+    "/embeddings": "/v1/embeddings",
+    "/tokenize": "/tokenize",
+    "/detokenize": "/detokenize",
+    "/apply-template": "/apply-template",
+    "/infill": "/infill",
+}
+# GET routes proxied when `?model=` is given (without it, /props is the router's own)
+PROXY_GET: dict[str, str] = {"/props": "/props", "/slots": "/slots", "/metrics": "/metrics"}
+PUBLIC_PATHS = frozenset({"/health", "/", "/index.html", "/favicon.ico"})
+PUBLIC_PREFIXES = ("/static/", "/webui/", "/assets/")
+SSE_KEEPALIVE_S = 15.0
+
+
+def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    for k, v in headers:
+        if k == name:
+            return v
+    return None
+
+
+class RouterApp:
+    """The ASGI application served by `omni-router`."""
+
+    def __init__(self, pool: Pool, *, api_keys: list[str] | None = None, cors_origins: list[str] | None = None) -> None:
+        self.pool = pool
+        self.events: EventBus = pool.events
+        self.api_keys = [k.encode() for k in (api_keys or [])]
+        self.cors_origins = set(cors_origins or [])
+        self._background: set[asyncio.Task[None]] = set()
+        self.admin = Starlette(
+            routes=[
+                Route("/health", self.health),
+                Route("/v1/models", self.list_models),
+                Route("/models", self.list_models),
+                Route("/v1/models/{model_id:path}", self.get_model),
+                Route("/models/load", self.load_model, methods=["POST"]),
+                Route("/models/unload", self.unload_model, methods=["POST"]),
+                Route("/models/sleep", self.sleep_model, methods=["POST"]),
+                Route("/models/sse", self.models_sse),
+                Route("/props", self.props),
+            ],
+            exception_handlers={APIError: api_error_handler, HTTPException: http_exception_handler,
+                                500: api_error_handler},
+            lifespan=self._lifespan,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        await self.pool.start()
+        try:
+            yield
+        finally:
+            await self.pool.close()
+
+    # ------------------------------------------------------------------ raw ASGI front
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.admin(scope, receive, send)
+            return
+        method: str = scope["method"]
+        path: str = scope["path"]
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        cors = self._cors_headers(headers) if self.cors_origins else None
+        if method == "OPTIONS":
+            await self._preflight(headers, cors, send)
+            return
+        if self.api_keys and not self._is_public(path) and not self._authorized(headers):
+            await self._send_error(send, APIError("Invalid API Key", status_code=401, type="authentication_error",
+                                                  code=401), cors)
+            return
+        if method == "POST" and path in PROXY_POST:
+            await self._proxy_body(scope, receive, send, PROXY_POST[path], cors)
+            return
+        if method == "GET" and path in PROXY_GET and b"model=" in scope.get("query_string", b""):
+            await self._proxy_get(scope, receive, send, PROXY_GET[path], cors)
+            return
+        if cors:
+            send = self._with_headers(send, cors)
+        await self.admin(scope, receive, send)
+
+    def _is_public(self, path: str) -> bool:
+        return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        token = b""
+        auth = _header(headers, b"authorization")
+        if auth is not None and auth[:7].lower() == b"bearer ":
+            token = auth[7:].strip()
+        else:
+            token = (_header(headers, b"x-api-key") or b"").strip()
+        ok = False
+        for key in self.api_keys:  # no early exit: time does not depend on which key matched
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+    def _cors_headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]] | None:
+        origin = _header(headers, b"origin")
+        if origin is None:
+            return None
+        if "*" in self.cors_origins:
+            return [(b"access-control-allow-origin", b"*")]
+        if origin.decode("latin-1") in self.cors_origins:
+            return [(b"access-control-allow-origin", origin), (b"vary", b"Origin")]
+        return None
+
+    async def _preflight(self, headers: list[tuple[bytes, bytes]], cors: list[tuple[bytes, bytes]] | None,
+                         send: Send) -> None:
+        out: list[tuple[bytes, bytes]] = [(b"content-length", b"0")]
+        if cors:
+            req_headers = _header(headers, b"access-control-request-headers")
+            out += [*cors, (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+                    (b"access-control-allow-headers", req_headers or b"authorization, content-type, x-api-key"),
+                    (b"access-control-max-age", b"600")]
+        await send({"type": "http.response.start", "status": 204, "headers": out})
+        await send({"type": "http.response.body", "body": b""})
+
+    @staticmethod
+    def _with_headers(send: Send, extra: list[tuple[bytes, bytes]]) -> Send:
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        return wrapped
+
+    @staticmethod
+    async def _send_error(send: Send, exc: APIError, cors: list[tuple[bytes, bytes]] | None = None) -> None:
+        extra = [(k.lower().encode(), v.encode()) for k, v in (exc.headers or {}).items()]
+        start, body = json_response_messages(exc.status_code, exc.body(), [*extra, *(cors or [])])
+        await send(start)
+        await send(body)
+
+    # ------------------------------------------------------------------ the proxied routes
+
+    async def _proxy_body(self, scope: Scope, receive: Receive, send: Send, upstream_path: str,
+                          cors: list[tuple[bytes, bytes]] | None) -> None:
+        body = await _read_body(receive)
+        try:
+            name = self._model_from_body(body, scope.get("query_string", b""))
+            handle = self._lookup(name, scope)
+        except APIError as e:
+            await self._send_error(send, e, cors)
+            return
+        await self._run_proxied(scope, receive, send, handle, "POST", upstream_path, body, cors)
+
+    async def _proxy_get(self, scope: Scope, receive: Receive, send: Send, upstream_path: str,
+                         cors: list[tuple[bytes, bytes]] | None) -> None:
+        query = parse_qs(scope["query_string"].decode("latin-1"))
+        try:
+            handle = self._lookup(query["model"][0], scope)
+        except APIError as e:
+            await self._send_error(send, e, cors)
+            return
+        await self._run_proxied(scope, receive, send, handle, "GET", upstream_path, b"", cors)
+
+    def _model_from_body(self, body: bytes, query: bytes = b"") -> str:
+        try:
+            data = json.loads(body)
+        except ValueError as e:
+            raise APIError(f"Invalid JSON body: {e}") from None
+        if not isinstance(data, dict):
+            raise APIError("Request body must be a JSON object")
+        name = data.get("model")
+        if name is None and query:
+            name = parse_qs(query.decode("latin-1")).get("model", [None])[0]
+        if name is None and len(self.pool.handles) == 1:
+            return next(iter(self.pool.handles))
+        if not isinstance(name, str) or not name:
+            raise APIError("'model' is required (a name from GET /v1/models)", param="model")
+        return name
+
+    def _lookup(self, name: str, scope: Scope) -> ModelHandle:
+        handle = self.pool.get(name)
+        if handle is None:
+            raise not_found(f"model {name!r} not found (see GET /v1/models)")
+        if handle.state in (ModelState.READY, ModelState.SLEEPING, ModelState.LOADING):
+            return handle
+        if not self.pool.config.autoload or not _query_autoload(scope.get("query_string", b"")):
+            raise APIError(f"model {name!r} is not loaded (autoload is off; POST /models/load first)",
+                           param="model", code="model_not_loaded")
+        return handle
+
+    async def _run_proxied(self, scope: Scope, receive: Receive, send: Send, handle: ModelHandle, method: str,
+                           upstream_path: str, body: bytes, cors: list[tuple[bytes, bytes]] | None) -> None:
+        """Admit, forward, release; a client disconnect cancels whatever we are waiting on."""
+        task = asyncio.current_task()
+        assert task is not None
+        done = False
+
+        async def cancel_on_disconnect() -> None:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    if not done:
+                        task.cancel()
+                    return
+
+        watcher = asyncio.create_task(cancel_on_disconnect())
+        t0 = time.perf_counter()
+        status = 0
+        qs = scope.get("query_string", b"")
+        target = upstream_path + ("?" + qs.decode("latin-1") if qs and method == "GET" else "")
+        try:
+            base = await handle.ensure_ready()
+            try:
+                status = await self._forward_with_retry(send, handle, method, base, target, scope, body, cors)
+            finally:
+                handle.release()
+        except APIError as e:
+            status = e.status_code
+            await self._send_error(send, e, cors)
+        except Exception as e:  # a bug: answer with the envelope if nothing was sent yet
+            log.exception("proxying to model %s failed", handle.name)
+            with contextlib.suppress(Exception):
+                await self._send_error(send, APIError(f"internal error: {e!r}", status_code=500, type="server_error"))
+        except asyncio.CancelledError:
+            if watcher.done() and task.uncancel() == 0:
+                return  # the client left; nothing to answer
+            raise
+        finally:
+            done = True
+            watcher.cancel()
+            if self.events.wants("request"):
+                self.events.emit("request", {"model": handle.name, "path": scope["path"], "status": status,
+                                             "duration_ms": round((time.perf_counter() - t0) * 1000, 3)})
+
+    async def _forward_with_retry(self, send: Send, handle: ModelHandle, method: str, base: str, target: str,
+                                  scope: Scope, body: bytes, cors: list[tuple[bytes, bytes]] | None) -> int:
+        headers = request_headers(scope["headers"])
+        for attempt in (1, 2):
+            try:
+                return await forward(self.pool.upstream, self.pool.client, send, method, base, target, headers,
+                                     body, model=handle.name, cors=cors)
+            except UpstreamUnavailable as e:
+                # A keep-alive connection the worker closed just as we reused it: retry once.
+                if attempt == 2 or not e.retryable:
+                    raise APIError(str(e), status_code=503, type="unavailable_error", code=503,
+                                   headers={"Retry-After": "1"}) from None
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ the router's own routes
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": self.pool.models()})
+
+    async def get_model(self, request: Request) -> Response:
+        name = request.path_params["model_id"]
+        handle = self.pool.get(name)
+        if handle is None:
+            raise not_found(f"model {name!r} not found")
+        return JSONResponse(handle.card())
+
+    async def _handle_from_body(self, request: Request) -> ModelHandle:
+        body = await request.body()
+        name = self._model_from_body(body)
+        handle = self.pool.get(name)
+        if handle is None:
+            raise not_found(f"model {name!r} not found")
+        return handle
+
+    async def load_model(self, request: Request) -> Response:
+        handle = await self._handle_from_body(request)
+        task = asyncio.create_task(self.pool.load(handle))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return JSONResponse({"success": True})
+
+    async def unload_model(self, request: Request) -> Response:
+        handle = await self._handle_from_body(request)
+        if not await handle.unload():
+            raise APIError(f"model {handle.name!r} is not loaded", param="model", code="model_not_loaded")
+        return JSONResponse({"success": True})
+
+    async def sleep_model(self, request: Request) -> Response:
+        handle = await self._handle_from_body(request)
+        if not await handle.sleep():
+            raise APIError(f"model {handle.name!r} is not loaded and idle", param="model", code="model_not_loaded")
+        return JSONResponse({"success": True})
+
+    async def models_sse(self, request: Request) -> Response:
+        async def stream() -> AsyncIterator[bytes]:
+            async with self.events.subscribe(frozenset({"status_change"})) as queue:
+                for h in self.pool.handles.values():
+                    yield _sse("model_status", {"model": h.name, "status": h.status()})
+                while True:
+                    try:
+                        event, data = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_S)
+                    except TimeoutError:
+                        yield b": keep-alive\n\n"
+                        continue
+                    yield _sse(event, data)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def props(self, request: Request) -> Response:
+        return JSONResponse({
+            "role": "router",
+            "build_info": "omni-router",
+            "models": [h.card() for h in self.pool.handles.values()],
+            "models_max": self.pool.config.models_max,
+            "models_autoload": self.pool.config.autoload,
+        })
+
+
+def _query_autoload(query: bytes) -> bool:
+    """`?autoload=false` (or 0/no/off) turns autoload off for one request."""
+    if b"autoload=" not in query:
+        return True
+    value = parse_qs(query.decode("latin-1")).get("autoload", ["true"])[0].lower()
+    return value not in ("false", "0", "no", "off")
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)

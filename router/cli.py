@@ -1,0 +1,97 @@
+"""`omni-router --preset FILE ...`: parse arguments and presets, then serve with uvicorn.
+
+Bad arguments or a bad preset: one line on stderr (`omni-router: error: ...`) and exit 2.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer._click.exceptions import ClickException  # typer vendors its own click
+
+from router.presets import ModelPreset, PresetError, check_unique, load_presets, merge, scan_models_dir
+
+cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+def build_presets(preset: list[Path], models_dir: Path | None, overrides: dict[str, Any]) -> list[ModelPreset]:
+    presets: list[ModelPreset] = []
+    for path in preset:
+        presets.extend(load_presets(path, overrides))
+    check_unique(presets)
+    if models_dir is not None:
+        presets = merge(presets, scan_models_dir(models_dir, overrides))
+    if not presets:
+        raise PresetError("no models: give --preset FILE and/or --models-dir DIR")
+    return presets
+
+
+@cli.command()
+def serve(
+    preset: Annotated[list[Path], typer.Option("--preset", "--models-preset", help="INI or TOML preset file (repeatable)")] = [],  # noqa: B006
+    models_dir: Annotated[Path | None, typer.Option(help="also serve every *.gguf / HF folder in DIR")] = None,
+    host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535)] = 8080,
+    models_max: Annotated[int, typer.Option(min=0, help="models loaded at once (0 = unlimited)")] = 4,
+    models_autoload: Annotated[bool, typer.Option("--models-autoload/--no-models-autoload")] = True,
+    sleep_idle_seconds: Annotated[float, typer.Option(min=0, help="idle seconds before a worker sleeps (0 = never)")] = 0.0,
+    max_queue: Annotated[int, typer.Option(min=0, help="requests allowed to wait for a model")] = 256,
+    api_key: Annotated[list[str], typer.Option(help="required bearer key (repeatable)")] = [],  # noqa: B006
+    cors_origin: Annotated[list[str], typer.Option(help="allowed CORS origin (repeatable, * for any)")] = [],  # noqa: B006
+    ctx_size: Annotated[int | None, typer.Option("--ctx-size", "-c", help="override for every model")] = None,
+    parallel: Annotated[int | None, typer.Option("--parallel", "-np", help="override for every model")] = None,
+    n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", "-ngl", help="override for every model")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", "-t", help="override for every model")] = None,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+) -> None:
+    """One OpenAI-compatible endpoint for many models."""
+    overrides = {"ctx-size": ctx_size, "parallel": parallel, "n-gpu-layers": n_gpu_layers, "threads": threads}
+    presets = build_presets(preset, models_dir, overrides)
+    if log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise typer.BadParameter("expected one of debug, info, warning, error", param_hint="--log-level")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+    import uvicorn
+
+    from router.app import RouterApp
+    from router.pool import Pool, PoolConfig
+
+    config = PoolConfig(models_max=models_max, max_queue=max_queue, sleep_idle_seconds=sleep_idle_seconds,
+                        autoload=models_autoload)
+    app = RouterApp(Pool(presets, config), api_keys=api_key, cors_origins=cors_origin)
+    uvicorn.run(app, host=host, port=port, loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"),
+                log_level=log_level.lower(), access_log=False, timeout_keep_alive=75, lifespan="on",
+                proxy_headers=False, server_header=False, date_header=False, timeout_graceful_shutdown=3)
+
+
+def _best(preferred: str, fallback: str) -> str:
+    try:
+        __import__(preferred)
+        return preferred
+    except ImportError:
+        return fallback
+
+
+def main(argv: list[str] | None = None) -> None:
+    command = typer.main.get_command(cli)
+    try:
+        command.main(args=argv if argv is not None else sys.argv[1:], prog_name="omni-router", standalone_mode=False)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except ClickException as e:
+        print(f"omni-router: error: {e.format_message()}", file=sys.stderr)
+        sys.exit(2)
+    except PresetError as e:
+        print(f"omni-router: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Fixtures for router tests: a real `omni-router` subprocess on a preset written per test.
+
+`router_factory(preset_text, *cli_args)` writes the preset (TOML), starts the router on a
+free port and yields a `RouterProc` once /health answers; everything is stopped at teardown
+(router SIGTERM; then any worker it left behind is killed and reported as a failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.util import ROOT, free_port, stop_process, wait_until
+
+FAKE = Path(__file__).with_name("fake_worker.py")
+PY = sys.executable
+
+
+def fake_cmd(*flags: str) -> str:
+    """A `cmd` preset value that runs the fake worker with `flags`."""
+    return f"{PY} {FAKE} --port ${{PORT}} --parent-pid ${{PARENT_PID}} " + " ".join(flags)
+
+
+def fake_model(name: str, *flags: str, extra: str = "") -> str:
+    """A TOML [models.NAME] table for a fake worker."""
+    return f'[models.{name}]\nbackend = "cmd"\ncmd = "{fake_cmd("--model", name, *flags)}"\n{extra}\n'
+
+
+@dataclass
+class RouterProc:
+    proc: subprocess.Popen[bytes]
+    base: str
+    log_path: Path
+    headers: dict[str, str]  # auth for the helpers below when the router has --api-key
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.base, timeout=kw.pop("timeout", 30.0), **kw)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def models(self) -> dict[str, dict[str, Any]]:
+        data = httpx.get(f"{self.base}/v1/models", headers=self.headers, timeout=10).json()["data"]
+        return {m["id"]: m for m in data}
+
+    def status(self, name: str) -> str:
+        return str(self.models()[name]["status"]["value"])
+
+    def wait_status(self, name: str, value: str, timeout: float = 30.0) -> dict[str, Any]:
+        return wait_until(lambda: self.models()[name] if self.status(name) == value else None,
+                          timeout, what=f"model {name} to be {value}")
+
+    def workers(self) -> list[psutil.Process]:
+        """Live child processes of the router (one per running worker)."""
+        try:
+            kids = psutil.Process(self.proc.pid).children()
+        except psutil.NoSuchProcess:
+            return []
+        return [k for k in kids if k.is_running() and k.status() != psutil.STATUS_ZOMBIE]
+
+
+def chat(model: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "stream": stream, "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+def sse_events(lines: Iterator[str]) -> list[str]:
+    return [line[6:] for line in lines if line.startswith("data: ")]
+
+
+def _descendants_by_env(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get("OMNI_TEST_MARKER") == marker:
+                found.append(p)
+    return found
+
+
+@pytest.fixture
+def router_factory(tmp_path: Path) -> Iterator[Callable[..., RouterProc]]:
+    started: list[tuple[RouterProc, str]] = []
+
+    def start(preset: str, *args: str, suffix: str = ".toml", env: dict[str, str] | None = None) -> RouterProc:
+        path = tmp_path / f"preset{len(started)}{suffix}"
+        path.write_text(preset)
+        port = free_port()
+        log_path = tmp_path / f"router{len(started)}.log"
+        marker = f"{os.getpid()}-{tmp_path.name}-{len(started)}"
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMNI_TEST_MARKER": marker, **(env or {})}
+        cmd = [PY, "-m", "router.cli", "--preset", str(path), "--port", str(port), *args]
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                    start_new_session=True)
+        key = args[args.index("--api-key") + 1] if "--api-key" in args else None
+        rp = RouterProc(proc, f"http://127.0.0.1:{port}", log_path, {"Authorization": f"Bearer {key}"} if key else {})
+        started.append((rp, marker))
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"router exited with {proc.returncode}:\n{rp.log()[-3000:]}")
+            return httpx.get(f"{rp.base}/health", timeout=2).status_code == 200
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if healthy():
+                    break
+            except RuntimeError:
+                raise
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"router not healthy:\n{rp.log()[-3000:]}")
+            time.sleep(0.05)
+        return rp
+
+    yield start
+    leftovers = []
+    for rp, marker in started:
+        stop_process(rp.proc)
+        # Workers are gone within ~1 s of their router (PDEATHSIG / --parent-pid).
+        with contextlib.suppress(TimeoutError):
+            wait_until(lambda m=marker: not _descendants_by_env(m), 5, what="workers to exit")  # type: ignore[misc]
+        for p in _descendants_by_env(marker):
+            leftovers.append(p.cmdline())
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+    assert not leftovers, f"orphan workers left behind: {leftovers}"

@@ -1,0 +1,376 @@
+"""The router with fake workers (real subprocesses speaking the worker contract): lifecycle edge
+cases that need a slow start, a crash, a worker that ignores SIGTERM, or a long stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.router.conftest import FAKE, RouterProc, chat, fake_model, sse_events
+from tests.util import free_port, stop_process, wait_until
+
+Factory = Callable[..., RouterProc]
+
+
+def stream_chat(r: RouterProc, model: str, on_chunk: Callable[[int], None] | None = None) -> list[str]:
+    """Stream one chat completion; returns the SSE data payloads."""
+    out: list[str] = []
+    with r.client() as c, c.stream("POST", "/v1/chat/completions", json=chat(model, stream=True)) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+                if on_chunk:
+                    on_chunk(len(out))
+    return out
+
+
+def test_autoload_and_ten_concurrent_requests_spawn_one_worker(router_factory: Factory, tmp_path: Path) -> None:
+    spawns = tmp_path / "spawns.txt"
+    r = router_factory(fake_model("a", "--load-time", "1.0", "--spawn-log", str(spawns)) + fake_model("b"))
+    with r.client() as c:
+        resp = c.post("/v1/chat/completions?autoload=false", json=chat("a"))
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "model_not_loaded"
+        assert r.status("a") == "unloaded"
+
+        def one(_: int) -> int:
+            with r.client() as cc:
+                return cc.post("/v1/chat/completions", json=chat("a")).status_code
+
+        with ThreadPoolExecutor(10) as ex:
+            futures = [ex.submit(one, i) for i in range(10)]
+            # Load progress is visible while the ten wait.
+            seen = wait_until(lambda: r.models()["a"]["status"].get("progress", {}).get("phase") == "weights",
+                              10, 0.02, what="load progress")
+            assert seen
+            assert [f.result() for f in futures] == [200] * 10
+        assert spawns.read_text().split() and len(spawns.read_text().split()) == 1
+        assert len(r.workers()) == 1
+        card = r.wait_status("a", "loaded")
+        assert card["meta"]["fake"] is True and card["backend"] == "cmd"
+
+
+def test_no_autoload_requires_explicit_load(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a"), "--no-models-autoload")
+    with r.client() as c:
+        resp = c.post("/v1/chat/completions", json=chat("a"))
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"].startswith("model 'a' is not loaded")
+        assert c.post("/models/load", json={"model": "a"}).json() == {"success": True}
+        r.wait_status("a", "loaded")
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
+        assert c.post("/models/unload", json={"model": "a"}).json() == {"success": True}
+        assert r.status("a") == "unloaded" and r.workers() == []
+        resp = c.post("/models/unload", json={"model": "a"})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == "model_not_loaded"
+
+
+def test_models_max_1_alternating_never_aborts_a_running_stream(router_factory: Factory) -> None:
+    slow = ("--tokens", "12", "--token-delay", "0.05")
+    r = router_factory(fake_model("a", *slow) + fake_model("b", *slow), "--models-max", "1")
+    for first, second in (("a", "b"), ("b", "a"), ("a", "b")):
+        started = threading.Event()
+        result: dict[str, Any] = {}
+
+        def run_stream(model: str = first, result: dict[str, Any] = result, started: threading.Event = started) -> None:
+            result["events"] = stream_chat(r, model, on_chunk=lambda n: started.set())
+            result["done_at"] = time.monotonic()
+
+        t = threading.Thread(target=run_stream)
+        t.start()
+        assert started.wait(30)
+        with r.client() as c:
+            resp = c.post("/v1/chat/completions", json=chat(second))  # needs `first` evicted
+            answered_at = time.monotonic()
+        t.join(30)
+        assert resp.status_code == 200, resp.text
+        events = result["events"]
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events
+        assert answered_at >= result["done_at"]  # it waited for the stream instead of aborting it
+        assert r.status(second) == "loaded" and r.status(first) == "unloaded"
+
+
+def test_lru_picks_the_least_recently_used_idle_model(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a") + fake_model("b") + fake_model("c"), "--models-max", "2")
+    with r.client() as c:
+        for name in ("a", "b", "a"):
+            assert c.post("/v1/chat/completions", json=chat(name)).status_code == 200
+        assert c.post("/v1/chat/completions", json=chat("c")).status_code == 200
+    states = {name: m["status"]["value"] for name, m in r.models().items()}
+    assert states == {"a": "loaded", "b": "unloaded", "c": "loaded"}
+    assert len(r.workers()) == 2
+
+
+def hold_stream(r: RouterProc, model: str, started: threading.Event, stop: threading.Event, out: list[str]) -> None:
+    """Stream from `model` until `stop` is set, then leave (closing the connection)."""
+    with r.client() as c, c.stream("POST", "/v1/chat/completions", json=chat(model, stream=True)) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+                started.set()
+            if stop.is_set():
+                return
+
+
+def test_queue_full_is_503_and_a_client_leaving_the_queue_is_forgotten(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a", "--tokens", "2000", "--token-delay", "0.025") + fake_model("b"),
+                       "--models-max", "1", "--max-queue", "1")
+    started, stop = threading.Event(), threading.Event()
+    events: list[str] = []
+    t = threading.Thread(target=hold_stream, args=(r, "a", started, stop, events))
+    t.start()
+    assert started.wait(30)
+    with r.client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post("/v1/chat/completions", json=chat("b"))  # queued, then the client gives up
+    r.wait_status("b", "unloaded", timeout=5)  # it left the queue; b is not loaded for nobody
+
+    waiting: dict[str, int] = {}
+    t2 = threading.Thread(target=lambda: waiting.update(
+        code=r.client().post("/v1/chat/completions", json=chat("b")).status_code))
+    t2.start()
+    wait_until(lambda: r.models()["b"]["status"].get("progress", {}).get("phase") == "queued", 10)
+    with r.client() as c:
+        resp = c.post("/v1/chat/completions", json=chat("b"))
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    assert resp.json()["error"]["type"] == "unavailable_error"
+    stop.set()  # the stream's client leaves; its slot goes to the queued b
+    t.join(30)
+    t2.join(30)
+    assert waiting["code"] == 200 and not any('"error"' in e for e in events)
+
+
+def test_idle_sleep_then_transparent_wake_keeps_the_process(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a"), "--sleep-idle-seconds", "0.5")
+    with r.client() as c:
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
+        pid = r.models()["a"]["meta"]["pid"]
+        r.wait_status("a", "sleeping", timeout=10)
+        resp = c.post("/v1/chat/completions", json=chat("a"))
+        assert resp.status_code == 200 and resp.json()["pid"] == pid
+        assert r.status("a") == "loaded"
+
+
+def test_worker_killed_mid_stream_gives_an_error_event_then_recovers(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a", "--tokens", "200", "--token-delay", "0.02"))
+    with r.client() as c:
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
+    (worker,) = r.workers()
+    events = stream_chat(r, "a", on_chunk=lambda n: n == 3 and os.kill(worker.pid, signal.SIGKILL))
+    last = json.loads(events[-1])
+    assert last["error"]["type"] == "server_error" and "mid-stream" in last["error"]["message"]
+    card = r.wait_status("a", "failed")
+    assert card["status"]["failed"] is True and card["status"]["exit_code"] == -9
+    assert any("fake worker a" in line for line in card["status"]["log_tail"])
+    with r.client() as c:
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200  # respawned
+    assert r.status("a") == "loaded"
+
+
+def test_failed_load_reports_exit_code_and_backs_off(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a", "--fail-load", "--load-time", "0.3"))
+    with r.client() as c:
+        resp = c.post("/v1/chat/completions", json=chat("a"))
+        assert resp.status_code == 503
+        assert "failed to load" in resp.json()["error"]["message"]
+        card = r.models()["a"]
+        st = card["status"]
+        assert (st["value"], st["failed"], st["exit_code"]) == ("failed", True, 1)
+        assert "--fail-load" in st["args"] and any("fake worker a" in line for line in st["log_tail"])
+        resp = c.post("/v1/chat/completions", json=chat("a"))  # second crash in a row...
+        assert resp.status_code == 503
+        resp = c.post("/v1/chat/completions", json=chat("a"))  # ...so now it waits before a respawn
+        assert resp.status_code == 503 and int(resp.headers["retry-after"]) >= 1
+        assert "keeps crashing" in resp.json()["error"]["message"]
+
+
+def test_unload_kills_a_worker_that_ignores_sigterm(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a", "--ignore-sigterm", extra="stop-timeout = 0.5"))
+    with r.client() as c:
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
+        (worker,) = r.workers()
+        t0 = time.monotonic()
+        assert c.post("/models/unload", json={"model": "a"}).json() == {"success": True}
+        assert 0.4 < time.monotonic() - t0 < 5
+    assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
+    assert r.status("a") == "unloaded"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_router_exit_leaves_no_worker(router_factory: Factory, sig: signal.Signals) -> None:
+    r = router_factory(fake_model("a") + fake_model("b"))
+    with r.client() as c:
+        for name in ("a", "b"):
+            assert c.post("/v1/chat/completions", json=chat(name)).status_code == 200
+    pids = [w.pid for w in r.workers()]
+    assert len(pids) == 2
+    os.kill(r.proc.pid, sig)
+    r.proc.wait(10)
+
+    def all_gone() -> bool:
+        return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+
+    wait_until(all_gone, 5, what="workers to exit with their router")
+
+
+def test_api_key_cors_and_error_envelopes(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a") + fake_model("b"), "--api-key", "k1", "--api-key", "k2",
+                       "--cors-origin", "http://ui.example")
+    with r.client() as c:
+        assert c.get("/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"x-api-key": "k"}):
+            resp = c.get("/v1/models", headers=headers)
+            assert resp.status_code == 401 and resp.json()["error"]["type"] == "authentication_error"
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
+        assert c.get("/v1/models", headers={"x-api-key": "k1"}).status_code == 200
+
+        pre = c.options("/v1/chat/completions", headers={"Origin": "http://ui.example",
+                                                          "Access-Control-Request-Method": "POST",
+                                                          "Access-Control-Request-Headers": "authorization"})
+        assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "http://ui.example"
+        assert pre.headers["access-control-allow-headers"] == "authorization"
+        other = c.options("/v1/models", headers={"Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+
+        auth = {"Authorization": "Bearer k1", "Origin": "http://ui.example"}
+        resp = c.post("/v1/chat/completions", json=chat("a"), headers=auth)
+        assert resp.status_code == 200 and resp.headers["access-control-allow-origin"] == "http://ui.example"
+        assert c.get("/v1/models", headers=auth).headers["access-control-allow-origin"] == "http://ui.example"
+
+        for body, status, code in ((chat("nope"), 404, "model_not_found"), ({"messages": []}, 400, None)):
+            resp = c.post("/v1/chat/completions", json=body, headers=auth)
+            assert resp.status_code == status and resp.json()["error"]["code"] == code
+        resp = c.post("/v1/chat/completions", content=b"{not json", headers=auth)
+        assert resp.status_code == 400 and "Invalid JSON" in resp.json()["error"]["message"]
+        resp = c.get("/nope", headers=auth)
+        assert resp.status_code == 404 and resp.json()["error"]["type"] == "not_found_error"
+        resp = c.get("/v1/models/nope", headers=auth)
+        assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
+
+
+def test_models_sse_props_and_openai_sdk(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a", "--load-time", "0.3", extra='alias = ["x"]'))
+    events: list[tuple[str, dict[str, Any]]] = []
+    subscribed = threading.Event()
+
+    def listen() -> None:
+        with r.client() as c, c.stream("GET", "/models/sse") as resp:
+            name = ""
+            for line in resp.iter_lines():
+                if line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    events.append((name, json.loads(line[6:])))
+                    subscribed.set()
+                    if name == "status_change" and events[-1][1]["status"]["value"] == "loaded":
+                        return
+
+    t = threading.Thread(target=listen)
+    t.start()
+    assert subscribed.wait(10)
+    client = openai.OpenAI(base_url=f"{r.base}/v1", api_key="unused")
+    out = client.chat.completions.create(model="x", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].message.content == "t0 t1 t2 t3 t4"
+    chunks = list(client.chat.completions.create(model="a", messages=[{"role": "user", "content": "hi"}],
+                                                 stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "t0 t1 t2 t3 t4 "
+    t.join(10)
+    assert events[0] == ("model_status", {"model": "a", "status": {"value": "unloaded"}})
+    values = [e[1]["status"]["value"] for e in events if e[0] == "status_change"]
+    assert values[0] == "loading" and values[-1] == "loaded"
+    assert any(e[1]["status"].get("progress", {}).get("phase") == "weights" for e in events)
+
+    with r.client() as c:
+        props = c.get("/props").json()
+        assert props["role"] == "router" and props["models"][0]["id"] == "a"
+        assert c.get("/props", params={"model": "x"}).json()["role"] == "worker"
+    assert sse_events(iter(["data: 1", "event: x"])) == ["1"]
+
+
+def test_client_disconnect_cancels_the_upstream_stream(router_factory: Factory, tmp_path: Path) -> None:
+    events = tmp_path / "events.txt"
+    r = router_factory(fake_model("a", "--tokens", "500", "--token-delay", "0.02", "--event-log", str(events)))
+    with r.client() as c, c.stream("POST", "/v1/chat/completions", json=chat("a", stream=True)) as resp:
+        for i, _ in enumerate(resp.iter_lines()):
+            if i == 4:
+                break  # leaving the block closes the connection mid-stream
+    wait_until(lambda: events.exists() and "cancelled" in events.read_text(), 10, what="upstream cancel")
+    wait_until(lambda: r.models()["a"]["in_flight"] == 0, 5, what="in_flight back to 0")
+
+
+def test_remote_upstream_is_proxied_without_a_process(router_factory: Factory) -> None:
+    port = free_port()
+    fake = subprocess.Popen([sys.executable, str(FAKE), "--port", str(port), "--model", "far"],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, 20)
+        r = router_factory(f'[models.far]\nbackend = "remote"\nupstream = "http://127.0.0.1:{port}"\n')
+        assert r.status("far") == "loaded"
+        with r.client() as c:
+            assert c.post("/v1/chat/completions", json=chat("far")).json()["pid"] == fake.pid
+            events = [e for e in c.post("/v1/chat/completions", json=chat("far", stream=True)).text.split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            assert c.post("/models/unload", json={"model": "far"}).status_code == 400
+        assert r.workers() == []
+    finally:
+        stop_process(fake)
+
+
+def test_a_command_that_cannot_start_fails_cleanly_and_frees_its_slot(router_factory: Factory) -> None:
+    r = router_factory('[models.ghost]\nbackend = "cmd"\ncmd = "/nonexistent/server --port ${PORT}"\n'
+                       + fake_model("a"), "--models-max", "1")
+    with r.client() as c:
+        resp = c.post("/v1/chat/completions", json=chat("ghost"))
+        assert resp.status_code == 503 and "No such file" in resp.json()["error"]["message"]
+        assert r.models()["ghost"]["status"]["failed"] is True
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200  # the slot was released
+
+
+def test_a_busy_model_is_drained_so_a_queued_model_does_not_starve(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a", "--tokens", "10", "--token-delay", "0.05") + fake_model("b"), "--models-max", "1")
+    stop = threading.Event()
+    outcomes: list[str] = []
+
+    def hammer() -> None:  # overlapping streams keep `a` busy at all times
+        with r.client() as c:
+            while not stop.is_set():
+                with c.stream("POST", "/v1/chat/completions", json=chat("a", stream=True)) as resp:
+                    outcomes.append([line for line in resp.iter_lines() if line][-1])
+
+    threads = [threading.Thread(target=hammer) for _ in range(4)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)  # staggered, so their gaps do not line up
+    with r.client(timeout=20) as c:
+        assert c.post("/v1/chat/completions", json=chat("b")).status_code == 200  # gets its turn
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert outcomes and all(o == "data: [DONE]" for o in outcomes)  # no stream of `a` was cut
+
+
+def test_unload_during_load_fails_the_waiters_and_stops_the_worker(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a", "--load-time", "30"))
+    result: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: result.update(resp=r.client().post("/v1/chat/completions", json=chat("a"))))
+    t.start()
+    wait_until(lambda: r.models()["a"]["status"].get("progress", {}).get("phase") == "weights", 10)
+    with r.client() as c:
+        assert c.post("/models/unload", json={"model": "a"}).json() == {"success": True}
+    t.join(10)
+    assert result["resp"].status_code == 503 and "was unloaded" in result["resp"].json()["error"]["message"]
+    assert r.status("a") == "unloaded" and r.workers() == []

@@ -1,0 +1,210 @@
+"""End to end: the router spawning real `omni-worker` processes on the tiny models."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import openai
+import psutil
+import pytest
+
+from tests.router.conftest import RouterProc, chat
+from tests.util import ROOT, wait_until
+
+Factory = Callable[..., RouterProc]
+GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
+HF = ROOT / "models" / "tiny-llama"
+
+pytestmark = pytest.mark.skipif(not (GGUF.exists() and (HF / "config.json").exists()),
+                                reason="tiny models not generated (make models)")
+
+PRESET = f"""
+[defaults]
+ctx-size = 1024
+parallel = 2
+threads = 1
+stop-timeout = 5
+
+[models.tiny-gguf]
+model = "{GGUF}"
+backend = "llama_cpp"
+
+[models.tiny-hf]
+model = "{HF}"
+backend = "torch"
+"""
+
+
+def stream(r: RouterProc, model: str, max_tokens: int, on_chunk: Callable[[int], object] | None = None) -> list[str]:
+    out: list[str] = []
+    body = chat(model, stream=True, max_tokens=max_tokens, ignore_eos=True)
+    with r.client(timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+                if on_chunk:
+                    on_chunk(len(out))
+    return out
+
+
+def test_autoload_joins_one_worker_and_the_openai_sdk_works(router_factory: Factory) -> None:
+    r = router_factory(PRESET)
+    max_workers = 0
+
+    def one(_: int) -> int:
+        with r.client(timeout=60) as c:
+            return c.post("/v1/chat/completions", json=chat("tiny-gguf", max_tokens=4)).status_code
+
+    with ThreadPoolExecutor(10) as ex:
+        futures = [ex.submit(one, i) for i in range(10)]
+        while not all(f.done() for f in futures):
+            max_workers = max(max_workers, len(r.workers()))
+            time.sleep(0.02)
+        assert [f.result() for f in futures] == [200] * 10
+    assert max_workers == 1 and len(r.workers()) == 1
+    card = r.models()["tiny-gguf"]
+    assert card["status"]["value"] == "loaded" and card["meta"]["backend"] == "llama_cpp"
+    assert card["status"]["args"][3:5] == ["--model", str(GGUF)]
+
+    with r.client(timeout=60) as c:  # the other proxied routes: model from the body or ?model=
+        tokens = c.post("/tokenize?model=tiny-gguf", json={"content": "hello"}).json()["tokens"]
+        assert tokens and c.post("/detokenize", json={"model": "tiny-gguf", "tokens": tokens}).status_code == 200
+        assert c.post("/v1/completions", json={"model": "tiny-gguf", "prompt": "a", "max_tokens": 2}).status_code == 200
+        assert c.get("/props", params={"model": "tiny-gguf"}).json().get("role") != "router"
+        assert c.get("/slots", params={"model": "tiny-gguf"}).status_code == 200
+    client = openai.OpenAI(base_url=f"{r.base}/v1", api_key="unused")
+    out = client.chat.completions.create(model="tiny-gguf", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert out.usage is not None and out.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(model="tiny-gguf", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_models_max_1_alternating_real_models_never_aborts_a_stream(router_factory: Factory) -> None:
+    r = router_factory(PRESET, "--models-max", "1")
+    for first, second in (("tiny-gguf", "tiny-hf"), ("tiny-hf", "tiny-gguf")):
+        started = threading.Event()
+        result: dict[str, Any] = {}
+
+        def run(model: str = first, result: dict[str, Any] = result, started: threading.Event = started) -> None:
+            result["events"] = stream(r, model, 40, on_chunk=lambda n: started.set())
+            result["done_at"] = time.monotonic()
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert started.wait(60)
+        with r.client(timeout=60) as c:
+            resp = c.post("/v1/chat/completions", json=chat(second, max_tokens=4))
+        answered_at = time.monotonic()
+        t.join(60)
+        assert resp.status_code == 200, resp.text
+        events = result["events"]
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]]
+        assert finish[-1] == "length" and answered_at >= result["done_at"]
+        assert r.status(second) == "loaded" and r.status(first) == "unloaded"
+        assert len(r.workers()) == 1
+
+
+def test_kill_9_mid_stream_gives_an_error_event_then_recovers(router_factory: Factory) -> None:
+    r = router_factory(PRESET)
+    with r.client(timeout=60) as c:
+        assert c.post("/v1/chat/completions", json=chat("tiny-gguf", max_tokens=2)).status_code == 200
+    (worker,) = r.workers()
+    events = stream(r, "tiny-gguf", 3000, on_chunk=lambda n: n == 3 and os.kill(worker.pid, signal.SIGKILL))
+    assert "error" in json.loads(events[-1]), events[-3:]
+    card = r.wait_status("tiny-gguf", "failed")
+    assert card["status"]["exit_code"] == -9 and card["status"]["log_tail"]
+    with r.client(timeout=60) as c:  # recovers on the next request
+        assert c.post("/v1/chat/completions", json=chat("tiny-gguf", max_tokens=2)).status_code == 200
+    assert r.status("tiny-gguf") == "loaded"
+    (worker,) = r.workers()
+    client = openai.OpenAI(base_url=f"{r.base}/v1", api_key="unused")
+    s = client.chat.completions.create(model="tiny-gguf", messages=[{"role": "user", "content": "hi"}],
+                                       max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
+    with pytest.raises(openai.APIError, match="mid-stream"):  # the SDK raises the error event
+        for i, _ in enumerate(s):
+            if i == 2:
+                os.kill(worker.pid, signal.SIGKILL)
+
+
+def test_idle_sleep_and_transparent_wake(router_factory: Factory) -> None:
+    r = router_factory(PRESET, "--sleep-idle-seconds", "0.5")
+    with r.client(timeout=60) as c:
+        assert c.post("/v1/chat/completions", json=chat("tiny-gguf", max_tokens=2)).status_code == 200
+        (worker,) = r.workers()
+        r.wait_status("tiny-gguf", "sleeping", timeout=10)
+        resp = c.post("/v1/chat/completions", json=chat("tiny-gguf", max_tokens=2))
+        assert resp.status_code == 200
+        assert [w.pid for w in r.workers()] == [worker.pid]  # woken, not respawned
+        assert r.status("tiny-gguf") == "loaded"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_router_death_leaves_no_real_worker(router_factory: Factory, sig: signal.Signals) -> None:
+    r = router_factory(PRESET.replace('backend = "torch"', 'backend = "torch"\nload-on-startup = true'))
+    r.wait_status("tiny-hf", "loaded", timeout=60)
+    with r.client(timeout=60) as c:
+        assert c.post("/v1/chat/completions", json=chat("tiny-gguf", max_tokens=2)).status_code == 200
+    pids = [w.pid for w in r.workers()]
+    assert len(pids) == 2
+    os.kill(r.proc.pid, sig)
+    r.proc.wait(15)
+
+    def all_gone() -> bool:
+        return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+
+    wait_until(all_gone, 10, what="workers to exit with their router")
+
+
+def test_lru_victim_queue_full_and_api_key_with_real_workers(router_factory: Factory) -> None:
+    gguf16 = ROOT / "models" / "tiny-llama-f16.gguf"
+    # One slot with the whole context each, so the long streams below really are long.
+    preset = "".join(f'[models.{name}]\nmodel = "{path}"\nthreads = 1\nparallel = 1\nctx-size = 4096\n\n'
+                     for name, path in (("a", GGUF), ("b", gguf16), ("c", GGUF)))
+    r = router_factory(preset, "--models-max", "2", "--max-queue", "1", "--api-key", "sekret")
+    auth = {"Authorization": "Bearer sekret"}
+    with r.client(timeout=60, headers=auth) as c:
+        assert c.post("/v1/chat/completions", json=chat("a", max_tokens=2), headers={"Authorization": ""}
+                      ).status_code == 401
+        for name in ("a", "b", "a", "c"):
+            assert c.post("/v1/chat/completions", json=chat(name, max_tokens=2)).status_code == 200
+    states = {name: m["status"]["value"] for name, m in r.models().items()}
+    assert states == {"a": "loaded", "b": "unloaded", "c": "loaded"}  # b was least recently used
+
+    # Both slots busy with long streams: one b request waits (the LRU busy model is drained),
+    # the next finds the queue full.
+    streams = [r.client(timeout=60, headers=auth) for _ in range(2)]
+    responses = [s.stream("POST", "/v1/chat/completions", json=chat(m, stream=True, max_tokens=4000, ignore_eos=True))
+                 for s, m in zip(streams, ("a", "c"), strict=True)]
+    opened = [cm.__enter__() for cm in responses]
+    for resp in opened:
+        next(resp.iter_lines())
+    waiting: dict[str, int] = {}
+    t = threading.Thread(target=lambda: waiting.update(code=r.client(timeout=60, headers=auth).post(
+        "/v1/chat/completions", json=chat("b", max_tokens=2)).status_code))
+    t.start()
+    wait_until(lambda: r.models()["b"]["status"].get("progress", {}).get("phase") == "queued", 10)
+    with r.client(timeout=60, headers=auth) as c:
+        resp = c.post("/v1/chat/completions", json=chat("b", max_tokens=2))
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    for cm in responses:  # the clients leave: their streams are cancelled, a slot frees up
+        cm.__exit__(None, None, None)
+    for s in streams:
+        s.close()
+    t.join(60)
+    assert waiting["code"] == 200
+    client = openai.OpenAI(base_url=f"{r.base}/v1", api_key="sekret")
+    assert client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{r.base}/v1", api_key="wrong").models.list()

@@ -1,0 +1,228 @@
+"""Our forward pass against transformers' own, float32 on CPU (tolerance 1e-4)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.torch_backend.conftest import FAMILIES, HFModel
+from worker.backends.base import BatchEntry, DecodeStatus
+from worker.backends.torch_backend import TorchBackend
+from worker.testing.tiny_models import ModelPaths
+
+TOL = 1e-4
+
+
+def hf_logits(model: HFModel, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def random_tokens(n: int, seed: int, vocab: int = 1024) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def new_backend(path: Path, n_ctx: int = 256, n_seq_max: int = 4) -> TorchBackend:
+    return TorchBackend(str(path), n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=128)
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_prompt_logits_match_transformers(kind: str, hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
+    path, hf = hf_family(kind)
+    prompt = random_tokens(30, seed=1)
+    backend = new_backend(path)
+    assert backend.decode([BatchEntry(0, prompt, 0, True)]) is DecodeStatus.OK
+    torch.testing.assert_close(backend._logits[0], hf_logits(hf, prompt)[-1], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_mixed_batches_of_three_sequences_match(kind: str, hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
+    """Prompt chunks and decode tokens of 3 sequences interleaved, plus a tail rewrite (seq_rm)."""
+    path, hf = hf_family(kind)
+    seqs = [random_tokens(24, seed=10 + s) for s in range(3)]
+    refs = [hf_logits(hf, s) for s in seqs]
+    backend = new_backend(path)
+    # Each step: (seq_id, start, end) runs; logits of every run's last token are checked.
+    steps = [
+        [(0, 0, 10), (1, 0, 7)],
+        [(0, 10, 11), (1, 7, 12), (2, 0, 12)],
+        [(2, 12, 13), (0, 11, 12), (1, 12, 20)],
+        [(0, 12, 13), (1, 20, 21), (2, 13, 22)],
+        [(1, 21, 22), (0, 13, 14), (2, 22, 23)],
+    ]
+    for step in steps:
+        entries = [BatchEntry(s, seqs[s][a:b], a, True) for s, a, b in step]
+        assert backend.decode(entries) is DecodeStatus.OK
+        for row, (s, _, b) in enumerate(step):
+            torch.testing.assert_close(backend._logits[row], refs[s][b - 1], atol=TOL, rtol=0)
+
+    # Prefix reuse: keep 8 positions of seq 1 and continue it with different tokens.
+    backend.seq_rm(1, 8)
+    new_tail = random_tokens(6, seed=99)
+    assert backend.decode([BatchEntry(1, new_tail, 8, True), BatchEntry(0, seqs[0][14:15], 14, True)]) is DecodeStatus.OK
+    torch.testing.assert_close(backend._logits[0], hf_logits(hf, seqs[1][:8] + new_tail)[-1], atol=TOL, rtol=0)
+    torch.testing.assert_close(backend._logits[1], refs[0][14], atol=TOL, rtol=0)
+
+
+def test_unified_pool_mask_path_matches(hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
+    """The CUDA-graph attention form (whole pool, (seq, pos) mask, no gather) on CPU."""
+    import numpy as np
+
+    from worker.torch_model.kv_cache import AttnGroup, build_mask
+
+    path, hf = hf_family("llama")
+    seqs = [random_tokens(12, seed=20 + s) for s in range(3)]
+    backend = new_backend(path)
+    backend.decode([BatchEntry(s, seqs[s][:11], 0, False) for s in range(3)])
+    kv, model = backend._require_kv(), backend._require_model()
+    seq_ids = np.array([2, 0, 1])
+    positions = np.array([11, 11, 11])
+    cells = kv.allocate(seq_ids, positions)
+    assert cells is not None
+    n = kv.n_cells + 1
+    cell_seq = torch.from_numpy(np.append(kv.cell_seq, -2))
+    cell_pos = torch.from_numpy(np.append(kv.cell_pos, 0))
+    mask = build_mask(cell_seq, cell_pos, torch.from_numpy(seq_ids), torch.from_numpy(positions), 2, None)
+    assert mask.shape == (1, 1, 6, n)
+    logits = model(
+        torch.tensor([seqs[s][11] for s in seq_ids]), torch.from_numpy(positions), torch.from_numpy(cells),
+        [AttnGroup(slice(0, 3), None, mask)], torch.arange(3), kv.k, kv.v,
+    )
+    for row, s in enumerate(seq_ids):
+        torch.testing.assert_close(logits[row], hf_logits(hf, seqs[s])[-1], atol=TOL, rtol=0)
+
+
+def test_sharded_checkpoint_loads(hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
+    path, hf = hf_family("qwen2")
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    hf.save_pretrained(path, max_shard_size="100KB")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 2
+    prompt = random_tokens(30, seed=3)
+    backend = new_backend(path)
+    backend.decode([BatchEntry(0, prompt, 0, True)])
+    torch.testing.assert_close(backend._logits[0], hf_logits(hf, prompt)[-1], atol=TOL, rtol=0)
+
+
+def test_only_entries_asking_for_logits_get_rows(tiny_models: ModelPaths) -> None:
+    backend = new_backend(tiny_models.hf_dir)
+    a, b = random_tokens(5, 1), random_tokens(6, 2)
+    backend.decode([BatchEntry(0, a, 0, False), BatchEntry(1, b, 0, True)])
+    assert backend._logits.shape == (1, backend.meta.n_vocab)
+
+
+def test_no_kv_space_writes_nothing(tiny_models: ModelPaths) -> None:
+    backend = new_backend(tiny_models.hf_dir, n_ctx=16)
+    assert backend.decode([BatchEntry(0, random_tokens(10, 1), 0, True)]) is DecodeStatus.OK
+    status = backend.decode([BatchEntry(1, random_tokens(7, 2), 0, True)])
+    assert status is DecodeStatus.NO_KV_SPACE
+    assert backend._require_kv().num_free == 6
+    backend.seq_rm(0, 0)
+    assert backend.decode([BatchEntry(1, random_tokens(16, 2), 0, True)]) is DecodeStatus.OK
+
+
+def greedy(backend: TorchBackend, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    """Greedy for all prompts at once (sequences 0..n-1, cleared first): one prefill, then decode steps."""
+    from worker.backends.base import SampleItem
+    from worker.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0)
+    for i in range(len(prompts)):
+        backend.seq_rm(i, 0)
+    samplers = [backend.new_sampler(params, 0) for _ in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    entries = [BatchEntry(i, p, 0, True) for i, p in enumerate(prompts)]
+    pos = [len(p) for p in prompts]
+    for _ in range(n_new):
+        assert backend.decode(entries) is DecodeStatus.OK
+        items = [SampleItem(samplers[i], i) for i in range(len(prompts))]
+        toks = [s.token for s in backend.sample(items, [params] * len(prompts))]
+        entries = []
+        for i, t in enumerate(toks):
+            out[i].append(t)
+            entries.append(BatchEntry(i, [t], pos[i], True))
+            pos[i] += 1
+    return out
+
+
+def test_greedy_generation_equals_transformers_generate(tiny_models: ModelPaths) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models.hf_dir, dtype=torch.float32).eval()
+    backend = new_backend(tiny_models.hf_dir)
+    prompt = backend.tokenize("The quick brown fox jumps over", False, True)
+    with torch.no_grad():
+        ref = hf.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0
+        )[0, len(prompt):].tolist()
+    assert greedy(backend, [prompt], 24)[0] == ref
+
+
+def test_concurrent_greedy_equals_one_at_a_time(tiny_models: ModelPaths) -> None:
+    backend = new_backend(tiny_models.hf_dir)
+    prompts = [random_tokens(n, seed=n) for n in (3, 9, 17, 30)]
+    together = greedy(backend, prompts, 12)
+    assert together == [greedy(backend, [p], 12)[0] for p in prompts]
+
+
+def test_sleep_frees_and_wake_restores(tiny_models: ModelPaths) -> None:
+    backend = new_backend(tiny_models.hf_dir)
+    prompt = random_tokens(12, 5)
+    backend.decode([BatchEntry(0, prompt, 0, True)])
+    before = backend._logits.clone()
+    backend.sleep()
+    assert backend.is_sleeping
+    assert backend._model is None and backend._kv is None
+    assert backend.tokenize("hello", False, True)  # the tokenizer stays usable
+    backend.wake()
+    assert not backend.is_sleeping
+    backend.decode([BatchEntry(0, prompt, 0, True)])
+    torch.testing.assert_close(backend._logits, before, atol=0, rtol=0)
+
+
+def replay(backend: TorchBackend, prompts: list[list[int]], steps: list[list[int]]) -> list[torch.Tensor]:
+    """Prefill all prompts, then decode the given tokens per step; the logits of every step (CPU)."""
+    for i in range(len(prompts)):
+        backend.seq_rm(i, 0)
+    out = []
+    assert backend.decode([BatchEntry(i, p, 0, True) for i, p in enumerate(prompts)]) is DecodeStatus.OK
+    out.append(backend._logits.float().cpu())
+    pos = [len(p) for p in prompts]
+    for toks in steps:
+        assert backend.decode([BatchEntry(i, [t], pos[i], True) for i, t in enumerate(toks)]) is DecodeStatus.OK
+        out.append(backend._logits.float().cpu())
+        pos = [p + 1 for p in pos]
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_eager_and_graphs_match_cpu(tiny_models: ModelPaths) -> None:
+    path = str(tiny_models.hf_dir)
+    cpu = new_backend(tiny_models.hf_dir)
+    prompts = [random_tokens(n, seed=n) for n in (4, 11, 19)]
+    tokens = greedy(cpu, prompts, 12)
+    steps = [[t[k] for t in tokens] for k in range(11)]
+    ref = replay(cpu, prompts, steps)
+    for compile in (False, True):
+        gpu = TorchBackend(path, n_ctx=256, n_seq_max=4, n_batch=64, device="cuda", dtype="float32", compile=compile)
+        for got, want in zip(replay(gpu, prompts, steps), ref, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
+        gpu.sleep()
+        assert gpu.is_sleeping
+        gpu.wake()
+        torch.testing.assert_close(replay(gpu, prompts, steps)[-1], ref[-1], atol=1e-3, rtol=0)
+        gpu.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_default_generates(tiny_models: ModelPaths) -> None:
+    gpu = TorchBackend(str(tiny_models.hf_dir), n_ctx=256, n_seq_max=4, n_batch=64, compile=True)
+    assert gpu.dtype == torch.bfloat16
+    out = greedy(gpu, [random_tokens(n, seed=n) for n in (3, 7)], 8)
+    assert all(len(t) == 8 for t in out)

@@ -1,0 +1,104 @@
+"""Worker fixtures: real `omni-worker` subprocesses on the tiny models, shared per session.
+
+`worker` is parametrized over the backends: llama_cpp serves the F32 GGUF with an F32 KV cache
+(so greedy results are exact), torch serves the HF directory and is skipped when the torch
+backend module is not there. Tests that change a worker's state (sleep, SIGTERM, a tiny
+context) start their own process instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.util import ROOT, free_port, run_worker, stop_process
+from worker.testing.tiny_models import ModelPaths
+
+N_SLOTS = 4
+CTX = 2048
+# F32 weights, F32 KV cache and no flash attention: batching then changes logits by ~1e-6 at most
+# (llama.cpp's CPU matmul kernels depend on the batch's row count; its flash-attention kernel
+# switches to a tiled variant for >= 32 query rows, and that one differs by up to ~1e-3, enough
+# to flip a near-tie). One thread: on a small shared box llama.cpp's spinning pool only loses time.
+EXACT_GGUF_ARGS = ["--cache-type-k", "f32", "--cache-type-v", "f32", "--flash-attn", "off", "--threads", "1"]
+
+
+@dataclass(frozen=True)
+class Worker:
+    url: str
+    backend: str
+
+    def client(self, timeout: float = 30.0) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=timeout)
+
+    def post(self, path: str, body: object, timeout: float = 30.0) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=timeout)
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10)
+
+
+def worker_args(backend: str, models: ModelPaths) -> tuple[Path, list[str]]:
+    if backend == "llama_cpp":
+        return models.gguf_f32, EXACT_GGUF_ARGS
+    return models.hf_dir, ["--backend", "torch", "--dtype", "float32"]
+
+
+def require_backend(backend: str) -> None:
+    if backend == "torch" and importlib.util.find_spec("worker.backends.torch_backend") is None:
+        pytest.skip("the torch backend is not available")
+
+
+@pytest.fixture(scope="session", params=["llama_cpp", "torch"])
+def worker(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> Iterator[Worker]:
+    """A shared worker with 4 slots and a 2048-token context."""
+    backend: str = request.param
+    require_backend(backend)
+    model, extra = worker_args(backend, tiny_models)
+    args = ["--parallel", str(N_SLOTS), "--ctx-size", str(CTX), *extra]
+    with run_worker(model, *args, timeout=120) as url:
+        yield Worker(url, backend)
+
+
+@contextlib.contextmanager
+def worker_process(
+    model: Path, *args: str, wait_healthy: bool = True
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A private worker process (for lifecycle tests that signal or break it)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "worker.cli", "--model", str(model), "--port", str(port), "--threads", "1", *args]
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in finally)
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        if wait_healthy:
+            wait_healthy_or_exit(proc, url)
+        yield proc, url
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def wait_healthy_or_exit(proc: subprocess.Popen[bytes], url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"worker exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"worker {url} not healthy after {timeout}s")
+        time.sleep(0.02)

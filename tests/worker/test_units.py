@@ -1,0 +1,95 @@
+"""Pure parts of the worker: incremental detokenization, text output, slot choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.detok import IncrementalDetokenizer
+from worker.sampling_params import SamplingParams
+from worker.scheduler import common_prefix_len, kv_victims, pick_slot, youngest
+from worker.slot import Slot
+from worker.task import Task, TextOutput
+
+
+@pytest.mark.parametrize(
+    ("pieces", "expected"),
+    [
+        ([b"abc"], ["abc"]),
+        (["é".encode()[:1], "é".encode()[1:]], ["", "é"]),
+        ([b"\xf0\x9f", b"\x9a", b"\x80!"], ["", "", "🚀!"]),
+        ([b"a\xe4\xbd", b"\xa0b"], ["a", "你b"]),
+        ([b"\xff", b"x"], ["\ufffd", "x"]),
+    ],
+)
+def test_detokenizer_never_splits_a_character(pieces: list[bytes], expected: list[str]) -> None:
+    d = IncrementalDetokenizer()
+    assert [d.feed(p) for p in pieces] == expected
+    assert d.flush() == ""
+
+
+def test_detokenizer_flushes_an_incomplete_tail() -> None:
+    d = IncrementalDetokenizer()
+    assert d.feed(b"ok\xe4") == "ok"
+    assert d.flush() == "\ufffd"
+
+
+def test_text_output_holds_back_a_split_stop_string() -> None:
+    out = TextOutput(("STOP",))
+    assert out.push(b"abc ST") == ("abc ", None)
+    assert out.push(b"O") == ("", None)
+    assert out.push(b"P tail") == ("", "STOP")
+
+
+def test_text_output_releases_a_false_alarm_at_the_end() -> None:
+    out = TextOutput(("STOP",))
+    assert out.push(b"x ST") == ("x ", None)
+    assert out.finish() == "ST"
+
+
+def _slot(i: int, cache: list[int], used: float, busy: bool = False) -> Slot:
+    s = Slot(i, cache=list(cache), t_last_used=used)
+    if busy:
+        s.task = Task([1], SamplingParams(), 0, lambda e: None)
+    return s
+
+
+@pytest.mark.parametrize(
+    ("caches", "busy", "prompt", "id_slot", "cache_prompt", "expected"),
+    [
+        ([[1, 2, 3], [1, 9], []], [], [1, 2, 3, 4], -1, True, 0),  # longest common prefix
+        ([[5], [1, 9], [1, 2]], [2], [1, 2, 3], -1, True, 1),  # best idle match
+        ([[5], [6], [7]], [], [1, 2], -1, True, 0),  # no match: least recently used
+        ([[1, 2], [6], [7]], [], [1, 2], -1, False, 0),  # cache_prompt off: LRU
+        ([[1, 2], [6], [7]], [], [1, 2], 2, True, 2),  # id_slot wins
+        ([[1, 2], [6], [7]], [2], [1, 2], 2, True, None),  # id_slot busy: wait
+        ([[1], [2], [3]], [0, 1, 2], [1], -1, True, None),  # all busy
+    ],
+)
+def test_pick_slot(
+    caches: list[list[int]], busy: list[int], prompt: list[int], id_slot: int, cache_prompt: bool, expected: int | None
+) -> None:
+    slots = [_slot(i, c, used=float(i), busy=i in busy) for i, c in enumerate(caches)]
+    chosen = pick_slot(slots, prompt, id_slot=id_slot, cache_prompt=cache_prompt)
+    assert (chosen.id if chosen else None) == expected
+
+
+def test_kv_victims_and_youngest() -> None:
+    slots = [_slot(0, [1], 3.0), _slot(1, [], 1.0), _slot(2, [2], 2.0), _slot(3, [3], 0.0, busy=True)]
+    assert [s.id for s in kv_victims(slots)] == [2, 0]
+    slots[1].task = Task([1], SamplingParams(), 0, lambda e: None)  # arrived after slot 3's task
+    assert youngest(slots) is slots[1]
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_gguf_path_never_imports_torch() -> None:
+    """Fast start: the llama.cpp worker must not pay torch's import (seconds)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, worker.cli, worker.app, worker.backends.llama_cpp, worker.chat_template; "
+        "from worker.backends import resolve_kind; assert resolve_kind('auto', 'x.gguf') == 'llama_cpp'; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

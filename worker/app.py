@@ -1,0 +1,356 @@
+"""The worker's HTTP surface (Starlette): OpenAI endpoints plus llama-server's extras.
+
+Handlers parse and validate at the edge (pydantic wire types -> `SamplingParams`, prompt ->
+token ids), then hand a `Generation` to the engine thread and stream or aggregate its events.
+Tokenizing and template rendering are thread-safe and cheap; long prompts go to a worker
+thread so the event loop never stalls. Every error is the one envelope from worker/wire.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from worker.backends.base import Backend
+from worker.chat_template import ChatTemplateError
+from worker.generation import Generation
+from worker.metrics import CONTENT_TYPE
+from worker.openai_format import Choices, ResponseInfo, error_payload, stream_chat, stream_completion
+from worker.responses import aggregated, event_stream
+from worker.state import WorkerState
+from worker.wire import (
+    APIError,
+    ApplyTemplateRequest,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    api_error_handler,
+    error_body,
+    http_exception_handler,
+    new_id,
+    now,
+    parse_model,
+)
+
+_LONG_TEXT = 8192  # characters: above this, tokenize off the event loop
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _state(request: Request) -> WorkerState:
+    state: WorkerState = request.app.state.worker
+    return state
+
+
+def _loading_error(state: WorkerState) -> APIError | None:
+    st = state.engine.status
+    if st.error is not None:
+        return APIError(f"Model failed to load: {st.error}", status_code=500, type="server_error", code=500)
+    if not st.is_ready:
+        return APIError(
+            "Loading model",
+            status_code=503,
+            type="unavailable_error",
+            code=503,
+            extra={"progress": {"phase": st.phase, "fraction": round(st.fraction, 4)}},
+        )
+    return None
+
+
+def _ready(state: WorkerState) -> Backend:
+    err = _loading_error(state)
+    if err is not None:
+        raise err
+    backend = state.engine.backend
+    assert backend is not None
+    return backend
+
+
+async def _tokenize(backend: Backend, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    if len(text) > _LONG_TEXT:
+        return await anyio.to_thread.run_sync(backend.tokenize, text, add_special, parse_special)
+    return backend.tokenize(text, add_special, parse_special)
+
+
+def _check_prompt(tokens: list[int], backend: Backend) -> None:
+    if not tokens:
+        raise APIError("The prompt is empty (no tokens)", param="prompt")
+    if len(tokens) >= backend.n_ctx:
+        raise APIError(
+            f"the request exceeds the available context size ({len(tokens)} prompt tokens, n_ctx {backend.n_ctx}); "
+            "try increasing --ctx-size",
+            type="exceed_context_size_error",
+            extra={"n_prompt_tokens": len(tokens), "n_ctx": backend.n_ctx},
+        )
+
+
+def _check_token_ids(tokens: list[int], backend: Backend, param: str) -> None:
+    n_vocab = backend.meta.n_vocab
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise APIError(f"token id {bad} is out of range [0, {n_vocab})", param=param)
+
+
+def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    for m in messages:
+        if isinstance(m.content, list):
+            for part in m.content:
+                kind = part.get("type")
+                if kind not in ("text", "input_text"):
+                    raise APIError(
+                        f"content part type {kind!r} is not supported by this model (text only)",
+                        param="messages",
+                        type="not_supported_error",
+                    )
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
+def _render_chat(
+    state: WorkerState,
+    backend: Backend,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    kwargs: dict[str, Any] | None,
+) -> str:
+    assert state.template is not None
+    try:
+        text = state.template.render(
+            _message_dicts(messages), add_generation_prompt=add_generation_prompt, tools=tools, **(kwargs or {})
+        )
+    except ChatTemplateError as e:
+        raise APIError(f"chat template error: {e}", param="messages") from None
+    bos = backend.meta.bos_token
+    if backend.meta.add_bos and bos and text.startswith(bos):
+        text = text[len(bos) :]  # the tokenizer adds it again
+    return text
+
+
+def _info(state: WorkerState, backend: Backend, model: str | None, prefix: str) -> ResponseInfo:
+    return ResponseInfo(new_id(prefix), now(), model or state.model_id, backend.token_to_piece)
+
+
+# --------------------------------------------------------------------------- inference
+
+
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    backend = _ready(state)
+    req = parse_model(ChatCompletionRequest, await request.body())
+    params = req.to_sampling_params()
+    nv = req.nvext
+    if nv is not None and nv.use_raw_prompt:
+        text = "".join(m.text() for m in req.messages)
+    else:
+        text = _render_chat(state, backend, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+    tokens = await _tokenize(backend, text, True, True)
+    _check_prompt(tokens, backend)
+    gen = Generation(state.engine, [tokens], params)
+    info = _info(state, backend, req.model, "chatcmpl")
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return event_stream(gen, stream_chat(gen, info, include_usage=include_usage))
+
+    async def build() -> tuple[int, Any]:
+        choices = Choices(gen, info)
+        await choices.collect()
+        if choices.error is not None:
+            return choices.error.status_code, error_payload(choices.error)
+        return 200, choices.chat_completion()
+
+    return aggregated(gen, build)
+
+
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    backend = _ready(state)
+    req = parse_model(CompletionRequest, await request.body())
+    params = req.to_sampling_params()
+    prompts: list[list[int]] = []
+    echo: list[str] = []
+    for i, p in enumerate(req.prompts()):
+        if isinstance(p, str):
+            tokens = await _tokenize(backend, p, True, True)
+            echo.append(p)
+        else:
+            _check_token_ids(p, backend, f"prompt[{i}]" if len(req.prompts()) > 1 else "prompt")
+            tokens = p
+            echo.append(b"".join(backend.token_to_piece(t) for t in p).decode(errors="replace"))
+        _check_prompt(tokens, backend)
+        prompts.append(tokens)
+    gen = Generation(state.engine, prompts, params)
+    info = _info(state, backend, req.model, "cmpl")
+    echo_texts = echo if req.echo else None
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return event_stream(gen, stream_completion(gen, info, include_usage=include_usage, echo=echo_texts))
+
+    async def build() -> tuple[int, Any]:
+        choices = Choices(gen, info, echo=echo_texts)
+        await choices.collect()
+        if choices.error is not None:
+            return choices.error.status_code, error_payload(choices.error)
+        return 200, choices.completion()
+
+    return aggregated(gen, build)
+
+
+# --------------------------------------------------------------------------- tokenizer & template
+
+
+async def tokenize(request: Request) -> Response:
+    backend = _ready(_state(request))
+    req = parse_model(TokenizeRequest, await request.body())
+    tokens = await _tokenize(backend, req.content, req.add_special, req.parse_special)
+    if not req.with_pieces:
+        return JSONResponse({"tokens": tokens})
+    pieces = []
+    for t in tokens:
+        raw = backend.token_to_piece(t)
+        try:
+            piece: str | list[int] = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(raw)
+        pieces.append({"id": t, "piece": piece})
+    return JSONResponse({"tokens": pieces})
+
+
+async def detokenize(request: Request) -> Response:
+    backend = _ready(_state(request))
+    req = parse_model(DetokenizeRequest, await request.body())
+    _check_token_ids(req.tokens, backend, "tokens")
+    content = b"".join(backend.token_to_piece(t) for t in req.tokens).decode(errors="replace")
+    return JSONResponse({"content": content})
+
+
+async def apply_template(request: Request) -> Response:
+    state = _state(request)
+    backend = _ready(state)
+    req = parse_model(ApplyTemplateRequest, await request.body())
+    text = _render_chat(state, backend, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+    return JSONResponse({"prompt": text})
+
+
+# --------------------------------------------------------------------------- status & lifecycle
+
+
+async def health(request: Request) -> Response:
+    state = _state(request)
+    err = _loading_error(state)
+    if err is not None:
+        return JSONResponse(err.body(), status_code=err.status_code)
+    backend = state.engine.backend
+    return JSONResponse({"status": "ok", "is_sleeping": bool(backend and backend.is_sleeping)})
+
+
+def _model_card(state: WorkerState) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "omni-router"}
+    backend = state.engine.backend
+    if backend is not None:
+        m = backend.meta
+        card["meta"] = {
+            "n_vocab": m.n_vocab,
+            "n_ctx_train": m.n_ctx_train,
+            "n_ctx": backend.n_ctx,
+            "n_params": m.n_params,
+            "size": m.size_bytes,
+            "backend": state.backend_kind,
+        }
+    return card
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
+
+
+async def props(request: Request) -> Response:
+    state = _state(request)
+    backend = _ready(state)
+    m = backend.meta
+    return JSONResponse(
+        {
+            "default_generation_settings": {"n_ctx": backend.n_ctx, "params": {}},
+            "total_slots": state.engine.n_slots,
+            "model_alias": state.model_id,
+            "model_path": state.model_path,
+            "backend": state.backend_kind,
+            "chat_template": state.template.source if state.template else m.chat_template,
+            "bos_token": m.bos_token,
+            "eos_token": m.eos_token,
+            "is_sleeping": backend.is_sleeping,
+            "modalities": {"vision": False, "audio": False},
+            "build_info": "omni-worker",
+        }
+    )
+
+
+async def slots(request: Request) -> Response:
+    state = _state(request)
+    _ready(state)
+    info = await asyncio.wrap_future(state.engine.call(state.engine.slots_info))
+    return JSONResponse(info)
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def sleep(request: Request) -> Response:
+    state = _state(request)
+    _ready(state)
+    await asyncio.wrap_future(state.engine.call_when_idle(state.engine.sleep))
+    return JSONResponse({"status": "sleeping"})
+
+
+async def wake(request: Request) -> Response:
+    state = _state(request)
+    _ready(state)
+    t0 = time.monotonic()
+    await asyncio.wrap_future(state.engine.call(state.engine.wake))
+    return JSONResponse({"status": "ok", "wake_ms": round((time.monotonic() - t0) * 1e3, 1)})
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return JSONResponse(error_body(f"internal error: {exc!r}", "server_error", None, 500), status_code=500)
+
+
+def build_app(state: WorkerState) -> Starlette:
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/health", health, methods=["GET"]),
+        Route("/props", props, methods=["GET"]),
+        Route("/slots", slots, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/apply-template", apply_template, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/sleep", sleep, methods=["POST"]),
+        Route("/wake", wake, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            APIError: api_error_handler,
+            HTTPException: http_exception_handler,
+            Exception: _server_error,
+        },
+    )
+    app.state.worker = state
+    return app

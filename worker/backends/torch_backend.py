@@ -1,0 +1,287 @@
+"""`TorchBackend`: the Backend Protocol over our own PyTorch Llama-family model code.
+
+One `decode(entries)` is one forward pass over every token of the batch (decoding slots and
+prompt chunks together, see worker/torch_model/model.py), attending over the unified KV cell
+pool of worker/torch_model/kv_cache.py; `sample` runs the vectorised sampler chain of
+worker/torch_model/sampler.py over the rows that asked for logits.
+
+Devices: CUDA when available (bfloat16 by default), else CPU (float32). `dtype` accepts
+float32/fp32/f32, bfloat16/bf16, float16/fp16/f16 or auto (config.json's torch_dtype).
+With `compile=True` on CUDA, decode-only batches run as captured CUDA graphs
+(worker/torch_model/cuda_graphs.py). `threads` sets torch's intra-op threads (on a shared,
+oversubscribed CPU fewer threads are much faster: OpenMP barriers stall). Sleep: on CUDA the
+weights move to pinned host memory and the KV cache is freed; on CPU both are dropped and
+`wake` reloads from disk. Construction (and wake) ends with one tiny warm-up step.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Callable, Sequence
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, Sample, SampleItem
+from worker.sampling_params import SamplingParams
+from worker.torch_model.config import ModelConfig, load_config
+from worker.torch_model.kv_cache import KVCache
+from worker.torch_model.model import Model
+from worker.torch_model.sampler import SamplerState, new_state, sample_rows
+from worker.torch_model.tokenizer import HFTokenizer
+from worker.torch_model.weights import checkpoint_files, iter_tensors, tensor_names
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "f16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_dtype(name: str | None, device: torch.device, cfg: ModelConfig) -> torch.dtype:
+    if name is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    key = name.lower()
+    if key == "auto":
+        key = (cfg.torch_dtype or "float32").lower()
+    if key not in _DTYPES:
+        raise ValueError(f"dtype {name!r} is not supported (valid: auto, {', '.join(sorted(_DTYPES))})")
+    return _DTYPES[key]
+
+
+class TorchBackend:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        n_ctx: int,
+        n_seq_max: int,
+        n_batch: int,
+        device: str | None = None,
+        dtype: str | None = None,
+        progress: Callable[[str, float], None] | None = None,
+        compile: bool = False,
+        threads: int | None = None,
+    ) -> None:
+        if threads is not None and threads > 0:
+            torch.set_num_threads(threads)  # one backend per worker process: global is fine
+        self._path = Path(model_path)
+        self._progress = progress or (lambda phase, fraction: None)
+        self.cfg = load_config(self._path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype, self.device, self.cfg)
+        self.tokenizer = HFTokenizer(self._path)
+        self.n_ctx = n_ctx if n_ctx > 0 else self.cfg.max_position_embeddings
+        self.n_seq_max = n_seq_max
+        self.n_batch = n_batch
+        self._files = checkpoint_files(self._path)
+        names = tensor_names(self._files)
+        self._layout = {
+            "qkv_bias": any(n.endswith("self_attn.q_proj.bias") for n in names),
+            "o_bias": any(n.endswith("self_attn.o_proj.bias") for n in names),
+            "qk_norm": any(n.endswith("self_attn.q_norm.weight") for n in names),
+        }
+        self._group = self.cfg.num_heads // self.cfg.num_kv_heads
+        self._model: Model | None = None
+        self._kv: KVCache | None = None
+        self._graphs: Any = None
+        self._compile = compile and self.device.type == "cuda"
+        self._logits = torch.empty(0)
+        self._sleeping = False
+        self._load_weights()
+        self._alloc_kv()
+        self._warm_up()
+        n_params = sum(p.numel() for p in self._require_model().parameters())
+        self._meta = ModelMeta(
+            path=str(self._path),
+            n_vocab=self.cfg.vocab_size,
+            n_ctx_train=self.cfg.max_position_embeddings,
+            n_params=n_params,
+            size_bytes=n_params * torch.finfo(self.dtype).bits // 8,
+            bos_token=self.tokenizer.bos_token,
+            eos_token=self.tokenizer.eos_token,
+            bos_token_id=self.tokenizer.bos_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            add_bos=self.tokenizer.add_bos,
+            chat_template=self.tokenizer.chat_template,
+        )
+        log.info(
+            "torch backend: %s on %s/%s, %d params, n_ctx=%d, n_seq_max=%d, graphs=%s",
+            self._path.name, self.device, str(self.dtype).removeprefix("torch."), n_params,
+            self.n_ctx, n_seq_max, self._compile,
+        )
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def _load_weights(self) -> None:
+        self._progress("loading weights", 0.0)
+        model = Model(self.cfg, dtype=self.dtype, device=self.device, n_pos=self.n_ctx, **self._layout)
+        model.load_weights(
+            iter_tensors(
+                self._files, dtype=self.dtype, device=self.device,
+                progress=lambda f: self._progress("loading weights", f),
+            )
+        )
+        self._model = model
+
+    def _alloc_kv(self) -> None:
+        cfg = self.cfg
+        self._kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.n_ctx, self.dtype, self.device)
+        self._alloc_graphs()
+
+    def _alloc_graphs(self) -> None:
+        if self._compile:
+            from worker.torch_model.cuda_graphs import DecodeGraphs
+
+            self._progress("capturing CUDA graphs", 0.0)
+            self._graphs = DecodeGraphs(
+                self._require_model(), self._require_kv(), self.n_seq_max, self._group, self.cfg.sliding_window
+            )
+
+    def _warm_up(self) -> None:
+        """One tiny step so the first request does not pay for lazy kernel/allocator setup."""
+        self.decode([BatchEntry(0, [0], 0, True)])
+        self.seq_rm(0, 0)
+        self._progress("ready", 1.0)
+
+    def _require_model(self) -> Model:
+        if self._model is None:
+            raise RuntimeError("model is not loaded (sleeping?)")
+        return self._model
+
+    def _require_kv(self) -> KVCache:
+        if self._kv is None:
+            raise RuntimeError("KV cache is not allocated (sleeping?)")
+        return self._kv
+
+    # -- metadata and tokenizer --------------------------------------------------------------
+
+    @property
+    def meta(self) -> ModelMeta:
+        return self._meta
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleeping
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        return self.tokenizer.tokenize(text, add_special, parse_special)
+
+    def token_to_piece(self, token: int) -> bytes:
+        return self.tokenizer.token_to_piece(token)
+
+    def is_eog(self, token: int) -> bool:
+        return self.tokenizer.is_eog(token)
+
+    # -- engine thread ------------------------------------------------------------------------
+
+    def decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus:
+        model, kv = self._require_model(), self._require_kv()
+        lens = np.fromiter((len(e.tokens) for e in entries), dtype=np.int64, count=len(entries))
+        n_tok = int(lens.sum())
+        if n_tok == 0:
+            self._logits = torch.empty((0, self.cfg.vocab_size), device=self.device)
+            return DecodeStatus.OK
+        tokens = np.fromiter(chain.from_iterable(e.tokens for e in entries), dtype=np.int64, count=n_tok)
+        if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token id out of range [0, {self.cfg.vocab_size})")
+        ends = np.cumsum(lens)
+        starts = np.fromiter((e.pos for e in entries), dtype=np.int64, count=len(entries))
+        entry_seq = np.fromiter((e.seq_id for e in entries), dtype=np.int64, count=len(entries))
+        if n_tok == len(entries):  # decode-only step: one token per entry
+            seq_ids, positions = entry_seq, starts
+        else:
+            seq_ids = np.repeat(entry_seq, lens)
+            positions = np.arange(n_tok, dtype=np.int64) + np.repeat(starts - (ends - lens), lens)
+        cells = kv.allocate(seq_ids, positions)
+        if cells is None:
+            return DecodeStatus.NO_KV_SPACE
+        want = np.fromiter((e.logits for e in entries), dtype=bool, count=len(entries))
+        rows = ends[want] - 1
+        if int(positions.max()) >= model.cos.shape[0]:
+            model.ensure_positions(int(positions.max()) + 1)
+            if self._graphs is not None:  # captured graphs point at the old RoPE tables
+                self._graphs = None
+                self._alloc_graphs()
+        if self._graphs is not None and self._graphs.can_run(n_tok, len(entries), len(rows)):
+            self._logits = self._graphs.run(tokens, positions, cells, seq_ids)
+            return DecodeStatus.OK
+        dev = self.device
+        plan = kv.plan(entry_seq, starts, lens, self._group, self.cfg.sliding_window)
+        self._logits = model(
+            torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev), torch.from_numpy(cells).to(dev),
+            plan, torch.from_numpy(rows).to(dev), kv.k, kv.v,
+        )
+        return DecodeStatus.OK
+
+    def seq_rm(self, seq_id: int, p0: int) -> None:
+        if self._kv is not None:
+            self._kv.seq_rm(seq_id, p0)
+
+    def new_sampler(self, params: SamplingParams, seed: int) -> SamplerState:
+        return new_state(params, seed, self.n_ctx, self.tokenizer.eog_ids)
+
+    def accept(self, sampler: SamplerState, tokens: Sequence[int]) -> None:
+        """Feed tokens (e.g. the prompt, as llama-server does) into the penalty window."""
+        sampler.accept(tokens)
+
+    def free_sampler(self, sampler: Any) -> None:
+        return None
+
+    def sample(self, items: Sequence[SampleItem], params: Sequence[SamplingParams]) -> list[Sample]:
+        if not items:
+            return []
+        idx = torch.tensor([it.logits_index for it in items], device=self._logits.device)
+        drawn = sample_rows(
+            self._logits.index_select(0, idx), [it.sampler for it in items], params, [it.mask for it in items]
+        )
+        return [Sample(d.token, d.logprob, d.top_logprobs) for d in drawn]
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def sleep(self) -> None:
+        if self._sleeping:
+            return
+        self._graphs = None
+        self._kv = None
+        self._logits = torch.empty(0)
+        if self.device.type == "cuda" and self._model is not None:
+            for p in self._model.parameters():
+                host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=True)
+                host.copy_(p.data)
+                p.data = host
+            self._model.cos = self._model.cos.cpu()
+            self._model.sin = self._model.sin.cpu()
+        else:
+            self._model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._sleeping = True
+
+    def wake(self) -> None:
+        if not self._sleeping:
+            return
+        if self._model is None:
+            self._load_weights()
+        else:
+            for p in self._model.parameters():
+                p.data = p.data.to(self.device, non_blocking=True)
+            self._model.ensure_positions(self.n_ctx)
+            torch.cuda.synchronize(self.device)
+        self._alloc_kv()
+        self._sleeping = False
+        self._warm_up()
+
+    def close(self) -> None:
+        self._graphs = None
+        self._kv = None
+        self._model = None
+        self._logits = torch.empty(0)
+        gc.collect()

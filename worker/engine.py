@@ -1,0 +1,502 @@
+"""The engine: one thread that owns the backend, the slots and the queue of waiting tasks.
+
+Everything else talks to it through its inbox (`submit`, `call`, `call_when_idle`, `stop`);
+only `Task.cancel()` is a direct write, noticed at the next step. One step is llama-server's
+`update_slots`:
+
+    reap cancelled tasks -> admit waiting tasks into idle slots (prefix reuse)
+    -> plan one batch: one token per generating slot, then prompt chunks up to n_batch
+    -> backend.decode(batch) -> backend.sample(every entry that asked for logits)
+    -> per slot: detokenize, stop strings, EOS, max_tokens, context full -> emit events
+
+KV space: the backend has `n_ctx` cells shared by all sequences, and the engine knows exactly
+how many each slot holds (`len(slot.cache)`). Before a step it makes room for one new cell per
+generating slot: first by dropping idle slots' cached prefixes (least recently used first),
+then by preempting the youngest request (its KV is dropped and it goes back to the head of the
+queue with what it generated so far). Prompt chunks only use what is left. If llama.cpp still
+reports no room (it rounds internally), the prompt part is halved and retried next step; a
+batch of decode tokens only is answered by another preemption. The worker never crashes on a
+full cache, and a slot that reaches `n_ctx` finishes with `length`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from worker.backends.base import Backend, BatchEntry, DecodeStatus, Sample, SampleItem
+from worker.metrics import WorkerMetrics
+from worker.scheduler import common_prefix_len, kv_victims, pick_slot, youngest
+from worker.slot import Slot
+from worker.task import ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
+
+log = logging.getLogger("worker.engine")
+
+T = TypeVar("T")
+Progress = Callable[[str, float], None]
+BackendFactory = Callable[[Progress], Backend]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStatus:
+    """Published by the engine thread (a reference swap), read by /health."""
+
+    phase: str = "starting"
+    fraction: float = 0.0
+    is_ready: bool = False
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Command:
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
+    needs_idle: bool = False
+
+
+_STOP = object()
+
+
+class Engine:
+    def __init__(
+        self,
+        factory: BackendFactory,
+        n_slots: int,
+        metrics: WorkerMetrics,
+        on_load_failed: Callable[[], None] | None = None,
+    ) -> None:
+        self._factory = factory
+        self._on_load_failed = on_load_failed
+        self._metrics = metrics
+        self._slots = [Slot(i) for i in range(n_slots)]
+        self._waiting: deque[Task] = deque()
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._deferred: _Command | None = None  # a command waiting for the engine to be idle
+        self._prefill_cap: int | None = None  # set after llama.cpp found no KV room
+        self._stopping = False
+        self._backend: Backend | None = None
+        self.status = LoadStatus()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # -- any thread ---------------------------------------------------------------------------
+    @property
+    def backend(self) -> Backend | None:
+        """The loaded backend (its tokenizer and metadata are safe from any thread), or None."""
+        return self._backend
+
+    @property
+    def n_slots(self) -> int:
+        return len(self._slots)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, task: Task) -> None:
+        if self._stopping:
+            task.emit(ErrorEvent("worker is shutting down", 503, "unavailable_error"))
+            return
+        self._inbox.put(task)
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` on the engine thread between two steps."""
+        cmd = _Command(fn)
+        self._inbox.put(cmd)
+        return cmd.future
+
+    def call_when_idle(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Run `fn` once every task submitted before it has finished (e.g. sleep)."""
+        cmd = _Command(fn, needs_idle=True)
+        self._inbox.put(cmd)
+        return cmd.future
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Fail all tasks, free the model, end the thread (bounded wait)."""
+        self._stopping = True
+        self._inbox.put(_STOP)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- engine thread: lifecycle -------------------------------------------------------------
+    def _run(self) -> None:
+        if not self._load():
+            return
+        while not self._stopping:
+            try:
+                self._pump_inbox()
+                if self._has_work() and not self._stopping:
+                    self._step()
+            except Exception as e:
+                log.exception("engine step failed; failing the tasks in flight")
+                self._fail_all(f"internal error: {e!r}", 500)
+        self._fail_all("worker is shutting down", 503)
+        self._close_backend()
+
+    def _load(self) -> bool:
+        def progress(phase: str, fraction: float) -> None:
+            if not self.status.is_ready:  # a wake reloads too, but the worker stays "ready"
+                self.status = LoadStatus(phase, min(max(fraction, 0.0), 1.0))
+
+        t0 = time.monotonic()
+        try:
+            self._backend = self._factory(progress)
+        except Exception as e:
+            log.error("model load failed: %s", e)
+            self.status = LoadStatus("failed", 0.0, error=str(e) or repr(e))
+            if self._on_load_failed is not None:
+                self._on_load_failed()
+            return False
+        if self._stopping:
+            self._close_backend()
+            return False
+        self.status = LoadStatus("ready", 1.0, is_ready=True)
+        log.info("model loaded in %.2f s: n_ctx %d, %d slots", time.monotonic() - t0, self._backend.n_ctx, self.n_slots)
+        return True
+
+    def _close_backend(self) -> None:
+        if self._backend is not None:
+            try:
+                self._backend.close()
+            except Exception:
+                log.exception("backend close failed")
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting) or any(s.task is not None for s in self._slots)
+
+    def _pump_inbox(self) -> None:
+        """Take everything queued; block only when there is nothing else to do."""
+        while not self._stopping:
+            if self._deferred is not None:
+                if self._has_work():
+                    return  # later items wait in the inbox until the deferred command has run
+                cmd, self._deferred = self._deferred, None
+                self._run_command(cmd)
+                continue
+            try:
+                item = self._inbox.get(block=not self._has_work())
+            except queue.Empty:
+                return
+            if item is _STOP:
+                self._stopping = True
+            elif isinstance(item, _Command):
+                if item.needs_idle and self._has_work():
+                    self._deferred = item
+                else:
+                    self._run_command(item)
+            else:
+                self._enqueue(item)
+
+    def _run_command(self, cmd: _Command) -> None:
+        try:
+            cmd.future.set_result(cmd.fn())
+        except Exception as e:
+            cmd.future.set_exception(e)
+
+    def _enqueue(self, task: Task) -> None:
+        self._waiting.append(task)  # first: if waking fails, _fail_all answers this task too
+        if self._require_backend().is_sleeping:
+            self.wake()
+
+    def _require_backend(self) -> Backend:
+        assert self._backend is not None, "engine used before the model loaded"
+        return self._backend
+
+    # -- engine thread: commands ---------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free weights and KV (engine thread, idle). Cached prefixes are gone with the KV."""
+        backend = self._require_backend()
+        if not backend.is_sleeping:
+            backend.sleep()
+            for s in self._slots:
+                s.cache.clear()
+            log.info("sleeping: weights and KV cache freed")
+
+    def wake(self) -> None:
+        backend = self._require_backend()
+        if backend.is_sleeping:
+            t0 = time.monotonic()
+            backend.wake()
+            log.info("awake: model reloaded in %.2f s", time.monotonic() - t0)
+
+    def slots_info(self) -> list[dict[str, Any]]:
+        n_ctx = self._require_backend().n_ctx
+        out = []
+        for s in self._slots:
+            t = s.task
+            out.append(
+                {
+                    "id": s.id,
+                    "n_ctx": n_ctx,
+                    "is_processing": t is not None,
+                    "id_task": t.id if t else -1,
+                    "n_cached_tokens": len(s.cache),
+                    "n_prompt_tokens": len(t.prompt) if t else 0,
+                    "n_decoded": t.stats.n_decoded if t else 0,
+                    "is_prefill": s.is_prefill,
+                    "params": _params_info(t) if t else None,
+                }
+            )
+        return out
+
+    # -- engine thread: one step -----------------------------------------------------------------
+    def _step(self) -> None:
+        self._reap_cancelled()
+        self._admit()
+        planned = self._plan_batch()
+        if planned:
+            self._run_batch(planned)
+        self._update_gauges()
+
+    def _run_batch(self, planned: list[tuple[Slot, BatchEntry]]) -> None:
+        backend = self._require_backend()
+        status = backend.decode([entry for _, entry in planned])
+        self._metrics.n_decode.inc()
+        if status is DecodeStatus.NO_KV_SPACE:
+            self._on_no_kv_space(planned)
+            return
+        self._prefill_cap = None
+        to_sample = self._commit(planned)
+        if to_sample:
+            tasks = [s.task for s in to_sample]
+            items = [SampleItem(t.sampler, i) for i, t in enumerate(tasks) if t is not None]
+            samples = backend.sample(items, [t.params for t in tasks if t is not None])
+            for slot, sample in zip(to_sample, samples, strict=True):
+                self._on_token(slot, sample)
+
+    def _reap_cancelled(self) -> None:
+        for s in self._slots:
+            if s.task is not None and s.task.is_cancelled:
+                task = s.release()
+                assert task is not None
+                log.info("task %d cancelled (slot %d freed after %d tokens)", task.id, s.id, task.stats.n_decoded)
+                self._free_sampler(task)
+        if any(t.is_cancelled for t in self._waiting):
+            for t in [t for t in self._waiting if t.is_cancelled]:
+                log.info("task %d cancelled while waiting", t.id)
+                self._free_sampler(t)
+            self._waiting = deque(t for t in self._waiting if not t.is_cancelled)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            task = self._waiting[0]
+            tokens = task.tokens()
+            p = task.params
+            slot = pick_slot(self._slots, tokens, id_slot=p.id_slot, cache_prompt=p.cache_prompt)
+            if slot is None:
+                return
+            self._waiting.popleft()
+            self._assign(slot, task, tokens)
+
+    def _assign(self, slot: Slot, task: Task, tokens: list[int]) -> None:
+        backend = self._require_backend()
+        n_keep = common_prefix_len(slot.cache, tokens) if task.params.cache_prompt else 0
+        n_keep = min(n_keep, len(tokens) - 1)  # at least one token to decode, for its logits
+        if n_keep < len(slot.cache):
+            backend.seq_rm(slot.id, n_keep)
+            del slot.cache[n_keep:]
+        slot.task = task
+        slot.feed = tokens[n_keep:]
+        slot.is_prefill = True
+        if task.sampler is None:
+            task.sampler = backend.new_sampler(task.params, task.seed)
+            task.stats.n_cached = n_keep
+            task.stats.t_start = time.monotonic()
+
+    def _kv_free(self) -> int:
+        return self._require_backend().n_ctx - sum(len(s.cache) for s in self._slots)
+
+    def _evict_idle_cache(self) -> bool:
+        victims = kv_victims(self._slots)
+        if not victims:
+            return False
+        self._require_backend().seq_rm(victims[0].id, 0)
+        victims[0].cache.clear()
+        return True
+
+    def _preempt(self, slot: Slot) -> None:
+        task = slot.release()
+        assert task is not None
+        self._require_backend().seq_rm(slot.id, 0)
+        slot.cache.clear()
+        task.n_preempted += 1
+        self._waiting.appendleft(task)
+        self._metrics.n_preempted.inc()
+        log.warning(
+            "KV cache full: task %d preempted from slot %d (%d tokens generated, requeued)",
+            task.id, slot.id, len(task.generated),
+        )
+
+    def _plan_batch(self) -> list[tuple[Slot, BatchEntry]]:
+        """One token per generating slot, then prompt chunks; KV room made first."""
+        backend = self._require_backend()
+        decoding = [s for s in self._slots if s.is_decoding]
+        while self._kv_free() < len(decoding):
+            if not self._evict_idle_cache():
+                victim = youngest(self._slots)
+                assert victim is not None
+                self._preempt(victim)
+                decoding = [s for s in self._slots if s.is_decoding]
+        planned = [(s, BatchEntry(s.id, s.feed, len(s.cache), True)) for s in decoding]
+
+        free = self._kv_free() - len(planned)
+        budget = backend.n_batch - len(planned)
+        if self._prefill_cap is not None:
+            budget = min(budget, self._prefill_cap)
+        prefilling = sorted((s for s in self._slots if s.task and s.is_prefill), key=_arrival)
+        for s in prefilling:
+            if budget <= 0:
+                break
+            want = min(len(s.feed), budget)
+            while free < want and self._evict_idle_cache():
+                free = self._kv_free() - sum(len(e.tokens) for _, e in planned)
+            n = min(want, free)
+            if n <= 0:
+                break
+            planned.append((s, BatchEntry(s.id, s.feed[:n], len(s.cache), n == len(s.feed))))
+            budget -= n
+            free -= n
+        if not planned and self._has_busy_slot():
+            # Prompts fill the cache and nothing can move: the youngest gives its cells back.
+            victim = youngest(self._slots)
+            if victim is not None:
+                self._preempt(victim)
+        return planned
+
+    def _has_busy_slot(self) -> bool:
+        return any(s.task is not None for s in self._slots)
+
+    def _on_no_kv_space(self, planned: list[tuple[Slot, BatchEntry]]) -> None:
+        n_prompt = sum(len(e.tokens) for s, e in planned if s.is_prefill)
+        if n_prompt > 1:
+            self._prefill_cap = n_prompt // 2
+            log.warning("llama_decode: no KV room for the batch; retrying with %d prompt tokens", n_prompt // 2)
+            return
+        victim = youngest(self._slots)
+        if victim is not None:
+            self._preempt(victim)
+
+    def _commit(self, planned: list[tuple[Slot, BatchEntry]]) -> list[Slot]:
+        """The batch is in the KV cache now: move fed tokens into each slot's cache."""
+        to_sample: list[Slot] = []
+        for slot, entry in planned:
+            n = len(entry.tokens)
+            slot.cache.extend(entry.tokens)
+            del slot.feed[:n]
+            if slot.is_prefill and slot.task is not None:
+                slot.task.stats.n_evaluated += n
+            if entry.logits:
+                to_sample.append(slot)
+        return to_sample
+
+    def _on_token(self, slot: Slot, sample: Sample) -> None:
+        backend = self._require_backend()
+        task = slot.task
+        assert task is not None
+        if slot.is_prefill:
+            slot.is_prefill = False
+            if not task.stats.t_first_token:
+                task.stats.t_first_token = time.monotonic()
+        token = sample.token
+        task.generated.append(token)
+        task.stats.n_decoded += 1
+        p = task.params
+        if not p.ignore_eos and backend.is_eog(token):
+            self._finish(slot, "stop", None)
+            return
+        text, stop_word = task.output.push(backend.token_to_piece(token))
+        task.emit(TokenEvent(text, token, sample.logprob, sample.top_logprobs))
+        if stop_word is not None:
+            self._finish(slot, "stop", stop_word)
+        elif (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens) or len(slot.cache) >= backend.n_ctx:
+            self._finish(slot, "length", None)
+        else:
+            slot.feed = [token]
+
+    def _finish(self, slot: Slot, reason: FinishReason, stop_word: str | None) -> None:
+        task = slot.release()
+        assert task is not None
+        st = task.stats
+        st.t_end = time.monotonic()
+        self._free_sampler(task)
+        task.emit(FinishEvent(reason, task.output.finish(), stop_word, st))
+        m = self._metrics
+        m.prompt_tokens.inc(st.n_evaluated)
+        m.prompt_seconds.inc(st.prompt_ms / 1e3)
+        m.tokens_predicted.inc(st.n_decoded)
+        m.tokens_predicted_seconds.inc(st.predicted_ms / 1e3)
+        m.requests.labels(reason).inc()
+        tps = st.n_decoded / (st.predicted_ms / 1e3) if st.predicted_ms > 0 else 0.0
+        log.info(
+            "task %d done on slot %d: %s; prompt %d tokens (%d cached) in %.1f ms; %d tokens in %.1f ms (%.1f t/s)",
+            task.id, slot.id, reason, st.n_prompt, st.n_cached, st.prompt_ms, st.n_decoded, st.predicted_ms, tps,
+        )
+
+    def _free_sampler(self, task: Task) -> None:
+        if task.sampler is not None and self._backend is not None:
+            self._backend.free_sampler(task.sampler)
+            task.sampler = None
+
+    def _fail_all(self, message: str, status_code: int) -> None:
+        """Fail every task in flight and forget all KV (after an error, or at shutdown)."""
+        tasks = [t for t in (s.release() for s in self._slots) if t is not None] + list(self._waiting)
+        self._waiting.clear()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Task):
+                tasks.append(item)
+            elif isinstance(item, _Command):
+                item.future.set_exception(RuntimeError(message))
+        if self._deferred is not None:
+            self._deferred.future.set_exception(RuntimeError(message))
+            self._deferred = None
+        kind = "unavailable_error" if status_code == 503 else "server_error"
+        for t in tasks:
+            self._free_sampler(t)
+            if not t.is_cancelled:
+                t.emit(ErrorEvent(message, status_code, kind))
+        if self._backend is not None and not self._backend.is_sleeping:
+            for s in self._slots:
+                self._backend.seq_rm(s.id, 0)
+        for s in self._slots:
+            s.cache.clear()
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        m = self._metrics
+        busy = sum(1 for s in self._slots if s.task is not None)
+        m.busy_slots.set(busy)
+        m.requests_processing.set(busy)
+        m.requests_deferred.set(len(self._waiting))
+        m.kv_cells_used.set(sum(len(s.cache) for s in self._slots))
+
+
+def _arrival(slot: Slot) -> float:
+    return slot.task.stats.t_arrival if slot.task else 0.0
+
+
+def _params_info(task: Task) -> dict[str, Any]:
+    p = task.params
+    return {
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_penalty": p.repeat_penalty,
+        "repeat_last_n": p.repeat_last_n,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "seed": task.seed,
+        "max_tokens": p.max_tokens,
+        "stop": list(p.stop),
+        "ignore_eos": p.ignore_eos,
+        "n_probs": p.top_logprobs,
+    }

@@ -1,0 +1,35 @@
+"""Prometheus metrics of one worker (llama-server's names, `llamacpp:` prefix).
+
+Counters are bumped by the engine thread; gauges are set by it once per step. prometheus-client
+is thread-safe, and `render()` (the /metrics handler) only reads.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series are noise for a scrape of one process
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.prompt_seconds = Counter("llamacpp:prompt_seconds", "Prompt processing time", registry=r)
+        self.tokens_predicted = Counter("llamacpp:tokens_predicted", "Generated tokens", registry=r)
+        self.tokens_predicted_seconds = Counter(
+            "llamacpp:tokens_predicted_seconds", "Generation time", registry=r
+        )
+        self.n_decode = Counter("llamacpp:n_decode", "llama_decode() calls", registry=r)
+        self.n_preempted = Counter("omni:preemptions", "Requests preempted for KV space", registry=r)
+        self.requests = Counter("omni:requests", "Generation tasks finished", ["reason"], registry=r)
+        self.busy_slots = Gauge("llamacpp:n_busy_slots_per_decode", "Busy slots", registry=r)
+        self.requests_processing = Gauge("llamacpp:requests_processing", "Tasks in a slot", registry=r)
+        self.requests_deferred = Gauge("llamacpp:requests_deferred", "Tasks waiting for a slot", registry=r)
+        self.kv_cells_used = Gauge("llamacpp:kv_cache_tokens", "KV cells in use", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,272 @@
+"""Engine events -> OpenAI chat / completion objects (streamed chunks or one aggregated body).
+
+Internally every request streams; a non-streaming response is the fold of the same events
+(`Choices`). Objects are plain dicts shaped like the models in worker/wire.py (built per token,
+so no pydantic on this path). `timings` is llama-server's; `usage` is OpenAI's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.generation import Generation
+from worker.task import ErrorEvent, FinishEvent, TaskStats, TokenEvent
+from worker.wire import error_body
+
+TokenText = Callable[[int], bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseInfo:
+    id: str
+    created: int
+    model: str
+    piece: TokenText  # raw bytes of a token, for logprobs
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def timings(stats: TaskStats) -> dict[str, Any]:
+    pn, pms = stats.n_evaluated, stats.prompt_ms
+    gn, gms = stats.n_decoded, stats.predicted_ms
+    return {
+        "cache_n": stats.n_cached,
+        "prompt_n": pn,
+        "prompt_ms": pms,
+        "prompt_per_token_ms": pms / pn if pn else 0.0,
+        "prompt_per_second": pn * 1e3 / pms if pms > 0 else 0.0,
+        "predicted_n": gn,
+        "predicted_ms": gms,
+        "predicted_per_token_ms": gms / gn if gn else 0.0,
+        "predicted_per_second": gn * 1e3 / gms if gms > 0 else 0.0,
+    }
+
+
+def usage(gen: Generation, finishes: dict[int, FinishEvent]) -> dict[str, Any]:
+    n_prompt = sum(len(p) for p in gen.prompts)
+    n_completion = sum(f.stats.n_decoded for f in finishes.values())
+    n_cached = sum(f.stats.n_cached for i, f in finishes.items() if i % gen.params.n == 0)
+    return {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": n_completion,
+        "total_tokens": n_prompt + n_completion,
+        "prompt_tokens_details": {"cached_tokens": n_cached},
+    }
+
+
+def error_payload(ev: ErrorEvent) -> dict[str, Any]:
+    return error_body(ev.message, ev.type, None, ev.status_code)
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def _token_str(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def chat_logprob(info: ResponseInfo, ev: TokenEvent) -> dict[str, Any]:
+    piece = info.piece(ev.token)
+    return {
+        "token": _token_str(piece),
+        "logprob": ev.logprob,
+        "bytes": list(piece),
+        "top_logprobs": [
+            {"token": _token_str(p), "logprob": lp, "bytes": list(p)}
+            for p, lp in ((info.piece(t), lp) for t, lp in ev.top_logprobs)
+        ],
+    }
+
+
+@dataclass(slots=True)
+class CompletionLogprobs:
+    tokens: list[str] = field(default_factory=list)
+    token_logprobs: list[float | None] = field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = field(default_factory=list)
+    text_offset: list[int] = field(default_factory=list)
+
+    def add(self, info: ResponseInfo, ev: TokenEvent, offset: int) -> None:
+        self.tokens.append(_token_str(info.piece(ev.token)))
+        self.token_logprobs.append(ev.logprob)
+        self.top_logprobs.append({_token_str(info.piece(t)): lp for t, lp in ev.top_logprobs})
+        self.text_offset.append(offset)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    n_chars: int = 0
+    chat_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    completion_logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    finish: FinishEvent | None = None
+
+
+class Choices:
+    """The fold of a generation's events into final choices (non-streaming responses)."""
+
+    def __init__(self, gen: Generation, info: ResponseInfo, *, echo: list[str] | None = None) -> None:
+        self.gen = gen
+        self.info = info
+        self.choices = [_Choice() for _ in gen.tasks]
+        if echo:
+            for i, c in enumerate(self.choices):
+                c.text.append(echo[i // gen.params.n])
+                c.n_chars = len(c.text[0])
+        self.error: ErrorEvent | None = None
+
+    async def collect(self) -> None:
+        want_lp = self.gen.params.logprobs
+        async for index, ev in self.gen.events():
+            c = self.choices[index]
+            if isinstance(ev, TokenEvent):
+                if want_lp:
+                    c.chat_logprobs.append(chat_logprob(self.info, ev))
+                    c.completion_logprobs.add(self.info, ev, c.n_chars)
+                c.text.append(ev.text)
+                c.n_chars += len(ev.text)
+            elif isinstance(ev, FinishEvent):
+                c.text.append(ev.text)
+                c.finish = ev
+            else:
+                self.error = ev
+                self.gen.cancel()
+                return
+
+    def finishes(self) -> dict[int, FinishEvent]:
+        return {i: c.finish for i, c in enumerate(self.choices) if c.finish is not None}
+
+    def _timings(self) -> dict[str, Any] | None:
+        first = self.choices[0].finish
+        return timings(first.stats) if first else None
+
+    def chat_completion(self) -> dict[str, Any]:
+        want_lp = self.gen.params.logprobs
+        return {
+            "id": self.info.id,
+            "object": "chat.completion",
+            "created": self.info.created,
+            "model": self.info.model,
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": "".join(c.text)},
+                    "finish_reason": c.finish.reason if c.finish else None,
+                    "logprobs": {"content": c.chat_logprobs} if want_lp else None,
+                }
+                for i, c in enumerate(self.choices)
+            ],
+            "usage": usage(self.gen, self.finishes()),
+            "timings": self._timings(),
+        }
+
+    def completion(self) -> dict[str, Any]:
+        want_lp = self.gen.params.logprobs
+        return {
+            "id": self.info.id,
+            "object": "text_completion",
+            "created": self.info.created,
+            "model": self.info.model,
+            "choices": [
+                {
+                    "index": i,
+                    "text": "".join(c.text),
+                    "finish_reason": c.finish.reason if c.finish else None,
+                    "logprobs": c.completion_logprobs.as_dict() if want_lp else None,
+                }
+                for i, c in enumerate(self.choices)
+            ],
+            "usage": usage(self.gen, self.finishes()),
+            "timings": self._timings(),
+        }
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+async def stream_chat(gen: Generation, info: ResponseInfo, *, include_usage: bool) -> AsyncIterator[bytes]:
+    want_lp = gen.params.logprobs
+    head = {"id": info.id, "object": "chat.completion.chunk", "created": info.created, "model": info.model}
+
+    def chunk(index: int, delta: dict[str, Any], **extra: Any) -> bytes:
+        choice = {"index": index, "delta": delta, "finish_reason": None, **extra}
+        return sse({**head, "choices": [choice]})
+
+    for i in range(len(gen.tasks)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    finishes: dict[int, FinishEvent] = {}
+    async for index, ev in gen.events():
+        if isinstance(ev, TokenEvent):
+            if want_lp:
+                yield chunk(index, {"content": ev.text}, logprobs={"content": [chat_logprob(info, ev)]})
+            elif ev.text:
+                yield chunk(index, {"content": ev.text})
+        elif isinstance(ev, FinishEvent):
+            finishes[index] = ev
+            if ev.text:
+                yield chunk(index, {"content": ev.text})
+            yield sse({**head, "choices": [{"index": index, "delta": {}, "finish_reason": ev.reason}],
+                       "timings": timings(ev.stats)})
+        else:
+            gen.cancel()
+            yield sse(error_payload(ev))
+            return
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(gen, finishes)})
+    yield SSE_DONE
+
+
+async def stream_completion(
+    gen: Generation, info: ResponseInfo, *, include_usage: bool, echo: list[str] | None
+) -> AsyncIterator[bytes]:
+    want_lp = gen.params.logprobs
+    head = {"id": info.id, "object": "text_completion", "created": info.created, "model": info.model}
+    offsets = [0] * len(gen.tasks)
+
+    def chunk(index: int, text: str, finish_reason: str | None = None, lp: Any = None, **extra: Any) -> bytes:
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
+        return sse({**head, "choices": [choice], **extra})
+
+    if echo:
+        for i in range(len(gen.tasks)):
+            text = echo[i // gen.params.n]
+            offsets[i] = len(text)
+            yield chunk(i, text)
+    finishes: dict[int, FinishEvent] = {}
+    async for index, ev in gen.events():
+        if isinstance(ev, TokenEvent):
+            if want_lp:
+                lp = CompletionLogprobs()
+                lp.add(info, ev, offsets[index])
+                yield chunk(index, ev.text, lp=lp.as_dict())
+            elif ev.text:
+                yield chunk(index, ev.text)
+            offsets[index] += len(ev.text)
+        elif isinstance(ev, FinishEvent):
+            finishes[index] = ev
+            yield chunk(index, ev.text, ev.reason, timings=timings(ev.stats))
+        else:
+            gen.cancel()
+            yield sse(error_payload(ev))
+            return
+    if include_usage:
+        yield sse({**head, "choices": [], "usage": usage(gen, finishes)})
+    yield SSE_DONE

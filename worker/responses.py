@@ -1,0 +1,83 @@
+"""ASGI responses that run a `Generation` and cancel it when the client goes away.
+
+Starlette's StreamingResponse notices a disconnect only on the next write (ASGI >= 2.4), and a
+plain JSONResponse never does; a request that waits for its last token would keep its slot.
+Here a watcher task reads `receive()` until `http.disconnect` and cancels the tasks at once,
+so the engine frees the slot within one step, for streaming and non-streaming requests alike.
+Tasks are submitted when the body starts being produced, and cancelled on every way out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from worker.generation import Generation
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+
+Producer = Callable[[Send], Awaitable[None]]
+
+
+class GenerationResponse(Response):
+    """Runs `produce(send)` (which drives `gen`) while watching for the client to leave."""
+
+    def __init__(self, gen: Generation, produce: Producer) -> None:
+        self.gen = gen
+        self.produce = produce
+        self.status_code = 200
+        self.background = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gen = self.gen
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def watch_disconnect() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    gen.cancel()
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(watch_disconnect)
+                try:
+                    await self.produce(send)
+                except OSError:  # the client went away mid-write
+                    pass
+                tg.cancel_scope.cancel()
+        finally:
+            gen.cancel()  # a no-op for finished tasks
+
+
+def event_stream(gen: Generation, chunks: AsyncIterator[bytes]) -> GenerationResponse:
+    """Server-sent events from `chunks` (an iterator over the generation's events)."""
+
+    async def produce(send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        async for data in chunks:
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return GenerationResponse(gen, produce)
+
+
+def aggregated(gen: Generation, build: Callable[[], Awaitable[tuple[int, Any]]]) -> GenerationResponse:
+    """One JSON body, from `build()` -> (status, object) once the generation is done."""
+
+    async def produce(send: Send) -> None:
+        status, obj = await build()
+        body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    return GenerationResponse(gen, produce)

@@ -1,0 +1,28 @@
+"""What the HTTP handlers share: the engine, metrics, model identity and the chat template.
+
+Kept apart from worker/app.py so the CLI can build it and start loading the model before it
+imports the (slower to import) HTTP stack.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from worker.engine import Engine
+from worker.metrics import WorkerMetrics
+
+if TYPE_CHECKING:
+    from worker.chat_template import ChatTemplate
+
+
+@dataclass(slots=True)
+class WorkerState:
+    engine: Engine
+    metrics: WorkerMetrics
+    model_id: str
+    model_path: str
+    backend_kind: str
+    template: ChatTemplate | None = None  # set by the loader once the model's metadata is known
+    created: int = field(default_factory=lambda: int(time.time()))

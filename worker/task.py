@@ -1,0 +1,128 @@
+"""A generation request as the engine sees it, and the events it streams back.
+
+A `Task` is created by an HTTP handler (plain types only: token ids and `SamplingParams`) and
+handed to the engine; from then on only the engine thread mutates it, except `cancel()`, which
+any thread may call (a single attribute write; the engine notices it at its next step).
+
+Every result goes out through `emit`, called on the engine thread: one `TokenEvent` per sampled
+token, then exactly one `FinishEvent` or `ErrorEvent`. A cancelled task gets no further events.
+
+The task, not the slot, owns what must survive preemption: the generated tokens, the sampler
+(penalty history, RNG), the detokenizer and the stop-string matcher. A preempted task is
+re-admitted with `prompt + generated` as its prompt and continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from worker.detok import IncrementalDetokenizer
+from worker.sampling_params import SamplingParams
+from worker.stop_strings import StopMatcher
+
+FinishReason = Literal["stop", "length"]
+_task_ids = itertools.count(1)
+
+
+@dataclass(slots=True)
+class TaskStats:
+    """Counts and monotonic timestamps; turned into `usage` and `timings` by the HTTP layer."""
+
+    n_prompt: int = 0  # prompt tokens
+    n_cached: int = 0  # prompt tokens reused from a slot's KV cache at first admission
+    n_evaluated: int = 0  # prompt tokens actually decoded (re-evaluation after preemption included)
+    n_decoded: int = 0  # generated tokens
+    t_arrival: float = 0.0
+    t_start: float = 0.0  # first admitted to a slot
+    t_first_token: float = 0.0
+    t_end: float = 0.0
+
+    @property
+    def prompt_ms(self) -> float:
+        return max(0.0, self.t_first_token - self.t_start) * 1e3 if self.t_first_token else 0.0
+
+    @property
+    def predicted_ms(self) -> float:
+        return max(0.0, self.t_end - self.t_first_token) * 1e3 if self.t_first_token else 0.0
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    text: str  # text safe to show now (may be empty: held back or incomplete UTF-8)
+    token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class FinishEvent:
+    reason: FinishReason
+    text: str  # the held-back tail, flushed at the end
+    stop_word: str | None
+    stats: TaskStats
+
+
+@dataclass(slots=True)
+class ErrorEvent:
+    message: str
+    status_code: int = 500
+    type: str = "server_error"
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+class TextOutput:
+    """Token bytes -> complete characters -> text with stop strings held back and cut."""
+
+    __slots__ = ("_detok", "_stops")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._detok = IncrementalDetokenizer()
+        self._stops = StopMatcher(stops)
+
+    def push(self, piece: bytes) -> tuple[str, str | None]:
+        text = self._detok.feed(piece)
+        return self._stops.feed(text) if text else ("", None)
+
+    def finish(self) -> str:
+        tail, matched = self._stops.feed(self._detok.flush())
+        return tail if matched else tail + self._stops.flush()
+
+
+class Task:
+    """One sequence to generate (a request with `n` > 1 becomes `n` tasks)."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        seed: int,
+        emit: Callable[[Event], None],
+    ) -> None:
+        self.id = next(_task_ids)
+        self.prompt = prompt
+        self.params = params
+        self.seed = seed
+        self.emit = emit
+        self.is_cancelled = False
+        self.generated: list[int] = []
+        self.sampler: Any = None
+        self.output = TextOutput(params.stop)
+        self.stats = TaskStats(n_prompt=len(prompt), t_arrival=time.monotonic())
+        self.n_preempted = 0
+
+    def cancel(self) -> None:
+        """Any thread: the engine drops the task (and frees its slot) at its next step."""
+        self.is_cancelled = True
+
+    def tokens(self) -> list[int]:
+        """What the slot must hold in its KV cache before the next token can be sampled."""
+        return self.prompt + self.generated if self.generated else self.prompt
+
+    def __repr__(self) -> str:
+        return f"Task(id={self.id}, n_prompt={len(self.prompt)}, n_generated={len(self.generated)})"
