@@ -10,7 +10,8 @@ Starts `omni-router` on a temporary preset with two real tiny GGUF models, then 
   3. cold start: unloaded model -> first streamed token (spawn + load + first token);
   4. wake from sleep: sleeping model -> first streamed token (target <= 25% of cold);
   5. swap with --models-max 1: a request for B while A is loaded -> answer
-     (stop A + cold start B; target < 2 s + B's load time).
+     (stop A + cold start B; target < 2 s + B's load time);
+  6. for comparison, the added latency with httpx as the router's upstream client.
 """
 
 from __future__ import annotations
@@ -65,11 +66,11 @@ def pct(values: list[float], q: float) -> float:
 
 
 class Router:
-    def __init__(self, preset: Path, *args: str) -> None:
+    def __init__(self, preset: Path, *args: str, env_extra: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.TemporaryFile()  # noqa: SIM115
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "router.cli", "--preset", str(preset), "--port",
                                       str(self.port), "--log-level", "warning", *args],
                                      cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
@@ -222,6 +223,13 @@ def main() -> None:
             results["swap"] = bench_swap(r, args.repeats)
         finally:
             r.close()
+        # The same router with its upstream client swapped for httpx: what the lean client saves.
+        r = Router(preset, env_extra={"OMNI_PROXY_CLIENT": "httpx"})
+        try:
+            r.http.post("/v1/chat/completions", json={**CHAT, "model": "a"}).raise_for_status()
+            results["latency_httpx"] = bench_latency(r, max(100, args.requests // 3))
+        finally:
+            r.close()
 
     lat, ka, lc, sw = results["latency"], results["keepalive"], results["lifecycle"], results["swap"]
     print(f"router bench (tiny GGUF, real workers, {os.cpu_count()} CPUs)")
@@ -230,6 +238,9 @@ def main() -> None:
     print(f"    router  p50 {lat['router_p50_ms']:7.3f} ms   p99 {lat['router_p99_ms']:7.3f} ms")
     print(f"    added   p50 {lat['added_p50_ms']:7.3f} ms   p99 {lat['added_p99_ms']:7.3f} ms"
           f"   (target p50 <= 1 ms)")
+    hx = results["latency_httpx"]
+    print(f"    (same router with httpx as its upstream client: added p50 {hx['added_p50_ms']:.3f} ms,"
+          f" p99 {hx['added_p99_ms']:.3f} ms)")
     print(f"  keep-alive: {ka['dropped']} dropped of {ka['sequential_requests']} sequential requests"
           f" ({ka['requests_per_s']:.0f} req/s; target 0)")
     print(f"  cold start -> first token   {lc['cold_ttft_s'] * 1000:8.1f} ms (median of {args.repeats})")

@@ -1,5 +1,5 @@
 """The router's HTTP surface: a thin raw-ASGI front (auth, CORS, the proxied routes) over a
-Starlette app for the router's own routes (/v1/models, /models/load|unload|sse, /props, /health).
+Starlette app for the router's own routes (/v1/models, /models/load|unload|sleep|sse, /props, /health).
 
 The proxied POST routes skip Starlette entirely (hot path): read the body, pick the model
 from its `model` field with one `json.loads`, admit the request (`ensure_ready`), forward.
@@ -258,9 +258,9 @@ class RouterApp:
             with contextlib.suppress(Exception):
                 await self._send_error(send, APIError(f"internal error: {e!r}", status_code=500, type="server_error"))
         except asyncio.CancelledError:
-            if watcher.done() and task.uncancel() == 0:
-                return  # the client left; nothing to answer
-            raise
+            # The client left (the watcher cancelled us), or uvicorn's graceful shutdown ran out:
+            # either way there is nobody left to answer, and nothing to report.
+            return
         finally:
             done = True
             watcher.cancel()

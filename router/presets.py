@@ -22,6 +22,7 @@ from typing import Any, Literal
 Backend = Literal["auto", "llama_cpp", "torch", "cmd", "remote"]
 BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "cmd", "remote")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
+_INLINE_COMMENT = re.compile(r"\s+[;#].*$")  # `c = 2048 ; comment` (unquoted values only)
 
 
 class PresetError(ValueError):
@@ -205,6 +206,8 @@ def _parse_ini(path: Path) -> tuple[_RawSection, list[_RawSection]]:
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
             value = value[1:-1]
+        else:
+            value = _INLINE_COMMENT.sub("", value)
         if key == "version" and current is None:
             continue  # llama.cpp's preset files start with `version = 1`
         if current is None:

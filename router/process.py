@@ -184,6 +184,10 @@ async def wait_ready(
                 if isinstance(progress, dict):
                     on_progress(progress)
             elif r.status_code >= 500:
+                # The worker exits by itself after reporting a failed load: let it, so that
+                # the exit code we report is its own and not our SIGTERM's.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(proc.proc.wait()), 3.0)
                 raise LoadError(f"/health answered {r.status_code}: {r.text[:300]}")
         except (httpx.TransportError, ValueError):
             pass  # not listening yet, or a partial body

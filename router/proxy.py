@@ -15,7 +15,10 @@ body; this module stays a byte pipe.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import os
 from typing import Any
 
 import httpx
@@ -30,6 +33,10 @@ HOP_BY_HOP = frozenset({
 })
 _DROP_REQUEST = HOP_BY_HOP | {b"authorization", b"x-api-key", b"accept-encoding", b"origin", b"cookie", b"expect"}
 _DROP_RESPONSE = HOP_BY_HOP | {b"date", b"server"}
+
+
+# For comparison benchmarks only: OMNI_PROXY_CLIENT=httpx sends everything through httpx.
+FORCE_HTTPX = os.environ.get("OMNI_PROXY_CLIENT") == "httpx"
 
 
 class UpstreamUnavailable(Exception):
@@ -80,7 +87,7 @@ async def forward(
     cors: list[tuple[bytes, bytes]] | None = None,
 ) -> int:
     """Proxy one request; returns the upstream status. Raises UpstreamUnavailable before headers."""
-    if not base_url.startswith("http://"):
+    if FORCE_HTTPX or not base_url.startswith("http://"):
         return await _forward_httpx(client, send, method, base_url + target, headers, body, model=model, cors=cors)
     try:
         conn = await upstream.request(base_url, method, target, headers, body)
@@ -103,6 +110,11 @@ async def forward(
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as e:
             await send({"type": "http.response.body", "body": _mid_stream(model, e), "more_body": True})
+        except asyncio.CancelledError:  # the router is shutting down (or the client left: no-op)
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "more_body": False,
+                            "body": sse_error("the request was cancelled: the router is shutting down", 503)})
+            raise
         await send({"type": "http.response.body", "body": b""})
         return conn.status
     finally:

@@ -43,6 +43,7 @@ class _Conn(asyncio.Protocol):
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
         self._is_complete = False
+        self._keep_alive = False
         self._got_bytes = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -74,6 +75,7 @@ class _Conn(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
+        self._keep_alive = self.parser.should_keep_alive()  # only valid until the message ends
         if self._headers_done is not None and not self._headers_done.done():
             self._headers_done.set_result(None)
 
@@ -119,6 +121,7 @@ class _Conn(asyncio.Protocol):
         self._chunks.clear()
         self._buffered = 0
         self._is_complete = False
+        self._keep_alive = False
         self._got_bytes = False
         self._error = None
         self._headers_done = loop.create_future()
@@ -133,7 +136,7 @@ class _Conn(asyncio.Protocol):
         return self._is_complete
 
     def should_keep_alive(self) -> bool:
-        return self._is_complete and not self.is_closed and self.parser.should_keep_alive()
+        return self._is_complete and self._keep_alive and not self.is_closed
 
     async def iter_body(self) -> AsyncIterator[bytes]:
         while True:

@@ -1,22 +1,15 @@
-"""The engine: one thread that owns the backend, the slots and the queue of waiting tasks.
+"""The engine: one thread that owns the backend and everything that touches it.
 
 Everything else talks to it through its inbox (`submit`, `call`, `call_when_idle`, `stop`);
 only `Task.cancel()` is a direct write, noticed at the next step. One step is llama-server's
-`update_slots`:
+`update_slots`, and reads like one:
 
-    reap cancelled tasks -> admit waiting tasks into idle slots (prefix reuse)
-    -> plan one batch: one token per generating slot, then prompt chunks up to n_batch
-    -> backend.decode(batch) -> backend.sample(every entry that asked for logits)
-    -> per slot: detokenize, stop strings, EOS, max_tokens, context full -> emit events
+    batcher.reap_cancelled(); batcher.admit(); planned = batcher.plan()
+    backend.decode(planned) -> batcher.commit(planned) -> backend.sample(slots that want a token)
+    -> per slot: EOS, detokenize, stop strings, max_tokens, context full -> emit events
 
-KV space: the backend has `n_ctx` cells shared by all sequences, and the engine knows exactly
-how many each slot holds (`len(slot.cache)`). Before a step it makes room for one new cell per
-generating slot: first by dropping idle slots' cached prefixes (least recently used first),
-then by preempting the youngest request (its KV is dropped and it goes back to the head of the
-queue with what it generated so far). Prompt chunks only use what is left. If llama.cpp still
-reports no room (it rounds internally), the prompt part is halved and retried next step; a
-batch of decode tokens only is answered by another preemption. The worker never crashes on a
-full cache, and a slot that reaches `n_ctx` finishes with `length`.
+The slots, the waiting queue and the KV accounting (prefix reuse, eviction, preemption) live in
+worker/batcher.py; this module is the thread, its inbox and commands, and the per-token output.
 """
 
 from __future__ import annotations
@@ -26,14 +19,13 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from worker.backends.base import Backend, BatchEntry, DecodeStatus, Sample, SampleItem
+from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
+from worker.batcher import Batcher, Planned
 from worker.metrics import WorkerMetrics
-from worker.scheduler import common_prefix_len, kv_victims, pick_slot, youngest
 from worker.slot import Slot
 from worker.task import ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
 
@@ -75,13 +67,12 @@ class Engine:
         self._factory = factory
         self._on_load_failed = on_load_failed
         self._metrics = metrics
-        self._slots = [Slot(i) for i in range(n_slots)]
-        self._waiting: deque[Task] = deque()
+        self.n_slots = n_slots
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._deferred: _Command | None = None  # a command waiting for the engine to be idle
-        self._prefill_cap: int | None = None  # set after llama.cpp found no KV room
         self._stopping = False
         self._backend: Backend | None = None
+        self._batcher: Batcher | None = None  # made once the backend is loaded
         self.status = LoadStatus()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -90,10 +81,6 @@ class Engine:
     def backend(self) -> Backend | None:
         """The loaded backend (its tokenizer and metadata are safe from any thread), or None."""
         return self._backend
-
-    @property
-    def n_slots(self) -> int:
-        return len(self._slots)
 
     def start(self) -> None:
         self._thread.start()
@@ -155,6 +142,7 @@ class Engine:
         if self._stopping:
             self._close_backend()
             return False
+        self._batcher = Batcher(self._backend, self.n_slots, self._metrics)
         self.status = LoadStatus("ready", 1.0, is_ready=True)
         log.info("model loaded in %.2f s: n_ctx %d, %d slots", time.monotonic() - t0, self._backend.n_ctx, self.n_slots)
         return True
@@ -167,7 +155,7 @@ class Engine:
                 log.exception("backend close failed")
 
     def _has_work(self) -> bool:
-        return bool(self._waiting) or any(s.task is not None for s in self._slots)
+        return self._batcher is not None and self._batcher.has_work()
 
     def _pump_inbox(self) -> None:
         """Take everything queued; block only when there is nothing else to do."""
@@ -199,7 +187,7 @@ class Engine:
             cmd.future.set_exception(e)
 
     def _enqueue(self, task: Task) -> None:
-        self._waiting.append(task)  # first: if waking fails, _fail_all answers this task too
+        self._require_batcher().enqueue(task)  # first: if waking fails, _fail_all answers it too
         if self._require_backend().is_sleeping:
             self.wake()
 
@@ -207,14 +195,17 @@ class Engine:
         assert self._backend is not None, "engine used before the model loaded"
         return self._backend
 
+    def _require_batcher(self) -> Batcher:
+        assert self._batcher is not None, "engine used before the model loaded"
+        return self._batcher
+
     # -- engine thread: commands ---------------------------------------------------------------
     def sleep(self) -> None:
         """Free weights and KV (engine thread, idle). Cached prefixes are gone with the KV."""
         backend = self._require_backend()
         if not backend.is_sleeping:
+            self._require_batcher().forget_kv()
             backend.sleep()
-            for s in self._slots:
-                s.cache.clear()
             log.info("sleeping: weights and KV cache freed")
 
     def wake(self) -> None:
@@ -227,7 +218,7 @@ class Engine:
     def slots_info(self) -> list[dict[str, Any]]:
         n_ctx = self._require_backend().n_ctx
         out = []
-        for s in self._slots:
+        for s in self._require_batcher().slots:
             t = s.task
             out.append(
                 {
@@ -246,153 +237,27 @@ class Engine:
 
     # -- engine thread: one step -----------------------------------------------------------------
     def _step(self) -> None:
-        self._reap_cancelled()
-        self._admit()
-        planned = self._plan_batch()
+        batcher = self._require_batcher()
+        for task in batcher.reap_cancelled():
+            self._free_sampler(task)
+        batcher.admit()
+        planned = batcher.plan()
         if planned:
-            self._run_batch(planned)
+            self._run_batch(batcher, planned)
         self._update_gauges()
 
-    def _run_batch(self, planned: list[tuple[Slot, BatchEntry]]) -> None:
+    def _run_batch(self, batcher: Batcher, planned: Planned) -> None:
         backend = self._require_backend()
-        status = backend.decode([entry for _, entry in planned])
-        self._metrics.n_decode.inc()
-        if status is DecodeStatus.NO_KV_SPACE:
-            self._on_no_kv_space(planned)
+        if backend.decode([entry for _, entry in planned]) is DecodeStatus.NO_KV_SPACE:
+            batcher.on_no_kv_space(planned)
             return
-        self._prefill_cap = None
-        to_sample = self._commit(planned)
+        to_sample = batcher.commit(planned)
         if to_sample:
-            tasks = [s.task for s in to_sample]
-            items = [SampleItem(t.sampler, i) for i, t in enumerate(tasks) if t is not None]
-            samples = backend.sample(items, [t.params for t in tasks if t is not None])
+            tasks = [s.task for s in to_sample if s.task is not None]
+            items = [SampleItem(t.sampler, i) for i, t in enumerate(tasks)]
+            samples = backend.sample(items, [t.params for t in tasks])
             for slot, sample in zip(to_sample, samples, strict=True):
                 self._on_token(slot, sample)
-
-    def _reap_cancelled(self) -> None:
-        for s in self._slots:
-            if s.task is not None and s.task.is_cancelled:
-                task = s.release()
-                assert task is not None
-                log.info("task %d cancelled (slot %d freed after %d tokens)", task.id, s.id, task.stats.n_decoded)
-                self._free_sampler(task)
-        if any(t.is_cancelled for t in self._waiting):
-            for t in [t for t in self._waiting if t.is_cancelled]:
-                log.info("task %d cancelled while waiting", t.id)
-                self._free_sampler(t)
-            self._waiting = deque(t for t in self._waiting if not t.is_cancelled)
-
-    def _admit(self) -> None:
-        while self._waiting:
-            task = self._waiting[0]
-            tokens = task.tokens()
-            p = task.params
-            slot = pick_slot(self._slots, tokens, id_slot=p.id_slot, cache_prompt=p.cache_prompt)
-            if slot is None:
-                return
-            self._waiting.popleft()
-            self._assign(slot, task, tokens)
-
-    def _assign(self, slot: Slot, task: Task, tokens: list[int]) -> None:
-        backend = self._require_backend()
-        n_keep = common_prefix_len(slot.cache, tokens) if task.params.cache_prompt else 0
-        n_keep = min(n_keep, len(tokens) - 1)  # at least one token to decode, for its logits
-        if n_keep < len(slot.cache):
-            backend.seq_rm(slot.id, n_keep)
-            del slot.cache[n_keep:]
-        slot.task = task
-        slot.feed = tokens[n_keep:]
-        slot.is_prefill = True
-        if task.sampler is None:
-            task.sampler = backend.new_sampler(task.params, task.seed)
-            task.stats.n_cached = n_keep
-            task.stats.t_start = time.monotonic()
-
-    def _kv_free(self) -> int:
-        return self._require_backend().n_ctx - sum(len(s.cache) for s in self._slots)
-
-    def _evict_idle_cache(self) -> bool:
-        victims = kv_victims(self._slots)
-        if not victims:
-            return False
-        self._require_backend().seq_rm(victims[0].id, 0)
-        victims[0].cache.clear()
-        return True
-
-    def _preempt(self, slot: Slot) -> None:
-        task = slot.release()
-        assert task is not None
-        self._require_backend().seq_rm(slot.id, 0)
-        slot.cache.clear()
-        task.n_preempted += 1
-        self._waiting.appendleft(task)
-        self._metrics.n_preempted.inc()
-        log.warning(
-            "KV cache full: task %d preempted from slot %d (%d tokens generated, requeued)",
-            task.id, slot.id, len(task.generated),
-        )
-
-    def _plan_batch(self) -> list[tuple[Slot, BatchEntry]]:
-        """One token per generating slot, then prompt chunks; KV room made first."""
-        backend = self._require_backend()
-        decoding = [s for s in self._slots if s.is_decoding]
-        while self._kv_free() < len(decoding):
-            if not self._evict_idle_cache():
-                victim = youngest(self._slots)
-                assert victim is not None
-                self._preempt(victim)
-                decoding = [s for s in self._slots if s.is_decoding]
-        planned = [(s, BatchEntry(s.id, s.feed, len(s.cache), True)) for s in decoding]
-
-        free = self._kv_free() - len(planned)
-        budget = backend.n_batch - len(planned)
-        if self._prefill_cap is not None:
-            budget = min(budget, self._prefill_cap)
-        prefilling = sorted((s for s in self._slots if s.task and s.is_prefill), key=_arrival)
-        for s in prefilling:
-            if budget <= 0:
-                break
-            want = min(len(s.feed), budget)
-            while free < want and self._evict_idle_cache():
-                free = self._kv_free() - sum(len(e.tokens) for _, e in planned)
-            n = min(want, free)
-            if n <= 0:
-                break
-            planned.append((s, BatchEntry(s.id, s.feed[:n], len(s.cache), n == len(s.feed))))
-            budget -= n
-            free -= n
-        if not planned and self._has_busy_slot():
-            # Prompts fill the cache and nothing can move: the youngest gives its cells back.
-            victim = youngest(self._slots)
-            if victim is not None:
-                self._preempt(victim)
-        return planned
-
-    def _has_busy_slot(self) -> bool:
-        return any(s.task is not None for s in self._slots)
-
-    def _on_no_kv_space(self, planned: list[tuple[Slot, BatchEntry]]) -> None:
-        n_prompt = sum(len(e.tokens) for s, e in planned if s.is_prefill)
-        if n_prompt > 1:
-            self._prefill_cap = n_prompt // 2
-            log.warning("llama_decode: no KV room for the batch; retrying with %d prompt tokens", n_prompt // 2)
-            return
-        victim = youngest(self._slots)
-        if victim is not None:
-            self._preempt(victim)
-
-    def _commit(self, planned: list[tuple[Slot, BatchEntry]]) -> list[Slot]:
-        """The batch is in the KV cache now: move fed tokens into each slot's cache."""
-        to_sample: list[Slot] = []
-        for slot, entry in planned:
-            n = len(entry.tokens)
-            slot.cache.extend(entry.tokens)
-            del slot.feed[:n]
-            if slot.is_prefill and slot.task is not None:
-                slot.task.stats.n_evaluated += n
-            if entry.logits:
-                to_sample.append(slot)
-        return to_sample
 
     def _on_token(self, slot: Slot, sample: Sample) -> None:
         backend = self._require_backend()
@@ -444,8 +309,7 @@ class Engine:
 
     def _fail_all(self, message: str, status_code: int) -> None:
         """Fail every task in flight and forget all KV (after an error, or at shutdown)."""
-        tasks = [t for t in (s.release() for s in self._slots) if t is not None] + list(self._waiting)
-        self._waiting.clear()
+        tasks = self._batcher.take_all() if self._batcher is not None else []
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -463,24 +327,17 @@ class Engine:
             self._free_sampler(t)
             if not t.is_cancelled:
                 t.emit(ErrorEvent(message, status_code, kind))
-        if self._backend is not None and not self._backend.is_sleeping:
-            for s in self._slots:
-                self._backend.seq_rm(s.id, 0)
-        for s in self._slots:
-            s.cache.clear()
         self._update_gauges()
 
     def _update_gauges(self) -> None:
+        if self._batcher is None:
+            return
         m = self._metrics
-        busy = sum(1 for s in self._slots if s.task is not None)
+        busy = self._batcher.n_busy()
         m.busy_slots.set(busy)
         m.requests_processing.set(busy)
-        m.requests_deferred.set(len(self._waiting))
-        m.kv_cells_used.set(sum(len(s.cache) for s in self._slots))
-
-
-def _arrival(slot: Slot) -> float:
-    return slot.task.stats.t_arrival if slot.task else 0.0
+        m.requests_deferred.set(len(self._batcher.waiting))
+        m.kv_cells_used.set(self._batcher.kv_used())
 
 
 def _params_info(task: Task) -> dict[str, Any]:

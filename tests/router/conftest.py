@@ -59,8 +59,11 @@ class RouterProc:
         return str(self.models()[name]["status"]["value"])
 
     def wait_status(self, name: str, value: str, timeout: float = 30.0) -> dict[str, Any]:
-        return wait_until(lambda: self.models()[name] if self.status(name) == value else None,
-                          timeout, what=f"model {name} to be {value}")
+        def card() -> dict[str, Any]:
+            c = self.models()[name]
+            return c if c["status"]["value"] == value else {}
+
+        return wait_until(card, timeout, what=f"model {name} to be {value}")
 
     def workers(self) -> list[psutil.Process]:
         """Live child processes of the router (one per running worker)."""

@@ -59,7 +59,7 @@ class Fake:
             return 0.5  # never ready: it exits at --load-time
         if self.args.load_time <= 0:
             return 1.0
-        return min(1.0, (time.monotonic() - self.started) / self.args.load_time)
+        return min(1.0, (time.monotonic() - self.started) / float(self.args.load_time))
 
     async def health(self, request: Request) -> Response:
         if self.progress() < 1.0:

@@ -27,9 +27,9 @@ def test_ini_llama_cpp_compatible(tmp_path: Path, gguf: Path) -> None:
     path = write(tmp_path, f"""version = 1
 ; global defaults
 [*]
-c = 2048
+c = 2048  ; inline comment
 ngl = 0
-stop-timeout = 3
+stop-timeout = 3 # another
 
 [chat]
 # short aliases like llama.cpp's --models-preset

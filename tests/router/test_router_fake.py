@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socketserver
 import subprocess
 import sys
 import threading
@@ -154,11 +155,13 @@ def test_queue_full_is_503_and_a_client_leaving_the_queue_is_forgotten(router_fa
 
 
 def test_idle_sleep_then_transparent_wake_keeps_the_process(router_factory: Factory) -> None:
-    r = router_factory(fake_model("a"), "--sleep-idle-seconds", "0.5")
+    r = router_factory(fake_model("a") + fake_model("b", extra="ttl = 0"), "--sleep-idle-seconds", "0.5")
     with r.client() as c:
+        assert c.post("/v1/chat/completions", json=chat("b")).status_code == 200
         assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
         pid = r.models()["a"]["meta"]["pid"]
         r.wait_status("a", "sleeping", timeout=10)
+        assert r.status("b") == "loaded"  # its ttl = 0 overrides --sleep-idle-seconds: never sleeps
         resp = c.post("/v1/chat/completions", json=chat("a"))
         assert resp.status_code == 200 and resp.json()["pid"] == pid
         assert r.status("a") == "loaded"
@@ -169,7 +172,11 @@ def test_worker_killed_mid_stream_gives_an_error_event_then_recovers(router_fact
     with r.client() as c:
         assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
     (worker,) = r.workers()
-    events = stream_chat(r, "a", on_chunk=lambda n: n == 3 and os.kill(worker.pid, signal.SIGKILL))
+    def kill_at_third(n: int) -> None:
+        if n == 3:
+            os.kill(worker.pid, signal.SIGKILL)
+
+    events = stream_chat(r, "a", on_chunk=kill_at_third)
     last = json.loads(events[-1])
     assert last["error"]["type"] == "server_error" and "mid-stream" in last["error"]["message"]
     card = r.wait_status("a", "failed")
@@ -374,3 +381,58 @@ def test_unload_during_load_fails_the_waiters_and_stops_the_worker(router_factor
     t.join(10)
     assert result["resp"].status_code == 503 and "was unloaded" in result["resp"].json()["error"]["message"]
     assert r.status("a") == "unloaded" and r.workers() == []
+
+
+class _OneShotKeepAliveHandler(socketserver.StreamRequestHandler):
+    """Answers the first request on a connection (keep-alive), then closes the connection when
+    the second one arrives without answering it: the race where a worker closes an idle
+    keep-alive connection just as the router reuses it."""
+
+    def handle(self) -> None:
+        for n in range(2):
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                byte = self.rfile.read(1)
+                if not byte:
+                    return
+                head += byte
+            length = int(next((line.split(b":")[1] for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), b"0"))
+            self.rfile.read(length)
+            if n == 1:
+                return  # close without a response
+            body = b'{"ok": true}'
+            self.wfile.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+            self.wfile.flush()
+
+
+def test_a_keep_alive_connection_closed_on_reuse_is_retried_not_dropped(router_factory: Factory) -> None:
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), _OneShotKeepAliveHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        r = router_factory(f'[models.up]\nbackend = "remote"\nupstream = "http://127.0.0.1:{port}"\n')
+        with r.client() as c:
+            codes = [c.post("/v1/chat/completions", json=chat("up")).status_code for _ in range(20)]
+        assert codes == [200] * 20
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_httpx_upstream_path_used_for_https_remotes_proxies_too(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a", "--tokens", "200", "--token-delay", "0.01"),
+                       env={"OMNI_PROXY_CLIENT": "httpx"})
+    with r.client() as c:
+        assert c.post("/v1/chat/completions", json=chat("a", max_tokens=3)).json()["choices"][0]["message"][
+            "content"] == "t0 t1 t2"
+    (worker,) = r.workers()
+
+    def kill_at_third(n: int) -> None:
+        if n == 3:
+            os.kill(worker.pid, signal.SIGKILL)
+
+    events = stream_chat(r, "a", on_chunk=kill_at_third)
+    assert "mid-stream" in json.loads(events[-1])["error"]["message"]

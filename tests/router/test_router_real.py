@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -121,7 +122,11 @@ def test_kill_9_mid_stream_gives_an_error_event_then_recovers(router_factory: Fa
     with r.client(timeout=60) as c:
         assert c.post("/v1/chat/completions", json=chat("tiny-gguf", max_tokens=2)).status_code == 200
     (worker,) = r.workers()
-    events = stream(r, "tiny-gguf", 3000, on_chunk=lambda n: n == 3 and os.kill(worker.pid, signal.SIGKILL))
+    def kill_at_third(n: int) -> None:
+        if n == 3:
+            os.kill(worker.pid, signal.SIGKILL)
+
+    events = stream(r, "tiny-gguf", 3000, on_chunk=kill_at_third)
     assert "error" in json.loads(events[-1]), events[-3:]
     card = r.wait_status("tiny-gguf", "failed")
     assert card["status"]["exit_code"] == -9 and card["status"]["log_tail"]
@@ -208,3 +213,16 @@ def test_lru_victim_queue_full_and_api_key_with_real_workers(router_factory: Fac
     assert client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{r.base}/v1", api_key="wrong").models.list()
+
+
+def test_a_model_that_fails_to_load_is_failed_with_the_workers_exit_code(router_factory: Factory,
+                                                                          tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file" * 100)
+    r = router_factory(f'[models.bad]\nmodel = "{bad}"\nbackend = "llama_cpp"\n')
+    with r.client(timeout=60) as c:
+        resp = c.post("/v1/chat/completions", json=chat("bad"))
+    assert resp.status_code == 503 and "failed to load" in resp.json()["error"]["message"]
+    status = r.models()["bad"]["status"]
+    assert (status["value"], status["failed"], status["exit_code"]) == ("failed", True, 1)
+    assert any("bad.gguf" in line for line in status["log_tail"])

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import llama_cpp as ll
+import llama_cpp.llama_cpp as llc
 import numpy as np
 
 from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, Sample, SampleItem
@@ -51,6 +52,26 @@ def _on_llama_log(level: int, text: bytes, _user: Any) -> None:
 
 
 _LOG_CALLBACK = ll.llama_log_callback(_on_llama_log)  # module-level: must outlive every call
+
+# The same library through ctypes.PyDLL: calls that keep the GIL. ctypes' CDLL releases and
+# re-acquires the GIL around every call; for calls of a few microseconds that is pure cost, and
+# each re-acquisition waits for the event-loop thread (up to the 5 ms switch interval, longer when
+# the OS has descheduled it). Only llama_decode, the one long call per step, releases the GIL.
+_PYLIB = ctypes.PyDLL(llc._lib._name)
+
+
+def _holding_gil(cfunc: Any) -> Any:
+    f = getattr(_PYLIB, cfunc.__name__)
+    f.argtypes = cfunc.argtypes
+    f.restype = cfunc.restype
+    return f
+
+
+_sampler_sample = _holding_gil(ll.llama_sampler_sample)
+_get_logits_ith = _holding_gil(ll.llama_get_logits_ith)
+_memory_seq_rm = _holding_gil(ll.llama_memory_seq_rm)
+_vocab_is_eog = _holding_gil(ll.llama_vocab_is_eog)
+_token_to_piece = _holding_gil(ll.llama_token_to_piece)
 
 
 def _init_llama_backend() -> None:
@@ -256,10 +277,10 @@ class LlamaCppBackend:
 
     def _piece(self, token: int, *, special: bool) -> bytes:
         buf = ctypes.create_string_buffer(64)
-        n = ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        n = _token_to_piece(self._vocab, token, buf, 64, 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+            n = _token_to_piece(self._vocab, token, buf, -n, 0, special)
         return buf.raw[:n]
 
     def token_to_piece(self, token: int) -> bytes:
@@ -271,7 +292,7 @@ class LlamaCppBackend:
         return piece
 
     def is_eog(self, token: int) -> bool:
-        return bool(ll.llama_vocab_is_eog(self._vocab, token))
+        return bool(_vocab_is_eog(self._vocab, token))
 
     def _eog_tokens(self) -> list[int]:
         if self._eog_ids is None:
@@ -292,9 +313,9 @@ class LlamaCppBackend:
         raise RuntimeError(f"llama_decode failed with status {ret}")
 
     def seq_rm(self, seq_id: int, p0: int) -> None:
-        if self._ctx is not None and not ll.llama_memory_seq_rm(self._mem, seq_id, p0, -1):
+        if self._ctx is not None and not _memory_seq_rm(self._mem, seq_id, p0, -1):
             # A partial removal can fail only for recurrent models; drop the whole sequence.
-            ll.llama_memory_seq_rm(self._mem, seq_id, 0, -1)
+            _memory_seq_rm(self._mem, seq_id, 0, -1)
 
     def new_sampler(self, params: SamplingParams, seed: int) -> Any:
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_params(no_perf=True))
@@ -331,7 +352,7 @@ class LlamaCppBackend:
         ll.llama_sampler_free(sampler)
 
     def _logits_row(self, batch_idx: int) -> np.ndarray:
-        ptr = ll.llama_get_logits_ith(self._ctx, batch_idx)
+        ptr = _get_logits_ith(self._ctx, batch_idx)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def sample(self, items: Sequence[SampleItem], params: Sequence[SamplingParams]) -> list[Sample]:
@@ -345,7 +366,7 @@ class LlamaCppBackend:
                     logprobs = _log_softmax(row)
                 if item.mask is not None:
                     row[~item.mask] = -np.inf  # in place: the sampler reads this very buffer
-            token = int(ll.llama_sampler_sample(item.sampler, self._ctx, idx))
+            token = int(_sampler_sample(item.sampler, self._ctx, idx))
             if logprobs is None:
                 out.append(Sample(token))
             else:

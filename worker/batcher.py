@@ -1,0 +1,200 @@
+"""The slots, the queue of waiting tasks and the KV-cache accounting (engine thread only).
+
+`Batcher` turns "who is waiting, who is generating" into the next batch:
+
+    reap_cancelled() -> admit() -> plan() -> [backend.decode] -> commit() | on_no_kv_space()
+
+KV space: the backend has `n_ctx` cells shared by all sequences, and the batcher knows exactly
+how many each slot holds (`len(slot.cache)`). Before a step it makes room for one new cell per
+generating slot: first by dropping idle slots' cached prefixes (least recently used first),
+then by preempting the youngest request (its KV is dropped and it goes back to the head of the
+queue with what it generated so far; it owns its sampler and text state, so it resumes exactly
+where it was). Prompt chunks only use what is left. If llama.cpp still reports no room (it
+rounds internally), the prompt part is halved for the next try; a batch of decode tokens only
+is answered by another preemption. So a full cache never fails a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+from worker.backends.base import Backend, BatchEntry
+from worker.metrics import WorkerMetrics
+from worker.scheduler import common_prefix_len, kv_victims, pick_slot, youngest
+from worker.slot import Slot
+from worker.task import Task
+
+log = logging.getLogger("worker.engine")
+
+Planned = list[tuple[Slot, BatchEntry]]
+
+
+class Batcher:
+    def __init__(self, backend: Backend, n_slots: int, metrics: WorkerMetrics) -> None:
+        self._backend = backend
+        self._metrics = metrics
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self.waiting: deque[Task] = deque()
+        self._prefill_cap: int | None = None  # set after llama.cpp found no KV room
+
+    # -- state ----------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting) or self.n_busy() > 0
+
+    def n_busy(self) -> int:
+        return sum(1 for s in self.slots if s.task is not None)
+
+    def kv_used(self) -> int:
+        return sum(len(s.cache) for s in self.slots)
+
+    def enqueue(self, task: Task) -> None:
+        self.waiting.append(task)
+
+    def take_all(self) -> list[Task]:
+        """Detach every task (running or waiting) and forget all KV: after an error, at exit."""
+        tasks = [t for t in (s.release() for s in self.slots) if t is not None] + list(self.waiting)
+        self.waiting.clear()
+        self.forget_kv()
+        return tasks
+
+    def forget_kv(self) -> None:
+        if not self._backend.is_sleeping:
+            for s in self.slots:
+                self._backend.seq_rm(s.id, 0)
+        for s in self.slots:
+            s.cache.clear()
+
+    # -- before the decode ------------------------------------------------------------------------
+    def reap_cancelled(self) -> list[Task]:
+        """Free the slots of cancelled tasks and drop cancelled waiting tasks; return them all."""
+        dropped = []
+        for s in self.slots:
+            if s.task is not None and s.task.is_cancelled:
+                task = s.release()
+                assert task is not None
+                log.info("task %d cancelled (slot %d freed after %d tokens)", task.id, s.id, task.stats.n_decoded)
+                dropped.append(task)
+        if any(t.is_cancelled for t in self.waiting):
+            for t in self.waiting:
+                if t.is_cancelled:
+                    log.info("task %d cancelled while waiting", t.id)
+                    dropped.append(t)
+            self.waiting = deque(t for t in self.waiting if not t.is_cancelled)
+        return dropped
+
+    def admit(self) -> None:
+        """Waiting tasks (FIFO) into idle slots, each to the slot that shares most of its prompt."""
+        while self.waiting:
+            task = self.waiting[0]
+            tokens = task.tokens()
+            p = task.params
+            slot = pick_slot(self.slots, tokens, id_slot=p.id_slot, cache_prompt=p.cache_prompt)
+            if slot is None:
+                return
+            self.waiting.popleft()
+            self._assign(slot, task, tokens)
+
+    def _assign(self, slot: Slot, task: Task, tokens: list[int]) -> None:
+        n_keep = common_prefix_len(slot.cache, tokens) if task.params.cache_prompt else 0
+        n_keep = min(n_keep, len(tokens) - 1)  # at least one token to decode, for its logits
+        if n_keep < len(slot.cache):
+            self._backend.seq_rm(slot.id, n_keep)
+            del slot.cache[n_keep:]
+        slot.task = task
+        slot.feed = tokens[n_keep:]
+        slot.is_prefill = True
+        if task.sampler is None:  # first admission (a preempted task keeps its sampler)
+            task.sampler = self._backend.new_sampler(task.params, task.seed)
+            task.stats.n_cached = n_keep
+            task.stats.t_start = time.monotonic()
+
+    def plan(self) -> Planned:
+        """One token per generating slot, then prompt chunks (oldest first); KV room made first."""
+        decoding = [s for s in self.slots if s.is_decoding]
+        while self._kv_free() < len(decoding):
+            if not self._evict_idle_cache():
+                self._preempt_youngest()
+                decoding = [s for s in self.slots if s.is_decoding]
+        planned: Planned = [(s, BatchEntry(s.id, s.feed, len(s.cache), True)) for s in decoding]
+
+        free = self._kv_free() - len(planned)
+        budget = self._backend.n_batch - len(planned)
+        if self._prefill_cap is not None:
+            budget = min(budget, self._prefill_cap)
+        prefilling = sorted((s for s in self.slots if s.task and s.is_prefill), key=_arrival)
+        for s in prefilling:
+            if budget <= 0:
+                break
+            want = min(len(s.feed), budget)
+            while free < want and self._evict_idle_cache():
+                free = self._kv_free() - sum(len(e.tokens) for _, e in planned)
+            n = min(want, free)
+            if n <= 0:
+                break
+            planned.append((s, BatchEntry(s.id, s.feed[:n], len(s.cache), n == len(s.feed))))
+            budget -= n
+            free -= n
+        if not planned and self.n_busy() > 0:
+            # Prompts fill the cache and nothing can move: the youngest gives its cells back.
+            self._preempt_youngest()
+        return planned
+
+    def _kv_free(self) -> int:
+        return self._backend.n_ctx - self.kv_used()
+
+    def _evict_idle_cache(self) -> bool:
+        victims = kv_victims(self.slots)
+        if not victims:
+            return False
+        self._backend.seq_rm(victims[0].id, 0)
+        victims[0].cache.clear()
+        return True
+
+    def _preempt_youngest(self) -> None:
+        slot = youngest(self.slots)
+        if slot is None:
+            return
+        task = slot.release()
+        assert task is not None
+        self._backend.seq_rm(slot.id, 0)
+        slot.cache.clear()
+        task.n_preempted += 1
+        self.waiting.appendleft(task)
+        self._metrics.n_preempted.inc()
+        log.warning(
+            "KV cache full: task %d preempted from slot %d (%d tokens generated, requeued)",
+            task.id, slot.id, len(task.generated),
+        )
+
+    # -- after the decode -------------------------------------------------------------------------
+    def on_no_kv_space(self, planned: Planned) -> None:
+        """llama_decode found no room: halve the prompt part, or preempt if there is none."""
+        self._metrics.n_decode.inc()
+        n_prompt = sum(len(e.tokens) for s, e in planned if s.is_prefill)
+        if n_prompt > 1:
+            self._prefill_cap = n_prompt // 2
+            log.warning("llama_decode: no KV room for the batch; retrying with %d prompt tokens", n_prompt // 2)
+        else:
+            self._preempt_youngest()
+
+    def commit(self, planned: Planned) -> list[Slot]:
+        """The batch is in the KV cache: move fed tokens into each slot's cache; return the slots
+        whose last entry asked for logits, in batch order (the order `sample` expects)."""
+        self._metrics.n_decode.inc()
+        self._prefill_cap = None
+        to_sample: list[Slot] = []
+        for slot, entry in planned:
+            n = len(entry.tokens)
+            slot.cache.extend(entry.tokens)  # before `del`: a decode entry's tokens *are* slot.feed
+            del slot.feed[:n]
+            if slot.is_prefill and slot.task is not None:
+                slot.task.stats.n_evaluated += n
+            if entry.logits:
+                to_sample.append(slot)
+        return to_sample
+
+
+def _arrival(slot: Slot) -> float:
+    return slot.task.stats.t_arrival if slot.task else 0.0
