@@ -27,8 +27,15 @@ worker's KV cache is unified (any slot may use the whole context); llama-server 
 per-slot capacity is the same; otherwise each of its slots gets CTX/8 (printed in the header).
 Both get the same `--threads` (default: all CPUs) unless `--threads 0` (each server's default).
 
-While one target runs, the CPU time of the idle ones is sampled: an idle server that burns CPU
-(a busy-polling engine loop) would slow down the other side and is reported as a warning.
+Noise. This box is shared, and llama.cpp's threads (one per core, spinning at barriers) collapse
+by 10-40x when another process takes a core. So: before each burst we wait (up to --quiet-wait)
+for the machine to be quiet; during it, we measure the CPU used by the target, by us, and by
+everything else (/proc/stat minus the two); a burst during which other processes used more than
+--max-noise CPUs is discarded and rerun (up to --retries times, with fresh prompt tokens of the
+same lengths; an attempt taking 3x longer than the fastest clean one is cut short, its requests
+cancelled; the last attempt is always kept). The table shows those CPU figures, so a reader can tell a clean run from a noisy
+one. The CPU time of idle targets is sampled too: an idle server that burns CPU (a busy-polling
+engine loop) would slow down the other side and is reported as a warning.
 """
 
 from __future__ import annotations
@@ -90,9 +97,12 @@ def normal_token_ids(model: Path) -> list[int]:
 
 
 def make_prompt(vocab: list[int], round_idx: int, concurrency: int, req_idx: int,
-                min_len: int, max_len: int) -> list[int]:
-    rng = random.Random(f"{round_idx}/{concurrency}/{req_idx}")
-    return [rng.choice(vocab) for _ in range(rng.randint(min_len, max_len))]
+                min_len: int, max_len: int, attempt: int = 0) -> list[int]:
+    """The prompt of one request of a cell. A retried burst gets other tokens (no prefix-cache
+    hit on what the server saw on the first attempt) but the same lengths (the same work)."""
+    length = random.Random(f"{round_idx}/{concurrency}/{req_idx}").randint(min_len, max_len)
+    rng = random.Random(f"{round_idx}/{concurrency}/{req_idx}/{attempt}")
+    return [rng.choice(vocab) for _ in range(length)]
 
 
 # ---------------------------------------------------------------- one request, one burst
@@ -185,6 +195,7 @@ class Burst:
     cpu_client: float = math.nan  # ... by this benchmark process
     cpu_foreign: float = math.nan  # ... by everything else on the machine (noise)
     foreign_before: float = math.nan  # foreign load measured just before the burst
+    num_discarded: int = 0  # earlier attempts of this burst thrown away as too noisy
 
 
 async def run_burst(client: httpx.AsyncClient, model_name: str, prompts: list[list[int]],
@@ -240,7 +251,8 @@ def build_targets(args: argparse.Namespace, log_dir: Path) -> tuple[list[Server]
         name = kind if seen[kind] == 1 else f"{kind}#{seen[kind]}"
         if kind in externals:
             servers.append(Server(name=name, base_url=externals[kind].rstrip("/")))
-            notes.append(f"{name}: external server at {externals[kind]}")
+            notes.append(f"{name}: external server at {externals[kind]} (CPU accounted to the process "
+                         "listening on its port, if local)")
             continue
         port = free_port()
         threads = [] if args.threads == 0 else [str(args.threads)]
@@ -290,21 +302,52 @@ async def wait_quiet(below: float, max_wait: float, window: float = 0.5) -> floa
 
 
 async def measured_burst(target: Server, servers: list[Server], client: httpx.AsyncClient, model_name: str,
-                         prompts: list[list[int]], max_tokens: int, conc: int, round_idx: int) -> Burst:
-    """One burst, with the CPU time spent meanwhile by the target, us, idle targets and the rest."""
+                         prompts: list[list[int]], max_tokens: int, conc: int, round_idx: int,
+                         give_up_after: float | None = None) -> Burst | None:
+    """One burst, with the CPU time spent meanwhile by the target, us, idle targets and the rest.
+    None if it took longer than `give_up_after` seconds (its requests are then cancelled)."""
     others = [o for o in servers if o is not target]
     others0 = {o.name: o.cpu_seconds() for o in others}
     sys0, tgt0, self0, t0 = system_busy_seconds(), target.cpu_seconds(), self_cpu_seconds(), time.perf_counter()
-    wall, results = await run_burst(client, model_name, prompts, max_tokens)
+    try:
+        wall, results = await asyncio.wait_for(run_burst(client, model_name, prompts, max_tokens), give_up_after)
+    except TimeoutError:
+        return None
     elapsed = time.perf_counter() - t0
     d_sys, d_tgt = system_busy_seconds() - sys0, target.cpu_seconds() - tgt0
     d_self = self_cpu_seconds() - self0
     idle = {o.name: (o.cpu_seconds() - others0[o.name]) / elapsed for o in others}
     b = summarize_burst(target.name, conc, round_idx, wall, results, idle)
     b.cpu_target, b.cpu_client = d_tgt / elapsed, d_self / elapsed
-    # An external target's CPU is unknown: it counts as foreign.
+    # An external target whose process cannot be found counts as foreign.
     b.cpu_foreign = max(0.0, (d_sys - d_tgt - d_self) / elapsed - sum(idle.values()))
     return b
+
+
+async def burst_with_retries(args: argparse.Namespace, target: Server, servers: list[Server],
+                             client: httpx.AsyncClient, model_name: str, vocab: list[int], conc: int,
+                             round_idx: int, fastest: dict[tuple[str, int], float]) -> Burst:
+    """Run a burst until one is clean (little foreign CPU). An attempt running far longer than
+    the fastest clean one so far is cut short; the last attempt always runs to the end."""
+    lo, hi = args.prompt_tokens
+    attempt = 0
+    while True:
+        prompts = [make_prompt(vocab, round_idx, conc, i, lo, hi, attempt) for i in range(conc)]
+        foreign_before = await wait_quiet(args.quiet_below, args.quiet_wait)
+        is_last = attempt >= args.retries
+        best = fastest.get((target.name, conc))
+        limit = None if is_last or best is None else max(3.0 * best, best + 2.0)
+        b = await measured_burst(target, servers, client, model_name, prompts, args.max_tokens, conc,
+                                 round_idx, limit)
+        if b is not None:
+            b.foreign_before, b.num_discarded = foreign_before, attempt
+            if is_last or b.errors or b.cpu_foreign <= args.max_noise:
+                return b
+            why = f"other processes used {b.cpu_foreign:.2f} CPUs meanwhile ({b.tok_s:.1f} tok/s)"
+        else:
+            why = f"gave up after {limit:.1f}s (fastest clean burst: {best:.1f}s)"
+        log(f"round {round_idx + 1} N={conc} {target.name}: attempt {attempt + 1} discarded, {why}")
+        attempt += 1
 
 
 async def model_name_of(client: httpx.AsyncClient) -> str:
@@ -333,15 +376,16 @@ async def run(args: argparse.Namespace, servers: list[Server], vocab: list[int])
                 raise SystemExit(f"{s.name}: warm-up failed: {errors[0]}")
             log(f"{s.name}: warmed up (model {model_names[s.name]!r})")
         bursts: list[Burst] = []
+        fastest: dict[tuple[str, int], float] = {}  # clean burst wall time per (target, N)
         for round_idx in range(args.rounds):
             order = servers if round_idx % 2 == 0 else list(reversed(servers))
             for conc in args.concurrency:
-                prompts = [make_prompt(vocab, round_idx, conc, i, lo, hi) for i in range(conc)]
                 for s in order:
-                    foreign_before = await wait_quiet(args.quiet_below, args.quiet_wait)
-                    b = await measured_burst(s, servers, clients[s.name], model_names[s.name], prompts,
-                                             args.max_tokens, conc, round_idx)
-                    b.foreign_before = foreign_before
+                    b = await burst_with_retries(args, s, servers, clients[s.name], model_names[s.name],
+                                                 vocab, conc, round_idx, fastest)
+                    if not b.errors and b.cpu_foreign <= args.max_noise:
+                        key = (s.name, conc)
+                        fastest[key] = min(fastest.get(key, math.inf), b.wall_s)
                     bursts.append(b)
                     log(f"round {round_idx + 1}/{args.rounds} N={conc:<2} {s.name:<14} {b.tok_s:7.1f} tok/s  "
                         f"TTFT p50 {b.ttft_p50_ms:7.1f} p99 {b.ttft_p99_ms:7.1f} ms  "
@@ -354,7 +398,8 @@ async def run(args: argparse.Namespace, servers: list[Server], vocab: list[int])
             await c.aclose()
 
 
-def summarize(bursts: list[Burst], servers: list[Server], concurrency: list[int]) -> dict[str, Any]:
+def summarize(bursts: list[Burst], servers: list[Server], concurrency: list[int],
+              max_noise: float) -> dict[str, Any]:
     table: dict[str, dict[int, dict[str, float]]] = {}
     for s in servers:
         table[s.name] = {}
@@ -371,6 +416,8 @@ def summarize(bursts: list[Burst], servers: list[Server], concurrency: list[int]
                 "num_errors": sum(len(b.errors) for b in mine),
                 "cpu_target": median([b.cpu_target for b in mine]),
                 "cpu_foreign": median([b.cpu_foreign for b in mine]),
+                "num_noisy": sum(1 for b in mine if b.cpu_foreign > max_noise),
+                "num_discarded": sum(b.num_discarded for b in mine),
                 "idle_cpu_of_others_max": max((max(b.idle_cpu_of_others.values(), default=0.0) for b in mine),
                                               default=0.0),
             }
@@ -402,6 +449,8 @@ def print_report(table: dict[str, Any], bursts: list[Burst], servers: list[Serve
         for s in servers:
             r = table[s.name][conc]
             err = f"  {r['num_errors']} errors" if r["num_errors"] else ""
+            if r["num_noisy"]:
+                err += f"  {r['num_noisy']} noisy rounds kept"
             print(f"{conc:>3}  {s.name:<14} {fmt(r['tok_s'])} [{fmt(r['tok_s_min'])} - {fmt(r['tok_s_max'])}]  "
                   f"{fmt(r['ttft_p50_ms'], '8.1f')} {fmt(r['ttft_p99_ms'], '8.1f')}  "
                   f"{fmt(r['itl_p50_ms'])} {fmt(r['itl_p99_ms'])}  {fmt(r['cpu_target'], '4.2f')} "
@@ -424,6 +473,9 @@ def print_report(table: dict[str, Any], bursts: list[Burst], servers: list[Serve
     print("tok/s: generated tokens / burst wall time; TTFT, ITL in ms; each a median over rounds of the "
           "burst's value.\nCPUs: used by the target during its bursts; noise: CPUs used meanwhile by other "
           "processes on the machine (medians).")
+    discarded = sum(b.num_discarded for b in bursts)
+    if discarded:
+        print(f"{discarded} bursts were rerun because other processes used the CPUs meanwhile.")
     for s in servers:
         idle = max(table[s.name][c]["idle_cpu_of_others_max"] for c in concurrency)
         if idle > 0.05:
@@ -458,6 +510,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quiet-below", type=float, default=0.3, metavar="CPUS",
                    help="before each burst wait until other processes use at most this many CPUs ...")
     p.add_argument("--quiet-wait", type=float, default=10.0, metavar="SECONDS", help="... but at most this long")
+    p.add_argument("--max-noise", type=float, default=0.25, metavar="CPUS",
+                   help="a burst during which other processes used more CPUs is discarded and rerun ...")
+    p.add_argument("--retries", type=int, default=4, help="... at most this many times (then kept)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--json", type=Path, default=None, help="write config, every burst and the summary here")
@@ -497,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers:
             s.stop()
-    table = summarize(bursts, servers, args.concurrency)
+    table = summarize(bursts, servers, args.concurrency, args.max_noise)
     print_report(table, bursts, servers, args.concurrency, header)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -66,6 +66,20 @@ def self_cpu_seconds() -> float:
     return t.user + t.system
 
 
+def listening_pid(base_url: str) -> int | None:
+    """The local process listening on `base_url`'s port, if it can be seen (else None)."""
+    import psutil
+
+    port = httpx.URL(base_url).port
+    try:
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                return int(c.pid)
+    except psutil.Error:
+        pass
+    return None
+
+
 def log_tail(path: Path, num_chars: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-num_chars:]
@@ -83,6 +97,7 @@ class Server:
     log_path: Path | None = None
     env: dict[str, str] | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    pid: int | None = None  # the process to account CPU to (found by port for an external server)
 
     def start(self, timeout: float) -> None:
         if self.cmd is not None:
@@ -93,7 +108,10 @@ class Server:
                     self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True, env=self.env,
                 )
+            self.pid = self.proc.pid
         self._wait_healthy(timeout)
+        if self.pid is None:
+            self.pid = listening_pid(self.base_url)
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -120,13 +138,13 @@ class Server:
         )
 
     def cpu_seconds(self) -> float:
-        """User+system CPU time of the server process tree so far (0 for external servers)."""
-        if self.proc is None:
+        """User+system CPU time of the server process tree so far (0 when its pid is unknown)."""
+        if self.pid is None:
             return 0.0
         import psutil
 
         try:
-            p = psutil.Process(self.proc.pid)
+            p = psutil.Process(self.pid)
             procs = [p, *p.children(recursive=True)]
             total = 0.0
             for q in procs:

@@ -25,6 +25,7 @@ from worker.generation import Generation
 from worker.metrics import CONTENT_TYPE
 from worker.openai_format import Choices, ResponseInfo, error_payload, stream_chat, stream_completion
 from worker.responses import aggregated, event_stream
+from worker.sampling_params import SamplingParams
 from worker.state import WorkerState
 from worker.wire import (
     APIError,
@@ -274,13 +275,21 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
 
 
+def _default_params() -> dict[str, Any]:
+    d = SamplingParams()
+    return {
+        "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
+        "repeat_penalty": d.repeat_penalty, "repeat_last_n": d.repeat_last_n, "n_predict": -1,
+    }
+
+
 async def props(request: Request) -> Response:
     state = _state(request)
     backend = _ready(state)
     m = backend.meta
     return JSONResponse(
         {
-            "default_generation_settings": {"n_ctx": backend.n_ctx, "params": {}},
+            "default_generation_settings": {"n_ctx": backend.n_ctx, "params": _default_params()},
             "total_slots": state.engine.n_slots,
             "model_alias": state.model_id,
             "model_path": state.model_path,

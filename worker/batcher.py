@@ -187,8 +187,8 @@ class Batcher:
         to_sample: list[Slot] = []
         for slot, entry in planned:
             n = len(entry.tokens)
-            slot.cache.extend(entry.tokens)  # before `del`: a decode entry's tokens *are* slot.feed
-            del slot.feed[:n]
+            slot.cache.extend(entry.tokens)
+            slot.feed = slot.feed[n:]  # a new list: a decode entry's tokens are the old feed
             if slot.is_prefill and slot.task is not None:
                 slot.task.stats.n_evaluated += n
             if entry.logits:

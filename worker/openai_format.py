@@ -32,6 +32,26 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+_MARK = "@@omni-text@@"
+
+
+class _TextChunks:
+    """The hot path of streaming: one token's text in a fixed chunk shape.
+
+    The chunk around the text is serialized once per choice index; each token then costs one
+    `json.dumps` of its text instead of one of the whole chunk.
+    """
+
+    def __init__(self, make: Callable[[int, str], dict[str, Any]]) -> None:
+        self._make = make
+        self._frames: dict[int, tuple[bytes, bytes]] = {}
+
+    def __call__(self, index: int, text: str) -> bytes:
+        frame = self._frames.get(index)
+        if frame is None:
+            prefix, _, suffix = sse(self._make(index, _MARK)).partition(json.dumps(_MARK).encode())
+            frame = self._frames[index] = (prefix, suffix)
+        return frame[0] + json.dumps(text, ensure_ascii=False).encode() + frame[1]
 
 
 def timings(stats: TaskStats) -> dict[str, Any]:
@@ -210,6 +230,8 @@ async def stream_chat(gen: Generation, info: ResponseInfo, *, include_usage: boo
         choice = {"index": index, "delta": delta, "finish_reason": None, **extra}
         return sse({**head, "choices": [choice]})
 
+    text_chunk = _TextChunks(lambda index, text: {**head, "choices": [
+        {"index": index, "delta": {"content": text}, "finish_reason": None}]})
     for i in range(len(gen.tasks)):
         yield chunk(i, {"role": "assistant", "content": ""})
     finishes: dict[int, FinishEvent] = {}
@@ -218,11 +240,11 @@ async def stream_chat(gen: Generation, info: ResponseInfo, *, include_usage: boo
             if want_lp:
                 yield chunk(index, {"content": ev.text}, logprobs={"content": [chat_logprob(info, ev)]})
             elif ev.text:
-                yield chunk(index, {"content": ev.text})
+                yield text_chunk(index, ev.text)
         elif isinstance(ev, FinishEvent):
             finishes[index] = ev
             if ev.text:
-                yield chunk(index, {"content": ev.text})
+                yield text_chunk(index, ev.text)
             yield sse({**head, "choices": [{"index": index, "delta": {}, "finish_reason": ev.reason}],
                        "timings": timings(ev.stats)})
         else:
@@ -245,6 +267,9 @@ async def stream_completion(
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason}
         return sse({**head, "choices": [choice], **extra})
 
+    text_chunk = _TextChunks(lambda index, text: {**head, "choices": [
+        {"index": index, "text": text, "logprobs": None, "finish_reason": None}]})
+
     if echo:
         for i in range(len(gen.tasks)):
             text = echo[i // gen.params.n]
@@ -258,7 +283,7 @@ async def stream_completion(
                 lp.add(info, ev, offsets[index])
                 yield chunk(index, ev.text, lp=lp.as_dict())
             elif ev.text:
-                yield chunk(index, ev.text)
+                yield text_chunk(index, ev.text)
             offsets[index] += len(ev.text)
         elif isinstance(ev, FinishEvent):
             finishes[index] = ev

@@ -25,6 +25,7 @@ class BackendOptions:
     flash_attn: str = "auto"
     device: str | None = None  # torch only
     dtype: str | None = None  # torch only
+    compile: bool = False  # torch only: CUDA graphs / torch.compile for decode steps
 
 
 def resolve_kind(kind: BackendKind, model_path: str) -> Literal["llama_cpp", "torch"]:
@@ -73,5 +74,7 @@ def load_backend(
         device=options.device,
         dtype=options.dtype,
         progress=progress,
+        threads=options.threads,
+        compile=options.compile,
     )
     return backend

@@ -1,0 +1,137 @@
+"""The batcher's bookkeeping against a recording in-memory KV cache (no model).
+
+`KVRecorder` implements only what the batcher calls on a backend (n_ctx, n_batch, seq_rm,
+new_sampler, is_sleeping) and keeps the cells each sequence holds, so every test can check the
+batcher's invariant: a slot's `cache` is exactly what the backend holds for its sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+from worker.backends.base import Backend, BatchEntry
+from worker.batcher import Batcher, Planned
+from worker.metrics import WorkerMetrics
+from worker.sampling_params import SamplingParams
+from worker.task import Task
+
+
+class KVRecorder:
+    def __init__(self, n_ctx: int, n_batch: int) -> None:
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.is_sleeping = False
+        self.seqs: dict[int, list[int]] = {}
+
+    def seq_rm(self, seq_id: int, p0: int) -> None:
+        del self.seqs.setdefault(seq_id, [])[p0:]
+
+    def new_sampler(self, params: SamplingParams, seed: int) -> Any:
+        return object()
+
+    def decode(self, entries: list[BatchEntry]) -> None:
+        assert sum(len(e.tokens) for e in entries) <= self.n_batch
+        for e in entries:
+            seq = self.seqs.setdefault(e.seq_id, [])
+            assert len(seq) == e.pos, "entries must continue their sequence"
+            seq.extend(e.tokens)
+        assert sum(len(s) for s in self.seqs.values()) <= self.n_ctx, "KV cache overflow"
+
+
+def make(n_slots: int = 2, n_ctx: int = 64, n_batch: int = 16) -> tuple[Batcher, KVRecorder]:
+    kv = KVRecorder(n_ctx, n_batch)
+    return Batcher(cast(Backend, kv), n_slots, WorkerMetrics()), kv
+
+
+def task(prompt: list[int], **params: Any) -> Task:
+    return Task(prompt, SamplingParams(**params), 0, lambda e: None)
+
+
+def step(b: Batcher, kv: KVRecorder, sampled_token: int = 7) -> Planned:
+    """One engine step without a model: every slot that asked for logits 'samples' a token."""
+    b.admit()
+    planned = b.plan()
+    kv.decode([e for _, e in planned])
+    for slot in b.commit(planned):
+        assert slot.task is not None
+        slot.is_prefill = False
+        slot.task.generated.append(sampled_token)
+        slot.feed = [sampled_token]
+    for s in b.slots:
+        assert kv.seqs.get(s.id, []) == s.cache
+    return planned
+
+
+def test_long_prompt_is_prefilled_in_chunks_with_logits_at_the_end() -> None:
+    b, kv = make(n_batch=16)
+    b.enqueue(task(list(range(40))))
+    shapes = [[(len(e.tokens), e.logits) for _, e in step(b, kv)] for _ in range(4)]
+    assert shapes == [[(16, False)], [(16, False)], [(8, True)], [(1, True)]]
+
+
+def test_decode_tokens_come_first_then_prompt_chunks() -> None:
+    b, kv = make(n_batch=8)
+    b.enqueue(task([1, 2, 3]))
+    step(b, kv)  # prefill of the first task, which now generates
+    b.enqueue(task(list(range(100, 120))))
+    planned = step(b, kv)
+    assert [(len(e.tokens), e.logits) for _, e in planned] == [(1, True), (7, False)]
+
+
+def test_prefix_reuse_keeps_the_common_prefix() -> None:
+    b, kv = make()
+    b.enqueue(task([1, 2, 3, 4, 5]))
+    step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task([1, 2, 3, 9]))
+    planned = step(b, kv)
+    assert planned[0][1].tokens == [9] and planned[0][1].pos == 3
+    assert b.slots[0].task is not None and b.slots[0].task.stats.n_cached == 3
+
+
+def test_prompt_fully_cached_still_decodes_its_last_token() -> None:
+    b, kv = make()
+    b.enqueue(task([1, 2, 3]))
+    step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task([1, 2, 3]))
+    planned = step(b, kv)
+    assert planned[0][1].tokens == [3] and planned[0][1].pos == 2
+
+
+def test_full_cache_drops_idle_prefixes_before_preempting() -> None:
+    b, kv = make(n_slots=2, n_ctx=20, n_batch=16)
+    b.enqueue(task(list(range(12))))
+    step(b, kv)
+    b.slots[0].release()  # 12 cells of idle cache
+    b.enqueue(task(list(range(50, 62))))  # needs 12 more: only 8 are free
+    for _ in range(3):
+        step(b, kv)
+    assert b.slots[0].cache == [] and len(b.slots[1].cache) >= 12
+    assert not b.waiting
+
+
+def test_full_cache_preempts_the_youngest_and_requeues_it_with_its_tokens() -> None:
+    b, kv = make(n_slots=2, n_ctx=20, n_batch=16)
+    old, young = task(list(range(8))), task(list(range(30, 38)))
+    b.enqueue(old)
+    b.enqueue(young)
+    step(b, kv)  # both prompts in (16 cells), both generating
+    while not b.waiting:
+        step(b, kv)
+    assert b.waiting[0] is young and young.generated
+    assert young.tokens() == young.prompt + young.generated
+    assert all(s.task is not young for s in b.slots)
+    assert any(s.task is old for s in b.slots)
+
+
+def test_cancelled_tasks_are_reaped() -> None:
+    b, kv = make(n_slots=1)
+    running, queued = task([1, 2]), task([3, 4])
+    b.enqueue(running)
+    b.enqueue(queued)
+    step(b, kv)
+    running.cancel()
+    queued.cancel()
+    assert set(map(id, b.reap_cancelled())) == {id(running), id(queued)}
+    assert not b.has_work()
