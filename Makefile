@@ -39,7 +39,7 @@ run: setup models
 
 lint: setup-test
 	$(VENV)/bin/ruff check router worker tests bench scripts
-	$(VENV)/bin/mypy worker/wire.py worker/sampling_params.py worker/chat_template.py worker/builtin_templates.py worker/stop_strings.py
+	$(VENV)/bin/mypy router worker
 
 test: setup-test models lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

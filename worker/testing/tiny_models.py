@@ -29,8 +29,12 @@ import random
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -120,7 +124,7 @@ def _corpus(seed: int, n_lines: int) -> list[str]:
     return lines
 
 
-def train_tokenizer(spec: ModelSpec):  # -> tokenizers.Tokenizer
+def train_tokenizer(spec: ModelSpec) -> Tokenizer:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -137,7 +141,7 @@ def train_tokenizer(spec: ModelSpec):  # -> tokenizers.Tokenizer
     return tok
 
 
-def _vocab_and_merges(tok) -> tuple[list[str], list[str]]:
+def _vocab_and_merges(tok: Tokenizer) -> tuple[list[str], list[str]]:
     state = json.loads(tok.to_str())
     vocab: dict[str, int] = state["model"]["vocab"]
     for added in state["added_tokens"]:
@@ -150,6 +154,13 @@ def _vocab_and_merges(tok) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
+def _special_ids(tok: Tokenizer) -> dict[str, int]:
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    missing = [t for t, i in ids.items() if i is None]
+    assert not missing, f"special tokens missing from the vocab: {missing}"
+    return {t: int(i) for t, i in ids.items() if i is not None}
+
+
 # --------------------------------------------------------------------------- weights
 
 
@@ -159,7 +170,8 @@ def make_weights(spec: ModelSpec, n_vocab: int) -> dict[str, np.ndarray]:
     h, kv = spec.hidden, spec.kv_heads * spec.head_dim
 
     def lin(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(np.float32)
+        out: np.ndarray = (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(np.float32)
+        return out
 
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
@@ -191,12 +203,12 @@ def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 # --------------------------------------------------------------------------- writers
 
 
-def write_hf(out_dir: Path, spec: ModelSpec, tok, weights: dict[str, np.ndarray]) -> None:
+def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray]) -> None:
     from safetensors.numpy import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     n_vocab = tok.get_vocab_size()
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids = _special_ids(tok)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -246,11 +258,11 @@ def write_hf(out_dir: Path, spec: ModelSpec, tok, weights: dict[str, np.ndarray]
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def write_gguf(path: Path, spec: ModelSpec, tok, weights: dict[str, np.ndarray], f16: bool) -> None:
+def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray], f16: bool) -> None:
     import gguf
 
     tokens, merges = _vocab_and_merges(tok)
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids = _special_ids(tok)
     types = [
         gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens
     ]
