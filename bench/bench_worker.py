@@ -17,7 +17,8 @@ only, so both sides see the same prompts, and no prompt is a prefix-cache hit of
 Per burst: aggregate tokens/s = generated tokens / (last response end - burst start); TTFT = send
 -> first token chunk; inter-token latency (ITL) = gaps between consecutive token chunks of one
 request, pooled over the burst. p50/p99 are taken per burst; the table shows the median over
-rounds. The generated-token count of every request is checked against `--max-tokens` (from
+rounds. `srv ms/tok` is the server's own `timings` (generation time per token), which separates
+server speed from transport. The generated-token count of every request is checked against `--max-tokens` (from
 `usage.completion_tokens`, else `timings.predicted_n`, else the number of token chunks); a
 mismatch is an error, reported, not silently averaged in.
 
@@ -33,8 +34,8 @@ for the machine to be quiet; during it, we measure the CPU used by the target, b
 everything else (/proc/stat minus the two); a burst during which other processes used more than
 --max-noise CPUs is discarded and rerun (up to --retries times, with fresh prompt tokens of the
 same lengths; an attempt taking 3x longer than the fastest clean one is cut short, its requests
-cancelled; the last attempt is always kept). The table shows those CPU figures, so a reader can tell a clean run from a noisy
-one. The CPU time of idle targets is sampled too: an idle server that burns CPU (a busy-polling
+cancelled; the last attempt is always kept). The table shows those CPU figures, so a reader can
+tell a clean run from a noisy one. The CPU time of idle targets is sampled too: an idle server that burns CPU (a busy-polling
 engine loop) would slow down the other side and is reported as a warning.
 """
 
@@ -114,6 +115,7 @@ class RequestResult:
     gaps: list[float] = field(default_factory=list)
     num_tokens: int = 0
     num_chunks: int = 0
+    server_tpot_ms: float = math.nan  # the server's own timings.predicted_ms / predicted_n
     end: float = 0.0
     error: str | None = None
 
@@ -137,6 +139,7 @@ async def stream_completion(client: httpx.AsyncClient, model_name: str, prompt: 
     res = RequestResult()
     start = time.perf_counter()
     last_token_at: float | None = None
+    first_chunk_at: float | None = None
     final: dict[str, Any] = {}
     try:
         async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -151,15 +154,18 @@ async def stream_completion(client: httpx.AsyncClient, model_name: str, prompt: 
                 if data == "[DONE]":
                     break
                 now = time.perf_counter()
+                first_chunk_at = first_chunk_at or now
                 obj = json.loads(data)
                 if "error" in obj:
                     res.error = f"stream error: {json.dumps(obj['error'])[:300]}"
                     return res
-                if obj.get("usage") or obj.get("timings"):
-                    final = obj
+                for key in ("usage", "timings"):  # in one closing chunk or in two
+                    if obj.get(key):
+                        final[key] = obj[key]
                 choices = obj.get("choices") or []
                 # A token chunk carries text, or is a not-yet-finished chunk (a token whose text
-                # is held back, e.g. half a UTF-8 character). An empty closing chunk is not one.
+                # is held back, e.g. half a UTF-8 character: we send it empty, llama-server sends
+                # nothing). An empty closing chunk is not one.
                 if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
                     res.num_chunks += 1
                     if last_token_at is None:
@@ -168,7 +174,15 @@ async def stream_completion(client: httpx.AsyncClient, model_name: str, prompt: 
                         res.gaps.append(now - last_token_at)
                     last_token_at = now
         res.end = time.perf_counter()
+        if math.isnan(res.ttft) and first_chunk_at is not None:
+            # No token chunk at all: llama-server sends none while the text ends in an incomplete
+            # UTF-8 character (a greedy loop on a byte token does that). What the user waited
+            # for the first byte is then the closing chunk.
+            res.ttft = first_chunk_at - start
         res.num_tokens = _count_tokens(final, res.num_chunks)
+        t = final.get("timings") or {}
+        if t.get("predicted_n") and isinstance(t.get("predicted_ms"), int | float):
+            res.server_tpot_ms = float(t["predicted_ms"]) / float(t["predicted_n"])
         if res.num_tokens != max_tokens:
             res.error = f"generated {res.num_tokens} tokens, expected {max_tokens}"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
@@ -195,6 +209,7 @@ class Burst:
     cpu_client: float = math.nan  # ... by this benchmark process
     cpu_foreign: float = math.nan  # ... by everything else on the machine (noise)
     foreign_before: float = math.nan  # foreign load measured just before the burst
+    server_tpot_ms: float = math.nan  # median over requests of the server-reported ms per token
     num_discarded: int = 0  # earlier attempts of this burst thrown away as too noisy
 
 
@@ -319,6 +334,7 @@ async def measured_burst(target: Server, servers: list[Server], client: httpx.As
     idle = {o.name: (o.cpu_seconds() - others0[o.name]) / elapsed for o in others}
     b = summarize_burst(target.name, conc, round_idx, wall, results, idle)
     b.cpu_target, b.cpu_client = d_tgt / elapsed, d_self / elapsed
+    b.server_tpot_ms = median([r.server_tpot_ms for r in results if r.error is None])
     # An external target whose process cannot be found counts as foreign.
     b.cpu_foreign = max(0.0, (d_sys - d_tgt - d_self) / elapsed - sum(idle.values()))
     return b
@@ -415,6 +431,7 @@ def summarize(bursts: list[Burst], servers: list[Server], concurrency: list[int]
                 "itl_p99_ms": median([b.itl_p99_ms for b in mine]),
                 "num_errors": sum(len(b.errors) for b in mine),
                 "cpu_target": median([b.cpu_target for b in mine]),
+                "server_tpot_ms": median([b.server_tpot_ms for b in mine]),
                 "cpu_foreign": median([b.cpu_foreign for b in mine]),
                 "num_noisy": sum(1 for b in mine if b.cpu_foreign > max_noise),
                 "num_discarded": sum(b.num_discarded for b in mine),
@@ -443,7 +460,7 @@ def print_report(table: dict[str, Any], bursts: list[Burst], servers: list[Serve
         print(line)
     print()
     print(f"{'N':>3}  {'target':<14} {'tok/s':>7} {'[min - max]':>17}  {'TTFT p50':>8} {'TTFT p99':>8}  "
-          f"{'ITL p50':>7} {'ITL p99':>7}  {'CPUs':>4} {'noise':>5}")
+          f"{'ITL p50':>7} {'ITL p99':>7}  {'srv ms/tok':>10}  {'CPUs':>4} {'noise':>5}")
     a, b = (servers[0].name, servers[1].name) if len(servers) >= 2 else (servers[0].name, None)
     for conc in concurrency:
         for s in servers:
@@ -453,14 +470,15 @@ def print_report(table: dict[str, Any], bursts: list[Burst], servers: list[Serve
                 err += f"  {r['num_noisy']} noisy rounds kept"
             print(f"{conc:>3}  {s.name:<14} {fmt(r['tok_s'])} [{fmt(r['tok_s_min'])} - {fmt(r['tok_s_max'])}]  "
                   f"{fmt(r['ttft_p50_ms'], '8.1f')} {fmt(r['ttft_p99_ms'], '8.1f')}  "
-                  f"{fmt(r['itl_p50_ms'])} {fmt(r['itl_p99_ms'])}  {fmt(r['cpu_target'], '4.2f')} "
+                  f"{fmt(r['itl_p50_ms'])} {fmt(r['itl_p99_ms'])}  {fmt(r['server_tpot_ms'], '10.2f')}  "
+                  f"{fmt(r['cpu_target'], '4.2f')} "
                   f"{fmt(r['cpu_foreign'], '5.2f')}{err}")
         if b is not None:
             ra, rb = table[a][conc], table[b][conc]
             ratio = ra["tok_s"] / rb["tok_s"]
             paired = paired_ratio(bursts, a, b, conc)
             mark = "ok" if ratio >= TARGET_RATIO else f"BELOW {TARGET_RATIO}x"
-            print(f"{'':>3}  {a}/{b}: tok/s {ratio:.2f}x ({mark}; paired per round {paired:.2f}x), "
+            print(f"{'':>3}  {a}/{b}: tok/s {ratio:.3f}x ({mark}; paired per round {paired:.3f}x), "
                   f"TTFT p50 {ra['ttft_p50_ms'] / rb['ttft_p50_ms']:.2f}x p99 {ra['ttft_p99_ms'] / rb['ttft_p99_ms']:.2f}x, "
                   f"ITL p50 {ra['itl_p50_ms'] / rb['itl_p50_ms']:.2f}x p99 {ra['itl_p99_ms'] / rb['itl_p99_ms']:.2f}x")
         print()
@@ -471,7 +489,7 @@ def print_report(table: dict[str, Any], bursts: list[Burst], servers: list[Serve
             parts.append(f"{s.name} {scale:.2f}x" + ("" if scale >= TARGET_SCALING else f" (BELOW {TARGET_SCALING}x)"))
         print("scaling tok/s at N=8 vs N=1: " + ", ".join(parts))
     print("tok/s: generated tokens / burst wall time; TTFT, ITL in ms; each a median over rounds of the "
-          "burst's value.\nCPUs: used by the target during its bursts; noise: CPUs used meanwhile by other "
+          "burst's value.\nsrv ms/tok: the server's own timings (predicted_ms / predicted_n), as it reports them.\nCPUs: used by the target during its bursts; noise: CPUs used meanwhile by other "
           "processes on the machine (medians).")
     discarded = sum(b.num_discarded for b in bursts)
     if discarded:

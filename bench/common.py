@@ -35,10 +35,10 @@ def free_port() -> int:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]; NaN for no values."""
-    if not values:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100], NaNs ignored; NaN if empty."""
+    xs = sorted(v for v in values if not math.isnan(v))
+    if not xs:
         return math.nan
-    xs = sorted(values)
     k = (len(xs) - 1) * q / 100.0
     lo, hi = math.floor(k), math.ceil(k)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
