@@ -55,6 +55,24 @@ def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
         proc.wait(5)
 
 
+def wait_healthy(
+    proc: subprocess.Popen[bytes], base: str, timeout: float = 60.0, log_tail: Callable[[], str] = lambda: ""
+) -> None:
+    """Poll `base`/health until 200; fail at once (with the log tail) if `proc` exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base} not healthy after {timeout}s:\n{log_tail()}")
+        time.sleep(0.02)
+
+
 @contextlib.contextmanager
 def run_worker(model: str | Path, *args: str, timeout: float = 60.0) -> Iterator[str]:
     """Start `omni-worker --model MODEL ARGS` on a free port; yield its base URL once healthy."""
@@ -66,25 +84,11 @@ def run_worker(model: str | Path, *args: str, timeout: float = 60.0) -> Iterator
     base = f"http://127.0.0.1:{port}"
     try:
 
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                log.seek(0)
-                err = log.read().decode(errors="replace")
-                raise RuntimeError(f"worker exited with {proc.returncode}:\n{err[-3000:]}")
-            return httpx.get(f"{base}/health", timeout=2).status_code == 200
+        def log_tail() -> str:
+            log.seek(0)
+            return log.read().decode(errors="replace")[-3000:]
 
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if healthy():
-                    break
-            except RuntimeError:
-                raise
-            except Exception:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"worker on {base} not healthy after {timeout}s")
-            time.sleep(0.05)
+        wait_healthy(proc, base, timeout, log_tail)
         yield base
     finally:
         stop_process(proc)

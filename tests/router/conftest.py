@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.util import ROOT, free_port, stop_process, wait_until
+from tests.util import ROOT, free_port, stop_process, wait_healthy, wait_until
 
 FAKE = Path(__file__).with_name("fake_worker.py")
 PY = sys.executable
@@ -110,23 +109,7 @@ def router_factory(tmp_path: Path) -> Iterator[Callable[..., RouterProc]]:
         rp = RouterProc(proc, f"http://127.0.0.1:{port}", log_path, {"Authorization": f"Bearer {key}"} if key else {})
         started.append((rp, marker))
 
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"router exited with {proc.returncode}:\n{rp.log()[-3000:]}")
-            return httpx.get(f"{rp.base}/health", timeout=2).status_code == 200
-
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if healthy():
-                    break
-            except RuntimeError:
-                raise
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"router not healthy:\n{rp.log()[-3000:]}")
-            time.sleep(0.05)
+        wait_healthy(proc, rp.base, 30, lambda: rp.log()[-3000:])
         return rp
 
     yield start

@@ -13,7 +13,6 @@ import importlib.util
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import httpx
 import pytest
 
 from tests.util import ROOT, free_port, run_worker, stop_process
+from tests.util import wait_healthy as wait_until_healthy
 from worker.testing.tiny_models import ModelPaths
 
 N_SLOTS = 4
@@ -82,23 +82,8 @@ def worker_process(
     url = f"http://127.0.0.1:{port}"
     try:
         if wait_healthy:
-            wait_healthy_or_exit(proc, url)
+            wait_until_healthy(proc, url)
         yield proc, url
     finally:
         stop_process(proc)
         log.close()
-
-
-def wait_healthy_or_exit(proc: subprocess.Popen[bytes], url: str, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"worker exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"worker {url} not healthy after {timeout}s")
-        time.sleep(0.02)
