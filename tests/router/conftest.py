@@ -124,3 +124,16 @@ def router_factory(tmp_path: Path) -> Iterator[Callable[..., RouterProc]]:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGKILL)
     assert not leftovers, f"orphan workers left behind: {leftovers}"
+
+
+def kill_router_and_expect_no_workers(r: RouterProc, sig: signal.Signals, n_workers: int, timeout: float) -> None:
+    """Signal the router and wait until every worker it had is gone (or a zombie)."""
+    pids = [w.pid for w in r.workers()]
+    assert len(pids) == n_workers
+    os.kill(r.proc.pid, sig)
+    r.proc.wait(timeout + 5)
+
+    def all_gone() -> bool:
+        return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+
+    wait_until(all_gone, timeout, what="workers to exit with their router")

@@ -21,7 +21,14 @@ import openai
 import psutil
 import pytest
 
-from tests.router.conftest import FAKE, RouterProc, chat, fake_model, sse_events
+from tests.router.conftest import (
+    FAKE,
+    RouterProc,
+    chat,
+    fake_model,
+    kill_router_and_expect_no_workers,
+    sse_events,
+)
 from tests.util import free_port, stop_process, wait_until
 
 Factory = Callable[..., RouterProc]
@@ -222,15 +229,7 @@ def test_router_exit_leaves_no_worker(router_factory: Factory, sig: signal.Signa
     with r.client() as c:
         for name in ("a", "b"):
             assert c.post("/v1/chat/completions", json=chat(name)).status_code == 200
-    pids = [w.pid for w in r.workers()]
-    assert len(pids) == 2
-    os.kill(r.proc.pid, sig)
-    r.proc.wait(10)
-
-    def all_gone() -> bool:
-        return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
-
-    wait_until(all_gone, 5, what="workers to exit with their router")
+    kill_router_and_expect_no_workers(r, sig, n_workers=2, timeout=5)
 
 
 def test_api_key_cors_and_error_envelopes(router_factory: Factory) -> None:

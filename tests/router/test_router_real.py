@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import openai
-import psutil
 import pytest
 
-from tests.router.conftest import RouterProc, chat
+from tests.router.conftest import RouterProc, chat, kill_router_and_expect_no_workers
 from tests.util import ROOT, wait_until
 
 Factory = Callable[..., RouterProc]
@@ -161,15 +160,7 @@ def test_router_death_leaves_no_real_worker(router_factory: Factory, sig: signal
     r.wait_status("tiny-hf", "loaded", timeout=60)
     with r.client(timeout=60) as c:
         assert c.post("/v1/chat/completions", json=chat("tiny-gguf", max_tokens=2)).status_code == 200
-    pids = [w.pid for w in r.workers()]
-    assert len(pids) == 2
-    os.kill(r.proc.pid, sig)
-    r.proc.wait(15)
-
-    def all_gone() -> bool:
-        return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
-
-    wait_until(all_gone, 10, what="workers to exit with their router")
+    kill_router_and_expect_no_workers(r, sig, n_workers=2, timeout=10)
 
 
 def test_lru_victim_queue_full_and_api_key_with_real_workers(router_factory: Factory) -> None:
