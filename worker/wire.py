@@ -267,6 +267,16 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
+    @field_validator("response_format")
+    @classmethod
+    def _only_text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # Constrained decoding (a grammar engine's per-slot token mask) is not built yet:
+        # refusing is better than answering unconstrained text to a client that asked for JSON.
+        kind = (v or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(f"response_format type {kind!r} is not supported yet; only 'text' is")
+        return v
+
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self._max_new_tokens()
         top = self.top_logprobs if self.top_logprobs is not None else (self.n_probs or 0)

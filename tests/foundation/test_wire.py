@@ -44,6 +44,7 @@ MSG = [{"role": "user", "content": "hi"}]
         ({"seed": 42, "n": 3, "cache_prompt": False, "id_slot": 1},
          SamplingParams(seed=42, n=3, cache_prompt=False, id_slot=1)),
         ({"some_unknown_field": 1, "mirostat": 2}, SamplingParams()),
+        ({"response_format": {"type": "text"}}, SamplingParams()),
     ],
 )
 def test_chat_request_to_sampling_params(body: dict[str, Any], expected: SamplingParams) -> None:
@@ -82,6 +83,7 @@ def test_completion_logprobs_is_a_count() -> None:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({}, "messages"),
+        ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
     ],
 )
 def test_bad_chat_bodies_name_the_param(body: dict[str, Any], param: str) -> None:
