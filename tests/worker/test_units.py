@@ -9,6 +9,7 @@ from worker.sampling_params import SamplingParams
 from worker.scheduler import common_prefix_len, kv_victims, pick_slot, youngest
 from worker.slot import Slot
 from worker.task import Task, TextOutput
+from worker.testing.tiny_models import ModelPaths
 
 
 @pytest.mark.parametrize(
@@ -93,3 +94,16 @@ def test_gguf_path_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_tokenize_after_close_raises_instead_of_segfaulting(tiny_models: ModelPaths) -> None:
+    """Regression: the vocab pointer dangled after close(), so a late /tokenize crashed the process."""
+    from worker.backends.llama_cpp import LlamaCppBackend
+
+    backend = LlamaCppBackend(str(tiny_models.gguf_f32), n_ctx=256, n_seq_max=1, n_batch=64)
+    assert backend.tokenize("hi there", False, True)
+    backend.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.tokenize("hi", False, True)
+    with pytest.raises(RuntimeError, match="closed"):
+        backend.token_to_piece(900)

@@ -265,7 +265,13 @@ class LlamaCppBackend:
         return self._ctx is None
 
     # -- tokenizer (any thread) -----------------------------------------------------------
+    def _check_open(self) -> None:
+        # The vocab pointer dangles once the model is freed: a late HTTP call must not segfault.
+        if self._vocab_model is None:
+            raise RuntimeError("the model is closed")
+
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        self._check_open()
         data = text.encode("utf-8")
         cap = len(data) + 8
         while True:
@@ -276,6 +282,7 @@ class LlamaCppBackend:
             cap = -n
 
     def _piece(self, token: int, *, special: bool) -> bytes:
+        self._check_open()
         buf = ctypes.create_string_buffer(64)
         n = _token_to_piece(self._vocab, token, buf, 64, 0, special)
         if n < 0:
