@@ -81,6 +81,23 @@ def sse_events(lines: Iterator[str]) -> list[str]:
     return [line[6:] for line in lines if line.startswith("data: ")]
 
 
+def stream_chat(
+    r: RouterProc, model: str, on_chunk: Callable[[int], object] | None = None, timeout: float = 30, **extra: Any
+) -> list[str]:
+    """Stream one chat completion through the router; returns the SSE data payloads.
+
+    `on_chunk(n)` runs after the n-th payload (to kill or signal something mid-stream)."""
+    out: list[str] = []
+    with r.client(timeout=timeout) as c, c.stream("POST", "/v1/chat/completions", json=chat(model, True, **extra)) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+                if on_chunk:
+                    on_chunk(len(out))
+    return out
+
+
 def _descendants_by_env(marker: str) -> list[psutil.Process]:
     found = []
     for p in psutil.process_iter(["pid"]):

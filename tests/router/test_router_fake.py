@@ -28,23 +28,11 @@ from tests.router.conftest import (
     fake_model,
     kill_router_and_expect_no_workers,
     sse_events,
+    stream_chat,
 )
 from tests.util import free_port, stop_process, wait_until
 
 Factory = Callable[..., RouterProc]
-
-
-def stream_chat(r: RouterProc, model: str, on_chunk: Callable[[int], None] | None = None) -> list[str]:
-    """Stream one chat completion; returns the SSE data payloads."""
-    out: list[str] = []
-    with r.client() as c, c.stream("POST", "/v1/chat/completions", json=chat(model, stream=True)) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                out.append(line[6:])
-                if on_chunk:
-                    on_chunk(len(out))
-    return out
 
 
 def test_autoload_and_ten_concurrent_requests_spawn_one_worker(router_factory: Factory, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.router.conftest import RouterProc, chat, kill_router_and_expect_no_workers
+from tests.router.conftest import RouterProc, chat, kill_router_and_expect_no_workers, stream_chat
 from tests.util import ROOT, wait_until
 
 Factory = Callable[..., RouterProc]
@@ -40,19 +40,6 @@ backend = "llama_cpp"
 model = "{HF}"
 backend = "torch"
 """
-
-
-def stream(r: RouterProc, model: str, max_tokens: int, on_chunk: Callable[[int], object] | None = None) -> list[str]:
-    out: list[str] = []
-    body = chat(model, stream=True, max_tokens=max_tokens, ignore_eos=True)
-    with r.client(timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                out.append(line[6:])
-                if on_chunk:
-                    on_chunk(len(out))
-    return out
 
 
 def test_autoload_joins_one_worker_and_the_openai_sdk_works(router_factory: Factory) -> None:
@@ -97,7 +84,7 @@ def test_models_max_1_alternating_real_models_never_aborts_a_stream(router_facto
         result: dict[str, Any] = {}
 
         def run(model: str = first, result: dict[str, Any] = result, started: threading.Event = started) -> None:
-            result["events"] = stream(r, model, 40, on_chunk=lambda n: started.set())
+            result["events"] = stream_chat(r, model, on_chunk=lambda n: started.set(), timeout=60, max_tokens=40, ignore_eos=True)
             result["done_at"] = time.monotonic()
 
         t = threading.Thread(target=run)
@@ -125,7 +112,7 @@ def test_kill_9_mid_stream_gives_an_error_event_then_recovers(router_factory: Fa
         if n == 3:
             os.kill(worker.pid, signal.SIGKILL)
 
-    events = stream(r, "tiny-gguf", 3000, on_chunk=kill_at_third)
+    events = stream_chat(r, "tiny-gguf", on_chunk=kill_at_third, timeout=60, max_tokens=3000, ignore_eos=True)
     assert "error" in json.loads(events[-1]), events[-3:]
     card = r.wait_status("tiny-gguf", "failed")
     assert card["status"]["exit_code"] == -9 and card["status"]["log_tail"]

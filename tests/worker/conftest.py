@@ -23,6 +23,7 @@ import pytest
 from tests.util import ROOT, free_port, run_worker, stop_process
 from tests.util import wait_healthy as wait_until_healthy
 from worker.testing.tiny_models import ModelPaths
+from worker.wire import ChatCompletion, ChatCompletionChunk, Completion, ModelList, OpenAIBaseModel
 
 N_SLOTS = 4
 CTX = 2048
@@ -31,6 +32,28 @@ CTX = 2048
 # switches to a tiled variant for >= 32 query rows, and that one differs by up to ~1e-3, enough
 # to flip a near-tie). One thread: on a small shared box llama.cpp's spinning pool only loses time.
 EXACT_GGUF_ARGS = ["--cache-type-k", "f32", "--cache-type-v", "f32", "--flash-attn", "off", "--threads", "1"]
+
+
+# The worker builds its JSON by hand (no pydantic per token); the wire models are the contract
+# that JSON must meet, so every response a test reads is validated against them.
+_WIRE: dict[tuple[str, bool], type[OpenAIBaseModel]] = {
+    ("/v1/chat/completions", False): ChatCompletion,
+    ("/v1/chat/completions", True): ChatCompletionChunk,
+    ("/v1/completions", False): Completion,
+    ("/v1/completions", True): Completion,
+    ("/v1/models", False): ModelList,
+}
+
+
+def check_wire(path: str, obj: object, stream: bool = False) -> None:
+    model = _WIRE.get((path, stream))
+    if model is not None:
+        model.model_validate(obj)
+
+
+def _check_response(path: str, r: httpx.Response) -> None:
+    if r.status_code == 200 and (path, False) in _WIRE:
+        check_wire(path, r.json())
 
 
 @dataclass(frozen=True)
@@ -42,10 +65,15 @@ class Worker:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
     def post(self, path: str, body: object, timeout: float = 30.0) -> httpx.Response:
-        return httpx.post(self.url + path, json=body, timeout=timeout)
+        r = httpx.post(self.url + path, json=body, timeout=timeout)
+        if not (isinstance(body, dict) and body.get("stream")):
+            _check_response(path, r)
+        return r
 
     def get(self, path: str) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=10)
+        r = httpx.get(self.url + path, timeout=10)
+        _check_response(path, r)
+        return r
 
 
 def worker_args(backend: str, models: ModelPaths) -> tuple[Path, list[str]]:

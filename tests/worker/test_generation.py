@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from tests.util import wait_until
-from tests.worker.conftest import N_SLOTS, Worker
+from tests.worker.conftest import N_SLOTS, Worker, check_wire
 
 PROMPTS = ["The quick brown fox", "Once upon a time in", "1 2 3 4 5 6", "hello world, how are you"]
 
@@ -42,6 +42,7 @@ def stream_texts(w: Worker, path: str, body: dict[str, Any]) -> tuple[list[str],
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            check_wire(path, chunk, stream=True)
             chunks.append(chunk)
             for c in chunk.get("choices", []):
                 piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
