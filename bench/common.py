@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import time
@@ -21,17 +19,13 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.util import ROOT, free_port, stop_process
+
+__all__ = ["ROOT", "free_port"]  # re-exported for the benchmarks
 
 
 class ServerStartError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -156,14 +150,5 @@ class Server:
             return 0.0
 
     def stop(self, timeout: float = 10.0) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
+        if self.proc is not None:
+            stop_process(self.proc, timeout)

@@ -30,7 +30,7 @@ from router.model import ModelHandle
 from router.pool import Pool
 from router.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
 from router.state import ModelState
-from worker.wire import APIError, api_error_handler, http_exception_handler, not_found
+from worker.wire import APIError, api_error_handler, http_exception_handler, not_found, parse_json
 
 log = logging.getLogger("omni.router.app")
 
@@ -198,10 +198,7 @@ class RouterApp:
         await self._run_proxied(scope, receive, send, handle, "GET", upstream_path, b"", cors)
 
     def _model_from_body(self, body: bytes, query: bytes = b"") -> str:
-        try:
-            data = json.loads(body)
-        except ValueError as e:
-            raise APIError(f"Invalid JSON body: {e}") from None
+        data = parse_json(body)
         if not isinstance(data, dict):
             raise APIError("Request body must be a JSON object")
         name = data.get("model")
