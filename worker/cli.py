@@ -98,7 +98,7 @@ def serve(
     flash_attn: str = typer.Option("auto", "--flash-attn", "-fa", help="auto | on | off"),
     device: str | None = typer.Option(None, "--device", help="torch backend: cpu, cuda, ..."),
     dtype: str | None = typer.Option(None, "--dtype", help="torch backend: float32, bfloat16, ..."),
-    compile: bool = typer.Option(False, "--compile", help="torch backend: CUDA graphs for decode steps"),
+    compile: bool = typer.Option(False, "--compile", help="torch backend on CUDA: CUDA graphs for decode steps (ignored, with a warning, on CPU)"),
     parent_pid: int | None = typer.Option(None, "--parent-pid", help="exit when this process is gone"),
 ) -> None:
     """Serve one model with continuous batching over N slots."""

@@ -178,45 +178,40 @@ class Choices:
         first = self.choices[0].finish
         return timings(first.stats) if first else None
 
-    def chat_completion(self) -> dict[str, Any]:
-        want_lp = self.gen.params.logprobs
+    def _body(self, object: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             "id": self.info.id,
-            "object": "chat.completion",
+            "object": object,
             "created": self.info.created,
             "model": self.info.model,
-            "choices": [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": "".join(c.text)},
-                    "finish_reason": c.finish.reason if c.finish else None,
-                    "logprobs": {"content": c.chat_logprobs} if want_lp else None,
-                }
-                for i, c in enumerate(self.choices)
-            ],
+            "choices": choices,
             "usage": usage(self.gen, self.finishes()),
             "timings": self._timings(),
         }
 
+    def chat_completion(self) -> dict[str, Any]:
+        want_lp = self.gen.params.logprobs
+        return self._body("chat.completion", [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(c.text)},
+                "finish_reason": c.finish.reason if c.finish else None,
+                "logprobs": {"content": c.chat_logprobs} if want_lp else None,
+            }
+            for i, c in enumerate(self.choices)
+        ])
+
     def completion(self) -> dict[str, Any]:
         want_lp = self.gen.params.logprobs
-        return {
-            "id": self.info.id,
-            "object": "text_completion",
-            "created": self.info.created,
-            "model": self.info.model,
-            "choices": [
-                {
-                    "index": i,
-                    "text": "".join(c.text),
-                    "finish_reason": c.finish.reason if c.finish else None,
-                    "logprobs": c.completion_logprobs.as_dict() if want_lp else None,
-                }
-                for i, c in enumerate(self.choices)
-            ],
-            "usage": usage(self.gen, self.finishes()),
-            "timings": self._timings(),
-        }
+        return self._body("text_completion", [
+            {
+                "index": i,
+                "text": "".join(c.text),
+                "finish_reason": c.finish.reason if c.finish else None,
+                "logprobs": c.completion_logprobs.as_dict() if want_lp else None,
+            }
+            for i, c in enumerate(self.choices)
+        ])
 
 
 # --------------------------------------------------------------------------- streaming

@@ -92,6 +92,8 @@ class TorchBackend:
         self._kv: KVCache | None = None
         self._graphs: Any = None
         self._compile = compile and self.device.type == "cuda"
+        if compile and not self._compile:
+            log.warning("--compile captures CUDA graphs and needs a CUDA device; ignored on %s", self.device)
         self._logits = torch.empty(0)
         self._sleeping = False
         self._load_weights()
