@@ -39,6 +39,24 @@ def test_prompt_logits_match_transformers(kind: str, hf_family: Callable[[str], 
     torch.testing.assert_close(backend._logits[0], hf_logits(hf, prompt)[-1], atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_prepacked_weights_match_plain_linear(dtype: str, hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
+    """The parity tests above run prepacked (the CPU default); plain F.linear must agree."""
+    path, _ = hf_family("qwen2")  # has a q/k/v bias: the packed kernel's bias path too
+    prompt = random_tokens(30, seed=3)
+    logits = []
+    for prepack in (True, False):
+        backend = TorchBackend(str(path), n_ctx=256, n_seq_max=4, n_batch=128, dtype=dtype, prepack=prepack)
+        model = backend._require_model()
+        assert model.prepacked is prepack
+        assert all(w.is_mkldnn is prepack for layer in model.layers for w in layer.w.values())
+        assert backend.decode([BatchEntry(0, prompt[:20], 0, True), BatchEntry(1, prompt, 0, True)]) is DecodeStatus.OK
+        assert backend.decode([BatchEntry(0, prompt[20:21], 20, True), BatchEntry(1, prompt[:1], 30, True)]) is DecodeStatus.OK
+        logits.append(backend._logits.clone())
+    tol = TOL if dtype == "float32" else 0.05
+    torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_mixed_batches_of_three_sequences_match(kind: str, hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
     """Prompt chunks and decode tokens of 3 sequences interleaved, plus a tail rewrite (seq_rm)."""

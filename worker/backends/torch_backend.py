@@ -9,7 +9,9 @@ Devices: CUDA when available (bfloat16 by default), else CPU (float32). `dtype` 
 float32/fp32/f32, bfloat16/bf16, float16/fp16/f16 or auto (config.json's torch_dtype).
 With `compile=True` on CUDA, decode-only batches run as captured CUDA graphs
 (worker/torch_model/cuda_graphs.py). `threads` sets torch's intra-op threads (on a shared,
-oversubscribed CPU fewer threads are much faster: OpenMP barriers stall). Sleep: on CUDA the
+oversubscribed CPU fewer threads are much faster: OpenMP barriers stall). On CPU the matmul
+weights are prepacked for oneDNN after loading (`Model.prepack_cpu`; `prepack=False` keeps
+plain `F.linear`, which the benchmark uses to show the difference). Sleep: on CUDA the
 weights move to pinned host memory and the KV cache is freed; on CPU both are dropped and
 `wake` reloads from disk. Construction (and wake) ends with one tiny warm-up step.
 """
@@ -68,6 +70,7 @@ class TorchBackend:
         progress: Callable[[str, float], None] | None = None,
         compile: bool = False,
         threads: int | None = None,
+        prepack: bool = True,
     ) -> None:
         if threads is not None and threads > 0:
             torch.set_num_threads(threads)  # one backend per worker process: global is fine
@@ -94,12 +97,14 @@ class TorchBackend:
         self._compile = compile and self.device.type == "cuda"
         if compile and not self._compile:
             log.warning("--compile captures CUDA graphs and needs a CUDA device; ignored on %s", self.device)
+        self._prepack = prepack
+        self._n_params = 0
         self._logits = torch.empty(0)
         self._sleeping = False
         self._load_weights()
         self._alloc_kv()
         self._warm_up()
-        n_params = sum(p.numel() for p in self._require_model().parameters())
+        n_params = self._n_params
         self._meta = ModelMeta(
             path=str(self._path),
             n_vocab=self.cfg.vocab_size,
@@ -130,6 +135,9 @@ class TorchBackend:
                 progress=lambda f: self._progress("loading weights", f),
             )
         )
+        self._n_params = sum(p.numel() for p in model.parameters())
+        if self._prepack:
+            model.prepack_cpu()  # a no-op off the CPU
         self._model = model
 
     def _alloc_kv(self) -> None:
