@@ -157,7 +157,7 @@ async def chat_completions(request: Request) -> Response:
         text = _render_chat(state, backend, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
     tokens = await _tokenize(backend, text, True, True)
     _check_prompt(tokens, backend)
-    gen = Generation(state.engine, [tokens], params)
+    gen = Generation(state.engine, [tokens], params, quiet_tokens=not req.stream)
     info = _info(state, backend, req.model, "chatcmpl")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -190,7 +190,7 @@ async def completions(request: Request) -> Response:
             echo.append(b"".join(backend.token_to_piece(t) for t in p).decode(errors="replace"))
         _check_prompt(tokens, backend)
         prompts.append(tokens)
-    gen = Generation(state.engine, prompts, params)
+    gen = Generation(state.engine, prompts, params, quiet_tokens=not req.stream)
     info = _info(state, backend, req.model, "cmpl")
     echo_texts = echo if req.echo else None
     if req.stream:

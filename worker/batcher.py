@@ -12,6 +12,11 @@ queue with what it generated so far; it owns its sampler and text state, so it r
 where it was). Prompt chunks only use what is left. If llama.cpp still reports no room (it
 rounds internally), the prompt part is halved for the next try; a batch of decode tokens only
 is answered by another preemption. So a full cache never fails a request.
+
+With a prompt cache (worker/prompt_cache.py, `--cache-ram`), idle slots do not stay in the KV
+cache: each admission saves every other idle slot's state to host RAM and clears it, and a
+prompt that matches a saved entry better than any resident slot gets it restored into its slot.
+KV pressure offloads idle caches the same way instead of dropping them.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections import deque
 
 from worker.backends.base import Backend, BatchEntry
 from worker.metrics import WorkerMetrics
+from worker.prompt_cache import PromptCache
 from worker.scheduler import common_prefix_len, kv_victims, pick_slot, youngest
 from worker.slot import Slot
 from worker.task import Task
@@ -30,11 +36,19 @@ log = logging.getLogger("worker.engine")
 
 Planned = list[tuple[Slot, BatchEntry]]
 
+# Restore a saved prompt only when it saves at least this many tokens of prefill, and at least
+# 1/16 of the entry's length (copying a cell back costs well under 1/16 of evaluating it).
+_MIN_RESTORE_GAIN = 8
+_RESTORE_COST_RATIO = 16
+
 
 class Batcher:
-    def __init__(self, backend: Backend, n_slots: int, metrics: WorkerMetrics) -> None:
+    def __init__(
+        self, backend: Backend, n_slots: int, metrics: WorkerMetrics, prompt_cache: PromptCache | None = None
+    ) -> None:
         self._backend = backend
         self._metrics = metrics
+        self.prompt_cache = prompt_cache
         self.slots = [Slot(i) for i in range(n_slots)]
         self.waiting: deque[Task] = deque()
         self._prefill_cap: int | None = None  # set after llama.cpp found no KV room
@@ -65,6 +79,9 @@ class Batcher:
                 self._backend.seq_rm(s.id, 0)
         for s in self.slots:
             s.cache.clear()
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
+            self._update_cache_gauges()
 
     # -- before the decode ------------------------------------------------------------------------
     def reap_cancelled(self) -> list[Task]:
@@ -86,15 +103,60 @@ class Batcher:
 
     def admit(self) -> None:
         """Waiting tasks (FIFO) into idle slots, each to the slot that shares most of its prompt."""
+        admitted = False
         while self.waiting:
             task = self.waiting[0]
             tokens = task.tokens()
             p = task.params
             slot = pick_slot(self.slots, tokens, id_slot=p.id_slot, cache_prompt=p.cache_prompt)
             if slot is None:
-                return
+                break
             self.waiting.popleft()
+            if p.cache_prompt and self.prompt_cache is not None:
+                self._restore(slot, tokens)
             self._assign(slot, task, tokens)
+            admitted = True
+        if admitted and self.prompt_cache is not None:
+            for s in self.slots:
+                if s.task is None and s.cache:
+                    self._offload(s)
+
+    # -- the prompt cache --------------------------------------------------------------------------
+    def _offload(self, slot: Slot) -> bool:
+        """Save an idle slot's KV state to the prompt cache and clear it from the KV cache."""
+        assert self.prompt_cache is not None
+        state = self._backend.seq_state_get(slot.id)
+        if state is None:
+            return False
+        self.prompt_cache.put(slot.cache, state)
+        self._backend.seq_rm(slot.id, 0)
+        slot.cache.clear()
+        self._update_cache_gauges()
+        return True
+
+    def _restore(self, slot: Slot, tokens: list[int]) -> None:
+        """Load the saved prompt that shares most with `tokens` into `slot`, if that beats its cache."""
+        assert self.prompt_cache is not None
+        entry, n = self.prompt_cache.best(tokens)
+        gain = n - common_prefix_len(slot.cache, tokens)
+        if entry is None or gain < _MIN_RESTORE_GAIN or gain * _RESTORE_COST_RATIO < len(entry.tokens):
+            return
+        if slot.cache:
+            self._offload(slot)
+        self._backend.seq_rm(slot.id, 0)
+        slot.cache.clear()
+        if len(entry.tokens) > self._kv_free() or not self._backend.seq_state_set(slot.id, entry.state):
+            self._backend.seq_rm(slot.id, 0)
+            log.info("prompt cache: no KV room to restore %d tokens into slot %d", len(entry.tokens), slot.id)
+            return
+        slot.cache.extend(entry.tokens)
+        self._metrics.prompt_cache_restored.inc(n)
+        log.info("prompt cache: restored %d tokens into slot %d (%d of them reused)", len(entry.tokens), slot.id, n)
+
+    def _update_cache_gauges(self) -> None:
+        if self.prompt_cache is not None:
+            self._metrics.prompt_cache_bytes.set(self.prompt_cache.n_bytes)
+            self._metrics.prompt_cache_entries.set(len(self.prompt_cache))
 
     def _assign(self, slot: Slot, task: Task, tokens: list[int]) -> None:
         n_keep = common_prefix_len(slot.cache, tokens) if task.params.cache_prompt else 0
@@ -113,13 +175,15 @@ class Batcher:
     def plan(self) -> Planned:
         """One token per generating slot, then prompt chunks (oldest first); KV room made first."""
         decoding = [s for s in self.slots if s.is_decoding]
-        while self._kv_free() < len(decoding):
+        free = self._kv_free()  # one pass over the slots per step; recounted only after evictions
+        while free < len(decoding):
             if not self._evict_idle_cache():
                 self._preempt_youngest()
                 decoding = [s for s in self.slots if s.is_decoding]
+            free = self._kv_free()
         planned: Planned = [(s, BatchEntry(s.id, s.feed, len(s.cache), True)) for s in decoding]
 
-        free = self._kv_free() - len(planned)
+        free -= len(planned)
         budget = self._backend.n_batch - len(planned)
         if self._prefill_cap is not None:
             budget = min(budget, self._prefill_cap)
@@ -148,8 +212,9 @@ class Batcher:
         victims = kv_victims(self.slots)
         if not victims:
             return False
-        self._backend.seq_rm(victims[0].id, 0)
-        victims[0].cache.clear()
+        if self.prompt_cache is None or not self._offload(victims[0]):
+            self._backend.seq_rm(victims[0].id, 0)
+            victims[0].cache.clear()
         return True
 
     def _preempt_youngest(self) -> None:

@@ -99,6 +99,10 @@ def serve(
     device: str | None = typer.Option(None, "--device", help="torch backend: cpu, cuda, ..."),
     dtype: str | None = typer.Option(None, "--dtype", help="torch backend: float32, bfloat16, ..."),
     compile: bool = typer.Option(False, "--compile", help="torch backend on CUDA: CUDA graphs for decode steps (ignored, with a warning, on CPU)"),
+    cache_ram: int = typer.Option(
+        8192, "--cache-ram", "-cram", min=-1,
+        help="host-RAM prompt cache for idle slots' KV, in MiB (0: off, -1: no limit); llama.cpp backend",
+    ),
     parent_pid: int | None = typer.Option(None, "--parent-pid", help="exit when this process is gone"),
 ) -> None:
     """Serve one model with continuous batching over N slots."""
@@ -143,7 +147,10 @@ def serve(
         if server is not None:
             server.request_exit()
 
-    engine = Engine(_loader(kind, model, options, chat_template, lambda: state), parallel, metrics, on_load_failed)
+    engine = Engine(
+        _loader(kind, model, options, chat_template, lambda: state), parallel, metrics, on_load_failed,
+        cache_ram_mib=cache_ram,
+    )
     state = WorkerState(engine, metrics, alias or _default_model_id(model), model, kind)
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.app import build_app

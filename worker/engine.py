@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
 from worker.batcher import Batcher, Planned
 from worker.metrics import WorkerMetrics
+from worker.prompt_cache import PromptCache
 from worker.slot import Slot
 from worker.task import ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
 
@@ -63,8 +64,12 @@ class Engine:
         n_slots: int,
         metrics: WorkerMetrics,
         on_load_failed: Callable[[], None] | None = None,
+        *,
+        cache_ram_mib: int = 0,
     ) -> None:
+        """`cache_ram_mib`: the host-RAM prompt cache (worker/prompt_cache.py); 0 off, -1 unbounded."""
         self._factory = factory
+        self._cache_ram_mib = cache_ram_mib
         self._on_load_failed = on_load_failed
         self._metrics = metrics
         self.n_slots = n_slots
@@ -74,6 +79,8 @@ class Engine:
         self._backend: Backend | None = None
         self._batcher: Batcher | None = None  # made once the backend is loaded
         self.status = LoadStatus()
+        self._flush_hooks: list[Callable[[], None]] = []
+        self._gauges = (-1, -1, -1)  # last values published by _update_gauges
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # -- any thread ---------------------------------------------------------------------------
@@ -84,6 +91,18 @@ class Engine:
 
     def start(self) -> None:
         self._thread.start()
+
+    def is_engine_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def add_flush_hook(self, hook: Callable[[], None]) -> None:
+        """`hook` runs on the engine thread before each decode and before the engine waits
+        (see worker/generation.py: deferred event-loop wake-ups)."""
+        self._flush_hooks = [*self._flush_hooks, hook]  # copy-on-write: read without a lock
+
+    def flush_events(self) -> None:
+        for hook in self._flush_hooks:
+            hook()
 
     def submit(self, task: Task) -> None:
         if self._stopping:
@@ -142,7 +161,9 @@ class Engine:
         if self._stopping:
             self._close_backend()
             return False
-        self._batcher = Batcher(self._backend, self.n_slots, self._metrics)
+        mib = self._cache_ram_mib
+        prompt_cache = PromptCache(None if mib < 0 else mib << 20) if mib != 0 else None
+        self._batcher = Batcher(self._backend, self.n_slots, self._metrics, prompt_cache)
         self.status = LoadStatus("ready", 1.0, is_ready=True)
         log.info("model loaded in %.2f s: n_ctx %d, %d slots", time.monotonic() - t0, self._backend.n_ctx, self.n_slots)
         return True
@@ -166,6 +187,8 @@ class Engine:
                 cmd, self._deferred = self._deferred, None
                 self._run_command(cmd)
                 continue
+            if not self._has_work():
+                self.flush_events()  # about to block
             try:
                 item = self._inbox.get(block=not self._has_work())
             except queue.Empty:
@@ -181,6 +204,7 @@ class Engine:
                 self._enqueue(item)
 
     def _run_command(self, cmd: _Command) -> None:
+        self.flush_events()
         try:
             cmd.future.set_result(cmd.fn())
         except Exception as e:
@@ -244,11 +268,15 @@ class Engine:
         planned = batcher.plan()
         if planned:
             self._run_batch(batcher, planned)
+        else:
+            self.flush_events()  # no decode ahead to carry the wake-up
         self._update_gauges()
 
     def _run_batch(self, batcher: Batcher, planned: Planned) -> None:
         backend = self._require_backend()
-        if backend.decode([entry for _, entry in planned]) is DecodeStatus.NO_KV_SPACE:
+        entries = [entry for _, entry in planned]
+        self.flush_events()  # the event loop wakes as the decode releases the GIL
+        if backend.decode(entries) is DecodeStatus.NO_KV_SPACE:
             batcher.on_no_kv_space(planned)
             return
         to_sample = batcher.commit(planned)
@@ -327,17 +355,23 @@ class Engine:
             self._free_sampler(t)
             if not t.is_cancelled:
                 t.emit(ErrorEvent(message, status_code, kind))
+        self.flush_events()
         self._update_gauges()
 
     def _update_gauges(self) -> None:
         if self._batcher is None:
             return
+        # A prometheus set takes a lock: each gauge is set when its value changes, not per step.
+        values = (self._batcher.n_busy(), len(self._batcher.waiting), self._batcher.kv_used())
+        last, self._gauges = self._gauges, values
         m = self._metrics
-        busy = self._batcher.n_busy()
-        m.busy_slots.set(busy)
-        m.requests_processing.set(busy)
-        m.requests_deferred.set(len(self._batcher.waiting))
-        m.kv_cells_used.set(self._batcher.kv_used())
+        if values[0] != last[0]:
+            m.busy_slots.set(values[0])
+            m.requests_processing.set(values[0])
+        if values[1] != last[1]:
+            m.requests_deferred.set(values[1])
+        if values[2] != last[2]:
+            m.kv_cells_used.set(values[2])
 
 
 def _params_info(task: Task) -> dict[str, Any]:

@@ -8,6 +8,13 @@ the event loop.
 Events cross threads through one `EventRelay` per event loop: the engine thread appends to a
 deque and wakes the loop only if no wake-up is pending, so a step that produces a token for
 each of 8 slots costs one `call_soon_threadsafe` (one self-pipe write), not 8.
+
+When the wake-up happens matters on a small CPU. Events pushed on the engine thread do not wake
+the loop at once: the engine calls `Engine.flush_events` right before its next decode (and
+before it blocks or runs a command). Waking the loop mid-step made it wait for the GIL the
+engine still held (a futex wait, then a second context switch when the engine let go), and
+then run at the very start of the decode; now it wakes as the engine releases the GIL for the
+decode, and runs in one go. Pushes from any other thread wake the loop immediately.
 """
 
 from __future__ import annotations
@@ -22,21 +29,40 @@ from functools import partial
 
 from worker.engine import Engine
 from worker.sampling_params import SamplingParams
-from worker.task import ErrorEvent, Event, FinishEvent, Task
+from worker.task import ErrorEvent, Event, FinishEvent, Task, TokenEvent
 
 
 class EventRelay:
     """Engine thread -> event loop, one wake-up per burst of events."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, engine: Engine) -> None:
         self._loop = loop
+        self._engine = engine
         self._pending: deque[tuple[asyncio.Queue[tuple[int, Event]], tuple[int, Event]]] = deque()
         self._lock = threading.Lock()
         self._is_scheduled = False
+        self._needs_wake = False  # engine-thread pushes since the last flush
+        engine.add_flush_hook(self.flush)
 
     def push(self, queue: asyncio.Queue[tuple[int, Event]], item: tuple[int, Event]) -> None:
-        """Engine thread."""
+        """Any thread; on the engine thread the wake-up waits for the engine's next flush."""
         self._pending.append((queue, item))
+        if self._engine.is_engine_thread():
+            self._needs_wake = True
+            return
+        self._wake()
+
+    def push_quiet(self, queue: asyncio.Queue[tuple[int, Event]], item: tuple[int, Event]) -> None:
+        """Queue an item without waking the loop: it travels with the next wake-up."""
+        self._pending.append((queue, item))
+
+    def flush(self) -> None:
+        """Engine thread: wake the loop if anything was pushed since the last flush."""
+        if self._needs_wake:
+            self._needs_wake = False
+            self._wake()
+
+    def _wake(self) -> None:
         with self._lock:
             if self._is_scheduled:
                 return  # the pending drain will see this item: it clears the flag before popping
@@ -58,17 +84,23 @@ class EventRelay:
 _relays: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, EventRelay] = weakref.WeakKeyDictionary()
 
 
-def _relay(loop: asyncio.AbstractEventLoop) -> EventRelay:
+def _relay(loop: asyncio.AbstractEventLoop, engine: Engine) -> EventRelay:
     relay = _relays.get(loop)
-    if relay is None:
-        relay = _relays[loop] = EventRelay(loop)
+    if relay is None or relay._engine is not engine:
+        relay = _relays[loop] = EventRelay(loop, engine)
     return relay
 
 
 class Generation:
-    def __init__(self, engine: Engine, prompts: list[list[int]], params: SamplingParams) -> None:
+    """`quiet_tokens`: the reader only wants the whole result (a non-streaming response), so
+    token events ride along with the next wake-up instead of waking the event loop per token;
+    finish and error events wake it as usual."""
+
+    def __init__(
+        self, engine: Engine, prompts: list[list[int]], params: SamplingParams, *, quiet_tokens: bool = False
+    ) -> None:
         self._engine = engine
-        self._relay = _relay(asyncio.get_running_loop())
+        self._relay = _relay(asyncio.get_running_loop(), engine)
         self._queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.prompts = prompts
         self.params = params
@@ -80,9 +112,13 @@ class Generation:
                 emit = partial(self._emit, index)
                 self.tasks.append(Task(prompt, params, (base_seed + index) & 0xFFFFFFFF, emit))
         self._is_started = False
+        self._quiet_tokens = quiet_tokens
 
     def _emit(self, index: int, event: Event) -> None:  # engine thread
-        self._relay.push(self._queue, (index, event))
+        if self._quiet_tokens and isinstance(event, TokenEvent):
+            self._relay.push_quiet(self._queue, (index, event))
+        else:
+            self._relay.push(self._queue, (index, event))
 
     def start(self) -> None:
         if not self._is_started:

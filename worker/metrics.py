@@ -30,6 +30,11 @@ class WorkerMetrics:
         self.requests_processing = Gauge("llamacpp:requests_processing", "Tasks in a slot", registry=r)
         self.requests_deferred = Gauge("llamacpp:requests_deferred", "Tasks waiting for a slot", registry=r)
         self.kv_cells_used = Gauge("llamacpp:kv_cache_tokens", "KV cells in use", registry=r)
+        self.prompt_cache_bytes = Gauge("omni:prompt_cache_bytes", "Host RAM held by the prompt cache", registry=r)
+        self.prompt_cache_entries = Gauge("omni:prompt_cache_entries", "Prompts saved in the prompt cache", registry=r)
+        self.prompt_cache_restored = Counter(
+            "omni:prompt_cache_reused_tokens", "Prompt tokens reused from the prompt cache", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

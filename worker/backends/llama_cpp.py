@@ -324,6 +324,22 @@ class LlamaCppBackend:
             # A partial removal can fail only for recurrent models; drop the whole sequence.
             _memory_seq_rm(self._mem, seq_id, 0, -1)
 
+    def seq_state_get(self, seq_id: int) -> bytearray | None:
+        if self._ctx is None:
+            return None
+        n = int(ll.llama_state_seq_get_size(self._ctx, seq_id))
+        if n <= 0:
+            return None
+        state = bytearray(n)
+        got = int(ll.llama_state_seq_get_data(self._ctx, (ctypes.c_uint8 * n).from_buffer(state), n, seq_id))
+        return state if got == n else None
+
+    def seq_state_set(self, seq_id: int, state: bytearray) -> bool:
+        if self._ctx is None:
+            return False
+        n = len(state)
+        return int(ll.llama_state_seq_set_data(self._ctx, (ctypes.c_uint8 * n).from_buffer(state), n, seq_id)) == n
+
     def new_sampler(self, params: SamplingParams, seed: int) -> Any:
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_params(no_perf=True))
         add = ll.llama_sampler_chain_add

@@ -234,6 +234,12 @@ class TorchBackend:
         if self._kv is not None:
             self._kv.seq_rm(seq_id, p0)
 
+    def seq_state_get(self, seq_id: int) -> bytearray | None:
+        return None  # attention gathers each sequence's own cells: idle ones cost no time here
+
+    def seq_state_set(self, seq_id: int, state: bytearray) -> bool:
+        return False
+
     def new_sampler(self, params: SamplingParams, seed: int) -> SamplerState:
         return new_state(params, seed, self.n_ctx, self.tokenizer.eog_ids)
 
