@@ -41,6 +41,7 @@ class ModelPreset:
     n_gpu_layers: int | None = None
     threads: int | None = None
     chat_template: str | None = None
+    cache_ram: int | None = None  # MiB of host-RAM prompt cache (worker --cache-ram)
     load_on_startup: bool = False
     stop_timeout: float = 10.0
     load_timeout: float = 300.0
@@ -142,6 +143,7 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "n-gpu-layers": ("n_gpu_layers", _int(-1)),
     "threads": ("threads", _int(-1)),
     "chat-template": ("chat_template", _text),
+    "cache-ram": ("cache_ram", _int(-1)),
     "load-on-startup": ("load_on_startup", _bool),
     "stop-timeout": ("stop_timeout", _float(0, strict=True)),
     "load-timeout": ("load_timeout", _float(0, strict=True)),
@@ -151,7 +153,8 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "pin": ("pin", _bool),
 }
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
-          "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads"}
+          "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
+          "cram": "cache-ram"}
 VALID_KEYS = ", ".join(sorted(_KEYS))
 
 

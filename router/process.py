@@ -58,7 +58,8 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
         argv += ["--backend", preset.backend]
     for flag, value in (("--ctx-size", preset.ctx_size), ("--parallel", preset.parallel),
                         ("--batch-size", preset.batch_size), ("--n-gpu-layers", preset.n_gpu_layers),
-                        ("--threads", preset.threads), ("--chat-template", preset.chat_template)):
+                        ("--threads", preset.threads), ("--chat-template", preset.chat_template),
+                        ("--cache-ram", preset.cache_ram)):
         if value is not None:
             argv += [flag, str(value)]
     return argv

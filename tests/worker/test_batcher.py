@@ -7,11 +7,13 @@ batcher's invariant: a slot's `cache` is exactly what the backend holds for its 
 
 from __future__ import annotations
 
+import json
 from typing import Any, cast
 
 from worker.backends.base import Backend, BatchEntry
 from worker.batcher import Batcher, Planned
 from worker.metrics import WorkerMetrics
+from worker.prompt_cache import PromptCache
 from worker.sampling_params import SamplingParams
 from worker.task import Task
 
@@ -38,9 +40,23 @@ class KVRecorder:
         assert sum(len(s) for s in self.seqs.values()) <= self.n_ctx, "KV cache overflow"
 
 
-def make(n_slots: int = 2, n_ctx: int = 64, n_batch: int = 16) -> tuple[Batcher, KVRecorder]:
-    kv = KVRecorder(n_ctx, n_batch)
-    return Batcher(cast(Backend, kv), n_slots, WorkerMetrics()), kv
+class StatefulKVRecorder(KVRecorder):
+    """Also saves and restores a sequence's state (its token list, as JSON bytes)."""
+
+    def seq_state_get(self, seq_id: int) -> bytearray | None:
+        return bytearray(json.dumps(self.seqs.get(seq_id, [])).encode())
+
+    def seq_state_set(self, seq_id: int, state: bytearray) -> bool:
+        assert not self.seqs.get(seq_id), "restores go into an empty sequence"
+        self.seqs[seq_id] = json.loads(state)
+        return True
+
+
+def make(
+    n_slots: int = 2, n_ctx: int = 64, n_batch: int = 16, prompt_cache: PromptCache | None = None
+) -> tuple[Batcher, KVRecorder]:
+    kv = StatefulKVRecorder(n_ctx, n_batch) if prompt_cache is not None else KVRecorder(n_ctx, n_batch)
+    return Batcher(cast(Backend, kv), n_slots, WorkerMetrics(), prompt_cache), kv
 
 
 def task(prompt: list[int], **params: Any) -> Task:
@@ -135,3 +151,62 @@ def test_cancelled_tasks_are_reaped() -> None:
     queued.cancel()
     assert set(map(id, b.reap_cancelled())) == {id(running), id(queued)}
     assert not b.has_work()
+
+
+def test_admission_moves_other_idle_slots_to_the_prompt_cache() -> None:
+    cache = PromptCache(None)
+    b, kv = make(n_slots=3, prompt_cache=cache)
+    first = list(range(10, 30))
+    b.enqueue(task(first))
+    for _ in range(3):
+        step(b, kv)
+    b.slots[0].release()  # idle, its prompt and 2 generated tokens in the KV cache
+    b.enqueue(task([1, 2, 3]))
+    step(b, kv)
+    assert b.slots[0].cache == [] and kv.seqs[0] == []  # cleared from the KV cache...
+    entry, n = cache.best(first)
+    assert entry is not None and n == 20  # ...and kept in RAM
+
+
+def test_a_saved_prompt_is_restored_and_only_the_new_tokens_run() -> None:
+    cache = PromptCache(None)
+    b, kv = make(n_slots=2, prompt_cache=cache)
+    prefix = list(range(100, 140))
+    b.enqueue(task([*prefix, 1, 2]))
+    for _ in range(4):
+        step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task([7] * 12))  # takes slot 1; slot 0 goes to RAM
+    step(b, kv)
+    assert b.slots[0].cache == []
+    b.enqueue(task([*prefix, 5, 6, 8]))  # slot 0: restored, then cut back to the shared prefix
+    planned = step(b, kv)
+    entry = next(e for s, e in planned if s.id == 0)
+    assert entry.pos == len(prefix) and entry.tokens == [5, 6, 8]
+    t = b.slots[0].task
+    assert t is not None and t.stats.n_cached == len(prefix)
+
+
+def test_a_short_match_is_not_worth_a_restore() -> None:
+    cache = PromptCache(None)
+    b, kv = make(n_slots=2, prompt_cache=cache)
+    b.enqueue(task(list(range(100, 140))))
+    step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task([7] * 12))
+    step(b, kv)
+    b.enqueue(task([100, 101, 102, 9, 9, 9]))  # 3 shared tokens: cheaper to evaluate them
+    planned = step(b, kv)
+    assert next(e for s, e in planned if s.id == 0).pos == 0
+
+
+def test_kv_pressure_offloads_idle_caches_instead_of_dropping_them() -> None:
+    cache = PromptCache(None)
+    b, kv = make(n_slots=2, n_ctx=20, n_batch=16, prompt_cache=cache)
+    b.enqueue(task(list(range(12))))
+    step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task(list(range(50, 62)), cache_prompt=False))  # needs room: slot 0's 13 cells go
+    for _ in range(3):
+        step(b, kv)
+    assert cache.best(list(range(12)))[1] == 12

@@ -51,7 +51,10 @@ def test_load_failure_reports_500_and_exits_nonzero(tmp_path: Path) -> None:
 def test_sleep_and_wake(tiny_models: ModelPaths) -> None:
     with worker_process(tiny_models.gguf_f32, *EXACT_GGUF_ARGS) as (_, url):
         before = _complete(url, prompt="sleepy", max_tokens=8)["choices"][0]["text"]
+        _complete(url, prompt="another prompt, so the first one goes to the RAM prompt cache", max_tokens=2)
+        assert "omni:prompt_cache_entries 1.0" in httpx.get(url + "/metrics").text
         assert httpx.post(url + "/sleep").json() == {"status": "sleeping"}
+        assert "omni:prompt_cache_entries 0.0" in httpx.get(url + "/metrics").text  # sleep frees it too
         assert httpx.get(url + "/health").json() == {"status": "ok", "is_sleeping": True}
         assert httpx.get(url + "/props").json()["is_sleeping"] is True
         # Any inference request wakes the model transparently.
