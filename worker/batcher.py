@@ -16,7 +16,8 @@ is answered by another preemption. So a full cache never fails a request.
 With a prompt cache (worker/prompt_cache.py, `--cache-ram`), idle slots do not stay in the KV
 cache: each admission saves every other idle slot's state to host RAM and clears it, and a
 prompt that matches a saved entry better than any resident slot gets it restored into its slot.
-KV pressure offloads idle caches the same way instead of dropping them.
+KV pressure offloads idle caches the same way instead of dropping them, and a preempted
+request's KV is saved too, so when it is readmitted only its last sampled token runs again.
 """
 
 from __future__ import annotations
@@ -223,8 +224,9 @@ class Batcher:
             return
         task = slot.release()
         assert task is not None
-        self._backend.seq_rm(slot.id, 0)
-        slot.cache.clear()
+        if self.prompt_cache is None or not self._offload(slot):  # saved: resuming restores it
+            self._backend.seq_rm(slot.id, 0)
+            slot.cache.clear()
         task.n_preempted += 1
         self.waiting.appendleft(task)
         self._metrics.n_preempted.inc()

@@ -210,3 +210,24 @@ def test_kv_pressure_offloads_idle_caches_instead_of_dropping_them() -> None:
     for _ in range(3):
         step(b, kv)
     assert cache.best(list(range(12)))[1] == 12
+
+
+def test_a_preempted_task_resumes_from_its_saved_state() -> None:
+    cache = PromptCache(None)
+    b, kv = make(n_slots=2, n_ctx=24, n_batch=16, prompt_cache=cache)
+    old, young = task(list(range(8))), task(list(range(30, 38)))
+    b.enqueue(old)
+    b.enqueue(young)
+    step(b, kv)
+    while not b.waiting:
+        step(b, kv)
+    assert b.waiting[0] is young and cache.best(young.tokens())[1] == len(young.tokens()) - 1
+    old_slot = next(s for s in b.slots if s.task is old)
+    old.cancel()
+    b.reap_cancelled()
+    old_slot.cache.clear()
+    kv.seqs[old_slot.id] = []  # the old task's cells are gone: room to restore
+    n_done = len(young.tokens())
+    planned = step(b, kv)
+    entry = next(e for s, e in planned if s.task is young)
+    assert entry.pos == n_done - 1 and len(entry.tokens) == 1  # only the last sampled token runs
