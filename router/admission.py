@@ -6,7 +6,8 @@ asks the pure policy (`router.eviction.choose_victim`) what to do for the head o
 admit; evict the LRU idle model (a command to its owner, which refuses if a request slipped in
 meanwhile); drain the LRU busy model (it finishes its in-flight requests but admits no new
 ones, which wait for it to come back; undone when the queue empties); or wait until something
-changes (a release, a request finishing, a load finishing). Running requests are never
+changes (a release, a request finishing, a load finishing); or, when pinned models hold every
+slot, fail the load at once (`SlotsFull`). Running requests are never
 aborted to make room.
 """
 
@@ -19,12 +20,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from router.eviction import Admit, Drain, Evict, choose_victim
+from router.eviction import Admit, Drain, Evict, Full, choose_victim
 
 if TYPE_CHECKING:
     from router.model import ModelHandle
 
 log = logging.getLogger("omni.router.admission")
+
+
+class SlotsFull(Exception):
+    """No slot can ever be freed for this model (pinned models hold them all)."""
 
 
 @dataclass
@@ -106,6 +111,9 @@ class Slots:
                     self.draining.add(decision.victim)
                     await self._handles[decision.victim].drain(True)
                 return  # its last release() pokes us
+            elif isinstance(decision, Full):
+                self._queue.popleft()
+                head.granted.set_exception(SlotsFull(decision.reason))
             else:
                 return
         await self._undrain()

@@ -9,6 +9,8 @@ another. A LOADING model is never a victim (its waiters would be aborted).
 If every candidate is busy, the least recently used busy one is *drained*: it finishes what it
 has in flight but admits nothing new (new requests for it queue behind the waiting model), so
 a model under constant traffic cannot starve the queue, and no running request is aborted.
+If pinned models hold every slot, nothing will ever free one: the answer is `Full`, and the
+waiting model's load fails at once with that reason instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -50,7 +52,12 @@ class Wait:
     reason: str
 
 
-Decision = Admit | Evict | Drain | Wait
+@dataclass(frozen=True)
+class Full:
+    reason: str
+
+
+Decision = Admit | Evict | Drain | Wait | Full
 
 
 def is_evictable(o: Occupant) -> bool:
@@ -69,4 +76,6 @@ def choose_victim(occupants: Sequence[Occupant], models_max: int) -> Decision:
     busy = [o for o in occupants if o.state in (ModelState.READY, ModelState.SLEEPING) and not o.is_pinned]
     if busy:
         return Drain(min(busy, key=lambda o: (o.last_used, o.name)).name)
+    if all(o.is_pinned for o in occupants):
+        return Full(f"all {len(occupants)} model slots (--models-max {models_max}) are held by pinned models")
     return Wait("every loaded model is loading or pinned")

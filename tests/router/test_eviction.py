@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.eviction import Admit, Decision, Drain, Evict, Occupant, Wait, choose_victim
+from router.eviction import Admit, Decision, Drain, Evict, Full, Occupant, Wait, choose_victim
 from router.model import backoff_delay
 from router.state import ModelState
 
@@ -28,6 +28,8 @@ CASES: list[tuple[str, list[Occupant], int, Decision]] = [
     ("busy or loading: drain", [occ("a", in_flight=2), occ("b", L)], 2, Drain("a")),
     ("loading or pinned: wait", [occ("a", L), occ("b", in_flight=1, pinned=True)], 2,
      Wait("every loaded model is loading or pinned")),
+    ("pinned models hold every slot: full", [occ("a", pinned=True), occ("b", L, pinned=True)], 2,
+     Full("all 2 model slots (--models-max 2) are held by pinned models")),
     ("a stop in progress frees a slot: wait", [occ("a", X), occ("b")], 2, Wait("a model is stopping")),
     ("tie broken by name", [occ("b", last_used=1), occ("a", last_used=1)], 2, Evict("a")),
     ("over the limit still evicts", [occ("a", last_used=1), occ("b", last_used=2), occ("c", last_used=3)], 1,

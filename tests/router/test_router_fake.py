@@ -334,6 +334,17 @@ def test_a_command_that_cannot_start_fails_cleanly_and_frees_its_slot(router_fac
         assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200  # the slot was released
 
 
+def test_pinned_models_holding_every_slot_fail_a_load_fast(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a", extra="pin = true\nload-on-startup = true") + fake_model("b"),
+                       "--models-max", "1")
+    r.wait_status("a", "loaded")
+    with r.client() as c:
+        resp = c.post("/v1/chat/completions", json=chat("b"), timeout=10)
+        assert resp.status_code == 503
+        assert "held by pinned models" in resp.json()["error"]["message"]
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
+
+
 def test_a_busy_model_is_drained_so_a_queued_model_does_not_starve(router_factory: Factory) -> None:
     r = router_factory(fake_model("a", "--tokens", "10", "--token-delay", "0.05") + fake_model("b"), "--models-max", "1")
     stop = threading.Event()
