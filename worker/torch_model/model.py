@@ -115,8 +115,17 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return F.linear(x, w, b)
 
 
-def can_prepack(device: torch.device) -> bool:
-    return device.type == "cpu" and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN on this CPU runs matmuls in `dtype` (float16 needs AVX512-FP16 or AVX-NE-CONVERT)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
 
 
 def prepack_weight(w: Tensor, rows_hint: int = 8) -> Tensor:
@@ -213,7 +222,7 @@ class Model(nn.Module):
 
     def prepack_cpu(self) -> None:
         """Reorder every matmul weight into oneDNN's layout (see module doc); call after loading."""
-        if self.prepacked or not can_prepack(self.device):
+        if self.prepacked or not can_prepack(self.device, self.dtype):
             return
         for layer in self.layers:
             assert isinstance(layer, Layer)
