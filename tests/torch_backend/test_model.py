@@ -12,6 +12,7 @@ from tests.torch_backend.conftest import FAMILIES, HFModel
 from worker.backends.base import BatchEntry, DecodeStatus
 from worker.backends.torch_backend import TorchBackend
 from worker.testing.tiny_models import ModelPaths
+from worker.torch_model.model import can_prepack
 
 TOL = 1e-4
 
@@ -42,8 +43,6 @@ def test_prompt_logits_match_transformers(kind: str, hf_family: Callable[[str], 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_prepacked_weights_match_plain_linear(dtype: str, hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
     """The parity tests above run prepacked (the CPU default); plain F.linear must agree."""
-    from worker.torch_model.model import can_prepack
-
     if not can_prepack(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"oneDNN has no {dtype} matmul on this CPU")
     path, _ = hf_family("qwen2")  # has a q/k/v bias: the packed kernel's bias path too
@@ -62,8 +61,6 @@ def test_cpu_prepacked_weights_match_plain_linear(dtype: str, hf_family: Callabl
 
 
 def test_float16_on_a_cpu_without_onednn_fp16_runs_unpacked(tiny_models: ModelPaths) -> None:
-    from worker.torch_model.model import can_prepack
-
     backend = TorchBackend(str(tiny_models.hf_dir), n_ctx=64, n_seq_max=2, n_batch=32, dtype="float16")
     assert backend._require_model().prepacked is can_prepack(torch.device("cpu"), torch.float16)
     assert backend.decode([BatchEntry(0, random_tokens(5, seed=4), 0, True)]) is DecodeStatus.OK
