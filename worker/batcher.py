@@ -113,8 +113,11 @@ class Batcher:
             if slot is None:
                 break
             self.waiting.popleft()
-            if p.cache_prompt and self.prompt_cache is not None:
-                self._restore(slot, tokens)
+            if self.prompt_cache is not None:
+                restored = p.cache_prompt and self._restore(slot, tokens)
+                kept = common_prefix_len(slot.cache, tokens) if p.cache_prompt else 0
+                if not restored and kept < len(slot.cache):
+                    self._save(slot)  # the tail the new task overwrites stays reusable
             self._assign(slot, task, tokens)
             admitted = True
         if admitted and self.prompt_cache is not None:
@@ -123,25 +126,31 @@ class Batcher:
                     self._offload(s)
 
     # -- the prompt cache --------------------------------------------------------------------------
-    def _offload(self, slot: Slot) -> bool:
-        """Save an idle slot's KV state to the prompt cache and clear it from the KV cache."""
+    def _save(self, slot: Slot) -> bool:
+        """Copy a slot's KV state into the prompt cache (False: the backend cannot)."""
         assert self.prompt_cache is not None
         state = self._backend.seq_state_get(slot.id)
         if state is None:
             return False
         self.prompt_cache.put(slot.cache, state)
-        self._backend.seq_rm(slot.id, 0)
-        slot.cache.clear()
         self._update_cache_gauges()
         return True
 
-    def _restore(self, slot: Slot, tokens: list[int]) -> None:
+    def _offload(self, slot: Slot) -> bool:
+        """Save an idle slot's KV state to the prompt cache and clear it from the KV cache."""
+        if not self._save(slot):
+            return False
+        self._backend.seq_rm(slot.id, 0)
+        slot.cache.clear()
+        return True
+
+    def _restore(self, slot: Slot, tokens: list[int]) -> bool:
         """Load the saved prompt that shares most with `tokens` into `slot`, if that beats its cache."""
         assert self.prompt_cache is not None
         entry, n = self.prompt_cache.best(tokens)
         gain = n - common_prefix_len(slot.cache, tokens)
         if entry is None or gain < _MIN_RESTORE_GAIN or gain * _RESTORE_COST_RATIO < len(entry.tokens):
-            return
+            return False
         if slot.cache:
             self._offload(slot)
         self._backend.seq_rm(slot.id, 0)
@@ -149,10 +158,11 @@ class Batcher:
         if len(entry.tokens) > self._kv_free() or not self._backend.seq_state_set(slot.id, entry.state):
             self._backend.seq_rm(slot.id, 0)
             log.info("prompt cache: no KV room to restore %d tokens into slot %d", len(entry.tokens), slot.id)
-            return
+            return False
         slot.cache.extend(entry.tokens)
         self._metrics.prompt_cache_restored.inc(n)
         log.info("prompt cache: restored %d tokens into slot %d (%d of them reused)", len(entry.tokens), slot.id, n)
+        return True
 
     def _update_cache_gauges(self) -> None:
         if self.prompt_cache is not None:

@@ -231,3 +231,16 @@ def test_a_preempted_task_resumes_from_its_saved_state() -> None:
     planned = step(b, kv)
     entry = next(e for s, e in planned if s.task is young)
     assert entry.pos == n_done - 1 and len(entry.tokens) == 1  # only the last sampled token runs
+
+
+def test_the_part_of_a_slot_a_new_task_overwrites_is_saved_first() -> None:
+    cache = PromptCache(None)
+    b, kv = make(n_slots=1, prompt_cache=cache)
+    first = list(range(10, 26))
+    b.enqueue(task(first))
+    step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task([10, 11, 99]))  # the only slot: keeps [10, 11], overwrites the rest
+    planned = step(b, kv)
+    assert planned[0][1].pos == 2
+    assert cache.best(first)[1] == len(first)
