@@ -12,7 +12,7 @@ in the KV cache gets that state restored into its slot (`seq_state_set`), then o
 tokens are evaluated.
 
 Entries are (tokens, opaque state), looked up by longest common prefix, evicted least
-recently used first beyond `limit_bytes`. An entry whose tokens are a prefix of a newer one is
+recently used first beyond `limit_bytes` (or `max_entries`). An entry whose tokens are a prefix of a newer one is
 replaced by it. Engine thread only.
 """
 
@@ -32,9 +32,10 @@ class CachedPrompt:
 
 
 class PromptCache:
-    def __init__(self, limit_bytes: int | None) -> None:
-        """`limit_bytes` None: no limit."""
+    def __init__(self, limit_bytes: int | None, max_entries: int = 256) -> None:
+        """`limit_bytes` None: no limit. `max_entries` bounds the linear scan of `best`."""
         self.limit_bytes = limit_bytes
+        self.max_entries = max_entries
         self._entries: OrderedDict[int, CachedPrompt] = OrderedDict()  # id -> entry, LRU first
         self._next_id = 0
         self.n_bytes = 0
@@ -57,7 +58,7 @@ class PromptCache:
         self._entries[self._next_id] = CachedPrompt(key, state)
         self._next_id += 1
         self.n_bytes += len(state)
-        while self.limit_bytes is not None and self.n_bytes > self.limit_bytes:
+        while (self.limit_bytes is not None and self.n_bytes > self.limit_bytes) or len(self._entries) > self.max_entries:
             self._drop(next(iter(self._entries)))
         return True
 

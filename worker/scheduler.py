@@ -17,11 +17,28 @@ from worker.slot import Slot
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix, in O(log n) slice comparisons (C speed) rather than a
+    Python loop per token: prompts that share thousand-token system prompts are the norm."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if n == 0 or a[0] != b[0]:
+        return 0
+    if type(a) is not type(b):  # a tuple slice never equals a list slice
+        a, b = list(a), list(b)
+    lo, step = 1, 64  # a[:lo] == b[:lo]; gallop, then bisect the first differing chunk
+    while lo < n:
+        hi = min(n, lo + step)
+        if a[lo:hi] != b[lo:hi]:
+            break
+        lo, step = hi, step * 2
+    else:
+        return n
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[lo:hi] != b[lo:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def pick_slot(slots: Sequence[Slot], prompt: Sequence[int], *, id_slot: int, cache_prompt: bool) -> Slot | None:

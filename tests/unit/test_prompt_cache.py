@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
 from worker.prompt_cache import PromptCache
+from worker.scheduler import common_prefix_len
 
 
 def state(n: int) -> bytearray:
@@ -47,3 +50,24 @@ def test_a_state_larger_than_the_limit_is_refused() -> None:
     c.put([1], state(8))
     c.clear()
     assert len(c) == 0 and c.n_bytes == 0
+
+
+def test_entry_count_is_bounded_too() -> None:
+    c = PromptCache(None, max_entries=2)
+    for t in range(3):
+        c.put([t], state(1))
+    assert len(c) == 2 and c.best([0]) == (None, 0)
+
+
+def test_common_prefix_len_matches_a_plain_loop_for_lists_and_tuples() -> None:
+    def plain(a: list[int], b: list[int]) -> int:
+        i = 0
+        while i < min(len(a), len(b)) and a[i] == b[i]:
+            i += 1
+        return i
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        a = [rng.randint(0, 3) for _ in range(rng.randint(0, 400))]
+        b = a[: rng.randint(0, len(a))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 400))]
+        assert common_prefix_len(a, b) == common_prefix_len(tuple(a), b) == common_prefix_len(b, a) == plain(a, b)
