@@ -126,23 +126,20 @@ class Batcher:
                     self._offload(s)
 
     # -- the prompt cache --------------------------------------------------------------------------
-    def _save(self, slot: Slot) -> bool:
-        """Copy a slot's KV state into the prompt cache (False: the backend cannot)."""
+    def _save(self, slot: Slot) -> None:
+        """Copy a slot's KV state into the prompt cache."""
         assert self.prompt_cache is not None
         state = self._backend.seq_state_get(slot.id)
-        if state is None:
-            return False
-        self.prompt_cache.put(slot.cache, state)
-        self._update_cache_gauges()
-        return True
+        if state is not None:
+            self.prompt_cache.put(slot.cache, state)
+            self._update_cache_gauges()
 
-    def _offload(self, slot: Slot) -> bool:
-        """Save an idle slot's KV state to the prompt cache and clear it from the KV cache."""
-        if not self._save(slot):
-            return False
+    def _offload(self, slot: Slot) -> None:
+        """Empty a slot's KV: saved to the prompt cache first when there is one."""
+        if slot.cache and self.prompt_cache is not None:
+            self._save(slot)
         self._backend.seq_rm(slot.id, 0)
         slot.cache.clear()
-        return True
 
     def _restore(self, slot: Slot, tokens: list[int]) -> bool:
         """Load the saved prompt that shares most with `tokens` into `slot`, if that beats its cache."""
@@ -151,10 +148,7 @@ class Batcher:
         gain = n - common_prefix_len(slot.cache, tokens)
         if entry is None or gain < _MIN_RESTORE_GAIN or gain * _RESTORE_COST_RATIO < len(entry.tokens):
             return False
-        if slot.cache:
-            self._offload(slot)
-        self._backend.seq_rm(slot.id, 0)
-        slot.cache.clear()
+        self._offload(slot)
         if len(entry.tokens) > self._kv_free() or not self._backend.seq_state_set(slot.id, entry.state):
             self._backend.seq_rm(slot.id, 0)
             log.info("prompt cache: no KV room to restore %d tokens into slot %d", len(entry.tokens), slot.id)
@@ -223,9 +217,7 @@ class Batcher:
         victims = kv_victims(self.slots)
         if not victims:
             return False
-        if self.prompt_cache is None or not self._offload(victims[0]):
-            self._backend.seq_rm(victims[0].id, 0)
-            victims[0].cache.clear()
+        self._offload(victims[0])
         return True
 
     def _preempt_youngest(self) -> None:
@@ -234,9 +226,7 @@ class Batcher:
             return
         task = slot.release()
         assert task is not None
-        if self.prompt_cache is None or not self._offload(slot):  # saved: resuming restores it
-            self._backend.seq_rm(slot.id, 0)
-            slot.cache.clear()
+        self._offload(slot)  # with a prompt cache, readmission restores it
         task.n_preempted += 1
         self.waiting.appendleft(task)
         self._metrics.n_preempted.inc()

@@ -162,7 +162,8 @@ class Engine:
             self._close_backend()
             return False
         mib = self._cache_ram_mib
-        prompt_cache = PromptCache(None if mib < 0 else mib << 20) if mib != 0 else None
+        use_cache = mib != 0 and self._backend.supports_seq_state
+        prompt_cache = PromptCache(None if mib < 0 else mib << 20) if use_cache else None
         self._batcher = Batcher(self._backend, self.n_slots, self._metrics, prompt_cache)
         self.status = LoadStatus("ready", 1.0, is_ready=True)
         log.info("model loaded in %.2f s: n_ctx %d, %d slots", time.monotonic() - t0, self._backend.n_ctx, self.n_slots)

@@ -87,6 +87,7 @@ class Backend(Protocol):
     n_ctx: int
     n_seq_max: int
     n_batch: int  # the largest batch `decode` accepts, in tokens
+    supports_seq_state: bool  # seq_state_get/set work (the engine then keeps a prompt cache)
 
     @property
     def meta(self) -> ModelMeta: ...
@@ -111,7 +112,7 @@ class Backend(Protocol):
         ...
 
     def seq_state_get(self, seq_id: int) -> bytearray | None:
-        """A copy of `seq_id`'s KV state (for worker/prompt_cache.py); None if unsupported."""
+        """A copy of `seq_id`'s KV state (for worker/prompt_cache.py); None if there is none."""
         ...
 
     def seq_state_set(self, seq_id: int, state: bytearray) -> bool:

@@ -130,6 +130,8 @@ class _BatchBuffers:
 class LlamaCppBackend:
     """The `Backend` Protocol over a GGUF file (see worker/backends/base.py)."""
 
+    supports_seq_state = True
+
     def __init__(
         self,
         model_path: str,

@@ -58,6 +58,10 @@ def resolve_dtype(name: str | None, device: torch.device, cfg: ModelConfig) -> t
 
 
 class TorchBackend:
+    # Attention gathers each sequence's own cells, so idle slots' cells cost no time here and a
+    # prompt cache would buy nothing; seq_state_get/set are not implemented.
+    supports_seq_state = False
+
     def __init__(
         self,
         model_path: str,
@@ -235,7 +239,7 @@ class TorchBackend:
             self._kv.seq_rm(seq_id, p0)
 
     def seq_state_get(self, seq_id: int) -> bytearray | None:
-        return None  # attention gathers each sequence's own cells: idle ones cost no time here
+        return None
 
     def seq_state_set(self, seq_id: int, state: bytearray) -> bool:
         return False
