@@ -215,10 +215,13 @@ class Model(nn.Module):
         self.norm = _param((cfg.hidden_size,), dtype, device)
         self.lm_head = self.embed if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
         self.w: dict[str, Tensor] = {"lm_head": self.lm_head}  # see Layer.w
-        self.prepacked = False
         self.cos = torch.empty(0)
         self.sin = torch.empty(0)
         self.ensure_positions(n_pos)
+
+    @property
+    def prepacked(self) -> bool:
+        return self.w["lm_head"].is_mkldnn
 
     def prepack_cpu(self) -> None:
         """Reorder every matmul weight into oneDNN's layout (see module doc); call after loading."""
@@ -230,7 +233,6 @@ class Model(nn.Module):
         self.w["lm_head"] = prepack_weight(self.lm_head.data)
         if self.lm_head is not self.embed:
             self.lm_head.data = self.lm_head.data.new_empty(0)
-        self.prepacked = True
 
     @property
     def device(self) -> torch.device:
