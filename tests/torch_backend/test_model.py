@@ -27,15 +27,25 @@ def random_tokens(n: int, seed: int, vocab: int = 1024) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def new_backend(path: Path, n_ctx: int = 256, n_seq_max: int = 4) -> TorchBackend:
-    return TorchBackend(str(path), n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=128)
+def new_backend(path: Path, n_ctx: int = 256, n_seq_max: int = 4, kernels: bool = True) -> TorchBackend:
+    backend = TorchBackend(str(path), n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=128, cpu_kernels=kernels)
+    # The fused CPU kernels must really build here (CI has a C compiler), or half of the
+    # parametrized tests below would silently test the fallback twice.
+    assert (backend._require_model().kernels is not None) is (kernels and backend.device.type == "cpu")
+    return backend
 
 
+KERNELS = pytest.mark.parametrize("kernels", [True, False], ids=["cpu-kernels", "torch-ops"])
+
+
+@KERNELS
 @pytest.mark.parametrize("kind", list(FAMILIES))
-def test_prompt_logits_match_transformers(kind: str, hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
+def test_prompt_logits_match_transformers(
+    kind: str, kernels: bool, hf_family: Callable[[str], tuple[Path, HFModel]]
+) -> None:
     path, hf = hf_family(kind)
     prompt = random_tokens(30, seed=1)
-    backend = new_backend(path)
+    backend = new_backend(path, kernels=kernels)
     assert backend.decode([BatchEntry(0, prompt, 0, True)]) is DecodeStatus.OK
     torch.testing.assert_close(backend._logits[0], hf_logits(hf, prompt)[-1], atol=TOL, rtol=0)
 
@@ -67,13 +77,17 @@ def test_float16_on_a_cpu_without_onednn_fp16_runs_unpacked(tiny_models: ModelPa
     assert torch.isfinite(backend._logits).all()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_mixed_batches_of_three_sequences_match(kind: str, hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
-    """Prompt chunks and decode tokens of 3 sequences interleaved, plus a tail rewrite (seq_rm)."""
+@KERNELS
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "mistral-window"])
+def test_mixed_batches_of_three_sequences_match(
+    kind: str, kernels: bool, hf_family: Callable[[str], tuple[Path, HFModel]]
+) -> None:
+    """Prompt chunks and decode tokens of 3 sequences interleaved, plus a tail rewrite (seq_rm).
+    mistral-window (sliding window 8) has decode rows whose oldest cells fall out of the window."""
     path, hf = hf_family(kind)
     seqs = [random_tokens(24, seed=10 + s) for s in range(3)]
     refs = [hf_logits(hf, s) for s in seqs]
-    backend = new_backend(path)
+    backend = new_backend(path, kernels=kernels)
     # Each step: (seq_id, start, end) runs; logits of every run's last token are checked.
     steps = [
         [(0, 0, 10), (1, 0, 7)],
@@ -190,8 +204,9 @@ def test_greedy_generation_equals_transformers_generate(tiny_models: ModelPaths)
     assert greedy(backend, [prompt], 24)[0] == ref
 
 
-def test_concurrent_greedy_equals_one_at_a_time(tiny_models: ModelPaths) -> None:
-    backend = new_backend(tiny_models.hf_dir)
+@KERNELS
+def test_concurrent_greedy_equals_one_at_a_time(kernels: bool, tiny_models: ModelPaths) -> None:
+    backend = new_backend(tiny_models.hf_dir, kernels=kernels)
     prompts = [random_tokens(n, seed=n) for n in (3, 9, 17, 30)]
     together = greedy(backend, prompts, 12)
     assert together == [greedy(backend, [p], 12)[0] for p in prompts]

@@ -11,7 +11,8 @@ With `compile=True` on CUDA, decode-only batches run as captured CUDA graphs
 (worker/torch_model/cuda_graphs.py). `threads` sets torch's intra-op threads (on a shared,
 oversubscribed CPU fewer threads are much faster: OpenMP barriers stall). On CPU the matmul
 weights are prepacked for oneDNN after loading (`Model.prepack_cpu`; `prepack=False` keeps
-plain `F.linear`, which the benchmark uses to show the difference). Sleep: on CUDA the
+plain `F.linear`, which the benchmark uses to show the difference) and float32 layers run on
+fused C kernels (`cpu_kernels=False` or OMNI_CPU_KERNELS=0 keeps torch ops). Sleep: on CUDA the
 weights move to pinned host memory and the KV cache is freed; on CPU both are dropped and
 `wake` reloads from disk. Construction (and wake) ends with one tiny warm-up step.
 """
@@ -75,6 +76,7 @@ class TorchBackend:
         compile: bool = False,
         threads: int | None = None,
         prepack: bool = True,
+        cpu_kernels: bool = True,
     ) -> None:
         if threads is not None and threads > 0:
             torch.set_num_threads(threads)  # one backend per worker process: global is fine
@@ -102,6 +104,7 @@ class TorchBackend:
         if compile and not self._compile:
             log.warning("--compile captures CUDA graphs and needs a CUDA device; ignored on %s", self.device)
         self._prepack = prepack
+        self._cpu_kernels = cpu_kernels
         self._n_params = 0
         self._logits = torch.empty(0)
         self._sleeping = False
@@ -123,9 +126,9 @@ class TorchBackend:
             chat_template=self.tokenizer.chat_template,
         )
         log.info(
-            "torch backend: %s on %s/%s, %d params, n_ctx=%d, n_seq_max=%d, graphs=%s",
+            "torch backend: %s on %s/%s, %d params, n_ctx=%d, n_seq_max=%d, graphs=%s, cpu kernels=%s",
             self._path.name, self.device, str(self.dtype).removeprefix("torch."), n_params,
-            self.n_ctx, n_seq_max, self._compile,
+            self.n_ctx, n_seq_max, self._compile, self._require_model().kernels is not None,
         )
 
     # -- loading ---------------------------------------------------------------------------
@@ -142,6 +145,8 @@ class TorchBackend:
         self._n_params = sum(p.numel() for p in model.parameters())
         if self._prepack:
             model.prepack_cpu()  # a no-op off the CPU
+        if self._cpu_kernels:
+            model.use_cpu_kernels()  # float32 on the CPU only
         self._model = model
 
     def _alloc_kv(self) -> None:

@@ -45,11 +45,15 @@ class AttnGroup:
 
     cells None means the pool prefix [0, mask.shape[-1]) itself (no gather, B = 1).
     mask: bool [B, 1, group * Tq, L], query rows head-group-major (see model.attention).
+    cell_pos [B, L] and q_pos [B]: set on the single-token group only (Tq = 1), for the fused
+    CPU kernel, which applies the position rule itself.
     """
 
     rows: Tensor | slice
     cells: Tensor | None
     mask: Tensor
+    cell_pos: Tensor | None = None
+    q_pos: Tensor | None = None
 
 
 def position_mask(cell_pos: Tensor, q_pos: Tensor, group: int, window: int | None) -> Tensor:
@@ -133,9 +137,10 @@ class KVCache:
                 cells[j, : len(c)] = c
                 pos[j, : len(c)] = self.cell_pos[c]
             rows = torch.from_numpy(offsets[single]).to(dev)
-            q_pos = torch.from_numpy(starts[single][:, None]).to(dev)
-            mask = position_mask(torch.from_numpy(pos).to(dev), q_pos, group, window)
-            groups.append(AttnGroup(rows, torch.from_numpy(cells).to(dev), mask))
+            q_pos = torch.from_numpy(starts[single]).to(dev)
+            cell_pos = torch.from_numpy(pos).to(dev)
+            mask = position_mask(cell_pos, q_pos[:, None], group, window)
+            groups.append(AttnGroup(rows, torch.from_numpy(cells).to(dev), mask, cell_pos, q_pos))
         for i in np.flatnonzero(lens > 1):
             c = np.flatnonzero(live == seq_ids[i])
             q_pos = torch.arange(int(starts[i]), int(starts[i] + lens[i]), device=dev)[None]

@@ -22,18 +22,28 @@ the LM head are reordered once into oneDNN's blocked layout and run through
 `torch.ops.mkldnn._linear_pointwise` (the kernel inductor's freezing pass uses): 2-4x faster
 matmuls at 1-16 rows on float32 and bfloat16 alike, same arithmetic up to summation order.
 The plain weights are dropped afterwards (the embedding table stays for lookups).
+
+Fused CPU kernels (`Model.use_cpu_kernels`, worker/torch_model/cpu_kernels.py): on float32 CPU
+models each layer runs as RMSNorm -> qkv matmul -> RoPE+KV store -> attention -> o matmul
+(+ residual, one oneDNN call) -> RMSNorm -> gate_up matmul -> SiLU*up -> down matmul
+(+ residual): nine calls instead of ~45 torch ops, with single-token rows attending straight
+from the cell pool. Prompt chunks still attend through SDPA. Without the kernels (any other
+dtype or device, or no C compiler) `Layer.forward` runs the same layer as torch ops.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from worker.torch_model import cpu_kernels
 from worker.torch_model.config import ModelConfig, RopeConfig
+from worker.torch_model.cpu_kernels import Kernels
 from worker.torch_model.kv_cache import AttnGroup
 
 
@@ -115,6 +125,15 @@ def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
     return F.linear(x, w, b)
 
 
+def linear_add(x: Tensor, w: Tensor, b: Tensor | None, residual: Tensor) -> Tensor:
+    """`residual + linear(x, w, b)`, the add fused into the oneDNN call when `w` is prepacked and
+    float32 (where that is the same arithmetic; in 16-bit the fused add skips a rounding step)."""
+    if w.is_mkldnn and x.dtype == torch.float32:
+        out: Tensor = torch.ops.mkldnn._linear_pointwise.binary(x, residual, w, b, "add")
+        return out
+    return residual + linear(x, w, b)
+
+
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """oneDNN on this CPU runs matmuls in `dtype` (float16 needs AVX512-FP16 or AVX-NE-CONVERT)."""
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
@@ -184,9 +203,31 @@ class Layer(nn.Module):
         k_cache.index_copy_(0, cells, k)
         v_cache.index_copy_(0, cells, v.view(t, cfg.num_kv_heads, d))
         o = attention(q, k_cache, v_cache, plan)
-        x = x + linear(o, self.w["o"], self.o_bias)
+        x = linear_add(o, self.w["o"], self.o_bias, x)
         gate, up = linear(rms_norm(x, self.post_norm, eps), self.w["gate_up"]).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.w["down"])
+        return linear_add(F.silu(gate) * up, self.w["down"], None, x)
+
+    def forward_fused(
+        self, x: Tensor, positions: Tensor, cells: Tensor, plan: list[AttnGroup], k_cache: Tensor, v_cache: Tensor,
+        cos: Tensor, sin: Tensor, kern: Kernels, nt: int,
+    ) -> Tensor:
+        """`forward` on the fused CPU kernels; cos/sin are the whole tables, not per-token rows."""
+        cfg = self.cfg
+        eps, h, kvh, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        qkv = linear(kern.rms_norm(x, self.input_norm, eps, nt), self.w["qkv"], self.qkv_bias)
+        kern.rope_store(qkv, h, kvh, d, cos, sin, positions, cells, k_cache, v_cache, self.q_norm, self.k_norm, eps, nt)
+        o = qkv.new_empty((x.shape[0], h * d))
+        for g in plan:  # single-token rows through the kernel, prompt chunks through SDPA
+            if g.q_pos is not None and g.cell_pos is not None and g.cells is not None and isinstance(g.rows, Tensor):
+                kern.decode_attn(
+                    o, qkv, qkv.stride(0), g.rows, h, kvh, d, k_cache, v_cache, g.cells, g.cell_pos, g.q_pos,
+                    cfg.sliding_window, nt,
+                )
+            else:
+                o[g.rows] = _attend(qkv[g.rows, : h * d].view(-1, h, d), k_cache, v_cache, g, h // kvh)
+        x = linear_add(o, self.w["o"], self.o_bias, x)
+        gate_up = linear(kern.rms_norm(x, self.post_norm, eps, nt), self.w["gate_up"])
+        return linear_add(kern.silu_mul(gate_up, nt), self.w["down"], None, x)
 
 
 class Model(nn.Module):
@@ -218,6 +259,7 @@ class Model(nn.Module):
         self.cos = torch.empty(0)
         self.sin = torch.empty(0)
         self.ensure_positions(n_pos)
+        self.kernels: Kernels | None = None
 
     @property
     def prepacked(self) -> bool:
@@ -233,6 +275,13 @@ class Model(nn.Module):
         self.w["lm_head"] = prepack_weight(self.lm_head.data)
         if self.lm_head is not self.embed:
             self.lm_head.data = self.lm_head.data.new_empty(0)
+
+    def use_cpu_kernels(self) -> bool:
+        """Run on the fused CPU kernels from now on if this model can (see module doc)."""
+        cfg = self.cfg
+        if cpu_kernels.usable(self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
+            self.kernels = cpu_kernels.load()
+        return self.kernels is not None
 
     @property
     def device(self) -> torch.device:
@@ -259,6 +308,15 @@ class Model(nn.Module):
     ) -> Tensor:
         """tokens, positions, cells: [T]; plan: see kv_cache; returns float32 logits of logit_rows [R, V]."""
         x = F.embedding(tokens, self.embed)
+        kern = self.kernels
+        if kern is not None:
+            nt = torch.get_num_threads()
+            for i, layer in enumerate(self.layers):
+                x = cast(Layer, layer).forward_fused(
+                    x, positions, cells, plan, k_cache[i], v_cache[i], self.cos, self.sin, kern, nt
+                )
+            x = kern.rms_norm(x[logit_rows], self.norm, self.cfg.rms_norm_eps, nt)
+            return linear(x, self.w["lm_head"]).float()
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
