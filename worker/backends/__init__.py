@@ -64,6 +64,10 @@ def load_backend(
             flash_attn=options.flash_attn,
             progress=progress,
         )
+    # torch's CPU allocator reads this once, at its first allocation: 2 MiB pages for large
+    # tensors (weights, KV). Decode streams every weight each step; with 4 KiB pages the TLB
+    # misses cost ~10% of the matmul time (this box's THP mode is "madvise", the common default).
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from worker.backends.torch_backend import TorchBackend  # type: ignore[import-not-found,unused-ignore]
 
     backend: Backend = TorchBackend(
