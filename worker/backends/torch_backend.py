@@ -232,7 +232,7 @@ class TorchBackend:
             self._logits = self._graphs.run(tokens, positions, cells, seq_ids)
             return DecodeStatus.OK
         dev = self.device
-        plan = kv.plan(entry_seq, starts, lens, self._group, self.cfg.sliding_window)
+        plan = kv.plan(entry_seq, starts, lens, self._group, self.cfg.sliding_window, model.kernels is None)
         self._logits = model(
             torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev), torch.from_numpy(cells).to(dev),
             plan, torch.from_numpy(rows).to(dev), kv.k, kv.v,

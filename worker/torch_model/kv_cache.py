@@ -46,12 +46,12 @@ class AttnGroup:
     cells None means the pool prefix [0, mask.shape[-1]) itself (no gather, B = 1).
     mask: bool [B, 1, group * Tq, L], query rows head-group-major (see model.attention).
     cell_pos [B, L] and q_pos [B]: set on the single-token group only (Tq = 1), for the fused
-    CPU kernel, which applies the position rule itself.
+    CPU kernel, which applies the position rule itself (its mask is then None).
     """
 
     rows: Tensor | slice
     cells: Tensor | None
-    mask: Tensor
+    mask: Tensor | None
     cell_pos: Tensor | None = None
     q_pos: Tensor | None = None
 
@@ -120,26 +120,24 @@ class KVCache:
         self.seq_rm(-1, 0)
 
     def plan(
-        self, seq_ids: np.ndarray, starts: np.ndarray, lens: np.ndarray, group: int, window: int | None
+        self, seq_ids: np.ndarray, starts: np.ndarray, lens: np.ndarray, group: int, window: int | None,
+        single_masks: bool = True,
     ) -> list[AttnGroup]:
-        """The attention groups of one batch (per entry: sequence, first position, token count)."""
+        """The attention groups of one batch (per entry: sequence, first position, token count).
+
+        single_masks=False: the single-token group gets no mask (the fused CPU kernel applies
+        the position rule from cell_pos/q_pos itself)."""
         live = self.cell_seq[: self.n_kv]
         offsets = np.cumsum(lens) - lens
         dev = self.device
         groups: list[AttnGroup] = []
         single = np.flatnonzero(lens == 1)
         if len(single):
-            own = [np.flatnonzero(live == s) for s in seq_ids[single]]
-            width = max(len(c) for c in own)
-            cells = np.full((len(single), width), self.scratch_cell, dtype=np.int64)
-            pos = np.full((len(single), width), _FAR, dtype=np.int64)
-            for j, c in enumerate(own):
-                cells[j, : len(c)] = c
-                pos[j, : len(c)] = self.cell_pos[c]
+            cells, pos = self._own_cells(live, seq_ids[single])
             rows = torch.from_numpy(offsets[single]).to(dev)
             q_pos = torch.from_numpy(starts[single]).to(dev)
             cell_pos = torch.from_numpy(pos).to(dev)
-            mask = position_mask(cell_pos, q_pos[:, None], group, window)
+            mask = position_mask(cell_pos, q_pos[:, None], group, window) if single_masks else None
             groups.append(AttnGroup(rows, torch.from_numpy(cells).to(dev), mask, cell_pos, q_pos))
         for i in np.flatnonzero(lens > 1):
             c = np.flatnonzero(live == seq_ids[i])
@@ -148,3 +146,22 @@ class KVCache:
             span = slice(int(offsets[i]), int(offsets[i] + lens[i]))
             groups.append(AttnGroup(span, torch.from_numpy(c[None]).to(dev), mask))
         return groups
+
+    def _own_cells(self, live: np.ndarray, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each sequence's cells (ascending) and their positions as rows of [len(seqs), longest],
+        padded with the scratch cell at a position after every query; one pass over the pool."""
+        top = int(seqs.max())
+        row_of = np.full(top + 2, -1, dtype=np.int64)  # the last entry, -1, is for every other cell
+        row_of[seqs] = np.arange(len(seqs))
+        r = row_of[np.where((live >= 0) & (live <= top), live, top + 1)]
+        sel = np.flatnonzero(r >= 0)
+        r = r[sel]
+        order = np.argsort(r, kind="stable")
+        sel, r = sel[order], r[order]
+        counts = np.bincount(r, minlength=len(seqs))
+        col = np.arange(len(r)) - np.repeat(np.cumsum(counts) - counts, counts)
+        cells = np.full((len(seqs), int(counts.max())), self.scratch_cell, dtype=np.int64)
+        pos = np.full(cells.shape, _FAR, dtype=np.int64)
+        cells[r, col] = sel
+        pos[r, col] = self.cell_pos[sel]
+        return cells, pos

@@ -102,6 +102,7 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: list[AttnGroup]
 
 def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, g: AttnGroup, group: int) -> Tensor:
     rows, n_heads, d = q.shape
+    assert g.mask is not None, "a group planned for the fused kernel reached the torch path"
     b = g.mask.shape[0]
     tq = rows // b
     n_kv_heads = k_cache.shape[1]
