@@ -8,7 +8,7 @@ kernels: RMSNorm, RoPE + KV store, SiLU*up, and single-token attention that read
 own cells straight from the pool (K and V read once, no gather copies).
 
 Build: `cc -O3 -march=native -fopenmp -shared` on first use, cached under
-`$OMNI_KERNEL_CACHE` (default `~/.cache/omni-router/kernels`) by a hash of the source, the
+`$OMNI_KERNEL_CACHE` (default `~/.cache/omni-router/kernels`, else a per-user temp dir) by a hash of the source, the
 flags, the compiler's version and the CPU's feature flags; written to a temp file and renamed,
 so workers starting together do not race. Loaded after torch, the library's OpenMP calls bind to
 the libgomp torch ships (same soname): one thread pool.
@@ -67,11 +67,22 @@ def _compiler() -> str | None:
     return None
 
 
+def _cache_dir() -> Path:
+    if env := os.environ.get("OMNI_KERNEL_CACHE"):
+        return Path(env)
+    home = Path.home() / ".cache" / "omni-router" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+    except OSError:  # a read-only or missing home
+        return Path(tempfile.gettempdir()) / f"omni-router-kernels-{os.getuid()}"
+
+
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     src = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()]))
-    cache_dir = Path(os.environ.get("OMNI_KERNEL_CACHE") or Path.home() / ".cache" / "omni-router" / "kernels")
+    cache_dir = _cache_dir()
     lib = cache_dir / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if lib.exists():
         return lib
