@@ -70,6 +70,36 @@ def test_cpu_prepacked_weights_match_plain_linear(dtype: str, hf_family: Callabl
     torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral-window"])
+def test_bfloat16_cpu_kernels_as_close_as_torch_ops(
+    kind: str, hf_family: Callable[[str], tuple[Path, HFModel]]
+) -> None:
+    """bfloat16 on the fused kernels and as torch ops, each against the float32 model over mixed
+    steps: the kernels' error must be no larger than the torch ops' (up to 1.25x, bf16 noise)."""
+    path, _ = hf_family(kind)
+    seqs = [random_tokens(20, seed=40 + s) for s in range(3)]
+    steps = [
+        [BatchEntry(0, seqs[0][:12], 0, True), BatchEntry(1, seqs[1][:5], 0, True)],
+        [BatchEntry(0, seqs[0][12:13], 12, True), BatchEntry(1, seqs[1][5:14], 5, True), BatchEntry(2, seqs[2], 0, True)],
+        [BatchEntry(0, seqs[0][13:14], 13, True), BatchEntry(1, seqs[1][14:15], 14, True), BatchEntry(2, [7], 20, True)],
+    ]
+
+    def run(dtype: str, kernels: bool) -> torch.Tensor:
+        backend = TorchBackend(str(path), n_ctx=128, n_seq_max=4, n_batch=64, dtype=dtype, cpu_kernels=kernels)
+        assert (backend._require_model().kernels is not None) is kernels
+        got = []
+        for step in steps:
+            assert backend.decode(step) is DecodeStatus.OK
+            got.append(backend._logits.clone())
+        return torch.cat(got)
+
+    ref = run("float32", False)
+    err_kernels = (run("bfloat16", True) - ref).abs()
+    err_ops = (run("bfloat16", False) - ref).abs()
+    assert err_kernels.max() <= 1.25 * err_ops.max()
+    assert err_kernels.mean() <= 1.25 * err_ops.mean()
+
+
 def test_float16_on_a_cpu_without_onednn_fp16_runs_unpacked(tiny_models: ModelPaths) -> None:
     backend = TorchBackend(str(tiny_models.hf_dir), n_ctx=64, n_seq_max=2, n_batch=32, dtype="float16")
     assert backend._require_model().prepacked is can_prepack(torch.device("cpu"), torch.float16)

@@ -1,4 +1,4 @@
-"""Fused float32 CPU kernels for the decode step, compiled at run time and called via ctypes.
+"""Fused CPU kernels (float32, bfloat16) for the layers, compiled at run time, called via ctypes.
 
 Why: on the CPU a decode step over a few rows is matmuls (weight-bandwidth bound, oneDNN) plus
 ~45 small torch ops per layer, each costing 3-15 us of dispatch for almost no arithmetic, and
@@ -13,8 +13,8 @@ flags, the compiler's version and the CPU's feature flags; written to a temp fil
 so workers starting together do not race. Loaded after torch, the library's OpenMP calls bind to
 the libgomp torch ships (same soname): one thread pool.
 
-Fallback: no compiler, a failed build, `OMNI_CPU_KERNELS=0`, a non-float32 dtype or odd head
-shapes, and the model runs its plain torch ops instead (same results to float rounding; the
+Fallback: no compiler, a failed build, `OMNI_CPU_KERNELS=0`, float16 or odd head shapes, and
+the model runs its plain torch ops instead (same results to float rounding; the
 tests check both ways).
 """
 
@@ -43,10 +43,12 @@ HEAD_DIM_MULTIPLE = 16  # the vector width omni_decode_attn works in
 
 _p, _i64, _int, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
-    "omni_rms_norm": [_p, _i64, _p, _i64, _p, _i64, _i64, _f, _int],
-    "omni_rope_store": [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _f, _int],
-    "omni_silu_mul": [_p, _p, _i64, _i64, _int],
-    "omni_decode_attn": [_p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _p, _i64, _f, _int],
+    "omni_rms_norm": [_p, _i64, _p, _i64, _p, _i64, _i64, _f, _int, _int],
+    "omni_rope_store": [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _f, _int, _int],
+    "omni_silu_mul": [_p, _p, _i64, _i64, _int, _int],
+    "omni_decode_attn": [
+        _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _p, _i64, _f, _int, _int,
+    ],
 }
 
 
@@ -98,6 +100,11 @@ def _build(cc: str) -> Path:
     return lib
 
 
+def _bf(t: Tensor) -> int:
+    """The kernels' storage-type flag: 1 for bfloat16, 0 for float32."""
+    return 1 if t.dtype == torch.bfloat16 else 0
+
+
 class Kernels:
     """The compiled library. `short` calls keep the GIL (a few us of work: releasing and
     re-taking it would cost more); attention releases it."""
@@ -118,7 +125,7 @@ class Kernels:
     def rms_norm(self, x: Tensor, w: Tensor, eps: float, nt: int) -> Tensor:
         t, n = x.shape
         out = torch.empty((t, n), dtype=x.dtype)
-        self._rms_norm(out.data_ptr(), n, x.data_ptr(), x.stride(0), w.data_ptr(), t, n, eps, nt)
+        self._rms_norm(out.data_ptr(), n, x.data_ptr(), x.stride(0), w.data_ptr(), t, n, eps, nt, _bf(x))
         return out
 
     def rope_store(
@@ -132,12 +139,13 @@ class Kernels:
             qkv.data_ptr(), qkv.shape[0], qkv.stride(0), n_heads, n_kv_heads, head_dim, cos.data_ptr(),
             sin.data_ptr(), positions.data_ptr(), cells.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps, nt,
+            _bf(qkv),
         )
 
     def silu_mul(self, gate_up: Tensor, nt: int) -> Tensor:
         t, n2 = gate_up.shape
         out = torch.empty((t, n2 // 2), dtype=gate_up.dtype)
-        self._silu_mul(out.data_ptr(), gate_up.data_ptr(), t, n2 // 2, nt)
+        self._silu_mul(out.data_ptr(), gate_up.data_ptr(), t, n2 // 2, nt, _bf(gate_up))
         return out
 
     def decode_attn(
@@ -149,7 +157,7 @@ class Kernels:
         self._decode_attn(
             out.data_ptr(), out.stride(0), q.data_ptr(), q_stride, rows.data_ptr(), b, n_heads, n_kv_heads, head_dim,
             k_cache.data_ptr(), v_cache.data_ptr(), cells.data_ptr(), cell_pos.data_ptr(), width, q_pos.data_ptr(),
-            window or 0, head_dim**-0.5, nt,
+            window or 0, head_dim**-0.5, nt, _bf(q),
         )
 
 
@@ -179,7 +187,7 @@ def usable(device: torch.device, dtype: torch.dtype, n_heads: int, n_kv_heads: i
     """Whether a model of this shape can run on the kernels (the library itself may still fail)."""
     return (
         device.type == "cpu"
-        and dtype == torch.float32
+        and dtype in (torch.float32, torch.bfloat16)
         and n_heads % n_kv_heads == 0
         and head_dim % HEAD_DIM_MULTIPLE == 0
         and head_dim <= MAX_HEAD_DIM
