@@ -14,6 +14,13 @@ printed: tokens per CPU-second of each side, which other load on the machine bar
 
 `--threads` sets OMP_NUM_THREADS for the worker and torch.set_num_threads here (same for both).
 
+    .venv/bin/python bench/bench_torch.py --step [--step-contexts 64,1000,4000] [--step-rows 8]
+
+Step mode (in-process, no HTTP): the median time of one decode step over `--step-rows`
+sequences that each hold C cells, on the fused CPU kernels and as plain torch ops, side by
+side. The cells are claimed directly in the KV cache (no prefill; their contents do not change
+the timing).
+
     .venv/bin/python bench/bench_torch.py --gpu
 
 GPU mode (CUDA only): a random ~1.2B Llama (Llama-3.2-1B shapes) in bfloat16 straight through
@@ -245,6 +252,39 @@ def bench_gpu(args: argparse.Namespace) -> None:
         print(line)
 
 
+def bench_steps(args: argparse.Namespace) -> None:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the worker sets it (worker/backends)
+    import numpy as np
+    import torch
+
+    from worker.backends.base import BatchEntry
+    from worker.backends.torch_backend import TorchBackend
+
+    rows, n_steps = args.step_rows, 24
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"decode step over {rows} sequences, {Path(args.model).name}, {args.dtype}, {torch.get_num_threads()} threads")
+    print("cells/seq | fused kernels ms | torch ops ms | ratio")
+    for ctx in (int(x) for x in args.step_contexts.split(",")):
+        medians = []
+        for kernels in (True, False):
+            backend = TorchBackend(
+                args.model, n_ctx=rows * (ctx + n_steps) + 1, n_seq_max=rows, n_batch=512, dtype=args.dtype,
+                cpu_kernels=kernels,
+            )
+            kv = backend._require_kv()
+            for s in range(rows):
+                kv.allocate(np.full(ctx, s), np.arange(ctx))
+            times = []
+            for i in range(n_steps):
+                t0 = time.perf_counter()
+                backend.decode([BatchEntry(s, [7], ctx + i, True) for s in range(rows)])
+                times.append(time.perf_counter() - t0)
+            medians.append(float(np.median(times[4:])) * 1e3)
+            backend.close()
+        print(f"{ctx:>9} | {medians[0]:16.1f} | {medians[1]:12.1f} | {medians[1] / medians[0]:5.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "models" / "small-llama"))
@@ -257,10 +297,16 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeats", type=int, default=2, help="timed waves per side and level (best kept)")
     ap.add_argument("--gpu", action="store_true", help="CUDA decode benchmark of a random 1.2B Llama")
+    ap.add_argument("--step", action="store_true", help="in-process decode step: fused CPU kernels vs torch ops")
+    ap.add_argument("--step-contexts", default="64,1000,4000")
+    ap.add_argument("--step-rows", type=int, default=8)
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
     args = ap.parse_args()
     if args.gpu:
         bench_gpu(args)
+        return
+    if args.step:
+        bench_steps(args)
         return
     levels = [int(x) for x in args.concurrency.split(",")]
 

@@ -237,6 +237,11 @@ INLINE void attn_row(const int64_t G, void *out, int64_t oo, const void *q, int6
                      int64_t kvh, int64_t d, float scale, float *sc, float *acc, const int bf) {
     const int64_t nc = d / VL, h = kvh * G, row_bytes = kvh * d * (bf ? 2 : 4);
     float m[h], inv[h];
+    float *qf = acc; /* q as float, converted once (acc is not needed until the V pass) */
+    for (int64_t i = 0; i < h * d; i += VL) {
+        const vf v = vld(q, qo + i, bf);
+        memcpy(qf + i, &v, sizeof v);
+    }
     for (int64_t hq = 0; hq < h; hq++) m[hq] = -FLT_MAX;
     int any = 0;
     for (int64_t j = 0; j < L; j++) {
@@ -251,7 +256,11 @@ INLINE void attn_row(const int64_t G, void *out, int64_t oo, const void *q, int6
             for (int64_t g = 0; g < G; g++) {
                 const int64_t hq = kh * G + g;
                 vf a = vsplat(0.f);
-                for (int64_t c = 0; c < nc; c++) a += vld(q, qo + hq * d + c * VL, bf) * vld(kc, ko + c * VL, bf);
+                for (int64_t c = 0; c < nc; c++) {
+                    vf qv;
+                    memcpy(&qv, qf + hq * d + c * VL, sizeof qv);
+                    a += qv * vld(kc, ko + c * VL, bf);
+                }
                 const float s = hsum(a) * scale;
                 sc[hq * L + j] = s;
                 m[hq] = s > m[hq] ? s : m[hq];
