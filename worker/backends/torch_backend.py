@@ -11,10 +11,10 @@ With `compile=True` on CUDA, decode-only batches run as captured CUDA graphs
 (worker/torch_model/cuda_graphs.py). `threads` sets torch's intra-op threads (on a shared,
 oversubscribed CPU fewer threads are much faster: OpenMP barriers stall). On CPU the matmul
 weights are prepacked for oneDNN after loading (`Model.prepack_cpu`; `prepack=False` keeps
-plain `F.linear`, which the benchmark uses to show the difference) and float32/bfloat16 layers
-run on fused C kernels (`cpu_kernels=False` or OMNI_CPU_KERNELS=0 keeps torch ops). Sleep: on CUDA the
-weights move to pinned host memory and the KV cache is freed; on CPU both are dropped and
-`wake` reloads from disk. Construction (and wake) ends with one tiny warm-up step.
+plain `F.linear`, which the benchmark uses to show the difference), and float32 and bfloat16
+layers run on fused C kernels (`cpu_kernels=False` or OMNI_CPU_KERNELS=0 keeps torch ops).
+Sleep: on CUDA the weights move to pinned host memory and the KV cache is freed; on CPU both
+are dropped and `wake` reloads from disk. Construction (and wake) ends with one tiny warm-up step.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ class TorchBackend:
         if self._prepack:
             model.prepack_cpu()  # a no-op off the CPU
         if self._cpu_kernels:
-            model.use_cpu_kernels()  # float32 on the CPU only
+            model.use_cpu_kernels()  # float32/bfloat16 on the CPU only
         self._model = model
 
     def _alloc_kv(self) -> None:

@@ -107,7 +107,11 @@ def _bf(t: Tensor) -> int:
 
 class Kernels:
     """The compiled library. `short` calls keep the GIL (a few us of work: releasing and
-    re-taking it would cost more); attention releases it."""
+    re-taking it would cost more); attention releases it.
+
+    The kernels read raw pointers: tensors must be CPU, float32 or bfloat16 (all of one call the
+    same), rows contiguous (stride 1 in the last dimension), index tensors int64 and contiguous.
+    Model.forward_fused is the one caller, and passes exactly that."""
 
     def __init__(self, path: Path) -> None:
         short, long = ctypes.PyDLL(str(path)), ctypes.CDLL(str(path))

@@ -24,10 +24,10 @@ matmuls at 1-16 rows on float32 and bfloat16 alike, same arithmetic up to summat
 The plain weights are dropped afterwards (the embedding table stays for lookups).
 
 Fused CPU kernels (`Model.use_cpu_kernels`, worker/torch_model/cpu_kernels.py): on float32 and
-bfloat16 CPU models each layer runs as RMSNorm -> qkv matmul -> RoPE+KV store -> attention -> o matmul
-(+ residual, one oneDNN call) -> RMSNorm -> gate_up matmul -> SiLU*up -> down matmul
-(+ residual): nine calls instead of ~45 torch ops, with single-token rows attending straight
-from the cell pool. Prompt chunks still attend through SDPA. Without the kernels (float16, a
+bfloat16 CPU models each layer runs as RMSNorm -> qkv matmul -> RoPE+KV store -> attention ->
+o matmul (+ residual, one oneDNN call in float32) -> RMSNorm -> gate_up matmul -> SiLU*up ->
+down matmul (+ residual): nine calls instead of ~45 torch ops, with single-token rows attending
+straight from the cell pool. Prompt chunks still attend through SDPA. Without the kernels (float16, a
 GPU, or no C compiler) `Layer.forward` runs the same layer as torch ops.
 """
 
