@@ -27,8 +27,12 @@ def random_tokens(n: int, seed: int, vocab: int = 1024) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-def new_backend(path: Path, n_ctx: int = 256, n_seq_max: int = 4, kernels: bool = True) -> TorchBackend:
-    backend = TorchBackend(str(path), n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=128, cpu_kernels=kernels)
+def new_backend(
+    path: Path, n_ctx: int = 256, n_seq_max: int = 4, kernels: bool = True, dtype: str | None = None
+) -> TorchBackend:
+    backend = TorchBackend(
+        str(path), n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=128, dtype=dtype, cpu_kernels=kernels
+    )
     # The fused CPU kernels must really build here (CI has a C compiler), or half of the
     # parametrized tests below would silently test the fallback twice.
     assert (backend._require_model().kernels is not None) is (kernels and backend.device.type == "cpu")
@@ -85,8 +89,7 @@ def test_bfloat16_cpu_kernels_as_close_as_torch_ops(
     ]
 
     def run(dtype: str, kernels: bool) -> torch.Tensor:
-        backend = TorchBackend(str(path), n_ctx=128, n_seq_max=4, n_batch=64, dtype=dtype, cpu_kernels=kernels)
-        assert (backend._require_model().kernels is not None) is kernels
+        backend = new_backend(path, n_ctx=128, kernels=kernels, dtype=dtype)
         got = []
         for step in steps:
             assert backend.decode(step) is DecodeStatus.OK

@@ -227,6 +227,9 @@ void omni_silu_mul(void *out, const void *gu, int64_t T, int64_t n, int nt, int 
 
 /* -- single-token attention -------------------------------------------------------------------- */
 
+/* A key at position p counts for a query at qp: not after it, and inside the window if any. */
+static inline int visible(int64_t p, int64_t qp, int64_t window) { return p <= qp && (window <= 0 || p > qp - window); }
+
 /* One row of single-token attention: h = kvh * G query heads at q[qo:] (d elements each). Scores
  * go to sc [h, L] (masked cells hold -FLT_MAX), then exp in place, then the weighted sum of V is
  * accumulated in acc [h, d] (float, L1-resident). A cell's K (and V) row holds all KV heads:
@@ -245,7 +248,7 @@ INLINE void attn_row(const int64_t G, void *out, int64_t oo, const void *q, int6
     for (int64_t hq = 0; hq < h; hq++) m[hq] = -FLT_MAX;
     int any = 0;
     for (int64_t j = 0; j < L; j++) {
-        if (bp[j] > qp || (window > 0 && bp[j] <= qp - window)) {
+        if (!visible(bp[j], qp, window)) {
             for (int64_t hq = 0; hq < h; hq++) sc[hq * L + j] = -FLT_MAX;
             continue;
         }
@@ -288,7 +291,7 @@ INLINE void attn_row(const int64_t G, void *out, int64_t oo, const void *q, int6
     }
     memset(acc, 0, (size_t)(h * d) * sizeof(float));
     for (int64_t j = 0; j < L; j++) {
-        if (bp[j] > qp || (window > 0 && bp[j] <= qp - window)) continue;
+        if (!visible(bp[j], qp, window)) continue;
         if (j + PREFETCH_AHEAD < L) prefetch_bytes((const char *)vc + bc[j + PREFETCH_AHEAD] * row_bytes, row_bytes);
         for (int64_t kh = 0; kh < kvh; kh++) {
             const int64_t vo = (bc[j] * kvh + kh) * d;
