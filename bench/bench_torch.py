@@ -77,7 +77,7 @@ def worker_url(args: argparse.Namespace, n_slots: int) -> Iterator[tuple[str, in
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     cmd = [
-        sys.executable, "-m", "worker.cli", "--model", args.model, "--backend", "torch", "--port", str(port),
+        sys.executable, "-m", "worker.server.cli", "--model", args.model, "--backend", "torch", "--port", str(port),
         "--parallel", str(n_slots), "--ctx-size", str(args.ctx_size), "--dtype", args.dtype,
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stderr=subprocess.DEVNULL)
@@ -223,7 +223,7 @@ def bench_gpu(args: argparse.Namespace) -> None:
 
     from worker.backends.base import BatchEntry, SampleItem
     from worker.backends.torch_backend import TorchBackend
-    from worker.sampling_params import SamplingParams
+    from worker.engine.sampling_params import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         write_random_llama(Path(tmp))

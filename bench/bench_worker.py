@@ -272,7 +272,7 @@ def build_targets(args: argparse.Namespace, log_dir: Path) -> tuple[list[Server]
         port = free_port()
         threads = [] if args.threads == 0 else [str(args.threads)]
         if kind == "ours":
-            cmd = [sys.executable, "-m", "worker.cli", "--model", str(args.model),
+            cmd = [sys.executable, "-m", "worker.server.cli", "--model", str(args.model),
                    "--parallel", str(args.parallel), "--ctx-size", str(args.ctx_size),
                    "--port", str(port), "--host", "127.0.0.1"]
             if threads:

@@ -30,7 +30,7 @@ from router.model import ModelHandle
 from router.pool import Pool
 from router.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
 from router.state import ModelState
-from worker.wire import APIError, api_error_handler, http_exception_handler, not_found, parse_json
+from worker.errors import APIError, api_error_handler, http_exception_handler, not_found, parse_json
 
 log = logging.getLogger("omni.router.app")
 

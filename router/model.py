@@ -31,7 +31,7 @@ from router.eviction import Occupant
 from router.presets import ModelPreset
 from router.process import LoadError, WorkerProcess, free_port, wait_ready, worker_argv
 from router.state import ModelState
-from worker.wire import APIError
+from worker.errors import APIError
 
 if TYPE_CHECKING:
     from router.pool import Pool

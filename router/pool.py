@@ -19,7 +19,7 @@ from router.events import EventBus
 from router.model import ModelHandle
 from router.presets import ModelPreset
 from router.upstream import UpstreamClient
-from worker.wire import APIError
+from worker.errors import APIError
 
 
 @dataclass

@@ -52,7 +52,7 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
         text = preset.cmd.replace("${PORT}", str(port)).replace("${HOST}", host)
         text = text.replace("${MODEL}", str(preset.model or "")).replace("${PARENT_PID}", str(parent_pid))
         return shlex.split(text)
-    argv = [sys.executable, "-m", "worker.cli", "--model", str(preset.model), "--alias", preset.name,
+    argv = [sys.executable, "-m", "worker.server.cli", "--model", str(preset.model), "--alias", preset.name,
             "--host", host, "--port", str(port), "--parent-pid", str(parent_pid)]
     if preset.backend != "auto":
         argv += ["--backend", preset.backend]

@@ -25,7 +25,7 @@ import httpx
 from starlette.types import Send
 
 from router.upstream import UpstreamClient, UpstreamError
-from worker.wire import error_body
+from worker.errors import error_body
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",

@@ -12,15 +12,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from worker.sampling_params import SamplingParams
-from worker.wire import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    api_error_handler,
-    http_exception_handler,
-    parse_model,
-)
+from worker.engine.sampling_params import SamplingParams
+from worker.errors import APIError, api_error_handler, http_exception_handler, parse_model
+from worker.server.wire import ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "hi"}]
 

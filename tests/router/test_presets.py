@@ -183,7 +183,7 @@ ARGV_CASES = [
 
 @pytest.mark.parametrize(("preset", "expected"), ARGV_CASES)
 def test_worker_argv_maps_preset_keys(preset: ModelPreset, expected: list[str]) -> None:
-    assert worker_argv(preset, 9, 7)[3:] == expected  # after `python -m worker.cli`
+    assert worker_argv(preset, 9, 7)[3:] == expected  # after `python -m worker.server.cli`
 
 
 def test_cmd_argv_substitutes_port_and_parent() -> None:

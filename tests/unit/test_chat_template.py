@@ -1,4 +1,4 @@
-"""Table tests for worker.chat_template (pure: no model, no network)."""
+"""Table tests for worker.text.chat_template (pure: no model, no network)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from worker.chat_template import (
+from worker.text.chat_template import (
     BUILTIN_TEMPLATES,
     ChatTemplate,
     ChatTemplateError,

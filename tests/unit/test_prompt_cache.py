@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from worker.prompt_cache import PromptCache
-from worker.scheduler import common_prefix_len
+from worker.engine.policy import common_prefix_len
+from worker.engine.prompt_cache import PromptCache
 
 
 def state(n: int) -> bytearray:

@@ -1,4 +1,4 @@
-"""Table tests for worker.stop_strings.StopMatcher (pure, no I/O)."""
+"""Table tests for worker.text.stop_strings.StopMatcher (pure, no I/O)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from worker.stop_strings import StopMatcher
+from worker.text.stop_strings import StopMatcher
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[str, str | None]:

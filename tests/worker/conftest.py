@@ -22,8 +22,8 @@ import pytest
 
 from tests.util import ROOT, free_port, run_worker, stop_process
 from tests.util import wait_healthy as wait_until_healthy
+from worker.server.wire import ChatCompletion, ChatCompletionChunk, Completion, ModelList, OpenAIBaseModel
 from worker.testing.tiny_models import ModelPaths
-from worker.wire import ChatCompletion, ChatCompletionChunk, Completion, ModelList, OpenAIBaseModel
 
 N_SLOTS = 4
 CTX = 2048
@@ -104,7 +104,7 @@ def worker_process(
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A private worker process (for lifecycle tests that signal or break it)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "worker.cli", "--model", str(model), "--port", str(port), "--threads", "1", *args]
+    cmd = [sys.executable, "-m", "worker.server.cli", "--model", str(model), "--port", str(port), "--threads", "1", *args]
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in finally)
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

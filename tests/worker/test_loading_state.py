@@ -10,11 +10,11 @@ import pytest
 from starlette.testclient import TestClient
 
 from tests.util import wait_until
-from worker.app import build_app
 from worker.backends.base import Backend
-from worker.engine import Engine, Progress
-from worker.metrics import WorkerMetrics
-from worker.state import WorkerState
+from worker.engine.engine import Engine, Progress
+from worker.engine.metrics import WorkerMetrics
+from worker.server.app import build_app
+from worker.server.state import WorkerState
 
 
 @pytest.fixture

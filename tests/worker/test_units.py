@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from worker.detok import IncrementalDetokenizer
-from worker.sampling_params import SamplingParams
-from worker.scheduler import common_prefix_len, kv_victims, pick_slot, youngest
-from worker.slot import Slot
-from worker.task import Task, TextOutput
+from worker.engine.policy import common_prefix_len, kv_victims, pick_slot, youngest
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.slot import Slot
+from worker.engine.task import Task, TextOutput
 from worker.testing.tiny_models import ModelPaths
+from worker.text.detok import IncrementalDetokenizer
 
 
 @pytest.mark.parametrize(
@@ -88,7 +88,7 @@ def test_gguf_path_never_imports_torch() -> None:
     import sys
 
     code = (
-        "import sys, worker.cli, worker.app, worker.backends.llama_cpp, worker.chat_template; "
+        "import sys, worker.server.cli, worker.server.app, worker.backends.llama_cpp, worker.text.chat_template; "
         "from worker.backends import resolve_kind; assert resolve_kind('auto', 'x.gguf') == 'llama_cpp'; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )

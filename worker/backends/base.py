@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from worker.sampling_params import SamplingParams
+from worker.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -112,7 +112,7 @@ class Backend(Protocol):
         ...
 
     def seq_state_get(self, seq_id: int) -> bytearray | None:
-        """A copy of `seq_id`'s KV state (for worker/prompt_cache.py); None if there is none."""
+        """A copy of `seq_id`'s KV state (for worker/engine/prompt_cache.py); None if there is none."""
         ...
 
     def seq_state_set(self, seq_id: int, state: bytearray) -> bool:

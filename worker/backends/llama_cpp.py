@@ -27,7 +27,7 @@ import llama_cpp.llama_cpp as llc
 import numpy as np
 
 from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, Sample, SampleItem
-from worker.sampling_params import SamplingParams
+from worker.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("worker.llama_cpp")
 

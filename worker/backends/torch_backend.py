@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, Sample, SampleItem
-from worker.sampling_params import SamplingParams
+from worker.engine.sampling_params import SamplingParams
 from worker.torch_model.config import ModelConfig, load_config
 from worker.torch_model.kv_cache import KVCache
 from worker.torch_model.model import Model

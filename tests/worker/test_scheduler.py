@@ -1,8 +1,8 @@
-"""The batcher's bookkeeping against a recording in-memory KV cache (no model).
+"""The scheduler's bookkeeping against a recording in-memory KV cache (no model).
 
-`KVRecorder` implements only what the batcher calls on a backend (n_ctx, n_batch, seq_rm,
+`KVRecorder` implements only what the scheduler calls on a backend (n_ctx, n_batch, seq_rm,
 new_sampler, is_sleeping) and keeps the cells each sequence holds, so every test can check the
-batcher's invariant: a slot's `cache` is exactly what the backend holds for its sequence.
+scheduler's invariant: a slot's `cache` is exactly what the backend holds for its sequence.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import json
 from typing import Any, cast
 
 from worker.backends.base import Backend, BatchEntry
-from worker.batcher import Batcher, Planned
-from worker.metrics import WorkerMetrics
-from worker.prompt_cache import PromptCache
-from worker.sampling_params import SamplingParams
-from worker.task import Task
+from worker.engine.metrics import WorkerMetrics
+from worker.engine.prompt_cache import PromptCache
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.scheduler import Planned, Scheduler
+from worker.engine.task import Task
 
 
 class KVRecorder:
@@ -54,16 +54,16 @@ class StatefulKVRecorder(KVRecorder):
 
 def make(
     n_slots: int = 2, n_ctx: int = 64, n_batch: int = 16, prompt_cache: PromptCache | None = None
-) -> tuple[Batcher, KVRecorder]:
+) -> tuple[Scheduler, KVRecorder]:
     kv = StatefulKVRecorder(n_ctx, n_batch) if prompt_cache is not None else KVRecorder(n_ctx, n_batch)
-    return Batcher(cast(Backend, kv), n_slots, WorkerMetrics(), prompt_cache), kv
+    return Scheduler(cast(Backend, kv), n_slots, WorkerMetrics(), prompt_cache), kv
 
 
 def task(prompt: list[int], **params: Any) -> Task:
     return Task(prompt, SamplingParams(**params), 0, lambda e: None)
 
 
-def step(b: Batcher, kv: KVRecorder, sampled_token: int = 7) -> Planned:
+def step(b: Scheduler, kv: KVRecorder, sampled_token: int = 7) -> Planned:
     """One engine step without a model: every slot that asked for logits 'samples' a token."""
     b.admit()
     planned = b.plan()

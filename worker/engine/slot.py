@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from worker.task import Task
+from worker.engine.task import Task
 
 
 @dataclass(eq=False, slots=True)

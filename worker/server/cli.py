@@ -22,9 +22,9 @@ import uvicorn
 
 from worker.backends import BackendOptions, load_backend, resolve_kind
 from worker.backends.base import Backend
-from worker.engine import Engine, Progress
-from worker.metrics import WorkerMetrics
-from worker.state import WorkerState
+from worker.engine.engine import Engine, Progress
+from worker.engine.metrics import WorkerMetrics
+from worker.server.state import WorkerState
 
 log = logging.getLogger("worker")
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -153,7 +153,7 @@ def serve(
     )
     state = WorkerState(engine, metrics, alias or _default_model_id(model), model, kind)
     engine.start()  # the model loads while the HTTP stack is imported
-    from worker.app import build_app
+    from worker.server.app import build_app
 
     config = uvicorn.Config(
         build_app(state),
@@ -184,7 +184,7 @@ def _loader(
     """The engine's backend factory: load the model, then its chat template (engine thread)."""
 
     def load(progress: Progress) -> Backend:
-        from worker.chat_template import load_chat_template
+        from worker.text.chat_template import load_chat_template
 
         backend = load_backend(kind, model, options, progress)  # type: ignore[arg-type]
         meta = backend.meta

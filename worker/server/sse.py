@@ -17,7 +17,7 @@ import anyio
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from worker.generation import Generation
+from worker.server.generation import Generation
 
 SSE_HEADERS = [
     (b"content-type", b"text/event-stream; charset=utf-8"),

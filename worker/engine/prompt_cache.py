@@ -5,7 +5,7 @@ Why. The KV cache is unified, and llama.cpp attends over every cell up to the hi
 use, masked per sequence. Idle slots that keep their last prompt in the KV cache for prefix
 reuse therefore slow every decode of the busy ones: with 7 idle slots of ~100 tokens each, a
 single-request decode of the "small" test model costs 4.6 ms instead of 4.1 ms. So, as
-llama-server does, when a new task is admitted the batcher saves each *other* idle slot's
+llama-server does, when a new task is admitted the scheduler saves each *other* idle slot's
 sequence state here (`Backend.seq_state_get`, ~1 ms per 100 tokens) and clears it from the KV
 cache; a later prompt that shares a longer prefix with a saved entry than with any slot still
 in the KV cache gets that state restored into its slot (`seq_state_set`), then only its new
@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from worker.scheduler import common_prefix_len
+from worker.engine.policy import common_prefix_len
 
 
 @dataclass(frozen=True, slots=True)

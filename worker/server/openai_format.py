@@ -1,7 +1,7 @@
 """Engine events -> OpenAI chat / completion objects (streamed chunks or one aggregated body).
 
 Internally every request streams; a non-streaming response is the fold of the same events
-(`Choices`). Objects are plain dicts shaped like the models in worker/wire.py (built per token,
+(`Choices`). Objects are plain dicts shaped like the models in worker/server/wire.py (built per token,
 so no pydantic on this path). `timings` is llama-server's; `usage` is OpenAI's.
 """
 
@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.generation import Generation
-from worker.task import ErrorEvent, FinishEvent, TaskStats, TokenEvent
-from worker.wire import error_body
+from worker.engine.task import ErrorEvent, FinishEvent, TaskStats, TokenEvent
+from worker.errors import error_body
+from worker.server.generation import Generation
 
 TokenText = Callable[[int], bytes]
 

@@ -25,7 +25,7 @@ What a template can do is probed once per source by rendering small conversation
 
 The rendered text contains BOS when the template emits it (HF templates usually start with
 `{{ bos_token }}`); a caller whose tokenizer also adds BOS strips one leading `bos_token` first.
-The builtins (worker.builtin_templates) never start with BOS, as llama.cpp's do not.
+The builtins (worker.text.builtin_templates) never start with BOS, as llama.cpp's do not.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from worker.builtin_templates import BUILTIN_TEMPLATES
+from worker.text.builtin_templates import BUILTIN_TEMPLATES
 
 __all__ = [
     "BUILTIN_TEMPLATES",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.slot import Slot
+from worker.engine.slot import Slot
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

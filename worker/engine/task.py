@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from worker.detok import IncrementalDetokenizer
-from worker.sampling_params import SamplingParams
-from worker.stop_strings import StopMatcher
+from worker.engine.sampling_params import SamplingParams
+from worker.text.detok import IncrementalDetokenizer
+from worker.text.stop_strings import StopMatcher
 
 FinishReason = Literal["stop", "length"]
 _task_ids = itertools.count(1)

@@ -1,10 +1,10 @@
 """The slots, the queue of waiting tasks and the KV-cache accounting (engine thread only).
 
-`Batcher` turns "who is waiting, who is generating" into the next batch:
+`Scheduler` turns "who is waiting, who is generating" into the next batch:
 
     reap_cancelled() -> admit() -> plan() -> [backend.decode] -> commit() | on_no_kv_space()
 
-KV space: the backend has `n_ctx` cells shared by all sequences, and the batcher knows exactly
+KV space: the backend has `n_ctx` cells shared by all sequences, and the scheduler knows exactly
 how many each slot holds (`len(slot.cache)`). Before a step it makes room for one new cell per
 generating slot: first by dropping idle slots' cached prefixes (least recently used first),
 then by preempting the youngest request (its KV is dropped and it goes back to the head of the
@@ -13,7 +13,7 @@ where it was). Prompt chunks only use what is left. If llama.cpp still reports n
 rounds internally), the prompt part is halved for the next try; a batch of decode tokens only
 is answered by another preemption. So a full cache never fails a request.
 
-With a prompt cache (worker/prompt_cache.py, `--cache-ram`), idle slots do not stay in the KV
+With a prompt cache (worker/engine/prompt_cache.py, `--cache-ram`), idle slots do not stay in the KV
 cache: each admission saves every other idle slot's state to host RAM and clears it, and a
 prompt that matches a saved entry better than any resident slot gets it restored into its slot.
 KV pressure offloads idle caches the same way instead of dropping them, and a preempted
@@ -27,13 +27,13 @@ import time
 from collections import deque
 
 from worker.backends.base import Backend, BatchEntry
-from worker.metrics import WorkerMetrics
-from worker.prompt_cache import PromptCache
-from worker.scheduler import common_prefix_len, kv_victims, pick_slot, youngest
-from worker.slot import Slot
-from worker.task import Task
+from worker.engine.metrics import WorkerMetrics
+from worker.engine.policy import common_prefix_len, kv_victims, pick_slot, youngest
+from worker.engine.prompt_cache import PromptCache
+from worker.engine.slot import Slot
+from worker.engine.task import Task
 
-log = logging.getLogger("worker.engine")
+log = logging.getLogger("worker.engine.engine")
 
 Planned = list[tuple[Slot, BatchEntry]]
 
@@ -43,7 +43,7 @@ _MIN_RESTORE_GAIN = 8
 _RESTORE_COST_RATIO = 16
 
 
-class Batcher:
+class Scheduler:
     def __init__(
         self, backend: Backend, n_slots: int, metrics: WorkerMetrics, prompt_cache: PromptCache | None = None
     ) -> None:

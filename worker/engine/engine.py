@@ -4,12 +4,12 @@ Everything else talks to it through its inbox (`submit`, `call`, `call_when_idle
 only `Task.cancel()` is a direct write, noticed at the next step. One step is llama-server's
 `update_slots`, and reads like one:
 
-    batcher.reap_cancelled(); batcher.admit(); planned = batcher.plan()
-    backend.decode(planned) -> batcher.commit(planned) -> backend.sample(slots that want a token)
+    scheduler.reap_cancelled(); scheduler.admit(); planned = scheduler.plan()
+    backend.decode(planned) -> scheduler.commit(planned) -> backend.sample(slots that want a token)
     -> per slot: EOS, detokenize, stop strings, max_tokens, context full -> emit events
 
 The slots, the waiting queue and the KV accounting (prefix reuse, eviction, preemption) live in
-worker/batcher.py; this module is the thread, its inbox and commands, and the per-token output.
+worker/engine/scheduler.py; this module is the thread, its inbox and commands, and the per-token output.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
-from worker.batcher import Batcher, Planned
-from worker.metrics import WorkerMetrics
-from worker.prompt_cache import PromptCache
-from worker.slot import Slot
-from worker.task import ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
+from worker.engine.metrics import WorkerMetrics
+from worker.engine.prompt_cache import PromptCache
+from worker.engine.scheduler import Planned, Scheduler
+from worker.engine.slot import Slot
+from worker.engine.task import ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
 
-log = logging.getLogger("worker.engine")
+log = logging.getLogger("worker.engine.engine")
 
 T = TypeVar("T")
 Progress = Callable[[str, float], None]
@@ -67,7 +67,7 @@ class Engine:
         *,
         cache_ram_mib: int = 0,
     ) -> None:
-        """`cache_ram_mib`: the host-RAM prompt cache (worker/prompt_cache.py); 0 off, -1 unbounded."""
+        """`cache_ram_mib`: the host-RAM prompt cache (worker/engine/prompt_cache.py); 0 off, -1 unbounded."""
         self._factory = factory
         self._cache_ram_mib = cache_ram_mib
         self._on_load_failed = on_load_failed
@@ -77,7 +77,7 @@ class Engine:
         self._deferred: _Command | None = None  # a command waiting for the engine to be idle
         self._stopping = False
         self._backend: Backend | None = None
-        self._batcher: Batcher | None = None  # made once the backend is loaded
+        self._scheduler: Scheduler | None = None  # made once the backend is loaded
         self.status = LoadStatus()
         self._flush_hooks: list[Callable[[], None]] = []
         self._gauges = (-1, -1, -1)  # last values published by _update_gauges
@@ -97,7 +97,7 @@ class Engine:
 
     def add_flush_hook(self, hook: Callable[[], None]) -> None:
         """`hook` runs on the engine thread before each decode and before the engine waits
-        (see worker/generation.py: deferred event-loop wake-ups)."""
+        (see worker/server/generation.py: deferred event-loop wake-ups)."""
         self._flush_hooks = [*self._flush_hooks, hook]  # copy-on-write: read without a lock
 
     def flush_events(self) -> None:
@@ -164,7 +164,7 @@ class Engine:
         mib = self._cache_ram_mib
         use_cache = mib != 0 and self._backend.supports_seq_state
         prompt_cache = PromptCache(None if mib < 0 else mib << 20) if use_cache else None
-        self._batcher = Batcher(self._backend, self.n_slots, self._metrics, prompt_cache)
+        self._scheduler = Scheduler(self._backend, self.n_slots, self._metrics, prompt_cache)
         self.status = LoadStatus("ready", 1.0, is_ready=True)
         log.info("model loaded in %.2f s: n_ctx %d, %d slots", time.monotonic() - t0, self._backend.n_ctx, self.n_slots)
         return True
@@ -177,7 +177,7 @@ class Engine:
                 log.exception("backend close failed")
 
     def _has_work(self) -> bool:
-        return self._batcher is not None and self._batcher.has_work()
+        return self._scheduler is not None and self._scheduler.has_work()
 
     def _pump_inbox(self) -> None:
         """Take everything queued; block only when there is nothing else to do."""
@@ -212,7 +212,7 @@ class Engine:
             cmd.future.set_exception(e)
 
     def _enqueue(self, task: Task) -> None:
-        self._require_batcher().enqueue(task)  # first: if waking fails, _fail_all answers it too
+        self._require_scheduler().enqueue(task)  # first: if waking fails, _fail_all answers it too
         if self._require_backend().is_sleeping:
             self.wake()
 
@@ -220,16 +220,16 @@ class Engine:
         assert self._backend is not None, "engine used before the model loaded"
         return self._backend
 
-    def _require_batcher(self) -> Batcher:
-        assert self._batcher is not None, "engine used before the model loaded"
-        return self._batcher
+    def _require_scheduler(self) -> Scheduler:
+        assert self._scheduler is not None, "engine used before the model loaded"
+        return self._scheduler
 
     # -- engine thread: commands ---------------------------------------------------------------
     def sleep(self) -> None:
         """Free weights and KV (engine thread, idle). Cached prefixes are gone with the KV."""
         backend = self._require_backend()
         if not backend.is_sleeping:
-            self._require_batcher().forget_kv()
+            self._require_scheduler().forget_kv()
             backend.sleep()
             log.info("sleeping: weights and KV cache freed")
 
@@ -243,7 +243,7 @@ class Engine:
     def slots_info(self) -> list[dict[str, Any]]:
         n_ctx = self._require_backend().n_ctx
         out = []
-        for s in self._require_batcher().slots:
+        for s in self._require_scheduler().slots:
             t = s.task
             out.append(
                 {
@@ -262,25 +262,25 @@ class Engine:
 
     # -- engine thread: one step -----------------------------------------------------------------
     def _step(self) -> None:
-        batcher = self._require_batcher()
-        for task in batcher.reap_cancelled():
+        scheduler = self._require_scheduler()
+        for task in scheduler.reap_cancelled():
             self._free_sampler(task)
-        batcher.admit()
-        planned = batcher.plan()
+        scheduler.admit()
+        planned = scheduler.plan()
         if planned:
-            self._run_batch(batcher, planned)
+            self._run_batch(scheduler, planned)
         else:
             self.flush_events()  # no decode ahead to carry the wake-up
         self._update_gauges()
 
-    def _run_batch(self, batcher: Batcher, planned: Planned) -> None:
+    def _run_batch(self, scheduler: Scheduler, planned: Planned) -> None:
         backend = self._require_backend()
         entries = [entry for _, entry in planned]
         self.flush_events()  # the event loop wakes as the decode releases the GIL
         if backend.decode(entries) is DecodeStatus.NO_KV_SPACE:
-            batcher.on_no_kv_space(planned)
+            scheduler.on_no_kv_space(planned)
             return
-        to_sample = batcher.commit(planned)
+        to_sample = scheduler.commit(planned)
         if to_sample:
             tasks = [s.task for s in to_sample if s.task is not None]
             items = [SampleItem(t.sampler, i) for i, t in enumerate(tasks)]
@@ -338,7 +338,7 @@ class Engine:
 
     def _fail_all(self, message: str, status_code: int) -> None:
         """Fail every task in flight and forget all KV (after an error, or at shutdown)."""
-        tasks = self._batcher.take_all() if self._batcher is not None else []
+        tasks = self._scheduler.take_all() if self._scheduler is not None else []
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -360,10 +360,10 @@ class Engine:
         self._update_gauges()
 
     def _update_gauges(self) -> None:
-        if self._batcher is None:
+        if self._scheduler is None:
             return
         # A prometheus set takes a lock: each gauge is set when its value changes, not per step.
-        values = (self._batcher.n_busy(), len(self._batcher.waiting), self._batcher.kv_used())
+        values = (self._scheduler.n_busy(), len(self._scheduler.waiting), self._scheduler.kv_used())
         last, self._gauges = self._gauges, values
         m = self._metrics
         if values[0] != last[0]:

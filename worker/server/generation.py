@@ -27,9 +27,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from functools import partial
 
-from worker.engine import Engine
-from worker.sampling_params import SamplingParams
-from worker.task import ErrorEvent, Event, FinishEvent, Task, TokenEvent
+from worker.engine.engine import Engine
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.task import ErrorEvent, Event, FinishEvent, Task, TokenEvent
 
 
 class EventRelay:

@@ -1,6 +1,6 @@
 """What the HTTP handlers share: the engine, metrics, model identity and the chat template.
 
-Kept apart from worker/app.py so the CLI can build it and start loading the model before it
+Kept apart from worker/server/app.py so the CLI can build it and start loading the model before it
 imports the (slower to import) HTTP stack.
 """
 
@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from worker.engine import Engine
-from worker.metrics import WorkerMetrics
+from worker.engine.engine import Engine
+from worker.engine.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
-    from worker.chat_template import ChatTemplate
+    from worker.text.chat_template import ChatTemplate
 
 
 @dataclass(slots=True)

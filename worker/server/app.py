@@ -3,7 +3,7 @@
 Handlers parse and validate at the edge (pydantic wire types -> `SamplingParams`, prompt ->
 token ids), then hand a `Generation` to the engine thread and stream or aggregate its events.
 Tokenizing and template rendering are thread-safe and cheap; long prompts go to a worker
-thread so the event loop never stalls. Every error is the one envelope from worker/wire.py.
+thread so the event loop never stalls. Every error is the one envelope from worker/errors.py.
 """
 
 from __future__ import annotations
@@ -20,28 +20,24 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from worker.backends.base import Backend
-from worker.chat_template import ChatTemplateError
-from worker.generation import Generation
-from worker.metrics import CONTENT_TYPE
-from worker.openai_format import Choices, ResponseInfo, error_payload, stream_chat, stream_completion
-from worker.responses import aggregated, event_stream
-from worker.sampling_params import SamplingParams
-from worker.state import WorkerState
-from worker.wire import (
-    APIError,
+from worker.engine.metrics import CONTENT_TYPE
+from worker.engine.sampling_params import SamplingParams
+from worker.errors import APIError, api_error_handler, error_body, http_exception_handler, parse_model
+from worker.server.generation import Generation
+from worker.server.openai_format import Choices, ResponseInfo, error_payload, stream_chat, stream_completion
+from worker.server.sse import aggregated, event_stream
+from worker.server.state import WorkerState
+from worker.server.wire import (
     ApplyTemplateRequest,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    api_error_handler,
-    error_body,
-    http_exception_handler,
     new_id,
     now,
-    parse_model,
 )
+from worker.text.chat_template import ChatTemplateError
 
 _LONG_TEXT = 8192  # characters: above this, tokenize off the event loop
 
