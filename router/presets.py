@@ -42,6 +42,8 @@ class ModelPreset:
     threads: int | None = None
     chat_template: str | None = None
     cache_ram: int | None = None  # MiB of host-RAM prompt cache (worker --cache-ram)
+    kv_unified: bool | None = None  # one KV cache for all slots (worker --kv-unified)
+    flash_attn: str | None = None  # auto | on | off (worker --flash-attn)
     load_on_startup: bool = False
     stop_timeout: float = 10.0
     load_timeout: float = 300.0
@@ -125,6 +127,13 @@ def _aliases(raw: str | list[str]) -> tuple[str, ...]:
     return out
 
 
+def _flash_attn(raw: str) -> str:
+    s = str(raw).strip().lower()
+    if s not in ("auto", "on", "off"):
+        raise ValueError("expected one of auto, on, off")
+    return s
+
+
 def _upstream(raw: str) -> str:
     s = str(raw).strip().rstrip("/")
     if not re.match(r"^https?://[^/\s]+", s):
@@ -144,6 +153,8 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "threads": ("threads", _int(-1)),
     "chat-template": ("chat_template", _text),
     "cache-ram": ("cache_ram", _int(-1)),
+    "kv-unified": ("kv_unified", _bool),
+    "flash-attn": ("flash_attn", _flash_attn),
     "load-on-startup": ("load_on_startup", _bool),
     "stop-timeout": ("stop_timeout", _float(0, strict=True)),
     "load-timeout": ("load_timeout", _float(0, strict=True)),
@@ -154,7 +165,7 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
           "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
-          "cram": "cache-ram"}
+          "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn"}
 VALID_KEYS = ", ".join(sorted(_KEYS))
 
 
@@ -252,7 +263,7 @@ def _parse_toml(path: Path) -> tuple[_RawSection, list[_RawSection]]:
 def _put(sec: _RawSection, key: str, value: Any, where: str) -> None:
     canon = canonical_key(key)
     if canon is None:
-        raise PresetError(f"{where}: unknown key {key!r} (valid: {VALID_KEYS}; short: c, np, ngl, t, b, a, m)")
+        raise PresetError(f"{where}: unknown key {key!r} (valid: {VALID_KEYS}; short: c, np, ngl, t, b, a, m, fa, kvu)")
     if canon in sec.values:
         raise PresetError(f"{where}: key {key!r} given twice in [{sec.name}] (first at {sec.values[canon][1]})")
     if isinstance(value, bool):

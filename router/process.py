@@ -59,9 +59,11 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
     for flag, value in (("--ctx-size", preset.ctx_size), ("--parallel", preset.parallel),
                         ("--batch-size", preset.batch_size), ("--n-gpu-layers", preset.n_gpu_layers),
                         ("--threads", preset.threads), ("--chat-template", preset.chat_template),
-                        ("--cache-ram", preset.cache_ram)):
+                        ("--cache-ram", preset.cache_ram), ("--flash-attn", preset.flash_attn)):
         if value is not None:
             argv += [flag, str(value)]
+    if preset.kv_unified:
+        argv.append("--kv-unified")
     return argv
 
 

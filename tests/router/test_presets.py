@@ -174,10 +174,10 @@ ARGV_CASES = [
     (ModelPreset(name="a", model=Path("/m.gguf")), ["--model", "/m.gguf", "--alias", "a", "--host", "127.0.0.1",
                                                      "--port", "9", "--parent-pid", "7"]),
     (ModelPreset(name="a", model=Path("/m"), backend="torch", ctx_size=512, parallel=2, batch_size=64,
-                 n_gpu_layers=0, threads=1, chat_template="chatml", cache_ram=512),
+                 n_gpu_layers=0, threads=1, chat_template="chatml", cache_ram=512, flash_attn="off", kv_unified=True),
      ["--model", "/m", "--alias", "a", "--host", "127.0.0.1", "--port", "9", "--parent-pid", "7", "--backend",
       "torch", "--ctx-size", "512", "--parallel", "2", "--batch-size", "64", "--n-gpu-layers", "0",
-      "--threads", "1", "--chat-template", "chatml", "--cache-ram", "512"]),
+      "--threads", "1", "--chat-template", "chatml", "--cache-ram", "512", "--flash-attn", "off", "--kv-unified"]),
 ]
 
 
