@@ -1,56 +1,91 @@
-"""Worker throughput benchmark: our worker side by side with llama.cpp's C++ llama-server.
+"""Worker benchmarks: our worker side by side with llama.cpp's C++ llama-server, one workload per run.
 
-    .venv/bin/python -m bench.bench_worker                      # ours vs llama-server, 5 rounds
-    .venv/bin/python -m bench.bench_worker --quick               # 2 rounds
-    .venv/bin/python -m bench.bench_worker --targets llama-server,llama-server   # harness check
+    .venv/bin/python -m bench.bench_worker                                  # throughput, 5 rounds
+    .venv/bin/python -m bench.bench_worker --workload shared-prefix         # or overload, long-prompt
+    .venv/bin/python -m bench.bench_worker --quick                          # 2 rounds
+    .venv/bin/python -m bench.bench_worker --targets llama-server,llama-server   # harness self-check
+    .venv/bin/python -m bench.bench_worker --targets "ours,llama-server:-fa off"  # a target's own flags
     .venv/bin/python -m bench.bench_worker --url mine=http://127.0.0.1:8080 --targets mine
 
-Method. Every target is started once (or is an already running `--url`), warmed up (one request,
-then one burst of `--parallel` requests), and stays up for the whole run. Then, for each round
-and each concurrency N (1, 4, 8, 16), every target gets one *burst*: N streaming
-`/v1/completions` requests sent at once, each with a distinct token-id prompt of 32-64 normal
-vocabulary tokens and generating exactly `--max-tokens` new tokens (`ignore_eos`, temperature 0).
-Targets take turns inside each (round, N) cell, and the turn order flips every round, so slow
-drifts of this shared machine hit both sides alike. Prompts depend on (round, N, request index)
-only, so both sides see the same prompts, and no prompt is a prefix-cache hit of an earlier one.
+Method, common to all workloads. Every target is started once (or is an already running `--url`) with
+`--parallel` slots (8), the same total KV size `--ctx-size` (its default depends on the workload), each
+side's default KV layout (a KV stream of ctx/parallel cells per slot; `--kv-unified` gives both sides one
+cache shared by all slots) and the same `--threads` (default: all CPUs; 0: each server's own default). A
+target may carry its own extra flags: `--targets "ours,llama-server:-fa off"` (kind, colon, shell-split
+flags). Each target is warmed up (one request, one burst of `--parallel` requests, then one unrecorded
+burst or round of the workload) and stays up for the whole run. Then, for each of `--rounds` rounds (5)
+and each concurrency N of the workload, every target runs the workload's burst or round in turn; the turn
+order flips every round, so slow drifts of this shared machine hit both sides alike.
 
-Per burst: aggregate tokens/s = generated tokens / (last response end - burst start); TTFT = send
--> first token chunk; inter-token latency (ITL) = gaps between consecutive token chunks of one
-request, pooled over the burst. p50/p99 are taken per burst; the table shows the median over
-rounds. `srv ms/tok` is the server's own `timings` (generation time per token), which separates
-server speed from transport. The generated-token count of every request is checked against `--max-tokens` (from
-`usage.completion_tokens`, else `timings.predicted_n`, else the number of token chunks); a
-mismatch is an error, reported, not silently averaged in.
+Every request is a streaming `/v1/completions` with a token-id prompt of normal vocabulary tokens,
+temperature 0 and `ignore_eos`, and must generate exactly its `max_tokens` (from `usage.completion_tokens`,
+else `timings.predicted_n`, else the number of token chunks): a mismatch or an HTTP or stream error is
+reported, not averaged in, and makes the exit code 1. Prompts depend on (round, attempt, request) only, so
+both sides get the same ones, and none is a prefix-cache hit of an earlier one unless the workload says so.
+TTFT = send -> first token chunk; ITL (inter-token latency) = the gap between consecutive token chunks of
+one request; p50/p99 are taken per burst. The table shows, per target, the median over rounds of each
+round's value (min-max over rounds for the headline figure), then the ratio first/second target marked
+against the workload's goal, with the median of the per-round ratios ("paired": both sides of a round ran
+back to back, so a noisy minute hits both).
 
-Context: both sides get the same *total* KV size (`--ctx-size`, default 4096) and 8 slots. Our
-worker's KV cache is unified (any slot may use the whole context); llama-server gets
-`-c CTX --kv-unified` when its `--help` lists that flag (it does in the vendored revision), so the
-per-slot capacity is the same; otherwise each of its slots gets CTX/8 (printed in the header).
-Both get the same `--threads` (default: all CPUs) unless `--threads 0` (each server's default).
+throughput (default). Per round and N in `--concurrency` (1,4,8,16): a burst of N requests sent at once,
+distinct prompts of `--prompt-tokens` (32-64) tokens, `--max-tokens` (64) new tokens each; ctx 4096.
+Aggregate tokens/s = generated tokens / (last response end - burst start); TTFT and ITL p50/p99 pooled over
+the burst; `srv ms/tok` is the server's own `timings` (generation time per token), which separates server
+speed from transport. Goal: tokens/s >= 1.0x the second target's at every N (and N=8 vs N=1 >= 2.5x).
 
-Noise. This box is shared, and llama.cpp's threads (one per core, spinning at barriers) collapse
-by 10-40x when another process takes a core. So: before each burst we wait (up to --quiet-wait)
-for the machine to be quiet; during it, we measure the CPU used by the target, by us, and by
-everything else (/proc/stat minus the two); a burst during which other processes used more than
---max-noise CPUs is discarded and rerun (up to --retries times, with fresh prompt tokens of the
-same lengths; an attempt taking 3x longer than the fastest clean one is cut short, its requests
-cancelled; the last attempt is always kept). The table shows those CPU figures, so a reader can
-tell a clean run from a noisy one. The CPU time of idle targets is sampled too: an idle server that burns CPU (a busy-polling
-engine loop) would slow down the other side and is reported as a warning.
+shared-prefix. Per round a FRESH common prefix of `--prefix-tokens` (1000) tokens, never seen by either
+server before (new every round and attempt, the same for both targets in a round), and N = `--parallel`
+distinct suffixes of `--suffix-tokens` (16); `--max-tokens` 16; ctx 16384. The cold burst sends the N
+requests at once: TTFT p50, p99, the last TTFT, and the burst's wall time. The warm burst then sends
+exactly the same N requests again: TTFT p50/p99. Goals: cold TTFT p50 <= 0.33x the second target's (the
+prefix computed once, not N times), warm TTFT p50 <= 1.0x.
+
+overload. One burst of 2 x `--parallel` requests (16 on 8 slots) with throughput's prompts and
+`--max-tokens` (64); ctx 4096. Tokens/s, TTFT p50/p99, ITL. Goal: TTFT p99 <= 0.5x the second target's.
+
+long-prompt. `--parallel` - 1 (7) decoders with throughput's short prompts start at once. Once each has
+streamed 16 tokens, their gaps are measured over a steady window of `--steady-seconds` (1.5); then ONE
+request with a fresh `--long-prompt-tokens` (8192) token prompt and max_tokens 1 is sent, and the decoders'
+gaps are recorded from that moment until its first token arrives (a gap counts if it overlaps that window,
+so a stall across its end is in). ctx: parallel x (long prompt + 512) = 69632, so every slot has room for
+the long prompt. Reported: steady ITL p50/p99, ITL p50/p99 during the prefill, during-p99 / steady-p99,
+and the long prompt's TTFT. Goal: during-p99 <= 2x steady-p99 on each target (and the first/second ratios
+are shown). Once every decoder has streamed a token past the long prompt's first one, the client hangs up
+on them (closes their streams: their token counts are not checked, the long prompt's is). Their max_tokens
+is sized from the target's own measured speed (the fastest steady ITL and the slowest long-prompt TTFT
+seen, from the warm-up on), with a 2x margin, so that they are still decoding when the long prompt's first
+token arrives, yet a server that ignores a gone client stops soon; `--max-tokens` fixes it instead. A round
+in which a decoder finished before that is cut at its end, says so, and is rerun with more tokens.
+
+Noise. This box is shared, and llama.cpp's threads (one per core, spinning at barriers) collapse by 10-40x
+when another process takes a core. So: before each burst or round we wait (up to --quiet-wait) for the
+machine to be quiet; during it we measure the CPU used by the target, by us, and by everything else
+(/proc/stat minus the two); an attempt during which other processes used more than --max-noise CPUs is
+discarded and rerun (up to --retries times, with fresh prompt tokens of the same lengths; an attempt taking
+3x longer than the fastest clean one is cut short, its requests cancelled; the last attempt is always kept).
+The table shows those CPU figures, so a reader can tell a clean run from a noisy one. The CPU time of idle
+targets is sampled too: an idle server that burns CPU (a busy-polling engine loop) would slow down the
+other side and is reported as a warning. Reading ratios: two identical llama-servers
+(`--targets llama-server,llama-server`, the harness self-check, which works with every workload) differ by
+up to ~5% in median tokens/s on a quiet box, so ratios within 0.95-1.05x are noise; p99s and TTFTs of small
+bursts vary more: run the self-check with the same workload to see its own floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
 import random
-import re
-import subprocess
+import shlex
+import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,9 +108,16 @@ from bench.common import (
 
 DEFAULT_MODEL = ROOT / "models" / "small-llama-f16.gguf"
 TARGET_KINDS = ("ours", "llama-server")
-# Targets of the issue (docs: issue 3, "Done when").
-TARGET_RATIO = 0.95
-TARGET_SCALING = 2.5
+# Goals, first target / second target (docs: issue 3, "Done when").
+TARGET_RATIO = 1.0  # throughput: tokens/s at every N
+TARGET_SCALING = 2.5  # throughput: tokens/s at N=8 vs N=1, each target
+TARGET_COLD_TTFT = 0.33  # shared-prefix: cold burst TTFT p50
+TARGET_WARM_TTFT = 1.0  # shared-prefix: warm burst TTFT p50
+TARGET_OVERLOAD_TTFT = 0.5  # overload: TTFT p99
+TARGET_PREFILL_ITL = 2.0  # long-prompt: decoders' ITL p99 during the long prefill / steady, each target
+WARM_TOKENS = 16  # long-prompt: tokens every decoder streams before the steady window starts
+LONG_PROMPT_MAX_TOKENS = 1
+DECODER_MARGIN = 2.0  # long-prompt: decoders are sized for this many times the expected prefill
 
 
 # ---------------------------------------------------------------- prompts
@@ -97,13 +139,17 @@ def normal_token_ids(model: Path) -> list[int]:
     return ids or list(range(n_vocab))
 
 
+def random_tokens(vocab: list[int], seed: str, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice(vocab) for _ in range(length)]
+
+
 def make_prompt(vocab: list[int], round_idx: int, concurrency: int, req_idx: int,
                 min_len: int, max_len: int, attempt: int = 0) -> list[int]:
     """The prompt of one request of a cell. A retried burst gets other tokens (no prefix-cache
     hit on what the server saw on the first attempt) but the same lengths (the same work)."""
     length = random.Random(f"{round_idx}/{concurrency}/{req_idx}").randint(min_len, max_len)
-    rng = random.Random(f"{round_idx}/{concurrency}/{req_idx}/{attempt}")
-    return [rng.choice(vocab) for _ in range(length)]
+    return random_tokens(vocab, f"{round_idx}/{concurrency}/{req_idx}/{attempt}", length)
 
 
 # ---------------------------------------------------------------- one request, one burst
@@ -111,13 +157,17 @@ def make_prompt(vocab: list[int], round_idx: int, concurrency: int, req_idx: int
 
 @dataclass
 class RequestResult:
+    start: float = 0.0  # perf_counter when sent
     ttft: float = math.nan
-    gaps: list[float] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # perf_counter at each token chunk
     num_tokens: int = 0
-    num_chunks: int = 0
     server_tpot_ms: float = math.nan  # the server's own timings.predicted_ms / predicted_n
     end: float = 0.0
     error: str | None = None
+
+    @property
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
 
 
 def _count_tokens(final: dict[str, Any], num_chunks: int) -> int:
@@ -131,14 +181,15 @@ def _count_tokens(final: dict[str, Any], num_chunks: int) -> int:
 
 
 async def stream_completion(client: httpx.AsyncClient, model_name: str, prompt: list[int],
-                            max_tokens: int) -> RequestResult:
+                            max_tokens: int, res: RequestResult | None = None) -> RequestResult:
+    """One streaming request. `res` is filled in as tokens arrive, so a caller that cancels the
+    request keeps what it got."""
     body = {
         "model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }
-    res = RequestResult()
-    start = time.perf_counter()
-    last_token_at: float | None = None
+    res = res if res is not None else RequestResult()
+    res.start = time.perf_counter()
     first_chunk_at: float | None = None
     final: dict[str, Any] = {}
     try:
@@ -167,19 +218,16 @@ async def stream_completion(client: httpx.AsyncClient, model_name: str, prompt: 
                 # is held back, e.g. half a UTF-8 character: we send it empty, llama-server sends
                 # nothing). An empty closing chunk is not one.
                 if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
-                    res.num_chunks += 1
-                    if last_token_at is None:
-                        res.ttft = now - start
-                    else:
-                        res.gaps.append(now - last_token_at)
-                    last_token_at = now
+                    if not res.token_times:
+                        res.ttft = now - res.start
+                    res.token_times.append(now)
         res.end = time.perf_counter()
         if math.isnan(res.ttft) and first_chunk_at is not None:
             # No token chunk at all: llama-server sends none while the text ends in an incomplete
             # UTF-8 character (a greedy loop on a byte token does that). What the user waited
             # for the first byte is then the closing chunk.
-            res.ttft = first_chunk_at - start
-        res.num_tokens = _count_tokens(final, res.num_chunks)
+            res.ttft = first_chunk_at - res.start
+        res.num_tokens = _count_tokens(final, len(res.token_times))
         t = final.get("timings") or {}
         if t.get("predicted_n") and isinstance(t.get("predicted_ms"), int | float):
             res.server_tpot_ms = float(t["predicted_ms"]) / float(t["predicted_n"])
@@ -190,55 +238,42 @@ async def stream_completion(client: httpx.AsyncClient, model_name: str, prompt: 
     return res
 
 
-@dataclass
-class Burst:
-    target: str
-    concurrency: int
-    round: int
-    wall_s: float
-    tok_s: float
-    ttft_p50_ms: float
-    ttft_p99_ms: float
-    itl_p50_ms: float
-    itl_p99_ms: float
-    num_tokens: int
-    num_chunks: int
-    errors: list[str]
-    idle_cpu_of_others: dict[str, float]  # other target -> CPUs it used while idle
-    cpu_target: float = math.nan  # CPUs used during the burst by the target's processes
-    cpu_client: float = math.nan  # ... by this benchmark process
-    cpu_foreign: float = math.nan  # ... by everything else on the machine (noise)
-    foreign_before: float = math.nan  # foreign load measured just before the burst
-    server_tpot_ms: float = math.nan  # median over requests of the server-reported ms per token
-    num_discarded: int = 0  # earlier attempts of this burst thrown away as too noisy
+def errors_of(results: list[RequestResult]) -> list[str]:
+    return [r.error for r in results if r.error is not None]
 
 
-async def run_burst(client: httpx.AsyncClient, model_name: str, prompts: list[list[int]],
-                    max_tokens: int) -> tuple[float, list[RequestResult]]:
-    start = time.perf_counter()
-    results = await asyncio.gather(*(stream_completion(client, model_name, p, max_tokens) for p in prompts))
-    ends = [r.end for r in results if r.error is None]
-    wall = (max(ends) if ends else time.perf_counter()) - start
-    return wall, list(results)
+def p50_p99(name: str, values_ms: list[float]) -> dict[str, float]:
+    return {f"{name}_p50_ms": percentile(values_ms, 50), f"{name}_p99_ms": percentile(values_ms, 99)}
 
 
-def summarize_burst(target: str, concurrency: int, round_idx: int, wall: float,
-                    results: list[RequestResult], idle_cpu: dict[str, float]) -> Burst:
-    ok = [r for r in results if r.error is None]
-    num_tokens = sum(r.num_tokens for r in ok)
-    ttfts = [r.ttft * 1e3 for r in ok]
-    gaps = [g * 1e3 for r in ok for g in r.gaps]
-    return Burst(
-        target=target, concurrency=concurrency, round=round_idx, wall_s=wall,
-        tok_s=num_tokens / wall if ok and wall > 0 else math.nan,
-        ttft_p50_ms=percentile(ttfts, 50), ttft_p99_ms=percentile(ttfts, 99),
-        itl_p50_ms=percentile(gaps, 50), itl_p99_ms=percentile(gaps, 99),
-        num_tokens=num_tokens, num_chunks=sum(r.num_chunks for r in ok),
-        errors=[r.error for r in results if r.error is not None], idle_cpu_of_others=idle_cpu,
-    )
+def ttfts_ms(results: list[RequestResult]) -> list[float]:
+    return [r.ttft * 1e3 for r in results if r.error is None]
 
 
 # ---------------------------------------------------------------- targets
+
+
+@dataclass
+class Target:
+    """A started target, and what the run has learnt about its speed (long-prompt sizing)."""
+
+    server: Server
+    client: httpx.AsyncClient
+    model_name: str
+    itl_s: float = math.nan  # its decoders' steady ITL p50, last measured
+    long_ttft_s: float = math.nan  # the long prompt's TTFT next to decoders, last measured or guessed
+
+    @property
+    def name(self) -> str:
+        return self.server.name
+
+    async def burst(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[RequestResult]]:
+        """Send all prompts at once; (burst start -> last successful response end, results)."""
+        start = time.perf_counter()
+        results = await asyncio.gather(
+            *(stream_completion(self.client, self.model_name, p, max_tokens) for p in prompts))
+        ends = [r.end for r in results if r.error is None]
+        return (max(ends) if ends else time.perf_counter()) - start, list(results)
 
 
 def find_llama_server() -> Path | None:
@@ -246,24 +281,18 @@ def find_llama_server() -> Path | None:
     return hits[-1] if hits else None
 
 
-def llama_server_has_flag(binary: Path, flag: str) -> bool:
-    try:
-        out = subprocess.run([str(binary), "--help"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return re.search(re.escape(flag) + r"(?![\w-])", out.stdout + out.stderr) is not None
-
-
 def build_targets(args: argparse.Namespace, log_dir: Path) -> tuple[list[Server], list[str]]:
-    """Servers to start (or external URLs) and header notes describing how each is run."""
+    """Servers to start (or external URLs) and header notes with each one's command line."""
     externals = dict(u.split("=", 1) for u in args.url)
     names = [t.strip() for t in args.targets.split(",") if t.strip()]
     servers: list[Server] = []
     notes: list[str] = []
     seen: dict[str, int] = {}
-    for kind in names:
-        seen[kind] = seen.get(kind, 0) + 1
-        name = kind if seen[kind] == 1 else f"{kind}#{seen[kind]}"
+    for spec in names:
+        kind, _, extra = spec.partition(":")  # "llama-server:-fa off": a kind plus its own flags
+        extra_args = shlex.split(extra)
+        seen[spec] = seen.get(spec, 0) + 1
+        name = spec if seen[spec] == 1 else f"{spec}#{seen[spec]}"
         if kind in externals:
             servers.append(Server(name=name, base_url=externals[kind].rstrip("/")))
             notes.append(f"{name}: external server at {externals[kind]} (CPU accounted to the process "
@@ -271,37 +300,311 @@ def build_targets(args: argparse.Namespace, log_dir: Path) -> tuple[list[Server]
             continue
         port = free_port()
         threads = [] if args.threads == 0 else [str(args.threads)]
+        unified = ["--kv-unified"] if args.kv_unified else []
         if kind == "ours":
             cmd = [sys.executable, "-m", "worker.server.cli", "--model", str(args.model),
                    "--parallel", str(args.parallel), "--ctx-size", str(args.ctx_size),
-                   "--port", str(port), "--host", "127.0.0.1"]
+                   "--port", str(port), "--host", "127.0.0.1", *unified]
             if threads:
                 cmd += ["--threads", *threads]
-            cmd += args.worker_arg
-            notes.append(f"{name}: unified KV, {args.ctx_size} cells shared by {args.parallel} slots")
+            cmd += args.worker_arg + extra_args
+            notes.append(f"{name}: {' '.join(cmd[3:])}")
         elif kind == "llama-server":
             binary = Path(args.llama_server) if args.llama_server else find_llama_server()
             if binary is None or not binary.exists():
                 raise SystemExit("llama-server binary not found: run scripts/build_llama_server.sh "
                                  "or pass --llama-server PATH")
             cmd = [str(binary), "-m", str(args.model), "-np", str(args.parallel),
-                   "-c", str(args.ctx_size), "--port", str(port), "--host", "127.0.0.1"]
+                   "-c", str(args.ctx_size), "--port", str(port), "--host", "127.0.0.1", *unified]
             if threads:
                 cmd += ["-t", *threads]
-            if llama_server_has_flag(binary, "--kv-unified"):
-                cmd.append("--kv-unified")
-                notes.append(f"{name}: -c {args.ctx_size} --kv-unified (each of {args.parallel} "
-                             f"slots may use the whole context, like ours)")
-            else:
-                notes.append(f"{name}: -c {args.ctx_size} without --kv-unified (not supported): "
-                             f"{args.ctx_size // args.parallel} cells per slot")
-            cmd += args.server_arg
+            cmd += args.server_arg + extra_args
+            notes.append(f"{name}: llama-server {' '.join(cmd[1:])}")
         else:
             raise SystemExit(f"unknown target {kind!r}: use one of {TARGET_KINDS} or name it in --url")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         servers.append(Server(name=name, base_url=f"http://127.0.0.1:{port}", cmd=cmd,
                               log_path=log_dir / f"{name.replace('#', '_')}.log", env=env))
     return servers, notes
+
+
+async def model_name_of(client: httpx.AsyncClient) -> str:
+    r = await client.get("/v1/models")
+    r.raise_for_status()
+    data = r.json().get("data") or []
+    return str(data[0]["id"]) if data else "default"
+
+
+# ---------------------------------------------------------------- workloads: one burst or round each
+
+
+@dataclass
+class Bench:
+    """What every burst needs besides its target: the options and the vocabulary to draw prompts from."""
+
+    args: argparse.Namespace
+    vocab: list[int]
+
+    def short_prompts(self, n: int, round_idx: int, attempt: int) -> list[list[int]]:
+        lo, hi = self.args.prompt_tokens
+        return [make_prompt(self.vocab, round_idx, n, i, lo, hi, attempt) for i in range(n)]
+
+
+@dataclass
+class Outcome:
+    """What one attempt of a burst or round measured."""
+
+    metrics: dict[str, float]
+    errors: list[str]
+    wall_s: float  # how long the attempt took (the too-slow guard compares these)
+    notes: list[str] = field(default_factory=list)
+    rerun_because: str | None = None  # it ran, but did not measure what it should: retry like noise
+
+
+RoundFn = Callable[[Bench, Target, int, int, int], Awaitable[Outcome]]
+
+
+async def throughput_burst(bench: Bench, t: Target, n: int, round_idx: int, attempt: int) -> Outcome:
+    """N requests with short distinct prompts at once (throughput, overload)."""
+    wall, results = await t.burst(bench.short_prompts(n, round_idx, attempt), bench.args.max_tokens)
+    ok = [r for r in results if r.error is None]
+    num_tokens = sum(r.num_tokens for r in ok)
+    metrics = {
+        "tok_s": num_tokens / wall if ok and wall > 0 else math.nan,
+        **p50_p99("ttft", ttfts_ms(ok)),
+        **p50_p99("itl", [g * 1e3 for r in ok for g in r.gaps]),
+        "srv_ms_per_tok": median([r.server_tpot_ms for r in ok]),
+        "num_tokens": num_tokens, "wall_s": wall,
+    }
+    return Outcome(metrics, errors_of(results), wall)
+
+
+async def shared_prefix_round(bench: Bench, t: Target, n: int, round_idx: int, attempt: int) -> Outcome:
+    """N requests = one fresh prefix + N distinct suffixes: once cold, then the same N again warm."""
+    args = bench.args
+    prefix = random_tokens(bench.vocab, f"prefix/{round_idx}/{attempt}", args.prefix_tokens)
+    prompts = [prefix + random_tokens(bench.vocab, f"suffix/{round_idx}/{attempt}/{i}", args.suffix_tokens)
+               for i in range(n)]
+    start = time.perf_counter()
+    cold_wall, cold = await t.burst(prompts, args.max_tokens)
+    _, warm = await t.burst(prompts, args.max_tokens)
+    cold_ttfts = ttfts_ms(cold)
+    metrics = {
+        **p50_p99("cold_ttft", cold_ttfts),
+        "cold_ttft_last_ms": max(cold_ttfts, default=math.nan),
+        "cold_wall_s": cold_wall,
+        **p50_p99("warm_ttft", ttfts_ms(warm)),
+    }
+    return Outcome(metrics, errors_of(cold + warm), time.perf_counter() - start)
+
+
+def slot_room(args: argparse.Namespace, num_decoders: int) -> int:
+    """The most tokens a long-prompt decoder can generate: its slot's cells minus its prompt (and, in
+    a unified cache, minus the long prompt, shared among the decoders)."""
+    longest: int = args.prompt_tokens[1]
+    if args.kv_unified:
+        return (int(args.ctx_size) - int(args.long_prompt_tokens) - 8) // num_decoders - longest
+    return int(args.ctx_size) // int(args.parallel) - longest - 1
+
+
+def decoder_max_tokens(args: argparse.Namespace, t: Target, num_decoders: int) -> int:
+    """Enough tokens for the decoders to outlast the long prefill at their steady speed (an upper
+    bound: a prefill only slows them down), with a margin; at most what a slot has room for."""
+    if args.max_tokens is not None:
+        return int(args.max_tokens)
+    room = slot_room(args, num_decoders)
+    if not (t.itl_s > 0 and t.long_ttft_s > 0):  # not measured yet (NaN)
+        return room
+    seconds = args.steady_seconds + DECODER_MARGIN * t.long_ttft_s + 1.0
+    return min(room, WARM_TOKENS + math.ceil(float(seconds) / t.itl_s))
+
+
+def split_gaps(decoders: list[RequestResult], steady_from: float, prefill_from: float,
+               prefill_to: float) -> tuple[list[float], list[float], float]:
+    """The decoders' gaps (ms) inside the steady window [steady_from, prefill_from], and those that
+    overlap the prefill window (prefill_from, end); end is prefill_to, or earlier if a decoder
+    streamed its last token before (returned: the window was then cut)."""
+    end = min([prefill_to, *(r.token_times[-1] for r in decoders if r.token_times)])
+    steady: list[float] = []
+    during: list[float] = []
+    for r in decoders:
+        for a, b in itertools.pairwise(r.token_times):
+            if a >= steady_from and b <= prefill_from:
+                steady.append((b - a) * 1e3)
+            elif b > prefill_from and a < end:
+                during.append((b - a) * 1e3)
+    return steady, during, end
+
+
+async def poll_until(pred: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval)
+    return True
+
+
+async def long_prompt_round(bench: Bench, t: Target, n: int, round_idx: int, attempt: int) -> Outcome:
+    """N decoders stream; after a steady window one long prompt arrives: how long do they stall?
+    Once each decoder has streamed a token past the long prompt's first one, we hang up on them."""
+    args = bench.args
+    max_tokens = decoder_max_tokens(args, t, n)
+    decoders = [RequestResult() for _ in range(n)]
+    start = time.perf_counter()
+    tasks = [asyncio.create_task(stream_completion(t.client, t.model_name, p, max_tokens, res=r))
+             for p, r in zip(bench.short_prompts(n, round_idx, attempt), decoders, strict=True)]
+
+    def has_ended() -> bool:
+        return any(task.done() for task in tasks)
+
+    try:
+        is_ready = await poll_until(
+            lambda: has_ended() or all(len(r.token_times) >= WARM_TOKENS for r in decoders), args.request_timeout)
+        if has_ended() or not is_ready:
+            errors = errors_of(decoders) or [f"the decoders did not all stream {WARM_TOKENS} tokens"]
+            return Outcome({}, errors, time.perf_counter() - start)
+        steady_from = time.perf_counter()
+        await asyncio.sleep(args.steady_seconds)
+        long_prompt = random_tokens(bench.vocab, f"long/{round_idx}/{attempt}", args.long_prompt_tokens)
+        long = await stream_completion(t.client, t.model_name, long_prompt, LONG_PROMPT_MAX_TOKENS)
+        first_token_at = long.start + long.ttft
+        if long.error is None:  # the gap spanning the window's end is part of the stall: wait for its end
+            await poll_until(lambda: all(task.done() or r.token_times[-1] > first_token_at
+                                         for task, r in zip(tasks, decoders, strict=True)),
+                             args.request_timeout)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    wall = time.perf_counter() - start
+    errors = errors_of([*decoders, long])
+    if errors:
+        return Outcome({}, errors, wall)
+    steady, during, end = split_gaps(decoders, steady_from, long.start, first_token_at)
+    metrics = {
+        **p50_p99("steady_itl", steady), **p50_p99("during_itl", during),
+        "long_ttft_ms": long.ttft * 1e3, "decoder_max_tokens": max_tokens,
+        "num_steady_gaps": len(steady), "num_during_gaps": len(during),
+    }
+    metrics["itl_p99_ratio"] = metrics["during_itl_p99_ms"] / metrics["steady_itl_p99_ms"]
+    # Sizing errs on the generous side (the fastest ITL, the slowest prefill seen): we hang up anyway.
+    steady_itl_s = metrics["steady_itl_p50_ms"] / 1e3
+    t.itl_s = min(t.itl_s, steady_itl_s) if t.itl_s > 0 else steady_itl_s
+    t.long_ttft_s = max(t.long_ttft_s, long.ttft) if t.long_ttft_s > 0 else long.ttft
+    out = Outcome(metrics, [], wall)
+    if end < first_token_at:
+        t.long_ttft_s *= 2
+        out.notes.append(f"a decoder finished its {max_tokens} tokens {first_token_at - end:.2f}s before the "
+                         f"long prompt's first token ({long.ttft:.2f}s prefill): during-window cut there")
+        if args.max_tokens is None:
+            out.rerun_because = out.notes[-1]
+    return out
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    title: str
+    spec: str = "8.1f"
+    span: bool = False  # also show [min - max] over rounds
+
+    @property
+    def width(self) -> int:
+        return max(len(self.title), len(fmt(0.0, self.spec)))
+
+
+@dataclass(frozen=True)
+class Goal:
+    key: str
+    label: str
+    op: str  # ">=" or "<="
+    bound: float
+    per_target: bool = False  # the bound is on each target's own value, not on first/second
+
+    def mark(self, value: float) -> str:
+        if math.isnan(value):
+            return "n/a"
+        is_met = value >= self.bound if self.op == ">=" else value <= self.bound
+        return "ok" if is_met else "MISSED"
+
+    def text(self, value: float) -> str:
+        return f"{self.mark(value)}, goal {self.op} {self.bound:g}x"
+
+
+@dataclass(frozen=True)
+class Workload:
+    run: RoundFn
+    cells: Callable[[argparse.Namespace], list[int]]  # the concurrencies N of one round
+    columns: tuple[Column, ...]
+    goals: tuple[Goal, ...]
+    ratios: tuple[str, ...]  # further first/second ratios shown (column keys), no goal
+    legend: str
+
+
+CPU_COLUMNS = (Column("cpu_target", "CPUs", "4.2f"), Column("cpu_foreign", "noise", "5.2f"))
+BURST_COLUMNS = (
+    Column("tok_s", "tok/s", "7.1f", span=True), Column("ttft_p50_ms", "TTFT p50"),
+    Column("ttft_p99_ms", "TTFT p99"), Column("itl_p50_ms", "ITL p50", "7.1f"),
+    Column("itl_p99_ms", "ITL p99", "7.1f"), Column("srv_ms_per_tok", "srv ms/tok", "10.2f"),
+)
+BURST_LEGEND = ("tok/s: generated tokens / burst wall time; TTFT, ITL in ms.\n"
+                "srv ms/tok: the server's own timings (predicted_ms / predicted_n), as it reports them.")
+WORKLOADS: dict[str, Workload] = {
+    "throughput": Workload(
+        throughput_burst, lambda a: list(a.concurrency), BURST_COLUMNS,
+        (Goal("tok_s", "tok/s", ">=", TARGET_RATIO),),
+        ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"), BURST_LEGEND),
+    "shared-prefix": Workload(
+        shared_prefix_round, lambda a: [a.parallel],
+        (Column("cold_ttft_p50_ms", "cold p50", span=True), Column("cold_ttft_p99_ms", "cold p99"),
+         Column("cold_ttft_last_ms", "cold last", "9.1f"), Column("cold_wall_s", "cold s", "6.2f"),
+         Column("warm_ttft_p50_ms", "warm p50"), Column("warm_ttft_p99_ms", "warm p99")),
+        (Goal("cold_ttft_p50_ms", "cold TTFT p50", "<=", TARGET_COLD_TTFT),
+         Goal("warm_ttft_p50_ms", "warm TTFT p50", "<=", TARGET_WARM_TTFT)),
+        ("cold_ttft_p99_ms", "cold_ttft_last_ms", "cold_wall_s", "warm_ttft_p99_ms"),
+        "cold: TTFT (ms) of N requests sharing a prefix no server has seen, sent at once (p50, p99, the "
+        "last one) and the burst's wall time (s);\nwarm: TTFT of the same N requests sent again."),
+    "overload": Workload(
+        throughput_burst, lambda a: [2 * a.parallel], BURST_COLUMNS,
+        (Goal("ttft_p99_ms", "TTFT p99", "<=", TARGET_OVERLOAD_TTFT),),
+        ("tok_s", "ttft_p50_ms", "itl_p99_ms"), BURST_LEGEND),
+    "long-prompt": Workload(
+        long_prompt_round, lambda a: [a.parallel - 1],
+        (Column("steady_itl_p50_ms", "steady p50", "10.1f"), Column("steady_itl_p99_ms", "steady p99", "10.1f"),
+         Column("during_itl_p50_ms", "prefill p50", "11.1f"),
+         Column("during_itl_p99_ms", "prefill p99", "11.1f", span=True),
+         Column("itl_p99_ratio", "p99 ratio", "9.2f"), Column("long_ttft_ms", "long TTFT", "9.1f"),
+         Column("decoder_max_tokens", "dec tokens", "10.0f")),
+        (Goal("itl_p99_ratio", "ITL p99 prefill/steady", "<=", TARGET_PREFILL_ITL, per_target=True),),
+        ("steady_itl_p50_ms", "during_itl_p99_ms", "long_ttft_ms"),
+        "N decoders; steady: their ITL (ms) before the long prompt; prefill: their ITL from its send to its "
+        "first token;\np99 ratio: prefill p99 / steady p99 (per round); long TTFT: the long prompt's (ms); "
+        "dec tokens: the decoders' max_tokens."),
+}
+
+
+def describe_workload(args: argparse.Namespace) -> str:
+    lo, hi = args.prompt_tokens
+    short = f"prompts {lo}-{hi} tokens"
+    if args.workload == "throughput":
+        return (f"workload throughput: bursts of N = {','.join(map(str, args.concurrency))} requests, {short}, "
+                f"{args.max_tokens} tokens each")
+    if args.workload == "shared-prefix":
+        return (f"workload shared-prefix: {args.parallel} requests = one fresh {args.prefix_tokens}-token prefix "
+                f"(new every round) + distinct {args.suffix_tokens}-token suffixes, {args.max_tokens} tokens "
+                f"each; cold burst, then the same {args.parallel} requests again (warm)")
+    if args.workload == "overload":
+        return (f"workload overload: {2 * args.parallel} requests at once on {args.parallel} slots, {short}, "
+                f"{args.max_tokens} tokens each")
+    sizing = (f"{args.max_tokens} tokens" if args.max_tokens is not None else
+              f"max_tokens sized to outlast the prefill ({DECODER_MARGIN}x margin)")
+    return (f"workload long-prompt: {args.parallel - 1} decoders ({short}, {sizing}); after {WARM_TOKENS} "
+            f"tokens each, a {args.steady_seconds}s steady window; then one {args.long_prompt_tokens}-token "
+            f"prompt (max_tokens {LONG_PROMPT_MAX_TOKENS}); decoders' ITL until its first token")
+
+
+# ---------------------------------------------------------------- noise guard
 
 
 async def wait_quiet(below: float, max_wait: float, window: float = 0.5) -> float:
@@ -316,227 +619,309 @@ async def wait_quiet(below: float, max_wait: float, window: float = 0.5) -> floa
             return load
 
 
-async def measured_burst(target: Server, servers: list[Server], client: httpx.AsyncClient, model_name: str,
-                         prompts: list[list[int]], max_tokens: int, conc: int, round_idx: int,
-                         give_up_after: float | None = None) -> Burst | None:
-    """One burst, with the CPU time spent meanwhile by the target, us, idle targets and the rest.
-    None if it took longer than `give_up_after` seconds (its requests are then cancelled)."""
-    others = [o for o in servers if o is not target]
-    others0 = {o.name: o.cpu_seconds() for o in others}
-    sys0, tgt0, self0, t0 = system_busy_seconds(), target.cpu_seconds(), self_cpu_seconds(), time.perf_counter()
+async def measured(t: Target, others: list[Target], work: Awaitable[Outcome], give_up_after: float | None
+                   ) -> tuple[Outcome, dict[str, float], dict[str, float]] | None:
+    """Run `work` and measure the CPUs used meanwhile by the target, by us, by the idle targets and
+    by the rest: (outcome, CPU metrics, idle target -> CPUs). None if it took longer than
+    `give_up_after` seconds (its requests are then cancelled)."""
+    others0 = {o.name: o.server.cpu_seconds() for o in others}
+    sys0, tgt0, self0 = system_busy_seconds(), t.server.cpu_seconds(), self_cpu_seconds()
+    t0 = time.perf_counter()
     try:
-        wall, results = await asyncio.wait_for(run_burst(client, model_name, prompts, max_tokens), give_up_after)
+        out = await asyncio.wait_for(work, give_up_after)
     except TimeoutError:
         return None
     elapsed = time.perf_counter() - t0
-    d_sys, d_tgt = system_busy_seconds() - sys0, target.cpu_seconds() - tgt0
-    d_self = self_cpu_seconds() - self0
-    idle = {o.name: (o.cpu_seconds() - others0[o.name]) / elapsed for o in others}
-    b = summarize_burst(target.name, conc, round_idx, wall, results, idle)
-    b.cpu_target, b.cpu_client = d_tgt / elapsed, d_self / elapsed
-    b.server_tpot_ms = median([r.server_tpot_ms for r in results if r.error is None])
-    # An external target whose process cannot be found counts as foreign.
-    b.cpu_foreign = max(0.0, (d_sys - d_tgt - d_self) / elapsed - sum(idle.values()))
-    return b
+    d_sys, d_tgt, d_self = system_busy_seconds() - sys0, t.server.cpu_seconds() - tgt0, self_cpu_seconds() - self0
+    idle = {o.name: (o.server.cpu_seconds() - others0[o.name]) / elapsed for o in others}
+    cpu = {
+        "cpu_target": d_tgt / elapsed, "cpu_client": d_self / elapsed,
+        # An external target whose process cannot be found counts as foreign.
+        "cpu_foreign": max(0.0, (d_sys - d_tgt - d_self) / elapsed - sum(idle.values())),
+    }
+    return out, cpu, idle
 
 
-async def burst_with_retries(args: argparse.Namespace, target: Server, servers: list[Server],
-                             client: httpx.AsyncClient, model_name: str, vocab: list[int], conc: int,
-                             round_idx: int, fastest: dict[tuple[str, int], float]) -> Burst:
-    """Run a burst until one is clean (little foreign CPU). An attempt running far longer than
-    the fastest clean one so far is cut short; the last attempt always runs to the end."""
-    lo, hi = args.prompt_tokens
+@dataclass
+class Sample:
+    """The kept attempt of one burst (throughput, overload) or round (shared-prefix, long-prompt)."""
+
+    workload: str
+    target: str
+    concurrency: int
+    round: int
+    metrics: dict[str, float]  # the workload's, plus cpu_target, cpu_client, cpu_foreign, foreign_before
+    errors: list[str]
+    notes: list[str]
+    idle_cpu_of_others: dict[str, float]  # other target -> CPUs it used while idle
+    num_discarded: int = 0  # earlier attempts thrown away (noisy, too slow, or measured the wrong thing)
+
+
+async def measure_with_retries(bench: Bench, t: Target, targets: list[Target], n: int, round_idx: int,
+                               fastest: dict[tuple[str, int], float]) -> Sample:
+    """Run a burst or round until one is clean (little foreign CPU, nothing to rerun). An attempt
+    running far longer than the fastest clean one so far is cut short; the last one always runs."""
+    args = bench.args
+    others = [o for o in targets if o is not t]
     attempt = 0
     while True:
-        prompts = [make_prompt(vocab, round_idx, conc, i, lo, hi, attempt) for i in range(conc)]
         foreign_before = await wait_quiet(args.quiet_below, args.quiet_wait)
         is_last = attempt >= args.retries
-        best = fastest.get((target.name, conc))
+        best = fastest.get((t.name, n))
         limit = None if is_last or best is None else max(3.0 * best, best + 2.0)
-        b = await measured_burst(target, servers, client, model_name, prompts, args.max_tokens, conc,
-                                 round_idx, limit)
-        if b is not None:
-            b.foreign_before, b.num_discarded = foreign_before, attempt
-            if is_last or b.errors or b.cpu_foreign <= args.max_noise:
-                return b
-            why = f"other processes used {b.cpu_foreign:.2f} CPUs meanwhile ({b.tok_s:.1f} tok/s)"
+        m = await measured(t, others, WORKLOADS[args.workload].run(bench, t, n, round_idx, attempt), limit)
+        if m is not None:
+            out, cpu, idle = m
+            metrics = {**out.metrics, **cpu, "foreign_before": foreign_before}
+            sample = Sample(args.workload, t.name, n, round_idx, metrics, out.errors, out.notes, idle, attempt)
+            is_clean = cpu["cpu_foreign"] <= args.max_noise and out.rerun_because is None
+            if is_clean and not out.errors:
+                fastest[t.name, n] = min(fastest.get((t.name, n), math.inf), out.wall_s)
+            if is_last or is_clean or out.errors:
+                return sample
+            why = out.rerun_because or f"other processes used {cpu['cpu_foreign']:.2f} CPUs meanwhile"
         else:
-            why = f"gave up after {limit:.1f}s (fastest clean burst: {best:.1f}s)"
-        log(f"round {round_idx + 1} N={conc} {target.name}: attempt {attempt + 1} discarded, {why}")
+            why = f"gave up after {limit:.1f}s (fastest clean attempt: {best:.1f}s)"
+        log(f"round {round_idx + 1} N={n} {t.name}: attempt {attempt + 1} discarded, {why}")
         attempt += 1
-
-
-async def model_name_of(client: httpx.AsyncClient) -> str:
-    r = await client.get("/v1/models")
-    r.raise_for_status()
-    data = r.json().get("data") or []
-    return str(data[0]["id"]) if data else "default"
 
 
 # ---------------------------------------------------------------- the run
 
 
-async def run(args: argparse.Namespace, servers: list[Server], vocab: list[int]) -> list[Burst]:
+async def warm_up(bench: Bench, t: Target) -> None:
+    """One request, one burst of `parallel`, then one unrecorded burst or round of the workload
+    (for long-prompt, after a first guess of the speeds that size its decoders)."""
+    args = bench.args
+    workload = WORKLOADS[args.workload]
+    warm_tokens = 64 if args.workload == "long-prompt" else args.max_tokens
+    prompts = bench.short_prompts(args.parallel, -1, 0)
+    _, first = await t.burst(prompts[:1], warm_tokens)
+    _, burst = await t.burst(prompts, warm_tokens)
+    errors = errors_of(first + burst)
+    if args.workload == "long-prompt" and not errors:
+        t.itl_s = percentile([g for r in burst for g in r.gaps], 50)
+        long_prompt = random_tokens(bench.vocab, "long/warm-up", args.long_prompt_tokens)
+        _, (long,) = await t.burst([long_prompt], LONG_PROMPT_MAX_TOKENS)
+        errors = errors_of([long])
+        t.long_ttft_s = 2 * long.ttft  # alone; next to decoders it shares the CPUs
+    if not errors:
+        errors = (await workload.run(bench, t, workload.cells(args)[-1], -1, 0)).errors
+    if errors:
+        raise SystemExit(f"{t.name}: warm-up failed: {errors[0]}")
+    log(f"{t.name}: warmed up (model {t.model_name!r})")
+
+
+def log_sample(s: Sample, rounds: int) -> None:
+    cols = (*WORKLOADS[s.workload].columns, *CPU_COLUMNS)
+    figures = "  ".join(f"{c.title} {fmt(s.metrics.get(c.key, math.nan), c.spec).strip()}" for c in cols)
+    log(f"round {s.round + 1}/{rounds} N={s.concurrency:<2} {s.target:<14} {figures}"
+        + (f"  ERRORS: {len(s.errors)} ({s.errors[0]})" if s.errors else "")
+        + "".join(f"  NOTE: {note}" for note in s.notes))
+
+
+async def run(args: argparse.Namespace, servers: list[Server], vocab: list[int]) -> list[Sample]:
     timeout = httpx.Timeout(args.request_timeout, connect=10.0)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    clients = {s.name: httpx.AsyncClient(base_url=s.base_url, timeout=timeout, limits=limits) for s in servers}
-    lo, hi = args.prompt_tokens
+    clients = [httpx.AsyncClient(base_url=s.base_url, timeout=timeout, limits=limits) for s in servers]
+    bench = Bench(args, vocab)
     try:
-        model_names = {s.name: await model_name_of(clients[s.name]) for s in servers}
-        for s in servers:  # warm-up: one request, then one full burst of `parallel`
-            warm = [make_prompt(vocab, -1, 0, i, lo, hi) for i in range(args.parallel)]
-            _, res = await run_burst(clients[s.name], model_names[s.name], warm[:1], args.max_tokens)
-            _, res2 = await run_burst(clients[s.name], model_names[s.name], warm, args.max_tokens)
-            errors = [r.error for r in res + res2 if r.error]
-            if errors:
-                raise SystemExit(f"{s.name}: warm-up failed: {errors[0]}")
-            log(f"{s.name}: warmed up (model {model_names[s.name]!r})")
-        bursts: list[Burst] = []
-        fastest: dict[tuple[str, int], float] = {}  # clean burst wall time per (target, N)
+        targets = [Target(s, c, await model_name_of(c)) for s, c in zip(servers, clients, strict=True)]
+        for t in targets:
+            await warm_up(bench, t)
+        samples: list[Sample] = []
+        fastest: dict[tuple[str, int], float] = {}  # clean attempt wall time per (target, N)
         for round_idx in range(args.rounds):
-            order = servers if round_idx % 2 == 0 else list(reversed(servers))
-            for conc in args.concurrency:
-                for s in order:
-                    b = await burst_with_retries(args, s, servers, clients[s.name], model_names[s.name],
-                                                 vocab, conc, round_idx, fastest)
-                    if not b.errors and b.cpu_foreign <= args.max_noise:
-                        key = (s.name, conc)
-                        fastest[key] = min(fastest.get(key, math.inf), b.wall_s)
-                    bursts.append(b)
-                    log(f"round {round_idx + 1}/{args.rounds} N={conc:<2} {s.name:<14} {b.tok_s:7.1f} tok/s  "
-                        f"TTFT p50 {b.ttft_p50_ms:7.1f} p99 {b.ttft_p99_ms:7.1f} ms  "
-                        f"ITL p50 {b.itl_p50_ms:6.1f} p99 {b.itl_p99_ms:6.1f} ms  "
-                        f"CPUs: target {b.cpu_target:.2f} client {b.cpu_client:.2f} foreign {b.cpu_foreign:.2f}"
-                        + (f"  ERRORS: {len(b.errors)} ({b.errors[0]})" if b.errors else ""))
-        return bursts
+            order = targets if round_idx % 2 == 0 else list(reversed(targets))
+            for n in WORKLOADS[args.workload].cells(args):
+                for t in order:
+                    samples.append(await measure_with_retries(bench, t, targets, n, round_idx, fastest))
+                    log_sample(samples[-1], args.rounds)
+        return samples
     finally:
-        for c in clients.values():
+        for c in clients:
             await c.aclose()
 
 
-def summarize(bursts: list[Burst], servers: list[Server], concurrency: list[int],
-              max_noise: float) -> dict[str, Any]:
-    table: dict[str, dict[int, dict[str, float]]] = {}
-    for s in servers:
-        table[s.name] = {}
-        for conc in concurrency:
-            mine = [b for b in bursts if b.target == s.name and b.concurrency == conc]
-            table[s.name][conc] = {
-                "tok_s": median([b.tok_s for b in mine]),
-                "tok_s_min": min((b.tok_s for b in mine), default=math.nan),
-                "tok_s_max": max((b.tok_s for b in mine), default=math.nan),
-                "ttft_p50_ms": median([b.ttft_p50_ms for b in mine]),
-                "ttft_p99_ms": median([b.ttft_p99_ms for b in mine]),
-                "itl_p50_ms": median([b.itl_p50_ms for b in mine]),
-                "itl_p99_ms": median([b.itl_p99_ms for b in mine]),
-                "num_errors": sum(len(b.errors) for b in mine),
-                "cpu_target": median([b.cpu_target for b in mine]),
-                "server_tpot_ms": median([b.server_tpot_ms for b in mine]),
-                "cpu_foreign": median([b.cpu_foreign for b in mine]),
-                "num_noisy": sum(1 for b in mine if b.cpu_foreign > max_noise),
-                "num_discarded": sum(b.num_discarded for b in mine),
-                "idle_cpu_of_others_max": max((max(b.idle_cpu_of_others.values(), default=0.0) for b in mine),
+# ---------------------------------------------------------------- the report
+
+
+def summarize(samples: list[Sample], names: list[str], cells: list[int], max_noise: float) -> dict[str, Any]:
+    """Per target and N: the median, min and max over rounds of every metric, and what went wrong."""
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for name in names:
+        table[name] = {}
+        for n in cells:
+            mine = [s for s in samples if s.target == name and s.concurrency == n]
+            keys = sorted({k for s in mine for k in s.metrics})
+            values = {k: [s.metrics.get(k, math.nan) for s in mine] for k in keys}
+            table[name][n] = {
+                "median": {k: median(v) for k, v in values.items()},
+                "min": {k: min((x for x in v if not math.isnan(x)), default=math.nan) for k, v in values.items()},
+                "max": {k: max((x for x in v if not math.isnan(x)), default=math.nan) for k, v in values.items()},
+                "num_errors": sum(len(s.errors) for s in mine),
+                "num_noisy": sum(1 for s in mine if s.metrics.get("cpu_foreign", 0.0) > max_noise),
+                "num_discarded": sum(s.num_discarded for s in mine),
+                "notes": [note for s in mine for note in s.notes],
+                "idle_cpu_of_others_max": max((max(s.idle_cpu_of_others.values(), default=0.0) for s in mine),
                                               default=0.0),
             }
     return table
 
 
 def fmt(x: float, spec: str = "7.1f") -> str:
-    return format(x, spec) if not math.isnan(x) else "   n/a"
+    return format(x, spec) if not math.isnan(x) else "n/a".rjust(len(format(0.0, spec)))
 
 
-def paired_ratio(bursts: list[Burst], a: str, b: str, conc: int) -> float:
-    """Median over rounds of tok/s(a) / tok/s(b) within the same round: both ran back to back,
-    so a noisy minute hits both sides of a pair."""
-    by_round = {(x.target, x.round): x.tok_s for x in bursts if x.concurrency == conc}
-    rounds = sorted({x.round for x in bursts})
+def paired_ratio(samples: list[Sample], a: str, b: str, n: int, key: str) -> float:
+    """Median over rounds of key(a) / key(b) within the same round: both ran back to back, so a
+    noisy minute hits both sides of a pair."""
+    by_round = {(s.target, s.round): s.metrics.get(key, math.nan) for s in samples if s.concurrency == n}
+    rounds = sorted({s.round for s in samples})
     return median([by_round[a, r] / by_round[b, r] for r in rounds if (a, r) in by_round and (b, r) in by_round])
 
 
-def print_report(table: dict[str, Any], bursts: list[Burst], servers: list[Server], concurrency: list[int],
+def ratio_line(table: dict[str, Any], samples: list[Sample], workload: Workload, a: str, b: str, n: int) -> str:
+    ma, mb = table[a][n]["median"], table[b][n]["median"]
+    titles = {c.key: c.title for c in workload.columns}
+    parts = []
+    for g in workload.goals:
+        if not g.per_target:
+            r = ma.get(g.key, math.nan) / mb.get(g.key, math.nan)
+            parts.append(f"{g.label} {r:.3f}x ({g.text(r)}; "
+                         f"paired per round {paired_ratio(samples, a, b, n, g.key):.3f}x)")
+    parts += [f"{titles.get(k, k)} {ma.get(k, math.nan) / mb.get(k, math.nan):.2f}x" for k in workload.ratios]
+    return f"{'':>3}  {a}/{b}: " + ", ".join(parts)
+
+
+def scaling_line(table: dict[str, Any], names: list[str]) -> str:
+    parts = []
+    for name in names:
+        scale = table[name][8]["median"]["tok_s"] / table[name][1]["median"]["tok_s"]
+        parts.append(f"{name} {scale:.2f}x" + ("" if scale >= TARGET_SCALING else f" (BELOW {TARGET_SCALING}x)"))
+    return "scaling tok/s at N=8 vs N=1: " + ", ".join(parts)
+
+
+def print_report(table: dict[str, Any], samples: list[Sample], names: list[str], args: argparse.Namespace,
                  header: list[str]) -> None:
+    workload = WORKLOADS[args.workload]
+    cells = workload.cells(args)
+    columns = (*workload.columns, *CPU_COLUMNS)
+    width = max(14, *(len(n) for n in names))
     print()
-    for line in header:
-        print(line)
+    print("\n".join(header))
     print()
-    print(f"{'N':>3}  {'target':<14} {'tok/s':>7} {'[min - max]':>17}  {'TTFT p50':>8} {'TTFT p99':>8}  "
-          f"{'ITL p50':>7} {'ITL p99':>7}  {'srv ms/tok':>10}  {'CPUs':>4} {'noise':>5}")
-    a, b = (servers[0].name, servers[1].name) if len(servers) >= 2 else (servers[0].name, None)
-    for conc in concurrency:
-        for s in servers:
-            r = table[s.name][conc]
-            err = f"  {r['num_errors']} errors" if r["num_errors"] else ""
-            if r["num_noisy"]:
-                err += f"  {r['num_noisy']} noisy rounds kept"
-            print(f"{conc:>3}  {s.name:<14} {fmt(r['tok_s'])} [{fmt(r['tok_s_min'])} - {fmt(r['tok_s_max'])}]  "
-                  f"{fmt(r['ttft_p50_ms'], '8.1f')} {fmt(r['ttft_p99_ms'], '8.1f')}  "
-                  f"{fmt(r['itl_p50_ms'])} {fmt(r['itl_p99_ms'])}  {fmt(r['server_tpot_ms'], '10.2f')}  "
-                  f"{fmt(r['cpu_target'], '4.2f')} "
-                  f"{fmt(r['cpu_foreign'], '5.2f')}{err}")
-        if b is not None:
-            ra, rb = table[a][conc], table[b][conc]
-            ratio = ra["tok_s"] / rb["tok_s"]
-            paired = paired_ratio(bursts, a, b, conc)
-            mark = "ok" if ratio >= TARGET_RATIO else f"BELOW {TARGET_RATIO}x"
-            print(f"{'':>3}  {a}/{b}: tok/s {ratio:.3f}x ({mark}; paired per round {paired:.3f}x), "
-                  f"TTFT p50 {ra['ttft_p50_ms'] / rb['ttft_p50_ms']:.2f}x p99 {ra['ttft_p99_ms'] / rb['ttft_p99_ms']:.2f}x, "
-                  f"ITL p50 {ra['itl_p50_ms'] / rb['itl_p50_ms']:.2f}x p99 {ra['itl_p99_ms'] / rb['itl_p99_ms']:.2f}x")
+    print(f"{'N':>3}  {'target':<{width}} " + "  ".join(
+        c.title.rjust(c.width) + ("[min - max]".rjust(2 * c.width + 7) if c.span else "") for c in columns))
+    for n in cells:
+        for name in names:
+            row = table[name][n]
+            m, lo, hi = row["median"], row["min"], row["max"]
+            figures = "  ".join(
+                fmt(m.get(c.key, math.nan), c.spec).rjust(c.width)
+                + (f"  [{fmt(lo.get(c.key, math.nan), c.spec)} - {fmt(hi.get(c.key, math.nan), c.spec)}]"
+                   if c.span else "")
+                for c in columns)
+            tail = "".join(f"  {g.label}: {g.text(m.get(g.key, math.nan))}" for g in workload.goals if g.per_target)
+            if row["num_errors"]:
+                tail += f"  {row['num_errors']} errors"
+            if row["num_noisy"]:
+                tail += f"  {row['num_noisy']} noisy rounds kept"
+            print(f"{n:>3}  {name:<{width}} {figures}{tail}")
+        if len(names) >= 2:
+            print(ratio_line(table, samples, workload, names[0], names[1], n))
         print()
-    if 1 in concurrency and 8 in concurrency:
-        parts = []
-        for s in servers:
-            scale = table[s.name][8]["tok_s"] / table[s.name][1]["tok_s"]
-            parts.append(f"{s.name} {scale:.2f}x" + ("" if scale >= TARGET_SCALING else f" (BELOW {TARGET_SCALING}x)"))
-        print("scaling tok/s at N=8 vs N=1: " + ", ".join(parts))
-    print("tok/s: generated tokens / burst wall time; TTFT, ITL in ms; each a median over rounds of the "
-          "burst's value.\nsrv ms/tok: the server's own timings (predicted_ms / predicted_n), as it reports them.\nCPUs: used by the target during its bursts; noise: CPUs used meanwhile by other "
-          "processes on the machine (medians).")
-    discarded = sum(b.num_discarded for b in bursts)
+    if args.workload == "throughput" and 1 in cells and 8 in cells:
+        print(scaling_line(table, names))
+    print(workload.legend)
+    print("Each figure is the median over rounds of the burst's or round's value. CPUs: used by the target; "
+          "noise: CPUs used meanwhile by other processes on the machine (medians).")
+    print("Reading ratios: two identical llama-servers (--targets llama-server,llama-server, the harness "
+          "self-check) differ by up to ~5% in median tok/s on a quiet box;\nratios within 0.95-1.05x are "
+          "noise, p99s and TTFTs vary more: run that self-check with this --workload to see its floor.")
+    discarded = sum(s.num_discarded for s in samples)
     if discarded:
-        print(f"{discarded} bursts were rerun because other processes used the CPUs meanwhile.")
-    for s in servers:
-        idle = max(table[s.name][c]["idle_cpu_of_others_max"] for c in concurrency)
+        print(f"{discarded} attempts were rerun (other processes used the CPUs meanwhile, or see the notes).")
+    for s in samples:
+        for note in s.notes:
+            print(f"note: round {s.round + 1} {s.target}: {note}")
+    for name in names:
+        idle = max(table[name][n]["idle_cpu_of_others_max"] for n in cells)
         if idle > 0.05:
-            print(f"WARNING: while {s.name} ran, another (idle) target used up to {idle:.2f} CPUs")
+            print(f"WARNING: while {name} ran, another (idle) target used up to {idle:.2f} CPUs")
 
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def default_ctx_size(args: argparse.Namespace) -> int:
+    if args.workload == "shared-prefix":
+        return 16384
+    if args.workload == "long-prompt":
+        return int(args.parallel) * (int(args.long_prompt_tokens) + 512)  # every slot has room for the long prompt
+    return 4096
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=list(WORKLOADS), default="throughput")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--targets", default="ours,llama-server",
-                   help="comma list of ours | llama-server | a NAME given in --url; the ratio is first/second")
+                   help="comma list of ours | llama-server | a NAME given in --url, each optionally followed by "
+                        "':' and its own flags (\"llama-server:-fa off\"); the ratio is first/second")
     p.add_argument("--url", action="append", default=[], metavar="NAME=URL",
                    help="benchmark an already running OpenAI-compatible server under NAME")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: third_party build)")
     p.add_argument("--parallel", type=int, default=8)
-    p.add_argument("--ctx-size", type=int, default=4096, help="total KV cells, same for every target")
+    p.add_argument("--ctx-size", type=int, default=None,
+                   help="total KV cells, same for every target (default: 4096; shared-prefix 16384; "
+                        "long-prompt parallel x (long prompt + 512))")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads for both servers (0: each server's own default)")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="2 rounds (a smoke run, not a measurement)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per request (default: 64; shared-prefix 16; long-prompt: the decoders' "
+                        "count, sized from the measured speed)")
     p.add_argument("--prompt-tokens", type=lambda s: tuple(int(x) for x in s.split("-")), default=(32, 64),
-                   metavar="MIN-MAX")
+                   metavar="MIN-MAX", help="short prompts (throughput, overload, long-prompt's decoders)")
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 8, 16],
+                   help="throughput: burst sizes")
+    p.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix: the common prefix")
+    p.add_argument("--suffix-tokens", type=int, default=16, help="shared-prefix: each request's own suffix")
+    p.add_argument("--long-prompt-tokens", type=int, default=8192, help="long-prompt: the long prompt")
+    p.add_argument("--steady-seconds", type=float, default=1.5,
+                   help="long-prompt: the decoders' steady window before the long prompt is sent")
+    p.add_argument("--kv-unified", action="store_true",
+                   help="one KV cache shared by all slots on both sides (default: each side's default, a KV "
+                        "stream of ctx/parallel cells per slot)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for our worker")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for llama-server")
     p.add_argument("--quiet-below", type=float, default=0.3, metavar="CPUS",
-                   help="before each burst wait until other processes use at most this many CPUs ...")
+                   help="before each burst or round wait until other processes use at most this many CPUs ...")
     p.add_argument("--quiet-wait", type=float, default=10.0, metavar="SECONDS", help="... but at most this long")
     p.add_argument("--max-noise", type=float, default=0.25, metavar="CPUS",
-                   help="a burst during which other processes used more CPUs is discarded and rerun ...")
+                   help="an attempt during which other processes used more CPUs is discarded and rerun ...")
     p.add_argument("--retries", type=int, default=4, help="... at most this many times (then kept)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--json", type=Path, default=None, help="write config, every burst and the summary here")
+    p.add_argument("--json", type=Path, default=None, help="write config, every burst/round and the summary here")
     args = p.parse_args(argv)
     if args.quick:
         args.rounds = 2
+    if args.ctx_size is None:
+        args.ctx_size = default_ctx_size(args)
+    if args.max_tokens is None and args.workload != "long-prompt":
+        args.max_tokens = 16 if args.workload == "shared-prefix" else 64
+    if args.workload == "long-prompt":
+        if args.parallel < 2:
+            p.error("long-prompt needs --parallel >= 2 (parallel - 1 decoders and the long prompt)")
+        if args.max_tokens is not None and args.max_tokens <= WARM_TOKENS:
+            p.error(f"long-prompt: --max-tokens must exceed {WARM_TOKENS} (tokens before the steady window)")
+        if slot_room(args, args.parallel - 1) <= WARM_TOKENS:
+            p.error(f"long-prompt: --ctx-size {args.ctx_size} leaves the decoders no room")
     return args
 
 
@@ -549,10 +934,13 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = ROOT / "bench" / "results" / f"worker-{stamp}"
     servers, notes = build_targets(args, log_dir)
     vocab = normal_token_ids(args.model)
+    # SIGTERM (`timeout`, a CI cancel) unwinds like Ctrl-C, through the `finally` that stops the servers.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    kv = "one unified KV cache" if args.kv_unified else f"{args.ctx_size // args.parallel} cells per slot"
     header = [
-        f"model {args.model} | {args.parallel} slots | ctx {args.ctx_size} | threads "
-        f"{args.threads or 'server default'} | {args.rounds} rounds | {args.max_tokens} tokens/request "
-        f"(ignore_eos, temperature 0) | prompts {args.prompt_tokens[0]}-{args.prompt_tokens[1]} tokens",
+        f"model {args.model} | {args.parallel} slots | ctx {args.ctx_size} ({kv}) | threads "
+        f"{args.threads or 'server default'} | {args.rounds} rounds | ignore_eos, temperature 0",
+        describe_workload(args),
         *notes,
         f"logs: {log_dir}",
         "load average at start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" ({os.cpu_count()} CPUs)",
@@ -563,24 +951,25 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             s.start(args.start_timeout)
             log(f"{s.name} healthy after {time.monotonic() - t0:.1f}s")
-        bursts = asyncio.run(run(args, servers, vocab))
+        samples = asyncio.run(run(args, servers, vocab))
     except ServerStartError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
         for s in servers:
             s.stop()
-    table = summarize(bursts, servers, args.concurrency, args.max_noise)
-    print_report(table, bursts, servers, args.concurrency, header)
+    names = [s.name for s in servers]
+    table = summarize(samples, names, WORKLOADS[args.workload].cells(args), args.max_noise)
+    print_report(table, samples, names, args, header)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "header": header, "bursts": [asdict(b) for b in bursts],
-            "summary": {name: {str(c): row for c, row in rows.items()} for name, rows in table.items()},
+            "header": header, "samples": [asdict(s) for s in samples],
+            "summary": {name: {str(n): row for n, row in rows.items()} for name, rows in table.items()},
         }, indent=2))
         log(f"wrote {args.json}")
-    return 1 if any(b.errors for b in bursts) else 0
+    return 1 if any(s.errors for s in samples) else 0
 
 
 if __name__ == "__main__":
