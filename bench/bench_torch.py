@@ -21,6 +21,11 @@ sequences that each hold C cells, on the fused CPU kernels and as plain torch op
 side. The cells are claimed directly in the KV cache (no prefill; their contents do not change
 the timing).
 
+    .venv/bin/python bench/bench_torch.py --prefill [--prefill-tokens 1000]
+
+Prefill mode (in-process): the median time of one decode of an N-token prompt as one piece,
+fused kernels (every row through the attention kernel) vs torch ops (SDPA).
+
     .venv/bin/python bench/bench_torch.py --gpu
 
 GPU mode (CUDA only): a random ~1.2B Llama (Llama-3.2-1B shapes) in bfloat16 straight through
@@ -227,7 +232,8 @@ def bench_gpu(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         write_random_llama(Path(tmp))
-        backend = TorchBackend(tmp, n_ctx=8192, n_seq_max=32, n_batch=2048, device="cuda", dtype="bf16", compile=True)
+        backend = TorchBackend(tmp, n_ctx=8192, n_slots=32, kv_unified=True, n_batch=2048, device="cuda", dtype="bf16",
+                               compile=True)
     weight_bytes = backend.meta.size_bytes
     greedy = SamplingParams(temperature=0.0)
     print(f"1.2B random Llama, bf16, {weight_bytes / 1e9:.2f} GB of weights, CUDA graphs on")
@@ -269,12 +275,12 @@ def bench_steps(args: argparse.Namespace) -> None:
         medians = []
         for kernels in (True, False):
             backend = TorchBackend(
-                args.model, n_ctx=rows * (ctx + n_steps) + 1, n_seq_max=rows, n_batch=512, dtype=args.dtype,
-                cpu_kernels=kernels,
+                args.model, n_ctx=rows * (ctx + n_steps), n_slots=rows, kv_unified=True, n_batch=512,
+                dtype=args.dtype, cpu_kernels=kernels,
             )
             kv = backend._require_kv()
             for s in range(rows):
-                kv.allocate(np.full(ctx, s), np.arange(ctx))
+                kv.claim(s, ctx)
             times = []
             for i in range(n_steps):
                 t0 = time.perf_counter()
@@ -283,6 +289,35 @@ def bench_steps(args: argparse.Namespace) -> None:
             medians.append(float(np.median(times[4:])) * 1e3)
             backend.close()
         print(f"{ctx:>9} | {medians[0]:16.1f} | {medians[1]:12.1f} | {medians[1] / medians[0]:5.2f}x")
+
+
+def bench_prefill(args: argparse.Namespace) -> None:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+    import numpy as np
+    import torch
+
+    from worker.backends.base import BatchEntry
+    from worker.backends.torch_backend import TorchBackend
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = args.prefill_tokens
+    prompt = np.random.default_rng(0).integers(3, 1000, n).tolist()
+    print(f"prefill of {n} tokens in one piece, {Path(args.model).name}, {args.dtype}, {torch.get_num_threads()} threads")
+    medians = []
+    for kernels in (True, False):
+        backend = TorchBackend(
+            args.model, n_ctx=n, n_slots=1, n_batch=n, dtype=args.dtype, cpu_kernels=kernels
+        )
+        times = []
+        for _ in range(5):
+            backend.seq_rm(0, 0)
+            t0 = time.perf_counter()
+            backend.decode([BatchEntry(0, prompt, 0, True)])
+            times.append(time.perf_counter() - t0)
+        medians.append(float(np.median(times[1:])) * 1e3)
+        backend.close()
+    print(f"fused kernels {medians[0]:.0f} ms | torch ops (SDPA) {medians[1]:.0f} ms | ratio {medians[1] / medians[0]:.2f}x")
 
 
 def main() -> None:
@@ -300,6 +335,8 @@ def main() -> None:
     ap.add_argument("--step", action="store_true", help="in-process decode step: fused CPU kernels vs torch ops")
     ap.add_argument("--step-contexts", default="64,1000,4000")
     ap.add_argument("--step-rows", type=int, default=8)
+    ap.add_argument("--prefill", action="store_true", help="in-process prompt prefill: fused kernels vs SDPA")
+    ap.add_argument("--prefill-tokens", type=int, default=1000)
     ap.add_argument("--hbm-tbps", type=float, default=4.8)
     args = ap.parse_args()
     if args.gpu:
@@ -307,6 +344,9 @@ def main() -> None:
         return
     if args.step:
         bench_steps(args)
+        return
+    if args.prefill:
+        bench_prefill(args)
         return
     levels = [int(x) for x in args.concurrency.split(",")]
 

@@ -1,9 +1,10 @@
 """The fused CPU kernels (worker/torch_model/cpu_kernels.c) against the torch ops they replace.
 
 The model-level parity tests (test_model.py) run both paths against transformers; these pin
-each kernel on shapes the tiny models do not reach: every specialised GQA group size and a
-generic one, head sizes 16-128, long and padded key lists, sliding windows, a subset of rows
-of a mixed batch, and multi-threaded (large) inputs.
+each kernel on shapes the tiny models do not reach: GQA group sizes 1-12, head sizes 16-128,
+long and scattered key lists, sliding windows, mixed batches of prompt and decode rows, and
+multi-threaded (large) inputs; and that an attention row is bitwise the same however it is
+batched.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import torch.nn.functional as F
 
 from worker.torch_model import cpu_kernels
 from worker.torch_model.cpu_kernels import Kernels
-from worker.torch_model.kv_cache import _FAR, position_mask
 from worker.torch_model.model import apply_rope, rms_norm
 
 TOL = 2e-5
@@ -95,62 +95,98 @@ def test_rope_store(kern: Kernels, qk_norm: bool, h: int, kvh: int, d: int, t: i
 
 
 def reference_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cells: torch.Tensor, cell_pos: torch.Tensor,
-    q_pos: torch.Tensor, window: int | None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor,
+    row_pos: torch.Tensor, window: int | None,
 ) -> torch.Tensor:
-    """What model._attend computes for a single-token group: gather + SDPA under position_mask."""
-    b, n_heads, d = q.shape
+    """Row by row: the row's table entries 0..p gathered, SDPA under the window (float32)."""
+    t, n_heads, d = q.shape
     kvh = k_cache.shape[1]
-    group = n_heads // kvh
-    k = k_cache[cells].transpose(1, 2)
-    v = v_cache[cells].transpose(1, 2)
-    mask = position_mask(cell_pos, q_pos[:, None], group, window)
-    out = F.scaled_dot_product_attention(q.view(b, kvh, group, d), k, v, attn_mask=mask)
-    return out.reshape(b, n_heads * d)
+    out = []
+    for i in range(t):
+        p = int(row_pos[i])
+        cells = tables[row_seq[i], : p + 1]
+        k, v = k_cache[cells].float().transpose(0, 1), v_cache[cells].float().transpose(0, 1)
+        mask = torch.ones(p + 1, dtype=torch.bool)
+        if window is not None:
+            mask[: max(p - window + 1, 0)] = False
+        qi = q[i].float().view(kvh, n_heads // kvh, d)
+        out.append(F.scaled_dot_product_attention(qi, k, v, attn_mask=mask).reshape(n_heads * d))
+    return torch.stack(out).to(q.dtype)
+
+
+def attention_case(
+    h: int, kvh: int, d: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step of 4 sequences with scattered cells: a 40-row prompt piece of seq 0 (positions
+    30..69), decode rows of seqs 1-3 (one of them at position 0), a 3-row piece of seq 1 that
+    follows its own decode row, and a row of seq 2 at the position of an already-decoded one.
+    Returns qkv, k_cache, v_cache, tables, row_seq, row_pos."""
+    g = rng(seed)
+    n_cells, width = 600, 80
+    k_cache = torch.randn(n_cells + 1, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(n_cells + 1, kvh, d, generator=g).to(dtype)
+    tables = torch.full((4, width), n_cells, dtype=torch.long)
+    perm = torch.randperm(n_cells, generator=g)
+    for s, n in enumerate([70, 24, 18, 1]):
+        tables[s, :n] = perm[s * 80 : s * 80 + n]
+    row_seq = torch.tensor([0] * 40 + [1, 2, 3, 1, 1, 1, 2])
+    row_pos = torch.tensor([*range(30, 70), 20, 17, 0, 21, 22, 23, 9])
+    qkv = torch.randn(len(row_seq), (h + 2 * kvh) * d, generator=g).to(dtype)
+    return qkv, k_cache, v_cache, tables, row_seq, row_pos
 
 
 @DTYPES
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(
     ("h", "kvh", "d"),
-    [(4, 4, 64), (4, 2, 16), (12, 4, 64), (8, 2, 128), (10, 2, 32), (14, 2, 64), (32, 4, 64), (24, 2, 32)],
+    [(4, 4, 64), (4, 2, 16), (12, 4, 64), (8, 2, 128), (10, 2, 32), (14, 2, 64), (32, 4, 64), (24, 2, 32), (6, 2, 80)],
     ids=lambda v: str(v),
-)  # groups 1, 2, 3, 4, 5, 7, 8 (specialised) and 12 (generic)
-def test_decode_attention(kern: Kernels, h: int, kvh: int, d: int, window: int | None, dtype: torch.dtype) -> None:
-    g = rng(h * 100 + kvh * 10 + d)
-    n_cells, b, width = 600, 6, 70
-    k_cache = torch.randn(n_cells + 1, kvh, d, generator=g).to(dtype)
-    v_cache = torch.randn(n_cells + 1, kvh, d, generator=g).to(dtype)
-    lens = [1, 3, 17, 33, 64, 70]  # padded to width with the scratch cell at a far position
-    cells = torch.full((b, width), n_cells, dtype=torch.long)
-    cell_pos = torch.full((b, width), _FAR, dtype=torch.long)
-    q_pos = torch.empty(b, dtype=torch.long)
-    for i, n in enumerate(lens):
-        cells[i, :n] = torch.randperm(n_cells, generator=g)[:n]
-        cell_pos[i, :n] = torch.randperm(n, generator=g)  # cell order need not follow position
-        q_pos[i] = n - 1
-    cell_pos[4, 10] = 90  # a cell past its row's position (a stale tail) must not count
-    # Rows 1, 3, 4, 6, 8, 9 of a 10-row step (the others would be prompt-chunk tokens).
-    rows = torch.tensor([1, 3, 4, 6, 8, 9])
-    qkv = torch.randn(10, (h + 2 * kvh) * d, generator=g).to(dtype)
-    out = torch.full((10, h * d), 7.0, dtype=dtype)
-    kern.decode_attn(out, qkv, qkv.stride(0), rows, h, kvh, d, k_cache, v_cache, cells, cell_pos, q_pos, window, 2)
-    q = qkv[rows, : h * d].reshape(b, h, d)
-    close(out[rows], reference_attention(q, k_cache, v_cache, cells, cell_pos, q_pos, window))
-    others = torch.tensor([0, 2, 5, 7])
-    assert torch.equal(out[others], torch.full((4, h * d), 7.0, dtype=dtype))
+)  # groups 1, 2, 3, 4, 5, 7, 8 and 12; head size 80: a partial output chunk
+def test_attention(kern: Kernels, h: int, kvh: int, d: int, window: int | None, dtype: torch.dtype) -> None:
+    qkv, k_cache, v_cache, tables, row_seq, row_pos = attention_case(h, kvh, d, dtype, h * 100 + kvh * 10 + d)
+    out = torch.full((len(row_seq), h * d), 7.0, dtype=dtype)
+    kern.attn(out, qkv, h, kvh, d, k_cache, v_cache, tables, row_seq, row_pos, window, 2)
+    q = qkv[:, : h * d].reshape(-1, h, d)
+    close(out, reference_attention(q, k_cache, v_cache, tables, row_seq, row_pos, window))
 
 
-def test_decode_attention_long_keys_one_thread(kern: Kernels) -> None:
+@DTYPES
+@pytest.mark.parametrize("window", [None, 5])
+def test_attention_rows_are_batch_invariant(kern: Kernels, window: int | None, dtype: torch.dtype) -> None:
+    """Each row computed alone, in another order, from a table whose cells are copies elsewhere,
+    or at another row stride: bitwise what it is in the mixed batch."""
+    h, kvh, d = 12, 4, 64
+    qkv, k_cache, v_cache, tables, row_seq, row_pos = attention_case(h, kvh, d, dtype, 3)
+    out = torch.empty(len(row_seq), h * d, dtype=dtype)
+    kern.attn(out, qkv, h, kvh, d, k_cache, v_cache, tables, row_seq, row_pos, window, 2)
+    for t in range(len(row_seq)):
+        one = torch.empty(1, h * d, dtype=dtype)
+        kern.attn(one, qkv[t : t + 1], h, kvh, d, k_cache, v_cache, tables, row_seq[t : t + 1], row_pos[t : t + 1], window, 1)
+        assert torch.equal(one[0], out[t]), t
+    order = torch.randperm(len(row_seq), generator=rng(4))
+    shuffled = torch.empty_like(out)
+    kern.attn(shuffled, qkv[order], h, kvh, d, k_cache, v_cache, tables, row_seq[order], row_pos[order], window, 2)
+    assert torch.equal(shuffled, out[order])
+    # Seq 0's cells copied to new cells (what a restored state reads).
+    n = k_cache.shape[0]
+    moved = tables.clone()
+    moved[0, :70] = torch.arange(n, n + 70)
+    k_cache, v_cache = torch.cat([k_cache, k_cache[tables[0, :70]]]), torch.cat([v_cache, v_cache[tables[0, :70]]])
+    again = torch.empty_like(out)
+    kern.attn(again, qkv.clone(), h, kvh, d, k_cache, v_cache, moved, row_seq, row_pos, window, 2)
+    assert torch.equal(again, out)
+
+
+def test_attention_long_keys_one_thread(kern: Kernels) -> None:
     g = rng(5)
     k_cache, v_cache = torch.randn(5001, 2, 64, generator=g), torch.randn(5001, 2, 64, generator=g)
-    cells = torch.randperm(5000, generator=g)[:4000].view(1, 4000)
-    cell_pos = torch.arange(4000).view(1, 4000)
-    q_pos = torch.tensor([3999])
-    qkv = torch.randn(1, 8 * 64, generator=g) * 4  # peaky scores: the softmax max matters
-    out = torch.empty(1, 4 * 64)
-    kern.decode_attn(out, qkv, qkv.stride(0), torch.tensor([0]), 4, 2, 64, k_cache, v_cache, cells, cell_pos, q_pos, None, 1)
-    want = reference_attention(qkv[:, : 4 * 64].view(1, 4, 64), k_cache, v_cache, cells, cell_pos, q_pos, None)
+    tables = torch.full((1, 4000), 5000, dtype=torch.long)
+    tables[0] = torch.randperm(5000, generator=g)[:4000]
+    row_seq, row_pos = torch.tensor([0, 0]), torch.tensor([3999, 2500])
+    qkv = torch.randn(2, 8 * 64, generator=g) * 4  # peaky scores: the softmax max matters
+    out = torch.empty(2, 4 * 64)
+    kern.attn(out, qkv, 4, 2, 64, k_cache, v_cache, tables, row_seq, row_pos, None, 1)
+    want = reference_attention(qkv[:, : 4 * 64].view(2, 4, 64), k_cache, v_cache, tables, row_seq, row_pos, None)
     torch.testing.assert_close(out, want, atol=TOL, rtol=1e-5)
 
 

@@ -13,12 +13,11 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, r
 
 
 def test_same_greedy_tokens_as_llama_cpp(tiny_models: ModelPaths) -> None:
-    from worker.backends.llama_cpp import LlamaCppBackend
+    from worker.backends import BackendOptions, load_backend
 
     prompts = [random_tokens(n, seed=n) for n in (5, 12, 21)]
-    gguf = LlamaCppBackend(
-        str(tiny_models.gguf_f32), n_ctx=256, n_seq_max=4, n_batch=128, cache_type_k="f32", cache_type_v="f32"
-    )
+    options = BackendOptions(n_ctx=256, n_slots=4, n_batch=128, cache_type_k="f32", cache_type_v="f32")
+    gguf = load_backend("llama_cpp", str(tiny_models.gguf_f32), options)
     torch_backend = new_backend(tiny_models.hf_dir)
     text = "Hello world, the quick brown fox <|im_end|>"
     try:

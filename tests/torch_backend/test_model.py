@@ -28,14 +28,16 @@ def random_tokens(n: int, seed: int, vocab: int = 1024) -> list[int]:
 
 
 def new_backend(
-    path: Path, n_ctx: int = 256, n_seq_max: int = 4, kernels: bool = True, dtype: str | None = None
+    path: Path, n_ctx: int = 256, n_slots: int = 4, kernels: bool = True, dtype: str | None = None,
+    kv_unified: bool = False,
 ) -> TorchBackend:
     backend = TorchBackend(
-        str(path), n_ctx=n_ctx, n_seq_max=n_seq_max, n_batch=128, dtype=dtype, cpu_kernels=kernels
+        str(path), n_ctx=n_ctx, n_slots=n_slots, kv_unified=kv_unified, n_batch=128, device="cpu", dtype=dtype,
+        cpu_kernels=kernels,
     )
     # The fused CPU kernels must really build here (CI has a C compiler), or half of the
     # parametrized tests below would silently test the fallback twice.
-    assert (backend._require_model().kernels is not None) is (kernels and backend.device.type == "cpu")
+    assert (backend._require_model().kernels is not None) is kernels
     return backend
 
 
@@ -63,7 +65,7 @@ def test_cpu_prepacked_weights_match_plain_linear(dtype: str, hf_family: Callabl
     prompt = random_tokens(30, seed=3)
     logits = []
     for prepack in (True, False):
-        backend = TorchBackend(str(path), n_ctx=256, n_seq_max=4, n_batch=128, dtype=dtype, prepack=prepack)
+        backend = TorchBackend(str(path), n_ctx=256, n_slots=4, n_batch=128, device="cpu", dtype=dtype, prepack=prepack)
         model = backend._require_model()
         assert model.prepacked is prepack
         assert all(w.is_mkldnn is prepack for layer in model.layers for w in layer.w.values())
@@ -104,7 +106,7 @@ def test_bfloat16_cpu_kernels_as_close_as_torch_ops(
 
 
 def test_float16_on_a_cpu_without_onednn_fp16_runs_unpacked(tiny_models: ModelPaths) -> None:
-    backend = TorchBackend(str(tiny_models.hf_dir), n_ctx=64, n_seq_max=2, n_batch=32, dtype="float16")
+    backend = TorchBackend(str(tiny_models.hf_dir), n_ctx=64, n_slots=2, n_batch=32, device="cpu", dtype="float16")
     assert backend._require_model().prepacked is can_prepack(torch.device("cpu"), torch.float16)
     assert backend.decode([BatchEntry(0, random_tokens(5, seed=4), 0, True)]) is DecodeStatus.OK
     assert torch.isfinite(backend._logits).all()
@@ -143,29 +145,33 @@ def test_mixed_batches_of_three_sequences_match(
     torch.testing.assert_close(backend._logits[1], refs[0][14], atol=TOL, rtol=0)
 
 
-def test_unified_pool_mask_path_matches(hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
-    """The CUDA-graph attention form (whole pool, (seq, pos) mask, no gather) on CPU."""
+def test_whole_pool_mask_path_matches_with_shared_cells(hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
+    """The CUDA-graph attention form (whole pool under a sequence-bitmask mask, no gather) on the
+    CPU, where sequences 1 and 3 share seq 0's first 6 cells (seq_cp) and then diverge."""
     import numpy as np
 
-    from worker.torch_model.kv_cache import AttnGroup, build_mask
+    from worker.torch_model.kv_cache import AttnGroup, AttnPlan, pool_mask
 
     path, hf = hf_family("llama")
-    seqs = [random_tokens(12, seed=20 + s) for s in range(3)]
-    backend = new_backend(path)
-    backend.decode([BatchEntry(s, seqs[s][:11], 0, False) for s in range(3)])
+    seqs = [random_tokens(12, seed=20 + s) for s in range(4)]
+    seqs[1][:6] = seqs[3][:6] = seqs[0][:6]
+    backend = new_backend(path, kernels=False)
+    backend.decode([BatchEntry(0, seqs[0][:11], 0, False), BatchEntry(2, seqs[2][:11], 0, False)])
+    for s in (1, 3):
+        backend.seq_cp(0, s, 6)
+    backend.decode([BatchEntry(s, seqs[s][6:11], 6, False) for s in (1, 3)])
     kv, model = backend._require_kv(), backend._require_model()
-    seq_ids = np.array([2, 0, 1])
-    positions = np.array([11, 11, 11])
-    cells = kv.allocate(seq_ids, positions)
+    assert set(kv.cells_of(1)[:6]) == set(kv.cells_of(0)[:6])
+    seq_ids = np.array([2, 0, 3, 1])
+    cells = kv.allocate(seq_ids, np.full(4, 11), np.ones(4, dtype=np.int64))
     assert cells is not None
-    n = kv.n_cells + 1
-    cell_seq = torch.from_numpy(np.append(kv.cell_seq, -2))
-    cell_pos = torch.from_numpy(np.append(kv.cell_pos, 0))
-    mask = build_mask(cell_seq, cell_pos, torch.from_numpy(seq_ids), torch.from_numpy(positions), 2, None)
-    assert mask.shape == (1, 1, 6, n)
+    row_seq, row_pos = torch.from_numpy(seq_ids), torch.full((4,), 11)
+    mask = pool_mask(torch.from_numpy(kv.cell_seqs), torch.from_numpy(kv.cell_pos), row_seq, row_pos, 2, None)
+    assert mask.shape == (1, 1, 8, kv.n_cells + 1)
+    plan = AttnPlan(torch.empty(0), row_seq, row_pos, [AttnGroup(slice(0, 4), None, mask)])
     logits = model(
-        torch.tensor([seqs[s][11] for s in seq_ids]), torch.from_numpy(positions), torch.from_numpy(cells),
-        [AttnGroup(slice(0, 3), None, mask)], torch.arange(3), kv.k, kv.v,
+        torch.tensor([seqs[s][11] for s in seq_ids]), row_pos, torch.from_numpy(cells), plan, torch.arange(4),
+        kv.k, kv.v,
     )
     for row, s in enumerate(seq_ids):
         torch.testing.assert_close(logits[row], hf_logits(hf, seqs[s])[-1], atol=TOL, rtol=0)
@@ -191,7 +197,7 @@ def test_only_entries_asking_for_logits_get_rows(tiny_models: ModelPaths) -> Non
 
 
 def test_no_kv_space_writes_nothing(tiny_models: ModelPaths) -> None:
-    backend = new_backend(tiny_models.hf_dir, n_ctx=16)
+    backend = new_backend(tiny_models.hf_dir, n_ctx=16, kv_unified=True)
     assert backend.decode([BatchEntry(0, random_tokens(10, 1), 0, True)]) is DecodeStatus.OK
     status = backend.decode([BatchEntry(1, random_tokens(7, 2), 0, True)])
     assert status is DecodeStatus.NO_KV_SPACE
@@ -285,7 +291,7 @@ def test_cuda_eager_and_graphs_match_cpu(tiny_models: ModelPaths) -> None:
     steps = [[t[k] for t in tokens] for k in range(11)]
     ref = replay(cpu, prompts, steps)
     for compile in (False, True):
-        gpu = TorchBackend(path, n_ctx=256, n_seq_max=4, n_batch=64, device="cuda", dtype="float32", compile=compile)
+        gpu = TorchBackend(path, n_ctx=256, n_slots=4, n_batch=64, device="cuda", dtype="float32", compile=compile)
         for got, want in zip(replay(gpu, prompts, steps), ref, strict=True):
             torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
         gpu.sleep()
@@ -298,7 +304,7 @@ def test_cuda_eager_and_graphs_match_cpu(tiny_models: ModelPaths) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_default_generates(tiny_models: ModelPaths) -> None:
-    gpu = TorchBackend(str(tiny_models.hf_dir), n_ctx=256, n_seq_max=4, n_batch=64, compile=True)
+    gpu = TorchBackend(str(tiny_models.hf_dir), n_ctx=256, n_slots=4, n_batch=64, compile=True)
     assert gpu.dtype == torch.bfloat16
     out = greedy(gpu, [random_tokens(n, seed=n) for n in (3, 7)], 8)
     assert all(len(t) == 8 for t in out)

@@ -60,12 +60,13 @@ def test_malformed_body_is_a_400(worker: Worker, raw: bytes) -> None:
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_prompt_longer_than_context(worker: Worker) -> None:
-    r = worker.post(COMPLETIONS, {"prompt": [5] * (CTX + 10)})
+def test_prompt_longer_than_a_slots_context(worker: Worker) -> None:
+    n_ctx_slot = CTX // N_SLOTS  # a KV stream per slot, as llama-server
+    r = worker.post(COMPLETIONS, {"prompt": [5] * (n_ctx_slot + 10)})
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["type"] == "exceed_context_size_error"
-    assert err["n_prompt_tokens"] == CTX + 10 and err["n_ctx"] == CTX
+    assert err["n_prompt_tokens"] == n_ctx_slot + 10 and err["n_ctx"] == n_ctx_slot
 
 
 def test_unknown_route_and_method(worker: Worker) -> None:
@@ -103,7 +104,7 @@ def test_openai_sdk(worker: Worker) -> None:
 def test_health_props_models_slots(worker: Worker) -> None:
     assert worker.get("/health").json() == {"status": "ok", "is_sleeping": False}
     props = worker.get("/props").json()
-    assert props["total_slots"] == N_SLOTS and props["default_generation_settings"]["n_ctx"] == CTX
+    assert props["total_slots"] == N_SLOTS and props["default_generation_settings"]["n_ctx"] == CTX // N_SLOTS
     assert "<|im_start|>" in props["chat_template"]
     slots = worker.get("/slots").json()
     assert [s["id"] for s in slots] == list(range(N_SLOTS))

@@ -96,7 +96,9 @@ def test_exits_when_parent_is_gone(tiny_models: ModelPaths) -> None:
 
 def test_full_kv_cache_preempts_instead_of_failing(tiny_models: ModelPaths) -> None:
     # 4 sequences x (~8 prompt + 100 generated) tokens need ~430 cells; the cache has 256.
-    with worker_process(tiny_models.gguf_f32, "--parallel", "4", "--ctx-size", "256", *EXACT_GGUF_ARGS) as (_, url):
+    # One KV pool shared by all slots (the default, a stream per slot, never runs out).
+    args = ("--parallel", "4", "--ctx-size", "256", "--kv-unified", *EXACT_GGUF_ARGS)
+    with worker_process(tiny_models.gguf_f32, *args) as (_, url):
         prompts = [f"request number {i} wants room" for i in range(4)]
         solo = [_complete(url, prompt=p, max_tokens=100, cache_prompt=False)["choices"][0]["text"] for p in prompts]
         # One request with four prompts: all four tasks reach the engine at once.

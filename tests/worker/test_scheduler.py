@@ -1,8 +1,9 @@
 """The scheduler's bookkeeping against a recording in-memory KV cache (no model).
 
-`KVRecorder` implements only what the scheduler calls on a backend (n_ctx, n_batch, seq_rm,
-new_sampler, is_sleeping) and keeps the cells each sequence holds, so every test can check the
-scheduler's invariant: a slot's `cache` is exactly what the backend holds for its sequence.
+`KVRecorder` implements only what the scheduler calls on a backend and keeps the tokens each
+sequence holds, so every test can check the scheduler's invariant: a slot's `cache` is exactly
+what the backend holds for its sequence. It also checks the backend's side of the contract:
+sequences are continued in order, pieces respect the recipe, nothing exceeds a stream.
 """
 
 from __future__ import annotations
@@ -10,33 +11,60 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
-from worker.backends.base import Backend, BatchEntry
+import numpy as np
+import pytest
+
+from worker.backends.base import Backend, BatchEntry, RowRecipe
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import PromptCache
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.scheduler import Planned, Scheduler
+from worker.engine.scheduler import SHORT_PROMPT, Plan, Scheduler
 from worker.engine.task import Task
+
+FA_ON = RowRecipe(short_prompt=64)  # llama.cpp with flash attention
+FA_OFF = RowRecipe()
 
 
 class KVRecorder:
-    def __init__(self, n_ctx: int, n_batch: int) -> None:
-        self.n_ctx = n_ctx
+    def __init__(
+        self, n_ctx: int, n_batch: int, n_slots: int, *, unified: bool = False, recipe: RowRecipe | None = None,
+        n_ubatch: int | None = None,
+    ) -> None:
+        self.n_seq_max = n_slots + 1
+        self.kv_unified = unified
+        self.n_ctx = n_ctx if unified else n_ctx // n_slots * self.n_seq_max
+        self.n_ctx_seq = n_ctx if unified else n_ctx // n_slots
         self.n_batch = n_batch
+        self.n_ubatch = n_ubatch or n_batch
+        self.recipe = recipe or RowRecipe.exact()
         self.is_sleeping = False
         self.seqs: dict[int, list[int]] = {}
+        self.n_rows_decoded = 0
+        self.copies: list[tuple[int, int, int]] = []
 
     def seq_rm(self, seq_id: int, p0: int) -> None:
         del self.seqs.setdefault(seq_id, [])[p0:]
 
+    def seq_cp(self, src: int, dst: int, n: int) -> None:
+        self.seqs[dst] = list(self.seqs.get(src, [])[:n])
+        self.copies.append((src, dst, n))
+
     def new_sampler(self, params: SamplingParams, seed: int) -> Any:
         return object()
 
+    def logits_row(self, i: int) -> np.ndarray:
+        return np.array([float(i)])
+
     def decode(self, entries: list[BatchEntry]) -> None:
         assert sum(len(e.tokens) for e in entries) <= self.n_batch
+        assert len({e.seq_id for e in entries}) == len(entries), "one entry per sequence"
         for e in entries:
             seq = self.seqs.setdefault(e.seq_id, [])
             assert len(seq) == e.pos, "entries must continue their sequence"
+            assert len(e.tokens) <= self.n_ubatch
             seq.extend(e.tokens)
+            assert len(seq) <= self.n_ctx_seq, "a sequence outgrew its stream"
+            self.n_rows_decoded += len(e.tokens)
         assert sum(len(s) for s in self.seqs.values()) <= self.n_ctx, "KV cache overflow"
 
 
@@ -53,45 +81,92 @@ class StatefulKVRecorder(KVRecorder):
 
 
 def make(
-    n_slots: int = 2, n_ctx: int = 64, n_batch: int = 16, prompt_cache: PromptCache | None = None
+    n_slots: int = 2, n_ctx: int = 128, n_batch: int = 16, prompt_cache: PromptCache | None = None, **kv: Any
 ) -> tuple[Scheduler, KVRecorder]:
-    kv = StatefulKVRecorder(n_ctx, n_batch) if prompt_cache is not None else KVRecorder(n_ctx, n_batch)
-    return Scheduler(cast(Backend, kv), n_slots, WorkerMetrics(), prompt_cache), kv
+    kind = StatefulKVRecorder if prompt_cache is not None else KVRecorder
+    rec = kind(n_ctx, n_batch, n_slots, **kv)
+    if prompt_cache is not None:
+        prompt_cache.decode_class = rec.recipe.decode_class
+    return Scheduler(cast(Backend, rec), n_slots, WorkerMetrics(), prompt_cache), rec
 
 
 def task(prompt: list[int], **params: Any) -> Task:
     return Task(prompt, SamplingParams(**params), 0, lambda e: None)
 
 
-def step(b: Scheduler, kv: KVRecorder, sampled_token: int = 7) -> Planned:
+def step(b: Scheduler, kv: KVRecorder, sampled_token: int = 7) -> Plan:
     """One engine step without a model: every slot that asked for logits 'samples' a token."""
+    b.reap_cancelled()
     b.admit()
-    planned = b.plan()
-    kv.decode([e for _, e in planned])
-    for slot in b.commit(planned):
+    plan = b.plan()
+    if plan.entries:
+        kv.decode([e for _, e in plan.entries])
+    for slot in b.commit(plan) + plan.from_saved:
         assert slot.task is not None
         slot.is_prefill = False
         slot.task.generated.append(sampled_token)
         slot.feed = [sampled_token]
-    for s in b.slots:
+        if slot is b.staging:
+            b.park(slot)
+    for s in [*b.slots, *([b.staging] if b.staging else [])]:
         assert kv.seqs.get(s.id, []) == s.cache
-    return planned
+    return plan
 
 
-def test_long_prompt_is_prefilled_in_chunks_with_logits_at_the_end() -> None:
+def shapes(plan: Plan) -> list[tuple[int, int, bool]]:
+    return [(e.seq_id, len(e.tokens), e.logits) for _, e in plan.entries]
+
+
+# -- pieces and batches ---------------------------------------------------------------------------
+
+
+def test_long_prompt_is_prefilled_in_pieces_with_logits_at_the_end() -> None:
     b, kv = make(n_batch=16)
     b.enqueue(task(list(range(40))))
-    shapes = [[(len(e.tokens), e.logits) for _, e in step(b, kv)] for _ in range(4)]
-    assert shapes == [[(16, False)], [(16, False)], [(8, True)], [(1, True)]]
+    assert [shapes(step(b, kv)) for _ in range(4)] == [
+        [(0, 16, False)], [(0, 16, False)], [(0, 8, True)], [(0, 1, True)],
+    ]
 
 
-def test_decode_tokens_come_first_then_prompt_chunks() -> None:
+def test_decode_tokens_come_first_then_prompt_pieces() -> None:
     b, kv = make(n_batch=8)
     b.enqueue(task([1, 2, 3]))
     step(b, kv)  # prefill of the first task, which now generates
     b.enqueue(task(list(range(100, 120))))
-    planned = step(b, kv)
-    assert [(len(e.tokens), e.logits) for _, e in planned] == [(1, True), (7, False)]
+    assert shapes(step(b, kv)) == [(0, 1, True), (1, 7, False)]
+
+
+@pytest.mark.parametrize(
+    ("n_prompt", "n_ubatch", "expected"),
+    [
+        (40, 512, [40]),  # shorter than 64: one piece, whatever the budget
+        (64, 512, [64]),
+        (200, 512, [200]),
+        (200, 80, [72, 64, 64]),  # pieces <= ubatch, none under 64 rows
+        (130, 100, [66, 64]),
+    ],
+)
+def test_flash_attention_recipe_cuts_prompts_in_pieces_of_64_rows_or_more(
+    n_prompt: int, n_ubatch: int, expected: list[int]
+) -> None:
+    b, kv = make(n_slots=1, n_ctx=1024, n_batch=1024, recipe=FA_ON, n_ubatch=n_ubatch)
+    b.enqueue(task(list(range(1000, 1000 + n_prompt))))
+    pieces = []
+    while not b.slots[0].task or b.slots[0].is_prefill:
+        pieces += [len(e.tokens) for _, e in step(b, kv).entries]
+    assert pieces == expected
+
+
+def test_without_flash_attention_no_piece_is_a_single_row() -> None:
+    b, kv = make(n_slots=1, n_ctx=1024, n_batch=1024, recipe=FA_OFF, n_ubatch=10)
+    b.enqueue(task(list(range(1000, 1021))))  # 21 = 10 + 9 + 2, never ... + 1
+    pieces = []
+    while not b.slots[0].task or b.slots[0].is_prefill:
+        pieces += [len(e.tokens) for _, e in step(b, kv).entries]
+    assert pieces == [10, 9, 2]
+
+
+# -- reuse of what is cached ----------------------------------------------------------------------
 
 
 def test_prefix_reuse_keeps_the_common_prefix() -> None:
@@ -100,35 +175,150 @@ def test_prefix_reuse_keeps_the_common_prefix() -> None:
     step(b, kv)
     b.slots[0].release()
     b.enqueue(task([1, 2, 3, 9]))
-    planned = step(b, kv)
-    assert planned[0][1].tokens == [9] and planned[0][1].pos == 3
+    plan = step(b, kv)
+    assert plan.entries[0][1].tokens == [9] and plan.entries[0][1].pos == 3
     assert b.slots[0].task is not None and b.slots[0].task.stats.n_cached == 3
 
 
-def test_prompt_fully_cached_still_decodes_its_last_token() -> None:
+def test_a_fully_cached_prompt_is_sampled_from_its_saved_logits_without_a_decode() -> None:
     b, kv = make()
     b.enqueue(task([1, 2, 3]))
     step(b, kv)
     b.slots[0].release()
+    rows = kv.n_rows_decoded
     b.enqueue(task([1, 2, 3]))
-    planned = step(b, kv)
-    assert planned[0][1].tokens == [3] and planned[0][1].pos == 2
+    plan = step(b, kv)
+    assert plan.from_saved == [b.slots[0]] and not plan.entries
+    assert kv.n_rows_decoded == rows
+
+
+@pytest.mark.parametrize(("recipe", "redone"), [(RowRecipe.exact(), 1), (FA_OFF, 2), (FA_ON, 64)])
+def test_a_cached_prompt_without_saved_logits_redoes_one_valid_piece(recipe: RowRecipe, redone: int) -> None:
+    b, kv = make(n_slots=1, n_ctx=512, n_batch=256, recipe=recipe)
+    prompt = list(range(100, 200))
+    b.enqueue(task([*prompt, 5]))
+    while not b.slots[0].task or b.slots[0].is_prefill:
+        step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task(prompt))  # a prefix of what is cached: its logits were never saved
+    plan = step(b, kv)
+    assert [(e.pos, len(e.tokens)) for _, e in plan.entries] == [(100 - redone, redone)]
+
+
+def test_a_long_prompt_does_not_reuse_rows_of_a_short_prompt_computed_by_another_kernel() -> None:
+    b, kv = make(n_slots=1, n_ctx=512, n_batch=256, recipe=FA_ON)
+    short = list(range(100, 140))  # 40 tokens: one piece, the per-row kernel
+    b.enqueue(task(short))
+    step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task([*short, *range(300, 360)]))  # 100 tokens: the tiled kernel from row 0
+    plan = step(b, kv)
+    assert [(e.pos, len(e.tokens)) for _, e in plan.entries] == [(0, 100)]
+
+
+def test_a_prefix_is_copied_from_a_busy_slot() -> None:
+    b, kv = make(n_slots=2)
+    prefix = list(range(100, 130))
+    b.enqueue(task([*prefix, 1]))
+    for _ in range(3):
+        step(b, kv)  # slot 0: prefilled, generating
+    b.enqueue(task([*prefix, 2, 3]))
+    plan = step(b, kv)
+    assert kv.copies == [(0, 1, 30)]
+    assert next(e for s, e in plan.entries if s.id == 1).pos == 30
+    assert b.slots[1].task is not None and b.slots[1].task.stats.n_cached == 30
+
+
+def test_a_burst_with_a_common_prefix_computes_the_prefix_once() -> None:
+    b, kv = make(n_slots=4, n_ctx=1024, n_batch=256)
+    prefix = list(range(1000, 1100))
+    tasks = [task([*prefix, 1, i, i + 1]) for i in range(4)]
+    for t in tasks:
+        b.enqueue(t)
+    first = step(b, kv)
+    assert shapes(first) == [(0, 103, True)]  # the others wait for slot 0's prefill
+    second = step(b, kv)
+    assert sorted(shapes(second)) == [(0, 1, True), (1, 2, True), (2, 2, True), (3, 2, True)]
+    assert kv.n_rows_decoded == 103 + 1 + 3 * 2
+    assert [t.stats.n_cached for t in tasks] == [0, 101, 101, 101]
+
+
+def test_a_waiting_slot_computes_its_prefix_itself_if_the_source_is_cancelled() -> None:
+    b, kv = make(n_slots=2, n_ctx=1024, n_batch=64)
+    prefix = list(range(1000, 1100))
+    first, second = task([*prefix, 1]), task([*prefix, 2])
+    b.enqueue(first)
+    b.enqueue(second)
+    step(b, kv)  # slot 0 starts on the prefix, slot 1 waits for it
+    assert b.slots[1].source is b.slots[0]
+    first.cancel()
+    step(b, kv)
+    assert b.slots[1].source is None and b.slots[1].task is second
+    while b.slots[1].is_prefill:
+        step(b, kv)
+    assert kv.seqs[1][:101] == [*prefix, 2]
+
+
+# -- staging: prefill ahead when every slot is busy ------------------------------------------------
+
+
+def test_a_waiting_prompt_is_prefilled_in_staging_and_resumes_from_the_prompt_cache() -> None:
+    cache = PromptCache(None)
+    b, kv = make(n_slots=1, prompt_cache=cache)
+    running, waiting = task([1, 2, 3], max_tokens=4), task(list(range(50, 60)))
+    b.enqueue(running)
+    b.enqueue(waiting)
+    step(b, kv)  # slot 0 prefills `running`; `waiting` is prefilled in staging at the same time
+    assert waiting.generated == [7] and waiting.parked is not None and waiting.parked.is_pinned
+    assert list(b.waiting) == [waiting] and b.staging is not None and b.staging.cache == []
+    running.cancel()
+    plan = step(b, kv)  # the slot frees: `waiting` restores its prompt, decodes its first token
+    assert [(e.pos, e.tokens) for _, e in plan.entries] == [(10, [7])]
+    assert waiting.parked is None and not next(iter(cache._entries.values())).is_pinned
+
+
+# -- budget ------------------------------------------------------------------------------------------
+
+
+def test_prompt_rows_per_step_follow_the_budget_while_slots_generate() -> None:
+    b, kv = make(n_slots=2, n_ctx=1024, n_batch=512)
+    b.enqueue(task([1, 2, 3]))
+    step(b, kv)
+    b.budget.observe(10.0, 0, 1)  # a decode-only step: 10 ms
+    b.budget.observe(10.0 + 100 * 1.0, 100, 1)  # 1 ms per prompt row
+    b.enqueue(task(list(range(100, 100 + SHORT_PROMPT + 100))))
+    rows = [sum(len(e.tokens) for s, e in step(b, kv).entries if s.id == 1) for _ in range(3)]
+    assert rows == [6, 6, 6]  # 0.6 x 10 ms / 1 ms
+
+
+def test_short_prompts_are_not_held_back_by_the_budget() -> None:
+    b, kv = make(n_slots=3, n_ctx=3072, n_batch=512)
+    b.enqueue(task([1, 2, 3]))
+    step(b, kv)
+    b.budget.observe(10.0, 0, 1)
+    b.budget.observe(110.0, 100, 1)
+    b.enqueue(task(list(range(100, 300))))
+    b.enqueue(task(list(range(300, 500))))
+    assert sorted(shapes(step(b, kv))) == [(0, 1, True), (1, 200, True), (2, 200, True)]
+
+
+# -- one KV pool shared by all slots (--kv-unified) ----------------------------------------------
 
 
 def test_full_cache_drops_idle_prefixes_before_preempting() -> None:
-    b, kv = make(n_slots=2, n_ctx=20, n_batch=16)
-    b.enqueue(task(list(range(12))))
+    b, kv = make(n_slots=2, n_ctx=20, n_batch=16, unified=True)
+    b.enqueue(task(list(range(12)), id_slot=1))
     step(b, kv)
-    b.slots[0].release()  # 12 cells of idle cache
-    b.enqueue(task(list(range(50, 62))))  # needs 12 more: only 8 are free
+    b.slots[1].release()  # 12 cells of idle cache
+    b.enqueue(task(list(range(50, 62))))  # slot 0 needs 12 more: only 8 are free
     for _ in range(3):
         step(b, kv)
-    assert b.slots[0].cache == [] and len(b.slots[1].cache) >= 12
+    assert b.slots[1].cache == [] and len(b.slots[0].cache) >= 12
     assert not b.waiting
 
 
 def test_full_cache_preempts_the_youngest_and_requeues_it_with_its_tokens() -> None:
-    b, kv = make(n_slots=2, n_ctx=20, n_batch=16)
+    b, kv = make(n_slots=2, n_ctx=20, n_batch=16, unified=True)
     old, young = task(list(range(8))), task(list(range(30, 38)))
     b.enqueue(old)
     b.enqueue(young)
@@ -153,35 +343,47 @@ def test_cancelled_tasks_are_reaped() -> None:
     assert not b.has_work()
 
 
-def test_admission_moves_other_idle_slots_to_the_prompt_cache() -> None:
+def test_admission_moves_other_idle_slots_to_the_prompt_cache_in_a_shared_pool() -> None:
     cache = PromptCache(None)
-    b, kv = make(n_slots=3, prompt_cache=cache)
+    b, kv = make(n_slots=3, prompt_cache=cache, unified=True)
     first = list(range(10, 30))
-    b.enqueue(task(first))
+    b.enqueue(task(first, id_slot=2))
     for _ in range(3):
         step(b, kv)
-    b.slots[0].release()  # idle, its prompt and 2 generated tokens in the KV cache
+    b.slots[2].release()  # idle, its prompt and a generated token in the KV cache
     b.enqueue(task([1, 2, 3]))
     step(b, kv)
-    assert b.slots[0].cache == [] and kv.seqs[0] == []  # cleared from the KV cache...
-    entry, n = cache.best(first)
+    assert b.slots[2].cache == [] and kv.seqs[2] == []  # cleared from the KV cache...
+    entry, n = cache.best(first, (20, 0))
     assert entry is not None and n == 20  # ...and kept in RAM
+
+
+def test_idle_slots_stay_in_their_own_streams() -> None:
+    cache = PromptCache(None)
+    b, kv = make(n_slots=3, prompt_cache=cache)
+    b.enqueue(task(list(range(10, 30)), id_slot=2))
+    for _ in range(3):
+        step(b, kv)
+    b.slots[2].release()
+    b.enqueue(task([1, 2, 3]))
+    step(b, kv)
+    assert len(b.slots[2].cache) == 21 and b.slots[0].task is not None
 
 
 def test_a_saved_prompt_is_restored_and_only_the_new_tokens_run() -> None:
     cache = PromptCache(None)
-    b, kv = make(n_slots=2, prompt_cache=cache)
+    b, kv = make(n_slots=1, prompt_cache=cache)
     prefix = list(range(100, 140))
     b.enqueue(task([*prefix, 1, 2]))
     for _ in range(4):
         step(b, kv)
     b.slots[0].release()
-    b.enqueue(task([7] * 12))  # takes slot 1; slot 0 goes to RAM
+    b.enqueue(task([7] * 20))  # overwrites the only slot: what it held goes to RAM first
     step(b, kv)
-    assert b.slots[0].cache == []
-    b.enqueue(task([*prefix, 5, 6, 8]))  # slot 0: restored, then cut back to the shared prefix
-    planned = step(b, kv)
-    entry = next(e for s, e in planned if s.id == 0)
+    b.slots[0].release()
+    b.enqueue(task([*prefix, 5, 6, 8]))  # restored, then cut back to the shared prefix
+    plan = step(b, kv)
+    entry = plan.entries[0][1]
     assert entry.pos == len(prefix) and entry.tokens == [5, 6, 8]
     t = b.slots[0].task
     assert t is not None and t.stats.n_cached == len(prefix)
@@ -189,47 +391,48 @@ def test_a_saved_prompt_is_restored_and_only_the_new_tokens_run() -> None:
 
 def test_a_short_match_is_not_worth_a_restore() -> None:
     cache = PromptCache(None)
-    b, kv = make(n_slots=2, prompt_cache=cache)
+    b, kv = make(n_slots=1, prompt_cache=cache)
     b.enqueue(task(list(range(100, 140))))
     step(b, kv)
     b.slots[0].release()
-    b.enqueue(task([7] * 12))
+    b.enqueue(task([7] * 20))
     step(b, kv)
+    b.slots[0].release()
     b.enqueue(task([100, 101, 102, 9, 9, 9]))  # 3 shared tokens: cheaper to evaluate them
-    planned = step(b, kv)
-    assert next(e for s, e in planned if s.id == 0).pos == 0
+    plan = step(b, kv)
+    assert plan.entries[0][1].pos == 0
 
 
 def test_kv_pressure_offloads_idle_caches_instead_of_dropping_them() -> None:
     cache = PromptCache(None)
-    b, kv = make(n_slots=2, n_ctx=20, n_batch=16, prompt_cache=cache)
-    b.enqueue(task(list(range(12))))
+    b, kv = make(n_slots=2, n_ctx=20, n_batch=16, prompt_cache=cache, unified=True)
+    b.enqueue(task(list(range(12)), id_slot=1))
     step(b, kv)
-    b.slots[0].release()
-    b.enqueue(task(list(range(50, 62)), cache_prompt=False))  # needs room: slot 0's 13 cells go
+    b.slots[1].release()
+    b.enqueue(task(list(range(50, 62)), cache_prompt=False))  # needs room: slot 1's 13 cells go
     for _ in range(3):
         step(b, kv)
-    assert cache.best(list(range(12)))[1] == 12
+    assert cache.best(list(range(12)), (12, 0))[1] == 12
 
 
 def test_a_preempted_task_resumes_from_its_saved_state() -> None:
     cache = PromptCache(None)
-    b, kv = make(n_slots=2, n_ctx=24, n_batch=16, prompt_cache=cache)
+    b, kv = make(n_slots=2, n_ctx=24, n_batch=16, prompt_cache=cache, unified=True)
     old, young = task(list(range(8))), task(list(range(30, 38)))
     b.enqueue(old)
     b.enqueue(young)
     step(b, kv)
     while not b.waiting:
         step(b, kv)
-    assert b.waiting[0] is young and cache.best(young.tokens())[1] == len(young.tokens()) - 1
+    assert b.waiting[0] is young and cache.best(young.tokens(), (8, 0))[1] == len(young.tokens()) - 1
     old_slot = next(s for s in b.slots if s.task is old)
     old.cancel()
     b.reap_cancelled()
     old_slot.cache.clear()
     kv.seqs[old_slot.id] = []  # the old task's cells are gone: room to restore
     n_done = len(young.tokens())
-    planned = step(b, kv)
-    entry = next(e for s, e in planned if s.task is young)
+    plan = step(b, kv)
+    entry = next(e for s, e in plan.entries if s.task is young)
     assert entry.pos == n_done - 1 and len(entry.tokens) == 1  # only the last sampled token runs
 
 
@@ -241,6 +444,6 @@ def test_the_part_of_a_slot_a_new_task_overwrites_is_saved_first() -> None:
     step(b, kv)
     b.slots[0].release()
     b.enqueue(task([10, 11, 99]))  # the only slot: keeps [10, 11], overwrites the rest
-    planned = step(b, kv)
-    assert planned[0][1].pos == 2
-    assert cache.best(first)[1] == len(first)
+    plan = step(b, kv)
+    assert plan.entries[0][1].pos == 2
+    assert cache.best(first, (len(first), 0))[1] == len(first)

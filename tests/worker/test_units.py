@@ -59,8 +59,9 @@ def _slot(i: int, cache: list[int], used: float, busy: bool = False) -> Slot:
     [
         ([[1, 2, 3], [1, 9], []], [], [1, 2, 3, 4], -1, True, 0),  # longest common prefix
         ([[5], [1, 9], [1, 2]], [2], [1, 2, 3], -1, True, 1),  # best idle match
-        ([[5], [6], [7]], [], [1, 2], -1, True, 0),  # no match: least recently used
-        ([[1, 2], [6], [7]], [], [1, 2], -1, False, 0),  # cache_prompt off: LRU
+        ([[5], [1, 2], [1, 2]], [], [1, 2, 3], -1, True, 1),  # a tie: the lowest id
+        ([[5], [6], [7]], [1], [1, 2], -1, True, 0),  # no match: the lowest idle id (packing)
+        ([[6], [1, 2], [7]], [], [1, 2], -1, False, 0),  # cache_prompt off: the lowest idle id
         ([[1, 2], [6], [7]], [], [1, 2], 2, True, 2),  # id_slot wins
         ([[1, 2], [6], [7]], [2], [1, 2], 2, True, None),  # id_slot busy: wait
         ([[1], [2], [3]], [0, 1, 2], [1], -1, True, None),  # all busy
@@ -69,8 +70,9 @@ def _slot(i: int, cache: list[int], used: float, busy: bool = False) -> Slot:
 def test_pick_slot(
     caches: list[list[int]], busy: list[int], prompt: list[int], id_slot: int, cache_prompt: bool, expected: int | None
 ) -> None:
-    slots = [_slot(i, c, used=float(i), busy=i in busy) for i, c in enumerate(caches)]
-    chosen = pick_slot(slots, prompt, id_slot=id_slot, cache_prompt=cache_prompt)
+    idle = [_slot(i, c, used=float(i)) for i, c in enumerate(caches) if i not in busy]
+    reuse = [common_prefix_len(s.cache, prompt) if cache_prompt else 0 for s in idle]
+    chosen = pick_slot(idle, reuse, id_slot=id_slot, n_slots=len(caches))
     assert (chosen.id if chosen else None) == expected
 
 
@@ -100,7 +102,7 @@ def test_tokenize_after_close_raises_instead_of_segfaulting(tiny_models: ModelPa
     """Regression: the vocab pointer dangled after close(), so a late /tokenize crashed the process."""
     from worker.backends.llama_cpp import LlamaCppBackend
 
-    backend = LlamaCppBackend(str(tiny_models.gguf_f32), n_ctx=256, n_seq_max=1, n_batch=64)
+    backend = LlamaCppBackend(str(tiny_models.gguf_f32), n_ctx=256, n_slots=1, n_batch=64)
     assert backend.tokenize("hi there", False, True)
     backend.close()
     with pytest.raises(RuntimeError, match="closed"):

@@ -14,8 +14,14 @@ BackendKind = Literal["auto", "llama_cpp", "torch"]
 
 @dataclass(frozen=True, slots=True)
 class BackendOptions:
+    """`n_ctx` KV cells in all (0: the model's training context), for `n_slots` slots: each slot
+    gets a KV stream of n_ctx / n_slots cells (llama-server's default) or, with `kv_unified`,
+    every slot may fill one pool of n_ctx. A backend has n_slots + 1 sequences: the last one is
+    the engine's staging sequence (a stream of the same size, or a share of the pool)."""
+
     n_ctx: int = 4096
-    n_seq_max: int = 4
+    n_slots: int = 4
+    kv_unified: bool = False
     n_batch: int = 2048
     n_ubatch: int = 512
     n_gpu_layers: int | None = None  # None: all layers when the build can offload
@@ -54,7 +60,8 @@ def load_backend(
         return LlamaCppBackend(
             model_path,
             n_ctx=options.n_ctx,
-            n_seq_max=options.n_seq_max,
+            n_slots=options.n_slots,
+            kv_unified=options.kv_unified,
             n_batch=options.n_batch,
             n_ubatch=options.n_ubatch,
             n_gpu_layers=options.n_gpu_layers,
@@ -73,8 +80,10 @@ def load_backend(
     backend: Backend = TorchBackend(
         model_path,
         n_ctx=options.n_ctx,
-        n_seq_max=options.n_seq_max,
+        n_slots=options.n_slots,
+        kv_unified=options.kv_unified,
         n_batch=options.n_batch,
+        n_ubatch=options.n_ubatch,
         device=options.device,
         dtype=options.dtype,
         progress=progress,

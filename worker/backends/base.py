@@ -2,18 +2,31 @@
 
 The engine thread is the only caller of a backend. One engine step is:
 
-    status = backend.decode(entries)          # one shared batch: decode tokens + prompt chunks
+    status = backend.decode(entries)          # decode tokens + prompt pieces of one step
     samples = backend.sample(sample_items)    # one token for every entry that asked for logits
 
-A *sequence* is a slot: `seq_id` in [0, n_seq_max). Each sequence owns KV positions
-0..n-1 in a unified KV cache of `n_ctx` cells shared by all sequences (a slot may use up to
-the whole context). The engine keeps the bookkeeping of how many cells each sequence holds and
-calls `seq_rm` to drop a tail (prefix reuse) or a whole sequence (eviction, preemption).
+Sequences. `seq_id` in [0, n_seq_max): one per slot, plus the last one, the *staging*
+sequence, where the engine prefills a waiting request's prompt while every slot is busy.
+Each sequence holds KV positions 0..n-1, at most `n_ctx_seq` of them. With `kv_unified` off
+(the default, as in llama-server) every sequence has a KV stream of its own; with it on, all
+sequences share one pool of `n_ctx` cells and may each fill it. The engine keeps the
+bookkeeping of what each sequence holds and calls `seq_rm` to drop a tail (prefix reuse) or
+a whole sequence, `seq_cp` to give a sequence another one's prefix (prefix sharing), and
+`seq_state_get/set` to move a sequence to host RAM and back (the prompt cache).
+
+Determinism. A row's numbers must depend only on its sequence's tokens, never on what else is
+in the batch. Backends whose kernels are batch invariant say so with `RowRecipe.exact()`.
+llama.cpp's are not: its kernels change with the number of a sequence's rows in one ubatch.
+Such a backend states the rules under which its results are reproducible (`RowRecipe`: which
+prompt pieces it accepts and which cached rows may stand in for which), the engine plans by
+them, and `decode` runs every prompt piece the way the recipe promises.
 
 Sampling state (penalty history, RNG seeded per request, logit bias) lives in a `Sampler`
-made by `new_sampler`; `sample` also *accepts* the chosen token into that state. The optional
-per-item `mask` is the seam for grammar-constrained decoding: a boolean array of n_vocab where
-False forbids a token; it is applied before any other sampler.
+made by `new_sampler`; `sample` also *accepts* the chosen token into that state. An item
+samples either a row of the last decode (`logits_index`) or a row saved earlier (`logits`,
+from `logits_row`: a prompt whose KV was all cached needs no decode). The optional per-item
+`mask` is the seam for grammar-constrained decoding: a boolean array of n_vocab where False
+forbids a token; it is applied before any other sampler.
 
 Logprobs are computed from the raw logits (log-softmax before temperature/penalties), as
 OpenAI reports them.
@@ -50,10 +63,58 @@ class DecodeStatus(Enum):
     NO_KV_SPACE = 1  # nothing was written; the engine shrinks the batch or preempts
 
 
+@dataclass(frozen=True, slots=True)
+class RowRecipe:
+    """How a backend's results depend on batching, so that the engine can keep them reproducible.
+
+    Rows come in classes: two rows at the same position of the same tokens are bitwise equal
+    when they are of the same class. The rows of an n-token prompt are of `prompt_class(n)`
+    provided it is computed in *pieces* (one sequence's consecutive rows in one decode) of at
+    least `min_piece(n)` and at most `n_ubatch` rows. A one-row piece (a generated token, or a
+    one-token prompt) is a decode row, of `decode_class`. A cached row may stand in for a row
+    of the same class only.
+
+    - `exact()`: batch-invariant kernels, every row is of one class: anything goes.
+    - Otherwise a piece has at least 2 rows (a one-row batch runs other matmul kernels), and
+      with `short_prompt` > 0 a prompt shorter than that is one piece and a class of its own,
+      while a longer one is cut in pieces of at least `short_prompt` rows (llama.cpp's flash
+      attention switches kernels at 64 rows of one sequence in a ubatch).
+    """
+
+    exact_rows: bool = False
+    short_prompt: int = 0
+
+    DECODE = 3
+
+    @staticmethod
+    def exact() -> RowRecipe:
+        return RowRecipe(exact_rows=True)
+
+    @property
+    def decode_class(self) -> int:
+        return 0 if self.exact_rows else self.DECODE
+
+    def prompt_class(self, n_prompt: int) -> int:
+        if self.exact_rows:
+            return 0
+        if n_prompt <= 1:
+            return self.DECODE
+        return 1 if n_prompt < self.short_prompt else 2
+
+    def min_piece(self, n_prompt: int) -> int:
+        """The fewest rows a piece of an `n_prompt`-token prompt may have."""
+        if self.exact_rows or n_prompt <= 1:
+            return 1
+        if n_prompt < self.short_prompt:
+            return n_prompt  # one piece
+        return max(self.short_prompt, 2)
+
+
 @dataclass(slots=True)
 class SampleItem:
     sampler: Any  # what new_sampler returned
-    logits_index: int
+    logits_index: int = -1  # the n-th logits row of the last decode, or
+    logits: np.ndarray | None = None  # a row saved with `logits_row` (float32[n_vocab])
     mask: np.ndarray | None = None  # bool[n_vocab], False = forbidden
 
 
@@ -82,12 +143,16 @@ class ModelMeta:
 
 
 class Backend(Protocol):
-    """One loaded model with a unified KV cache of `n_ctx` cells and `n_seq_max` sequences."""
+    """One loaded model with `n_seq_max` KV sequences of up to `n_ctx_seq` cells each."""
 
-    n_ctx: int
-    n_seq_max: int
+    n_ctx: int  # KV cells in all (streams or the shared pool)
+    n_ctx_seq: int  # the most cells one sequence may hold
+    n_seq_max: int  # slots + 1: the last sequence is the staging one
+    kv_unified: bool  # one pool shared by all sequences (else a stream per sequence)
     n_batch: int  # the largest batch `decode` accepts, in tokens
+    n_ubatch: int  # the largest prompt piece the recipe's promise holds for
     supports_seq_state: bool  # seq_state_get/set work (the engine then keeps a prompt cache)
+    recipe: RowRecipe
 
     @property
     def meta(self) -> ModelMeta: ...
@@ -109,6 +174,16 @@ class Backend(Protocol):
 
     def seq_rm(self, seq_id: int, p0: int) -> None:
         """Forget positions >= p0 of `seq_id` (p0 = 0: the whole sequence)."""
+        ...
+
+    def seq_cp(self, src: int, dst: int, n: int) -> None:
+        """Make `dst` hold exactly `src`'s positions [0, n) (whatever dst held is dropped).
+
+        Shared without a copy where the KV layout allows (a unified pool), copied otherwise."""
+        ...
+
+    def logits_row(self, logits_index: int) -> np.ndarray:
+        """A copy of the n-th logits row of the last decode (to sample it again later)."""
         ...
 
     def seq_state_get(self, seq_id: int) -> bytearray | None:

@@ -1,16 +1,34 @@
 """The llama.cpp backend: llama-cpp-python's low-level ctypes API, nothing from `llama_cpp.Llama`.
 
-One `llama_context` with a *unified* KV cache (`kv_unified`): `n_ctx` cells shared by
-`n_seq_max` sequences, so any slot may use the whole context. The engine thread is the only
-caller of `decode`, `sample`, `seq_rm`, `sleep` and `wake`.
+One `llama_context` with `n_slots + 1` sequences (the last is the engine's staging sequence).
+By default each sequence has a KV *stream* of its own (`kv_unified` off, llama-server's
+default): n_ctx / n_slots cells, its cells in position order, attention never over another
+sequence's cells. With `kv_unified` all sequences share one pool of n_ctx cells and `seq_cp`
+shares cells instead of copying a stream. The engine thread is the only caller of `decode`,
+`sample`, `seq_*`, `sleep` and `wake`.
+
+Reproducible rows (`RowRecipe`). llama.cpp's CPU kernels depend on how many rows of one
+sequence a ubatch holds: flash attention runs a per-row kernel below 64 rows and a tiled one
+from 64 (different float32/float16 accumulation), attention without it and the matmuls run
+other kernels for one row than for several, and llama.cpp splits a batch of sequences with
+unequal row counts into ubatches of equal counts. So the recipe tells the engine to cut
+prompts in pieces of >= 64 rows (< 64 tokens: one piece) with flash attention, >= 2 rows
+without, and `decode` runs all one-row entries (decode rows) in one llama_decode and the
+prompt pieces in others, grouping pieces only where llama.cpp's split of the group keeps
+every row in its class (`_keeps_classes` replays that split). What stays: a
+decode step of a single sequence runs llama.cpp's one-row matmul kernel (and, past 256 cells
+with flash attention, its split-KV kernel), so one lone request and the same request beside
+others can differ at float rounding level (see worker/engine/engine.py, Determinism).
+
+Since pieces run in separate llama_decode calls, a logits row of an earlier call is copied out
+before the next call overwrites it; sampling such a row (or a row saved earlier, `logits_row`)
+applies the sampler chain to a token array built from it, as llama_sampler_sample does from
+the context's own buffer.
 
 Two models are loaded from the same file: a vocab-only one (a few MB, loaded first and kept
 through sleep) that serves tokenization from any thread, and the full one that `sleep` frees.
-
 The batch is one `llama_batch` whose arrays are numpy buffers allocated once (`_BatchBuffers`),
 so filling it is a handful of slice assignments per entry, not a Python loop per token.
-Sampling is llama.cpp's sampler chain per request (`llama_sampler_sample` reads the logits row
-of the batch index directly); numpy touches the logits only for logprobs or a token mask.
 """
 
 from __future__ import annotations
@@ -26,12 +44,16 @@ import llama_cpp as ll
 import llama_cpp.llama_cpp as llc
 import numpy as np
 
-from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, Sample, SampleItem
+from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, RowRecipe, Sample, SampleItem
 from worker.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("worker.llama_cpp")
 
 Progress = Callable[[str, float], None]
+
+# Flash attention on the CPU switches to its tiled kernel at this many rows of one sequence.
+FA_TILE_ROWS = 64
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
 
 KV_TYPES: dict[str, int] = {
     "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30,
@@ -70,6 +92,8 @@ def _holding_gil(cfunc: Any) -> Any:
 _sampler_sample = _holding_gil(ll.llama_sampler_sample)
 _get_logits_ith = _holding_gil(ll.llama_get_logits_ith)
 _memory_seq_rm = _holding_gil(ll.llama_memory_seq_rm)
+_sampler_apply = _holding_gil(ll.llama_sampler_apply)
+_sampler_accept = _holding_gil(ll.llama_sampler_accept)
 _vocab_is_eog = _holding_gil(ll.llama_vocab_is_eog)
 _token_to_piece = _holding_gil(ll.llama_token_to_piece)
 
@@ -137,7 +161,7 @@ class LlamaCppBackend:
         model_path: str,
         *,
         n_ctx: int = 4096,
-        n_seq_max: int = 4,
+        n_slots: int = 4,
         n_batch: int = 2048,
         n_ubatch: int = 512,
         n_gpu_layers: int | None = None,
@@ -145,6 +169,7 @@ class LlamaCppBackend:
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
         flash_attn: str = "auto",
+        kv_unified: bool = False,
         progress: Progress | None = None,
     ) -> None:
         _init_llama_backend()
@@ -155,21 +180,27 @@ class LlamaCppBackend:
                 raise ValueError(f"{name}: {value!r} is not one of {sorted(KV_TYPES)}")
         if flash_attn not in FLASH_ATTN:
             raise ValueError(f"flash_attn: {flash_attn!r} is not one of {sorted(FLASH_ATTN)}")
+        if n_slots < 1:
+            raise ValueError("n_slots must be at least 1")
         self._path = model_path
         self._req_n_ctx = n_ctx
-        self.n_seq_max = n_seq_max
+        self._n_slots = n_slots
+        self.n_seq_max = n_slots + 1  # the last sequence is the engine's staging one
         self.n_batch = n_batch
-        self._n_ubatch = min(n_ubatch, n_batch)
+        self.n_ubatch = min(n_ubatch, n_batch)
         self._n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers
         self._threads = threads or _default_threads()
         self._type_k = KV_TYPES[cache_type_k]
         self._type_v = KV_TYPES[cache_type_v]
         self._flash_attn = FLASH_ATTN[flash_attn]
+        self.kv_unified = kv_unified
+        # "auto" resolves to flash attention on the CPU; its recipe also holds without it.
+        self.recipe = RowRecipe() if flash_attn == "off" else RowRecipe(short_prompt=FA_TILE_ROWS)
         self._progress = progress or (lambda phase, fraction: None)
         self._abort = threading.Event()
         self._model: Any = None
         self._ctx: Any = None
-        self._out_rows: list[int] = []
+        self._outputs: list[tuple[np.ndarray | None, int]] = []  # per logits entry: (copied row | None, batch row)
         self._pieces: dict[int, bytes] = {}
         self._eog_ids: list[int] | None = None
 
@@ -180,6 +211,8 @@ class LlamaCppBackend:
         self._meta = self._read_meta()
         self._buf = _BatchBuffers(self.n_batch)
         self._arange = np.arange(self.n_ctx + self.n_batch, dtype=np.int32)
+        self._token_data = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
+        self._vocab_ids = np.arange(self.n_vocab, dtype=np.int32)
 
     # -- loading ------------------------------------------------------------------------
     def abort_loading(self) -> None:
@@ -209,16 +242,22 @@ class LlamaCppBackend:
         self._model = self._load_model(vocab_only=False)
         self._progress("creating context", 0.0)
         cp = ll.llama_context_default_params()
-        cp.n_ctx = self._req_n_ctx
+        n_ctx = self._req_n_ctx or int(ll.llama_model_n_ctx_train(self._model))
+        if self.kv_unified:
+            cp.n_ctx = n_ctx
+        else:  # a stream of n_ctx / n_slots cells per slot, and one more for staging
+            if n_ctx < self._n_slots:
+                raise ValueError(f"--ctx-size {n_ctx} gives less than one cell to each of {self._n_slots} slots")
+            cp.n_ctx = n_ctx // self._n_slots * self.n_seq_max
         cp.n_batch = self.n_batch
-        cp.n_ubatch = self._n_ubatch
+        cp.n_ubatch = self.n_ubatch
         cp.n_seq_max = self.n_seq_max
         cp.n_threads = self._threads
         cp.n_threads_batch = self._threads
         cp.flash_attn_type = self._flash_attn
         cp.type_k = self._type_k
         cp.type_v = self._type_v
-        cp.kv_unified = True
+        cp.kv_unified = self.kv_unified
         cp.no_perf = True
         ctx = ll.llama_init_from_model(self._model, cp)
         if not ctx:
@@ -228,6 +267,7 @@ class LlamaCppBackend:
         self._ctx = ctx
         self._mem = ll.llama_get_memory(ctx)
         self.n_ctx = int(ll.llama_n_ctx(ctx))
+        self.n_ctx_seq = int(ll.llama_n_ctx_seq(ctx))
         self._progress("warming up", 1.0)
         self._warmup()
 
@@ -310,21 +350,88 @@ class LlamaCppBackend:
 
     # -- engine thread ----------------------------------------------------------------------
     def decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus:
+        """Prompt pieces first (each its own ubatch), then every one-row entry in one call."""
         n = sum(len(e.tokens) for e in entries)
         if n == 0 or n > self.n_batch:
             raise ValueError(f"batch of {n} tokens (capacity {self.n_batch})")
-        self._out_rows = self._buf.fill(entries, self._arange)
-        ret = ll.llama_decode(self._ctx, self._buf.batch)
-        if ret == 0:
-            return DecodeStatus.OK
-        if ret == 1:
-            return DecodeStatus.NO_KV_SPACE
-        raise RuntimeError(f"llama_decode failed with status {ret}")
+        calls = self._calls(entries)
+        done: list[BatchEntry] = []
+        where: dict[int, tuple[np.ndarray | None, int]] = {}  # id(entry) -> logits location
+        for k, call in enumerate(calls):
+            rows = self._buf.fill(call, self._arange)
+            ret = ll.llama_decode(self._ctx, self._buf.batch)
+            if ret != 0:
+                for e in done:  # nothing of this batch stays in the KV cache
+                    self.seq_rm(e.seq_id, e.pos)
+                if ret == 1:
+                    self._outputs = []
+                    return DecodeStatus.NO_KV_SPACE
+                raise RuntimeError(f"llama_decode failed with status {ret}")
+            done.extend(call)
+            is_last = k == len(calls) - 1
+            for e, row in zip((e for e in call if e.logits), rows, strict=True):
+                where[id(e)] = (None, row) if is_last else (self._logits_row(row).copy(), row)
+        self._outputs = [where[id(e)] for e in entries if e.logits]
+        return DecodeStatus.OK
+
+    def _calls(self, entries: Sequence[BatchEntry]) -> list[list[BatchEntry]]:
+        """llama_decode calls whose ubatches give every row the kernels the recipe promises:
+        prompt pieces grouped (consecutive sequences, as llama.cpp's ubatch split requires)
+        wherever the split that llama.cpp will make of the group keeps every piece's rows in
+        their class, then all one-row entries in one last call."""
+        rows = [e for e in entries if len(e.tokens) == 1]
+        calls: list[list[BatchEntry]] = []
+        for e in sorted((e for e in entries if len(e.tokens) > 1), key=lambda e: e.seq_id):
+            last = calls[-1] if calls else None
+            if last is not None and last[-1].seq_id + 1 == e.seq_id and self._keeps_classes([*last, e]):
+                last.append(e)
+            else:
+                calls.append([e])
+        if rows:
+            calls.append(rows)
+        return calls
+
+    def _keeps_classes(self, pieces: list[BatchEntry]) -> bool:
+        """Whether llama.cpp's split of these pieces (consecutive sequences, in order) into
+        ubatches (`split_equal`: t rows of each sequence of a run of consecutive ones, t the
+        fewest left, at most n_ubatch in all) leaves every row in its class: no one-row ubatch
+        (another matmul kernel), t >= 2 rows of a sequence without flash attention, and with it
+        a piece of 64+ rows never cut below 64 (flash attention's tiled kernel)."""
+        fa = self.recipe.short_prompt > 0
+
+        def min_rows(n: int) -> int:
+            if not fa:
+                return 2
+            return self.recipe.short_prompt if n >= self.recipe.short_prompt else 1
+
+        left = [len(e.tokens) for e in pieces]
+        need = [min_rows(n) for n in left]
+        while any(left):
+            first = next(i for i, n in enumerate(left) if n)
+            run = [first]
+            while run[-1] + 1 < len(left) and left[run[-1] + 1]:
+                run.append(run[-1] + 1)
+            t = max(1, min(min(left[i] for i in run), self.n_ubatch // len(run)))
+            if t * len(run) < 2 or any(t < need[i] for i in run):
+                return False
+            for i in run:
+                left[i] -= t
+        return True
 
     def seq_rm(self, seq_id: int, p0: int) -> None:
         if self._ctx is not None and not _memory_seq_rm(self._mem, seq_id, p0, -1):
             # A partial removal can fail only for recurrent models; drop the whole sequence.
             _memory_seq_rm(self._mem, seq_id, 0, -1)
+
+    def seq_cp(self, src: int, dst: int, n: int) -> None:
+        if self._ctx is None or src == dst:
+            return
+        if self.kv_unified:  # the cells are shared, nothing is copied
+            _memory_seq_rm(self._mem, dst, 0, -1)
+            ll.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        else:  # across streams llama.cpp copies the whole stream (at the next decode), then we cut
+            ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+            _memory_seq_rm(self._mem, dst, n, -1)
 
     def seq_state_get(self, seq_id: int) -> bytearray | None:
         if self._ctx is None:
@@ -380,23 +487,47 @@ class LlamaCppBackend:
         ptr = _get_logits_ith(self._ctx, batch_idx)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
+    def logits_row(self, logits_index: int) -> np.ndarray:
+        copied, row = self._outputs[logits_index]
+        return (copied if copied is not None else self._logits_row(row)).copy()
+
     def sample(self, items: Sequence[SampleItem], params: Sequence[SamplingParams]) -> list[Sample]:
         out: list[Sample] = []
         for item, p in zip(items, params, strict=True):
-            idx = self._out_rows[item.logits_index]
+            row: np.ndarray | None = item.logits
+            idx = -1
+            if row is None:
+                row, idx = self._outputs[item.logits_index]
             logprobs: np.ndarray | None = None
-            if p.logprobs or item.mask is not None:
-                row = self._logits_row(idx)
-                if p.logprobs:
-                    logprobs = _log_softmax(row)
+            if p.logprobs:
+                logprobs = _log_softmax(row if row is not None else self._logits_row(idx))
+            if row is None:  # a row of the last llama_decode: the sampler reads it in place
                 if item.mask is not None:
-                    row[~item.mask] = -np.inf  # in place: the sampler reads this very buffer
-            token = int(_sampler_sample(item.sampler, self._ctx, idx))
+                    self._logits_row(idx)[~item.mask] = -np.inf
+                token = int(_sampler_sample(item.sampler, self._ctx, idx))
+            else:
+                token = self._sample_row(item.sampler, row, item.mask)
             if logprobs is None:
                 out.append(Sample(token))
             else:
                 out.append(Sample(token, float(logprobs[token]), _top(logprobs, p.top_logprobs)))
         return out
+
+    def _sample_row(self, sampler: Any, row: np.ndarray, mask: np.ndarray | None) -> int:
+        """What llama_sampler_sample does, for a logits row held outside the context."""
+        data = self._token_data
+        data["id"] = self._vocab_ids
+        data["logit"] = row
+        data["p"] = 0.0
+        if mask is not None:
+            data["logit"][~mask] = -np.inf
+        arr = ll.llama_token_data_array(
+            data=data.ctypes.data_as(ll.llama_token_data_p), size=self.n_vocab, selected=-1, sorted=False
+        )
+        _sampler_apply(sampler, ctypes.byref(arr))
+        token = int(arr.data[arr.selected].id)
+        _sampler_accept(sampler, token)
+        return token
 
     def sleep(self) -> None:
         if self._ctx is not None:

@@ -1,9 +1,23 @@
 """`TorchBackend`: the Backend Protocol over our own PyTorch Llama-family model code.
 
 One `decode(entries)` is one forward pass over every token of the batch (decoding slots and
-prompt chunks together, see worker/torch_model/model.py), attending over the unified KV cell
-pool of worker/torch_model/kv_cache.py; `sample` runs the vectorised sampler chain of
-worker/torch_model/sampler.py over the rows that asked for logits.
+prompt pieces together, see worker/torch_model/model.py); `sample` runs the vectorised sampler
+chain of worker/torch_model/sampler.py over the rows that asked for logits (or saved rows).
+
+KV (worker/torch_model/kv_cache.py): one pool of cells with a position -> cell table per
+sequence and a reference count per cell. `n_seq_max` = n_slots + 1 sequences (the last is the
+engine's staging sequence), each of at most `n_ctx_seq` cells: n_ctx / n_slots, or all of n_ctx
+with `kv_unified`. The pool has `n_ctx` cells: n_ctx_seq per sequence (every sequence can fill
+its share at once), or the n_ctx of a unified pool that the sequences compete for. `seq_cp`
+shares cells instead of copying them, and `seq_state_get/set` move a sequence's K/V to host
+RAM and back (the engine's prompt cache).
+
+Determinism (`recipe`): on the CPU in float32, with the fused kernels and prepacked weights,
+every row is batch invariant where this CPU's oneDNN matmuls are (probed at load, see
+model.py): `RowRecipe.exact()`, a sequence's greedy output is bitwise the same alone or
+batched, in any prompt pieces, with or without a shared prefix. Any other configuration
+(bfloat16, plain F.linear, torch ops, CUDA, a CPU whose matmuls fail the probe) is best effort,
+`RowRecipe()`: reproducible to rounding only, not bitwise.
 
 Devices: CUDA when available (bfloat16 by default), else CPU (float32). `dtype` accepts
 float32/fp32/f32, bfloat16/bf16, float16/fp16/f16 or auto (config.json's torch_dtype).
@@ -14,7 +28,8 @@ weights are prepacked for oneDNN after loading (`Model.prepack_cpu`; `prepack=Fa
 plain `F.linear`, which the benchmark uses to show the difference), and float32 and bfloat16
 layers run on fused C kernels (`cpu_kernels=False` or OMNI_CPU_KERNELS=0 keeps torch ops).
 Sleep: on CUDA the weights move to pinned host memory and the KV cache is freed; on CPU both
-are dropped and `wake` reloads from disk. Construction (and wake) ends with one tiny warm-up step.
+are dropped and `wake` reloads from disk (either way the KV contents are gone). Construction
+(and wake) ends with one tiny warm-up step.
 """
 
 from __future__ import annotations
@@ -29,10 +44,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, Sample, SampleItem
+from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, RowRecipe, Sample, SampleItem
 from worker.engine.sampling_params import SamplingParams
 from worker.torch_model.config import ModelConfig, load_config
-from worker.torch_model.kv_cache import KVCache
+from worker.torch_model.kv_cache import MAX_MASK_SEQS, KVCache
 from worker.torch_model.model import Model
 from worker.torch_model.sampler import SamplerState, new_state, sample_rows
 from worker.torch_model.tokenizer import HFTokenizer
@@ -59,17 +74,17 @@ def resolve_dtype(name: str | None, device: torch.device, cfg: ModelConfig) -> t
 
 
 class TorchBackend:
-    # Attention gathers each sequence's own cells, so idle slots' cells cost no time here and a
-    # prompt cache would buy nothing; seq_state_get/set are not implemented.
-    supports_seq_state = False
+    supports_seq_state = True
 
     def __init__(
         self,
         model_path: str,
         *,
         n_ctx: int,
-        n_seq_max: int,
+        n_slots: int,
+        kv_unified: bool = False,
         n_batch: int,
+        n_ubatch: int = 512,
         device: str | None = None,
         dtype: str | None = None,
         progress: Callable[[str, float], None] | None = None,
@@ -86,9 +101,15 @@ class TorchBackend:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device, self.cfg)
         self.tokenizer = HFTokenizer(self._path)
-        self.n_ctx = n_ctx if n_ctx > 0 else self.cfg.max_position_embeddings
-        self.n_seq_max = n_seq_max
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be at least 1, not {n_slots}")
+        n_ctx = n_ctx if n_ctx > 0 else self.cfg.max_position_embeddings
+        self.kv_unified = kv_unified
+        self.n_seq_max = n_slots + 1  # the last one is the engine's staging sequence
+        self.n_ctx_seq = n_ctx if kv_unified else max(n_ctx // n_slots, 1)
+        self.n_ctx = n_ctx if kv_unified else self.n_ctx_seq * self.n_seq_max
         self.n_batch = n_batch
+        self.n_ubatch = n_ubatch
         self._files = checkpoint_files(self._path)
         names = tensor_names(self._files)
         self._layout = {
@@ -109,6 +130,7 @@ class TorchBackend:
         self._logits = torch.empty(0)
         self._sleeping = False
         self._load_weights()
+        self.recipe = self._recipe()
         self._alloc_kv()
         self._warm_up()
         n_params = self._n_params
@@ -126,16 +148,18 @@ class TorchBackend:
             chat_template=self.tokenizer.chat_template,
         )
         log.info(
-            "torch backend: %s on %s/%s, %d params, n_ctx=%d, n_seq_max=%d, graphs=%s, cpu kernels=%s",
-            self._path.name, self.device, str(self.dtype).removeprefix("torch."), n_params,
-            self.n_ctx, n_seq_max, self._compile, self._require_model().kernels is not None,
+            "torch backend: %s on %s/%s, %d params, n_ctx=%d (%d per sequence, unified=%s), n_seq_max=%d, "
+            "graphs=%s, cpu kernels=%s, exact rows=%s",
+            self._path.name, self.device, str(self.dtype).removeprefix("torch."), n_params, self.n_ctx,
+            self.n_ctx_seq, kv_unified, self.n_seq_max, self._graphs is not None,
+            self._require_model().kernels is not None, self.recipe.exact_rows,
         )
 
     # -- loading ---------------------------------------------------------------------------
 
     def _load_weights(self) -> None:
         self._progress("loading weights", 0.0)
-        model = Model(self.cfg, dtype=self.dtype, device=self.device, n_pos=self.n_ctx, **self._layout)
+        model = Model(self.cfg, dtype=self.dtype, device=self.device, n_pos=self.n_ctx_seq, **self._layout)
         model.load_weights(
             iter_tensors(
                 self._files, dtype=self.dtype, device=self.device,
@@ -149,13 +173,29 @@ class TorchBackend:
             model.use_cpu_kernels()  # float32/bfloat16 on the CPU only
         self._model = model
 
+    def _recipe(self) -> RowRecipe:
+        """Exact only where every row is batch invariant (see model.py): the fused kernels on
+        float32 weights prepacked for oneDNN, where this CPU's oneDNN kernels pass the probe."""
+        model = self._require_model()
+        if model.kernels is None or not model.prepacked or self.dtype != torch.float32:
+            return RowRecipe()
+        if not model.matmuls_row_invariant(self.n_batch):
+            log.warning("oneDNN's float32 matmuls are not batch invariant on this CPU: rows reproduce to rounding")
+            return RowRecipe()
+        return RowRecipe.exact()
+
     def _alloc_kv(self) -> None:
         cfg = self.cfg
-        self._kv = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.n_ctx, self.dtype, self.device)
+        self._kv = KVCache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.n_ctx, self.n_seq_max, self.n_ctx_seq,
+            self.dtype, self.device,
+        )
         self._alloc_graphs()
 
     def _alloc_graphs(self) -> None:
-        if self._compile:
+        if self._compile and not self._require_kv().has_seq_masks:
+            log.warning("CUDA graphs need at most %d sequences; decoding eagerly", MAX_MASK_SEQS)
+        elif self._compile:
             from worker.torch_model.cuda_graphs import DecodeGraphs
 
             self._progress("capturing CUDA graphs", 0.0)
@@ -202,40 +242,39 @@ class TorchBackend:
 
     def decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus:
         model, kv = self._require_model(), self._require_kv()
-        lens = np.fromiter((len(e.tokens) for e in entries), dtype=np.int64, count=len(entries))
-        n_tok = int(lens.sum())
+        counts = np.fromiter((len(e.tokens) for e in entries), dtype=np.int64, count=len(entries))
+        n_tok = int(counts.sum())
         if n_tok == 0:
             self._logits = torch.empty((0, self.cfg.vocab_size), device=self.device)
             return DecodeStatus.OK
+        if n_tok > self.n_batch:
+            raise ValueError(f"batch of {n_tok} tokens exceeds n_batch={self.n_batch}")
+        if counts.min() == 0:
+            raise ValueError("a batch entry without tokens")
         tokens = np.fromiter(chain.from_iterable(e.tokens for e in entries), dtype=np.int64, count=n_tok)
         if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
             raise ValueError(f"token id out of range [0, {self.cfg.vocab_size})")
-        ends = np.cumsum(lens)
         starts = np.fromiter((e.pos for e in entries), dtype=np.int64, count=len(entries))
-        entry_seq = np.fromiter((e.seq_id for e in entries), dtype=np.int64, count=len(entries))
-        if n_tok == len(entries):  # decode-only step: one token per entry
-            seq_ids, positions = entry_seq, starts
-        else:
-            seq_ids = np.repeat(entry_seq, lens)
-            positions = np.arange(n_tok, dtype=np.int64) + np.repeat(starts - (ends - lens), lens)
-        cells = kv.allocate(seq_ids, positions)
+        seqs = np.fromiter((e.seq_id for e in entries), dtype=np.int64, count=len(entries))
+        cells = kv.allocate(seqs, starts, counts)
         if cells is None:
             return DecodeStatus.NO_KV_SPACE
         want = np.fromiter((e.logits for e in entries), dtype=bool, count=len(entries))
-        rows = ends[want] - 1
-        if int(positions.max()) >= model.cos.shape[0]:
-            model.ensure_positions(int(positions.max()) + 1)
+        rows = np.cumsum(counts)[want] - 1
+        max_pos = int((starts + counts).max()) - 1
+        if max_pos >= model.cos.shape[0]:
+            model.ensure_positions(max_pos + 1)
             if self._graphs is not None:  # captured graphs point at the old RoPE tables
                 self._graphs = None
                 self._alloc_graphs()
         if self._graphs is not None and self._graphs.can_run(n_tok, len(entries), len(rows)):
-            self._logits = self._graphs.run(tokens, positions, cells, seq_ids)
+            self._logits = self._graphs.run(tokens, starts, cells, seqs)
             return DecodeStatus.OK
         dev = self.device
-        plan = kv.plan(entry_seq, starts, lens, self._group, self.cfg.sliding_window, model.kernels is None)
+        plan = kv.plan(seqs, starts, counts, self._group, self.cfg.sliding_window, sdpa=model.kernels is None)
         self._logits = model(
-            torch.from_numpy(tokens).to(dev), torch.from_numpy(positions).to(dev), torch.from_numpy(cells).to(dev),
-            plan, torch.from_numpy(rows).to(dev), kv.k, kv.v,
+            torch.from_numpy(tokens).to(dev), plan.row_pos, torch.from_numpy(cells).to(dev), plan,
+            torch.from_numpy(rows).to(dev), kv.k, kv.v,
         )
         return DecodeStatus.OK
 
@@ -243,14 +282,22 @@ class TorchBackend:
         if self._kv is not None:
             self._kv.seq_rm(seq_id, p0)
 
+    def seq_cp(self, src: int, dst: int, n: int) -> None:
+        """Shares src's cells (one more reference each): no K/V is copied, in either KV mode."""
+        self._require_kv().seq_cp(src, dst, n)
+
     def seq_state_get(self, seq_id: int) -> bytearray | None:
-        return None
+        return self._require_kv().state_get(seq_id)
 
     def seq_state_set(self, seq_id: int, state: bytearray) -> bool:
-        return False
+        return self._require_kv().state_set(seq_id, state)
+
+    def logits_row(self, logits_index: int) -> np.ndarray:
+        row: np.ndarray = self._logits[logits_index].float().cpu().numpy().copy()
+        return row
 
     def new_sampler(self, params: SamplingParams, seed: int) -> SamplerState:
-        return new_state(params, seed, self.n_ctx, self.tokenizer.eog_ids)
+        return new_state(params, seed, self.n_ctx_seq, self.tokenizer.eog_ids)
 
     def accept(self, sampler: SamplerState, tokens: Sequence[int]) -> None:
         """Feed tokens (e.g. the prompt, as llama-server does) into the penalty window."""
@@ -260,12 +307,20 @@ class TorchBackend:
         return None
 
     def sample(self, items: Sequence[SampleItem], params: Sequence[SamplingParams]) -> list[Sample]:
+        """Rows of the last decode (`logits_index`) and saved rows (`logits`) alike; each row is
+        sampled on its own (the sampler's per-row ops and per-request RNG)."""
         if not items:
             return []
-        idx = torch.tensor([it.logits_index for it in items], device=self._logits.device)
-        drawn = sample_rows(
-            self._logits.index_select(0, idx), [it.sampler for it in items], params, [it.mask for it in items]
-        )
+        dev = self._logits.device
+        if all(it.logits is None for it in items):
+            x = self._logits.index_select(0, torch.tensor([it.logits_index for it in items], device=dev))
+        else:
+            x = torch.stack([
+                torch.from_numpy(np.asarray(it.logits, dtype=np.float32)).to(dev) if it.logits is not None
+                else self._logits[it.logits_index].float()
+                for it in items
+            ])
+        drawn = sample_rows(x, [it.sampler for it in items], params, [it.mask for it in items])
         return [Sample(d.token, d.logprob, d.top_logprobs) for d in drawn]
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -298,7 +353,7 @@ class TorchBackend:
         else:
             for p in self._model.parameters():
                 p.data = p.data.to(self.device, non_blocking=True)
-            self._model.ensure_positions(self.n_ctx)
+            self._model.ensure_positions(self.n_ctx_seq)
             torch.cuda.synchronize(self.device)
         self._alloc_kv()
         self._sleeping = False

@@ -4,12 +4,48 @@ Everything else talks to it through its inbox (`submit`, `call`, `call_when_idle
 only `Task.cancel()` is a direct write, noticed at the next step. One step is llama-server's
 `update_slots`, and reads like one:
 
-    scheduler.reap_cancelled(); scheduler.admit(); planned = scheduler.plan()
-    backend.decode(planned) -> scheduler.commit(planned) -> backend.sample(slots that want a token)
+    scheduler.reap_cancelled(); scheduler.admit(); plan = scheduler.plan()
+    backend.decode(plan) -> scheduler.commit(plan) -> backend.sample(slots that want a token)
     -> per slot: EOS, detokenize, stop strings, max_tokens, context full -> emit events
 
-The slots, the waiting queue and the KV accounting (prefix reuse, eviction, preemption) live in
-worker/engine/scheduler.py; this module is the thread, its inbox and commands, and the per-token output.
+The slots, the waiting queue and the KV accounting (prefix sharing, the prompt cache, staging,
+the prefill budget) live in worker/engine/scheduler.py; this module is the thread, its inbox
+and commands, and the per-token output.
+
+Determinism: a request's greedy output does not depend on what else runs, on what ran before
+or on the slot it lands in. Floating point is not associative, so that holds only if every
+number of a request is computed by the same kernels, reducing in the same order, whatever the
+batch. What we do, and why:
+
+- A KV stream per slot (llama-server's default; `--kv-unified` opts out). In one shared pool
+  a sequence's cells sit wherever llama.cpp found room, so its attention sums in an order that
+  depends on the other requests (the measured cause of 8 of 32 differing answers). In its own
+  stream a sequence's cell i holds position i. The torch backend keeps one pool but reads each
+  sequence's cells through its own position-ordered table.
+- Batch-invariant rows where the kernels allow it. The torch backend on the CPU is exact: its
+  matmuls are oneDNN's prepacked kernels, whose rows do not depend on the row count, and one
+  attention kernel computes every row (prompt or generated) over its sequence's cells in a
+  fixed order (`RowRecipe.exact()`). llama.cpp's kernels change with the number of rows of a
+  sequence in a ubatch (flash attention: per-row below 64 rows, tiled from 64; matmuls and
+  attention without flash attention: one row vs several), so the llama.cpp backend states a
+  recipe (which pieces a prompt is cut in, which cached rows may stand in for which) that
+  makes every prompt row's kernels a function of the prompt alone; the scheduler plans by it
+  and the backend runs the ubatches it promises (worker/backends/llama_cpp.py).
+- Reuse only of equal rows. Prefix reuse, sharing and the prompt cache give a request only
+  rows of the class it would compute itself; a prompt that is entirely cached is sampled from
+  the logits saved when it was first computed, not from a re-decoded last row.
+
+What it costs, measured on the 2-core box (small-llama F16): a KV stream per slot is faster
+than one pool (a decode step of 8 rows of ~100 cells: 14.9 vs 22.0 ms); prompts of 64+ tokens
+with flash attention redo the last 64 rows instead of 1 after a partial cache hit (a shared
+1000-token prefix: 64 rows per follower instead of its own suffix); and one-row ubatches,
+which llama.cpp would compute with other kernels, are never formed for prompt rows.
+What is left on llama.cpp: a decode step with a single sequence runs llama.cpp's one-row
+matmul kernel (and, past 256 cells with flash attention, its split-KV attention), so one lone
+request and the same request beside others differ at float rounding level (~1e-6 of the logits
+for F32 weights, ~1e-4 for F16). Padding such steps with a second row would remove that but
+costs 40% of a single request's speed (measured), so we do not; no greedy answer differed in
+our tests (16 prompts x 64 tokens, alone vs 4 at once, both models).
 """
 
 from __future__ import annotations
@@ -26,7 +62,7 @@ from typing import Any, TypeVar
 from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import PromptCache
-from worker.engine.scheduler import Planned, Scheduler
+from worker.engine.scheduler import Plan, Scheduler
 from worker.engine.slot import Slot
 from worker.engine.task import ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
 
@@ -163,10 +199,16 @@ class Engine:
             return False
         mib = self._cache_ram_mib
         use_cache = mib != 0 and self._backend.supports_seq_state
-        prompt_cache = PromptCache(None if mib < 0 else mib << 20) if use_cache else None
+        decode_class = self._backend.recipe.decode_class
+        prompt_cache = PromptCache(None if mib < 0 else mib << 20, decode_class=decode_class) if use_cache else None
         self._scheduler = Scheduler(self._backend, self.n_slots, self._metrics, prompt_cache)
         self.status = LoadStatus("ready", 1.0, is_ready=True)
-        log.info("model loaded in %.2f s: n_ctx %d, %d slots", time.monotonic() - t0, self._backend.n_ctx, self.n_slots)
+        b = self._backend
+        log.info(
+            "model loaded in %.2f s: %d slots of %d cells (%s KV), staging %s, prompt cache %s",
+            time.monotonic() - t0, self.n_slots, b.n_ctx_seq, "unified" if b.kv_unified else "per-slot",
+            "on" if self._scheduler.staging is not None else "off", "off" if prompt_cache is None else f"{mib} MiB",
+        )
         return True
 
     def _close_backend(self) -> None:
@@ -241,7 +283,7 @@ class Engine:
             log.info("awake: model reloaded in %.2f s", time.monotonic() - t0)
 
     def slots_info(self) -> list[dict[str, Any]]:
-        n_ctx = self._require_backend().n_ctx
+        n_ctx = self._require_backend().n_ctx_seq
         out = []
         for s in self._require_scheduler().slots:
             t = s.task
@@ -266,26 +308,30 @@ class Engine:
         for task in scheduler.reap_cancelled():
             self._free_sampler(task)
         scheduler.admit()
-        planned = scheduler.plan()
-        if planned:
-            self._run_batch(scheduler, planned)
+        plan = scheduler.plan()
+        if plan:
+            self._run_batch(scheduler, plan)
         else:
             self.flush_events()  # no decode ahead to carry the wake-up
         self._update_gauges()
 
-    def _run_batch(self, scheduler: Scheduler, planned: Planned) -> None:
+    def _run_batch(self, scheduler: Scheduler, plan: Plan) -> None:
         backend = self._require_backend()
-        entries = [entry for _, entry in planned]
-        self.flush_events()  # the event loop wakes as the decode releases the GIL
-        if backend.decode(entries) is DecodeStatus.NO_KV_SPACE:
-            scheduler.on_no_kv_space(planned)
-            return
-        to_sample = scheduler.commit(planned)
-        if to_sample:
-            tasks = [s.task for s in to_sample if s.task is not None]
-            items = [SampleItem(t.sampler, i) for i, t in enumerate(tasks)]
+        to_sample: list[Slot] = []
+        if plan.entries:
+            self.flush_events()  # the event loop wakes as the decode releases the GIL
+            t0 = time.perf_counter()
+            if backend.decode([entry for _, entry in plan.entries]) is DecodeStatus.NO_KV_SPACE:
+                scheduler.on_no_kv_space(plan)
+                return
+            to_sample = scheduler.commit(plan, (time.perf_counter() - t0) * 1e3)
+        slots = to_sample + plan.from_saved
+        if slots:
+            tasks = [s.task for s in slots if s.task is not None]
+            items = [SampleItem(t.sampler, i) for i, t in enumerate(tasks[: len(to_sample)])]
+            items += [SampleItem(s.task.sampler, logits=s.logits) for s in plan.from_saved if s.task is not None]
             samples = backend.sample(items, [t.params for t in tasks])
-            for slot, sample in zip(to_sample, samples, strict=True):
+            for slot, sample in zip(slots, samples, strict=True):
                 self._on_token(slot, sample)
 
     def _on_token(self, slot: Slot, sample: Sample) -> None:
@@ -307,10 +353,13 @@ class Engine:
         task.emit(TokenEvent(text, token, sample.logprob, sample.top_logprobs))
         if stop_word is not None:
             self._finish(slot, "stop", stop_word)
-        elif (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens) or len(slot.cache) >= backend.n_ctx:
+        elif (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens) or len(slot.cache) >= backend.n_ctx_seq:
             self._finish(slot, "length", None)
         else:
             slot.feed = [token]
+            scheduler = self._require_scheduler()
+            if slot is scheduler.staging:
+                scheduler.park(slot)
 
     def _finish(self, slot: Slot, reason: FinishReason, stop_word: str | None) -> None:
         task = slot.release()

@@ -35,6 +35,15 @@ class WorkerMetrics:
         self.prompt_cache_restored = Counter(
             "omni:prompt_cache_reused_tokens", "Prompt tokens reused from the prompt cache", registry=r
         )
+        self.prompt_rows_evaluated = Counter(
+            "omni:prompt_rows_evaluated", "Prompt rows decoded (counted as they are decoded)", registry=r
+        )
+        self.prompt_rows_shared = Counter(
+            "omni:prompt_rows_shared", "Prompt rows taken from another slot instead of being decoded", registry=r
+        )
+        self.requests_parked = Counter(
+            "omni:requests_parked", "Requests prefilled while every slot was busy (first token sent early)", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

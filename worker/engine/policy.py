@@ -1,12 +1,16 @@
 """Pure scheduling decisions for the engine (no I/O, no backend calls, no logging).
 
-- `pick_slot`: llama-server's slot selection. An explicit `id_slot` wins if that slot is idle;
-  otherwise the idle slot whose cached tokens share the longest prefix with the prompt (prefix
-  reuse), ties and no-match falling back to the least recently used slot (its cache is the one
-  we mind losing least).
-- `kv_victims`: idle slots whose caches may be dropped to make room, least recently used first.
-- `youngest`: the busy slot to preempt when the shared KV cache is full (latest arrival: it has
-  the least work to redo and the oldest requests keep their latency).
+- `common_prefix_len` and `reusable`: how much of a cached sequence a new one may keep. Equal
+  tokens are not enough: the rows must also be of the same class (`RowRecipe`), or reusing
+  them would change the result.
+- `pick_slot`: the idle slot for a new task. An explicit `id_slot` wins if that slot is idle;
+  otherwise the one whose own cache it may reuse most, else the lowest-numbered idle slot:
+  llama.cpp splits a decode into one ubatch per run of consecutive sequence ids, so busy slots
+  packed from 0 keep a step to one pass over the weights.
+- `piece_len`: how many prompt rows a slot decodes this step, within the step's budget, in
+  pieces the backend's recipe allows.
+- `kv_victims`, `youngest` (one KV pool shared by all slots only): whose cells go first when
+  the pool is full.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from worker.engine.slot import Slot
+
+Rows = tuple[int, int]  # (n_prompt_rows, prompt_class); the rows after them are decode rows
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
@@ -41,18 +47,42 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def pick_slot(slots: Sequence[Slot], prompt: Sequence[int], *, id_slot: int, cache_prompt: bool) -> Slot | None:
-    """The idle slot for a new task, or None if it must wait (no idle slot, or `id_slot` busy)."""
-    if 0 <= id_slot < len(slots):
-        return slots[id_slot] if slots[id_slot].is_idle else None
-    idle = [s for s in slots if s.is_idle]
+def reusable(n_common: int, cached: Rows, wanted: Rows, decode_class: int) -> int:
+    """How many of the first `n_common` positions hold rows of the class the new sequence
+    would compute there. Each side is (prompt rows, their class); later rows are decode rows."""
+    (n_a, class_a), (n_b, class_b) = cached, wanted
+    lo, hi = min(n_a, n_b), max(n_a, n_b)
+    if lo > 0 and class_a != class_b:
+        return 0
+    if lo < hi and (class_a if n_a > n_b else class_b) != decode_class:
+        return min(n_common, lo)  # [lo, hi): prompt rows on one side, decode rows on the other
+    return n_common
+
+
+def pick_slot(idle: Sequence[Slot], reuse: Sequence[int], *, id_slot: int, n_slots: int) -> Slot | None:
+    """The slot for a new task among `idle` (reuse[i]: what it may keep of idle[i]'s cache);
+    None if it must wait (no idle slot, or the `id_slot` it asked for is busy)."""
+    if 0 <= id_slot < n_slots:
+        return next((s for s in idle if s.id == id_slot), None)
     if not idle:
         return None
-    if cache_prompt:
-        best = max(idle, key=lambda s: (common_prefix_len(s.cache, prompt), -s.t_last_used))
-        if common_prefix_len(best.cache, prompt) > 0:
-            return best
-    return min(idle, key=lambda s: s.t_last_used)
+    best = max(range(len(idle)), key=lambda i: (reuse[i], -idle[i].id))
+    return idle[best] if reuse[best] > 0 else min(idle, key=lambda s: s.id)
+
+
+def piece_len(remaining: int, budget: int, min_piece: int, max_piece: int) -> int:
+    """Rows of the next prompt piece: at most `budget` and `max_piece`, at least `min_piece`,
+    leaving a remainder that can still be cut in valid pieces. 0: no valid piece fits this
+    step. A remainder that is one valid piece goes whole, over budget if it must."""
+    if remaining <= 0:
+        return 0
+    if remaining <= min(budget, max_piece):
+        return remaining
+    for take in range(min(budget, max_piece, remaining - min_piece), min_piece - 1, -1):
+        rest = remaining - take  # cut in k pieces of [min_piece, max_piece] rows
+        if -(-rest // max_piece) * min_piece <= rest:
+            return take
+    return remaining if min_piece <= budget and remaining <= max_piece else 0
 
 
 def kv_victims(slots: Sequence[Slot]) -> list[Slot]:
@@ -65,3 +95,49 @@ def youngest(slots: Sequence[Slot]) -> Slot | None:
     if not busy:
         return None
     return max(busy, key=lambda s: (s.task.stats.t_arrival, s.task.id) if s.task else (0.0, 0))
+
+
+class PrefillBudget:
+    """How many prompt rows a step may add while slots are generating (chunked prefill).
+
+    A step costs about `decode_ms` (the generating slots' rows) plus `row_ms` per prompt row.
+    To keep the generating slots' inter-token latency within (1 + share) x a decode-only step,
+    a step may add share x decode_ms / row_ms prompt rows. Both costs are running averages of
+    measured steps, so the budget follows the model, the hardware and the context length (a
+    row late in a long prompt costs more). Unused rows accumulate as credit (bounded), so a
+    backend whose pieces cannot be smaller than some minimum still gets one every few steps.
+    With no slot generating there is nobody to protect: the whole batch is prompt.
+    """
+
+    def __init__(self, share: float = 0.6, alpha: float = 0.25, max_credit: int = 2048) -> None:
+        self.share = share
+        self.alpha = alpha
+        self.max_credit = max_credit
+        self.decode_ms: float | None = None
+        self.row_ms: float | None = None
+        self.credit = 0.0
+
+    def grant(self, n_decoding: int, cap: int) -> int:
+        """Prompt rows this step may carry (at most `cap`)."""
+        if n_decoding == 0 or self.decode_ms is None or self.row_ms is None:
+            self.credit = 0.0
+            return cap
+        per_step = self.share * self.decode_ms / max(self.row_ms, 1e-3)
+        self.credit = min(self.credit + per_step, float(self.max_credit))
+        return max(0, min(cap, int(self.credit)))
+
+    def spend(self, n_rows: int, n_decoding: int) -> None:
+        if n_decoding:
+            self.credit -= n_rows
+
+    def observe(self, step_ms: float, n_prompt_rows: int, n_decode_rows: int) -> None:
+        """One decode took `step_ms` for these rows."""
+        if n_prompt_rows == 0:
+            if n_decode_rows:
+                self.decode_ms = self._ema(self.decode_ms, step_ms)
+            return
+        base = self.decode_ms if n_decode_rows and self.decode_ms is not None else 0.0
+        self.row_ms = self._ema(self.row_ms, max(step_ms - base, 0.0) / n_prompt_rows)
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)

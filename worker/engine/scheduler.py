@@ -1,46 +1,93 @@
 """The slots, the queue of waiting tasks and the KV-cache accounting (engine thread only).
 
-`Scheduler` turns "who is waiting, who is generating" into the next batch:
+`Scheduler` turns "who is waiting, who is generating" into the next step:
 
     reap_cancelled() -> admit() -> plan() -> [backend.decode] -> commit() | on_no_kv_space()
 
-KV space: the backend has `n_ctx` cells shared by all sequences, and the scheduler knows exactly
-how many each slot holds (`len(slot.cache)`). Before a step it makes room for one new cell per
-generating slot: first by dropping idle slots' cached prefixes (least recently used first),
-then by preempting the youngest request (its KV is dropped and it goes back to the head of the
-queue with what it generated so far; it owns its sampler and text state, so it resumes exactly
-where it was). Prompt chunks only use what is left. If llama.cpp still reports no room (it
-rounds internally), the prompt part is halved for the next try; a batch of decode tokens only
-is answered by another preemption. So a full cache never fails a request.
+Admission (`admit`). Waiting tasks go FIFO into idle slots. A task keeps the longest prefix of
+its tokens that is already computed *anywhere*: in the slot it lands in, in any other slot
+(busy or idle: `Backend.seq_cp` gives it that prefix), in the host-RAM prompt cache (restored),
+or, best of all for a burst of requests with one system prompt, in a slot that is computing it
+right now: the task then waits (`Slot.source`) until that prefill has passed the shared part and
+copies it. So N requests with a common prefix cost one prefill of the prefix and N suffixes,
+decoded in one batch. A prompt whose every row is cached, with the logits saved when it was
+first computed, is sampled without any decode at all.
 
-With a prompt cache (worker/engine/prompt_cache.py, `--cache-ram`), idle slots do not stay in the KV
-cache: each admission saves every other idle slot's state to host RAM and clears it, and a
-prompt that matches a saved entry better than any resident slot gets it restored into its slot.
-KV pressure offloads idle caches the same way instead of dropping them, and a preempted
-request's KV is saved too, so when it is readmitted only its last sampled token runs again.
+Reuse is by row class, not by tokens alone (`RowRecipe`, worker/backends/base.py): on a
+backend whose kernels depend on batch shapes, only rows computed the way this request would
+compute them may stand in for its own, and prompts are cut in pieces the recipe allows. That,
+and a KV stream per slot, is what makes a request's greedy output independent of what else
+runs (see worker/engine/engine.py).
+
+Planning (`plan`). One token per generating slot, then prompt pieces, oldest request first.
+Short prompts (up to `SHORT_PROMPT` tokens, a ubatch of them per step) go in at once, so a
+burst of chat turns starts generating together; longer ones are cut to a per-step row budget
+(`PrefillBudget`) that keeps the generating slots' inter-token latency bounded.
+
+Overload. When every slot is busy and requests wait, the staging sequence (the backend's last
+one) prefills the oldest waiting prompt, its first token is sent at once, and its KV is parked
+in the prompt cache until a slot frees; then the request continues from there.
+
+KV space. By default every sequence has a stream of `n_ctx_seq` cells of its own, so a request
+never waits for room. With one pool shared by all slots (`kv_unified`), the scheduler makes
+room before each step: first by moving idle slots' caches to the prompt cache (or dropping
+them), then by preempting the youngest request (requeued with what it generated; it resumes
+from its saved state when there is a prompt cache).
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from worker.backends.base import Backend, BatchEntry
 from worker.engine.metrics import WorkerMetrics
-from worker.engine.policy import common_prefix_len, kv_victims, pick_slot, youngest
-from worker.engine.prompt_cache import PromptCache
+from worker.engine.policy import (
+    PrefillBudget,
+    Rows,
+    common_prefix_len,
+    kv_victims,
+    pick_slot,
+    piece_len,
+    reusable,
+    youngest,
+)
+from worker.engine.prompt_cache import CachedPrompt, PromptCache
 from worker.engine.slot import Slot
 from worker.engine.task import Task
 
-log = logging.getLogger("worker.engine.engine")
+log = logging.getLogger("worker.engine")
 
-Planned = list[tuple[Slot, BatchEntry]]
+# Take a prefix from elsewhere (another slot, the prompt cache) only when it saves at least
+# this many rows of prefill; wait for a prefill in progress only when it will save this many.
+_MIN_REUSE_GAIN = 8
+_MIN_SHARE_GAIN = 32
+# Save the part of a slot a new task overwrites only when it is at least this long.
+_MIN_SAVE = 8
+# Prompts up to this long (a chat turn) are prefilled at once, up to a ubatch of them per step:
+# one step's delay for the others. Longer ones go in budgeted pieces (`PrefillBudget`).
+SHORT_PROMPT = 256
 
-# Restore a saved prompt only when it saves at least this many tokens of prefill, and at least
-# 1/16 of the entry's length (copying a cell back costs well under 1/16 of evaluating it).
-_MIN_RESTORE_GAIN = 8
-_RESTORE_COST_RATIO = 16
+
+@dataclass(slots=True)
+class Plan:
+    """One step: entries to decode, in batch order, and slots that sample saved logits."""
+
+    entries: list[tuple[Slot, BatchEntry]] = field(default_factory=list)
+    from_saved: list[Slot] = field(default_factory=list)
+    n_decode_rows: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.entries or self.from_saved)
+
+    @property
+    def n_prompt_rows(self) -> int:
+        return sum(len(e.tokens) for _, e in self.entries) - self.n_decode_rows
 
 
 class Scheduler:
@@ -49,37 +96,43 @@ class Scheduler:
     ) -> None:
         self._backend = backend
         self._metrics = metrics
+        self._recipe = backend.recipe
         self.prompt_cache = prompt_cache
         self.slots = [Slot(i) for i in range(n_slots)]
+        # The staging sequence needs somewhere to park what it prefilled.
+        has_staging = prompt_cache is not None and backend.n_seq_max > n_slots
+        self.staging: Slot | None = Slot(n_slots) if has_staging else None
+        self._all = [*self.slots, *([self.staging] if self.staging is not None else [])]
         self.waiting: deque[Task] = deque()
-        self._prefill_cap: int | None = None  # set after llama.cpp found no KV room
+        self.budget = PrefillBudget()
+        self._prefill_cap: int | None = None  # set after llama.cpp found no KV room (shared pool)
 
     # -- state ----------------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting) or self.n_busy() > 0
+        return bool(self.waiting) or any(s.task is not None for s in self._all)
 
     def n_busy(self) -> int:
         return sum(1 for s in self.slots if s.task is not None)
 
     def kv_used(self) -> int:
-        return sum(len(s.cache) for s in self.slots)
+        return sum(len(s.cache) for s in self._all)
 
     def enqueue(self, task: Task) -> None:
         self.waiting.append(task)
 
     def take_all(self) -> list[Task]:
         """Detach every task (running or waiting) and forget all KV: after an error, at exit."""
-        tasks = [t for t in (s.release() for s in self.slots) if t is not None] + list(self.waiting)
+        tasks = [t for t in (s.release() for s in self._all) if t is not None] + list(self.waiting)
         self.waiting.clear()
         self.forget_kv()
         return tasks
 
     def forget_kv(self) -> None:
         if not self._backend.is_sleeping:
-            for s in self.slots:
+            for s in self._all:
                 self._backend.seq_rm(s.id, 0)
-        for s in self.slots:
-            s.cache.clear()
+        for s in self._all:
+            s.clear()
         if self.prompt_cache is not None:
             self.prompt_cache.clear()
             self._update_cache_gauges()
@@ -88,7 +141,7 @@ class Scheduler:
     def reap_cancelled(self) -> list[Task]:
         """Free the slots of cancelled tasks and drop cancelled waiting tasks; return them all."""
         dropped = []
-        for s in self.slots:
+        for s in self._all:
             if s.task is not None and s.task.is_cancelled:
                 task = s.release()
                 assert task is not None
@@ -98,32 +151,178 @@ class Scheduler:
             for t in self.waiting:
                 if t.is_cancelled:
                     log.info("task %d cancelled while waiting", t.id)
+                    self._unpark(t)
                     dropped.append(t)
             self.waiting = deque(t for t in self.waiting if not t.is_cancelled)
         return dropped
 
     def admit(self) -> None:
-        """Waiting tasks (FIFO) into idle slots, each to the slot that shares most of its prompt."""
+        """Waiting tasks (FIFO) into idle slots; then, if all are busy, one into staging."""
         admitted = False
-        while self.waiting:
-            task = self.waiting[0]
-            tokens = task.tokens()
-            p = task.params
-            slot = pick_slot(self.slots, tokens, id_slot=p.id_slot, cache_prompt=p.cache_prompt)
-            if slot is None:
-                break
+        while self.waiting and self._place(self.waiting[0], self.slots):
             self.waiting.popleft()
-            if self.prompt_cache is not None:
-                restored = p.cache_prompt and self._restore(slot, tokens)
-                kept = common_prefix_len(slot.cache, tokens) if p.cache_prompt else 0
-                if not restored and kept < len(slot.cache):
-                    self._save(slot)  # the tail the new task overwrites stays reusable
-            self._assign(slot, task, tokens)
             admitted = True
-        if admitted and self.prompt_cache is not None:
-            for s in self.slots:
+        if admitted and self._backend.kv_unified and self.prompt_cache is not None:
+            for s in self.slots:  # idle caches cost every decode attention in a shared pool
                 if s.task is None and s.cache:
                     self._offload(s)
+        staging = self.staging
+        if staging is not None and staging.is_idle and self.waiting and not any(s.is_idle for s in self.slots):
+            task = next((t for t in self.waiting if not t.generated), None)
+            if task is not None and self._place(task, [staging]):
+                self.waiting.remove(task)
+                log.info("task %d: every slot busy, prefilling it in the staging sequence", task.id)
+
+    def park(self, slot: Slot) -> None:
+        """A staged task has its first token: save its KV to the prompt cache, requeue it."""
+        task = slot.release()
+        assert task is not None and self.prompt_cache is not None
+        state = self._backend.seq_state_get(slot.id)
+        if state is not None:
+            task.parked = self.prompt_cache.put(slot.cache, state, slot.rows, pin=True)
+            self._update_cache_gauges()
+        self._backend.seq_rm(slot.id, 0)
+        slot.clear()
+        keys = [(t.stats.t_arrival, t.id) for t in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, (task.stats.t_arrival, task.id)), task)
+        self._metrics.requests_parked.inc()
+
+    def _unpark(self, task: Task) -> None:
+        if task.parked is not None and self.prompt_cache is not None:
+            self.prompt_cache.unpin(task.parked)
+            task.parked = None
+
+    # -- admission: where a task's prefix comes from ---------------------------------------------
+    def _wanted(self, task: Task) -> Rows:
+        return len(task.prompt), self._recipe.prompt_class(len(task.prompt))
+
+    def _reuse(self, slot: Slot, tokens: list[int], wanted: Rows) -> int:
+        """How many of `tokens`' rows `slot`'s cache can stand in for."""
+        n = common_prefix_len(slot.cache, tokens)
+        return reusable(n, slot.rows, wanted, self._recipe.decode_class) if n else 0
+
+    def _place(self, task: Task, candidates: list[Slot]) -> bool:
+        """Put `task` in one of the idle `candidates`, with the best prefix it can get."""
+        idle = [s for s in candidates if s.is_idle]
+        if not idle:
+            return False
+        tokens = task.tokens()
+        wanted = self._wanted(task)
+        p = task.params
+        own = [self._reuse(s, tokens, wanted) if p.cache_prompt else 0 for s in idle]
+        slot = pick_slot(idle, own, id_slot=p.id_slot if candidates is self.slots else -1, n_slots=len(self.slots))
+        if slot is None:
+            return False
+        n_keep = own[idle.index(slot)]
+        logits = slot.logits if slot.n_logits == n_keep == len(tokens) else None
+        if p.cache_prompt:
+            n_keep, logits = self._better_prefix(slot, task, tokens, wanted, n_keep, logits)
+        elif slot.cache:
+            self._drop(slot)
+        self._assign(slot, task, tokens, n_keep, logits)
+        return True
+
+    def _better_prefix(
+        self, slot: Slot, task: Task, tokens: list[int], wanted: Rows, n_keep: int, logits: np.ndarray | None
+    ) -> tuple[int, np.ndarray | None]:
+        """Take a longer prefix from another slot or the prompt cache, or wait for one being
+        computed; returns what `slot` now holds of `tokens` (and its saved logits, if any)."""
+        others = [s for s in self._all if s is not slot]
+        src = max(others, key=lambda s: self._reuse(s, tokens, wanted), default=None)
+        n_src = self._reuse(src, tokens, wanted) if src is not None else 0
+        entry, n_entry = self.prompt_cache.best(tokens, wanted) if self.prompt_cache is not None else (None, 0)
+        pending, n_pending = self._pending_source(others, tokens, wanted)
+        if n_pending >= max(n_keep, n_src, n_entry) + _MIN_SHARE_GAIN:
+            self._save_tail(slot, 0)
+            slot.source, slot.n_source = pending, n_pending
+            log.info("task %d: waits for slot %d to compute %d shared prompt tokens", task.id, pending.id, n_pending)
+            return 0, None
+        if src is not None and n_src >= max(n_keep + _MIN_REUSE_GAIN, n_entry):
+            self._save_tail(slot, 0)
+            self._copy(src, slot, n_src)
+            return n_src, slot.logits if slot.n_logits == n_src == len(tokens) else None
+        if entry is not None and n_entry >= n_keep + _MIN_REUSE_GAIN and self._restore(slot, entry, n_entry):
+            return n_entry, slot.logits if slot.n_logits == n_entry == len(tokens) else None
+        self._save_tail(slot, n_keep)
+        return n_keep, logits
+
+    def _pending_source(self, others: list[Slot], tokens: list[int], wanted: Rows) -> tuple[Slot, int]:
+        """The slot whose prompt, being prefilled now, will hold the longest prefix of ours."""
+        best, n_best = self.slots[0], 0
+        for s in others:
+            t = s.task
+            if t is None or not s.is_prefill:
+                continue
+            target = s.cache + s.feed if s.source is None else t.tokens()
+            n = common_prefix_len(target, tokens)
+            n = reusable(n, (len(t.prompt), self._recipe.prompt_class(len(t.prompt))), wanted, self._recipe.decode_class)
+            if n > n_best:
+                best, n_best = s, n
+        return best, n_best
+
+    def _copy(self, src: Slot, dst: Slot, n: int) -> None:
+        """`dst` gets `src`'s first n rows (shared, or copied where the KV layout needs it)."""
+        self._backend.seq_cp(src.id, dst.id, n)
+        dst.cache[:] = src.cache[:n]
+        dst.n_prompt_rows, dst.prompt_class = min(src.n_prompt_rows, n), src.prompt_class
+        dst.logits, dst.n_logits = (src.logits, src.n_logits) if src.n_logits <= n else (None, 0)
+        self._metrics.prompt_rows_shared.inc(n)
+
+    def _save_tail(self, slot: Slot, n_keep: int) -> None:
+        """The cache of `slot` beyond n_keep is about to be overwritten: keep it findable, if
+        that tail is worth a copy of the whole sequence (a few generated tokens after a kept
+        prompt are not)."""
+        tail = len(slot.cache) - n_keep
+        if self.prompt_cache is not None and tail >= _MIN_SAVE and tail * 4 >= n_keep:
+            self._save(slot)
+
+    def _drop(self, slot: Slot) -> None:
+        self._save_tail(slot, 0)
+        self._backend.seq_rm(slot.id, 0)
+        slot.clear()
+
+    def _assign(self, slot: Slot, task: Task, tokens: list[int], n_keep: int, logits: np.ndarray | None) -> None:
+        """`slot` holds `tokens[:n_keep]` (from wherever) and now serves `task`."""
+        n = len(tokens)
+        n_prompt = len(task.prompt)
+        if n_keep == n and logits is not None:
+            pass  # every row cached and the logits saved: sample them, decode nothing
+        elif n_keep >= n_prompt and n > n_prompt:
+            n_keep = min(n_keep, n - 1)  # what is left are generated tokens: decode rows
+        else:  # at least one valid piece of prompt to decode, for its logits
+            n_keep = max(0, min(n_keep, n_prompt - self._recipe.min_piece(n_prompt)))
+        if n_keep < len(slot.cache):
+            self._backend.seq_rm(slot.id, n_keep)
+            slot.truncate(n_keep)
+        slot.n_prompt_rows = min(slot.n_prompt_rows, n_keep)
+        slot.prompt_class = self._recipe.prompt_class(n_prompt)
+        slot.task = task
+        slot.feed = tokens[n_keep:] if slot.source is None else list(tokens)
+        slot.is_prefill = True
+        self._unpark(task)
+        if task.sampler is None:  # first admission (a preempted or parked task keeps its sampler)
+            task.sampler = self._backend.new_sampler(task.params, task.seed)
+            task.stats.t_start = time.monotonic()
+        if task.stats.n_decoded == 0:
+            task.stats.n_cached = n_keep
+
+    def _take_source(self, slot: Slot) -> bool:
+        """A slot waiting for a shared prefix: copy it once computed (True: go on computing)."""
+        src = slot.source
+        task = slot.task
+        assert src is not None and task is not None
+        tokens = task.tokens()
+        wanted = self._wanted(task)
+        n_have = self._reuse(src, tokens, wanted)
+        if n_have < slot.n_source and src.is_prefill and src.task is not None:
+            return False  # still being computed
+        slot.source, slot.n_source = None, 0
+        if n_have >= _MIN_REUSE_GAIN:
+            self._copy(src, slot, n_have)
+        n_keep = n_have if n_have >= _MIN_REUSE_GAIN else 0
+        logits = slot.logits if n_keep == slot.n_logits == len(tokens) else None
+        self._assign(slot, task, tokens, n_keep, logits)
+        return True
 
     # -- the prompt cache --------------------------------------------------------------------------
     def _save(self, slot: Slot) -> None:
@@ -131,7 +330,8 @@ class Scheduler:
         assert self.prompt_cache is not None
         state = self._backend.seq_state_get(slot.id)
         if state is not None:
-            self.prompt_cache.put(slot.cache, state)
+            logits = slot.logits if slot.n_logits == len(slot.cache) else None
+            self.prompt_cache.put(slot.cache, state, slot.rows, logits)
             self._update_cache_gauges()
 
     def _offload(self, slot: Slot) -> None:
@@ -139,23 +339,23 @@ class Scheduler:
         if slot.cache and self.prompt_cache is not None:
             self._save(slot)
         self._backend.seq_rm(slot.id, 0)
-        slot.cache.clear()
+        slot.clear()
 
-    def _restore(self, slot: Slot, tokens: list[int]) -> bool:
-        """Load the saved prompt that shares most with `tokens` into `slot`, if that beats its cache."""
-        assert self.prompt_cache is not None
-        entry, n = self.prompt_cache.best(tokens)
-        gain = n - common_prefix_len(slot.cache, tokens)
-        if entry is None or gain < _MIN_RESTORE_GAIN or gain * _RESTORE_COST_RATIO < len(entry.tokens):
-            return False
-        self._offload(slot)
-        if len(entry.tokens) > self._kv_free() or not self._backend.seq_state_set(slot.id, entry.state):
+    def _restore(self, slot: Slot, entry: CachedPrompt, n_reused: int) -> bool:
+        """Load a saved sequence into `slot` (emptied first)."""
+        self._backend.seq_rm(slot.id, 0)
+        slot.clear()
+        fits = not self._backend.kv_unified or len(entry.tokens) <= self._kv_free()
+        if not fits or not self._backend.seq_state_set(slot.id, entry.state):
             self._backend.seq_rm(slot.id, 0)
             log.info("prompt cache: no KV room to restore %d tokens into slot %d", len(entry.tokens), slot.id)
             return False
         slot.cache.extend(entry.tokens)
-        self._metrics.prompt_cache_restored.inc(n)
-        log.info("prompt cache: restored %d tokens into slot %d (%d of them reused)", len(entry.tokens), slot.id, n)
+        slot.n_prompt_rows, slot.prompt_class = entry.rows
+        if entry.logits is not None:
+            slot.logits, slot.n_logits = entry.logits, len(entry.tokens)
+        self._metrics.prompt_cache_restored.inc(n_reused)
+        log.info("prompt cache: restored %d tokens into slot %d (%d of them reused)", len(entry.tokens), slot.id, n_reused)
         return True
 
     def _update_cache_gauges(self) -> None:
@@ -163,65 +363,86 @@ class Scheduler:
             self._metrics.prompt_cache_bytes.set(self.prompt_cache.n_bytes)
             self._metrics.prompt_cache_entries.set(len(self.prompt_cache))
 
-    def _assign(self, slot: Slot, task: Task, tokens: list[int]) -> None:
-        n_keep = common_prefix_len(slot.cache, tokens) if task.params.cache_prompt else 0
-        n_keep = min(n_keep, len(tokens) - 1)  # at least one token to decode, for its logits
-        if n_keep < len(slot.cache):
-            self._backend.seq_rm(slot.id, n_keep)
-            del slot.cache[n_keep:]
-        slot.task = task
-        slot.feed = tokens[n_keep:]
-        slot.is_prefill = True
-        if task.sampler is None:  # first admission (a preempted task keeps its sampler)
-            task.sampler = self._backend.new_sampler(task.params, task.seed)
-            task.stats.n_cached = n_keep
-            task.stats.t_start = time.monotonic()
+    # -- planning -----------------------------------------------------------------------------------
+    def plan(self) -> Plan:
+        """One token per generating slot, then prompt pieces (oldest first) within the budget."""
+        plan = Plan()
+        decoding = [s for s in self._all if s.is_decoding]
+        free = self._make_room(decoding) if self._backend.kv_unified else 1 << 62
+        decoding = [s for s in self._all if s.is_decoding]
+        plan.entries = [(s, BatchEntry(s.id, s.feed, len(s.cache), True)) for s in decoding]
+        plan.n_decode_rows = len(decoding)
+        free -= len(decoding)
 
-    def plan(self) -> Planned:
-        """One token per generating slot, then prompt chunks (oldest first); KV room made first."""
-        decoding = [s for s in self.slots if s.is_decoding]
-        free = self._kv_free()  # one pass over the slots per step; recounted only after evictions
+        prefilling = [s for s in self._all if s.task is not None and s.is_prefill]
+        prefilling.sort(key=lambda s: (s is self.staging, _arrival(s)))
+        cap = self._backend.n_batch - len(decoding)
+        if self._prefill_cap is not None:
+            cap = min(cap, self._prefill_cap)
+        budget = self.budget.grant(len(decoding), cap)
+        used = short_used = 0  # rows of long prompts (against the budget), of short ones
+        for s in prefilling:
+            if s.source is not None and not self._take_source(s):
+                continue
+            if not s.feed:
+                plan.from_saved.append(s)
+                continue
+            assert s.task is not None
+            is_short = len(s.task.prompt) <= SHORT_PROMPT
+            room = cap - used - short_used
+            limit = min(room, self._backend.n_ubatch - short_used) if is_short else min(room, budget - used)
+            n = self._piece(s, limit)
+            if self._backend.kv_unified and n > free:
+                while free < n and self._evict_idle_cache():
+                    free = self._kv_free() - sum(len(e.tokens) for _, e in plan.entries)
+                n = n if n <= free else self._piece(s, min(free, limit))
+            if n <= 0:
+                continue
+            plan.entries.append((s, BatchEntry(s.id, s.feed[:n], len(s.cache), n == len(s.feed))))
+            if is_short:
+                short_used += n
+            else:
+                used += n
+            free -= n
+        self.budget.spend(used, len(decoding))
+        if not plan and self.n_busy() > 0 and self._backend.kv_unified and not any(s.source for s in self._all):
+            self._preempt_youngest()  # prompts fill the pool and nothing can move
+        return plan
+
+    def _piece(self, slot: Slot, budget: int) -> int:
+        """Rows `slot` decodes this step: a piece of its prompt the recipe allows; generated
+        tokens to redo (a resumed task without its KV) go one per step, as decode rows, unless
+        the backend's rows are exact."""
+        task = slot.task
+        assert task is not None
+        n_prompt = len(task.prompt)
+        if len(slot.cache) >= n_prompt and not self._recipe.exact_rows:
+            return min(1, budget)
+        end = n_prompt if not self._recipe.exact_rows else len(slot.cache) + len(slot.feed)
+        return piece_len(end - len(slot.cache), budget, self._recipe.min_piece(n_prompt), self._backend.n_ubatch)
+
+    def _make_room(self, decoding: list[Slot]) -> int:
+        """Shared pool: one free cell per generating slot, by eviction then preemption."""
+        free = self._kv_free()
         while free < len(decoding):
             if not self._evict_idle_cache():
                 self._preempt_youngest()
-                decoding = [s for s in self.slots if s.is_decoding]
+                decoding = [s for s in self._all if s.is_decoding]
             free = self._kv_free()
-        planned: Planned = [(s, BatchEntry(s.id, s.feed, len(s.cache), True)) for s in decoding]
-
-        free -= len(planned)
-        budget = self._backend.n_batch - len(planned)
-        if self._prefill_cap is not None:
-            budget = min(budget, self._prefill_cap)
-        prefilling = sorted((s for s in self.slots if s.task and s.is_prefill), key=_arrival)
-        for s in prefilling:
-            if budget <= 0:
-                break
-            want = min(len(s.feed), budget)
-            while free < want and self._evict_idle_cache():
-                free = self._kv_free() - sum(len(e.tokens) for _, e in planned)
-            n = min(want, free)
-            if n <= 0:
-                break
-            planned.append((s, BatchEntry(s.id, s.feed[:n], len(s.cache), n == len(s.feed))))
-            budget -= n
-            free -= n
-        if not planned and self.n_busy() > 0:
-            # Prompts fill the cache and nothing can move: the youngest gives its cells back.
-            self._preempt_youngest()
-        return planned
+        return free
 
     def _kv_free(self) -> int:
         return self._backend.n_ctx - self.kv_used()
 
     def _evict_idle_cache(self) -> bool:
-        victims = kv_victims(self.slots)
+        victims = kv_victims(self._all)
         if not victims:
             return False
         self._offload(victims[0])
         return True
 
     def _preempt_youngest(self) -> None:
-        slot = youngest(self.slots)
+        slot = youngest(self._all)
         if slot is None:
             return
         task = slot.release()
@@ -236,30 +457,42 @@ class Scheduler:
         )
 
     # -- after the decode -------------------------------------------------------------------------
-    def on_no_kv_space(self, planned: Planned) -> None:
+    def on_no_kv_space(self, plan: Plan) -> None:
         """llama_decode found no room: halve the prompt part, or preempt if there is none."""
         self._metrics.n_decode.inc()
-        n_prompt = sum(len(e.tokens) for s, e in planned if s.is_prefill)
+        n_prompt = plan.n_prompt_rows
         if n_prompt > 1:
             self._prefill_cap = n_prompt // 2
             log.warning("llama_decode: no KV room for the batch; retrying with %d prompt tokens", n_prompt // 2)
         else:
             self._preempt_youngest()
 
-    def commit(self, planned: Planned) -> list[Slot]:
+    def commit(self, plan: Plan, step_ms: float | None = None) -> list[Slot]:
         """The batch is in the KV cache: move fed tokens into each slot's cache; return the slots
         whose last entry asked for logits, in batch order (the order `sample` expects)."""
         self._metrics.n_decode.inc()
         self._prefill_cap = None
+        if step_ms is not None:
+            self.budget.observe(step_ms, plan.n_prompt_rows, plan.n_decode_rows)
         to_sample: list[Slot] = []
-        for slot, entry in planned:
+        n_rows = 0
+        for slot, entry in plan.entries:
             n = len(entry.tokens)
+            # A piece of prompt (one row is a decode row, unless every row is alike).
+            is_prompt = slot.is_prefill and (n > 1 or self._recipe.exact_rows) and slot.n_prompt_rows == len(slot.cache)
             slot.cache.extend(entry.tokens)
+            if is_prompt:
+                slot.n_prompt_rows = len(slot.cache)
             slot.feed = slot.feed[n:]  # a new list: a decode entry's tokens are the old feed
             if slot.is_prefill and slot.task is not None:
                 slot.task.stats.n_evaluated += n
+                n_rows += n
             if entry.logits:
+                if is_prompt:  # the prompt ends here: keep its logits for a later identical prompt
+                    slot.logits, slot.n_logits = self._backend.logits_row(len(to_sample)), len(slot.cache)
                 to_sample.append(slot)
+        if n_rows:
+            self._metrics.prompt_rows_evaluated.inc(n_rows)
         return to_sample
 
 

@@ -115,6 +115,7 @@ class Task:
         self.output = TextOutput(params.stop)
         self.stats = TaskStats(n_prompt=len(prompt), t_arrival=time.monotonic())
         self.n_preempted = 0
+        self.parked: Any = None  # the prompt-cache entry holding its prefill while it waits for a slot
 
     def cancel(self) -> None:
         """Any thread: the engine drops the task (and frees its slot) at its next step."""

@@ -83,12 +83,12 @@ async def _tokenize(backend: Backend, text: str, add_special: bool, parse_specia
 def _check_prompt(tokens: list[int], backend: Backend) -> None:
     if not tokens:
         raise APIError("The prompt is empty (no tokens)", param="prompt")
-    if len(tokens) >= backend.n_ctx:
+    if len(tokens) >= backend.n_ctx_seq:
         raise APIError(
-            f"the request exceeds the available context size ({len(tokens)} prompt tokens, n_ctx {backend.n_ctx}); "
+            f"the request exceeds the available context size ({len(tokens)} prompt tokens, n_ctx {backend.n_ctx_seq}); "
             "try increasing --ctx-size",
             type="exceed_context_size_error",
-            extra={"n_prompt_tokens": len(tokens), "n_ctx": backend.n_ctx},
+            extra={"n_prompt_tokens": len(tokens), "n_ctx": backend.n_ctx_seq},
         )
 
 
@@ -259,7 +259,7 @@ def _model_card(state: WorkerState) -> dict[str, Any]:
         card["meta"] = {
             "n_vocab": m.n_vocab,
             "n_ctx_train": m.n_ctx_train,
-            "n_ctx": backend.n_ctx,
+            "n_ctx": backend.n_ctx_seq,
             "n_params": m.n_params,
             "size": m.size_bytes,
             "backend": state.backend_kind,
@@ -285,7 +285,7 @@ async def props(request: Request) -> Response:
     m = backend.meta
     return JSONResponse(
         {
-            "default_generation_settings": {"n_ctx": backend.n_ctx, "params": _default_params()},
+            "default_generation_settings": {"n_ctx": backend.n_ctx_seq, "params": _default_params()},
             "total_slots": state.engine.n_slots,
             "model_alias": state.model_id,
             "model_path": state.model_path,

@@ -87,7 +87,14 @@ def serve(
     port: int = typer.Option(8080, "--port"),
     uds: str | None = typer.Option(None, "--uds", help="listen on a unix socket instead of a port"),
     parallel: int = typer.Option(4, "--parallel", "-np", min=1, help="number of slots"),
-    ctx_size: int = typer.Option(4096, "--ctx-size", "-c", min=0, help="total KV cache size (0: the model's)"),
+    ctx_size: int = typer.Option(
+        4096, "--ctx-size", "-c", min=0,
+        help="KV cache cells in all (0: the model's); each slot gets ctx-size / parallel unless --kv-unified",
+    ),
+    kv_unified: bool = typer.Option(
+        False, "--kv-unified", "-kvu",
+        help="one KV cache that any slot may fill (llama.cpp: numerics then depend on what else runs)",
+    ),
     batch_size: int = typer.Option(2048, "--batch-size", "-b", min=1, help="max tokens per decode step"),
     ubatch_size: int = typer.Option(512, "--ubatch-size", "-ub", min=1, help="physical batch size"),
     n_gpu_layers: int | None = typer.Option(None, "--n-gpu-layers", "-ngl", help="default: all"),
@@ -121,7 +128,8 @@ def serve(
         raise typer.BadParameter(str(e), param_hint="--model") from None
     options = BackendOptions(
         n_ctx=ctx_size,
-        n_seq_max=parallel,
+        n_slots=parallel,
+        kv_unified=kv_unified,
         n_batch=batch_size,
         n_ubatch=ubatch_size,
         n_gpu_layers=n_gpu_layers,

@@ -4,8 +4,16 @@ Why: on the CPU a decode step over a few rows is matmuls (weight-bandwidth bound
 ~45 small torch ops per layer, each costing 3-15 us of dispatch for almost no arithmetic, and
 an attention (index_select gathers + SDPA) that costs ~350 us per layer for 8 rows of ~100
 cells: SDPA's CPU kernel is built for long queries. `cpu_kernels.c` replaces them with four
-kernels: RMSNorm, RoPE + KV store, SiLU*up, and single-token attention that reads each row's
-own cells straight from the pool (K and V read once, no gather copies).
+kernels: RMSNorm, RoPE + KV store, SiLU*up, and attention.
+
+Attention (`omni_attn`) computes every row of a step, prompt rows and decode rows alike, each
+reading its own sequence's cells straight from the pool through the sequence's position ->
+cell table (no gather copies), in position order and with an order of reduction that depends
+on the row's position only. So a row's result is bitwise the same whatever else is in the
+batch, however its prompt was cut into pieces, and whether its prefix cells are shared with
+another sequence: the fused path is batch invariant (with oneDNN's row-invariant matmuls, see
+model.py). Consecutive rows of one sequence (a prompt piece) share each pass over its K/V, so
+a 1000-token prefill runs about as fast as SDPA.
 
 Build: `cc -O3 -march=native -fopenmp -shared` on first use, cached under
 `$OMNI_KERNEL_CACHE` (default `~/.cache/omni-router/kernels`, else a per-user temp dir) by a hash of the source, the
@@ -39,15 +47,15 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c11", "-shared", "-fPIC"]
 MAX_HEAD_DIM = 512  # per-head scratch in omni_rope_store
-HEAD_DIM_MULTIPLE = 16  # the vector width omni_decode_attn works in
+HEAD_DIM_MULTIPLE = 16  # the widest vector the kernels work in (AVX-512: 16 floats)
 
 _p, _i64, _int, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "omni_rms_norm": [_p, _i64, _p, _i64, _p, _i64, _i64, _f, _int, _int],
     "omni_rope_store": [_p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _p, _p, _p, _p, _f, _int, _int],
     "omni_silu_mul": [_p, _p, _i64, _i64, _int, _int],
-    "omni_decode_attn": [
-        _p, _i64, _p, _i64, _p, _i64, _i64, _i64, _i64, _p, _p, _p, _p, _i64, _p, _i64, _f, _int, _int,
+    "omni_attn": [
+        _p, _i64, _p, _i64, _i64, _i64, _i64, _i64, _p, _p, _p, _i64, _p, _p, _i64, _f, _int, _int,
     ],
 }
 
@@ -124,7 +132,7 @@ class Kernels:
         self._rms_norm = short.omni_rms_norm
         self._rope_store = short.omni_rope_store
         self._silu_mul = short.omni_silu_mul
-        self._decode_attn = long.omni_decode_attn
+        self._attn = long.omni_attn
 
     def rms_norm(self, x: Tensor, w: Tensor, eps: float, nt: int) -> Tensor:
         t, n = x.shape
@@ -152,16 +160,16 @@ class Kernels:
         self._silu_mul(out.data_ptr(), gate_up.data_ptr(), t, n2 // 2, nt, _bf(gate_up))
         return out
 
-    def decode_attn(
-        self, out: Tensor, q: Tensor, q_stride: int, rows: Tensor, n_heads: int, n_kv_heads: int, head_dim: int,
-        k_cache: Tensor, v_cache: Tensor, cells: Tensor, cell_pos: Tensor, q_pos: Tensor, window: int | None,
-        nt: int,
+    def attn(
+        self, out: Tensor, q: Tensor, n_heads: int, n_kv_heads: int, head_dim: int, k_cache: Tensor,
+        v_cache: Tensor, tables: Tensor, row_seq: Tensor, row_pos: Tensor, window: int | None, nt: int,
     ) -> None:
-        b, width = cells.shape
-        self._decode_attn(
-            out.data_ptr(), out.stride(0), q.data_ptr(), q_stride, rows.data_ptr(), b, n_heads, n_kv_heads, head_dim,
-            k_cache.data_ptr(), v_cache.data_ptr(), cells.data_ptr(), cell_pos.data_ptr(), width, q_pos.data_ptr(),
-            window or 0, head_dim**-0.5, nt, _bf(q),
+        """Attention of every row of q (q heads first in each row, any row stride) into out: row t
+        over the cells tables[row_seq[t], 0..row_pos[t]] (see omni_attn in cpu_kernels.c)."""
+        self._attn(
+            out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), q.shape[0], n_heads, n_kv_heads, head_dim,
+            k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), row_seq.data_ptr(),
+            row_pos.data_ptr(), window or 0, head_dim**-0.5, nt, _bf(q),
         )
 
 

@@ -2,10 +2,13 @@
 
 Like nano-vllm: one graph per batch-size bucket (1, 2, 4, 8, ... up to n_seq_max), captured
 once after the KV cache is allocated, all sharing one memory pool. Shapes must be static, so
-a captured step attends over the whole cell pool (n_cells + 1 cells; the mask hides what is
-not the row's own sequence) and padding rows write and attend the scratch cell only (their
-seq id is SCRATCH, like that cell's). The mask is built inside the graph from device copies of
-the cell tables, refreshed from the host before each replay.
+a captured step attends over the whole cell pool (n_cells + 1 cells) under a mask instead of
+gathering each sequence's cells through its table: row t sees cell c iff bit seq(t) of
+`cell_seqs[c]` is set (the sequences holding c: a cell shared by seq_cp has several bits) and
+c's position passes the position rule. Padding rows are "sequence" n_seq at position 0: they
+write and see the scratch cell only (its bit is n_seq). The mask is built inside the graph
+from device copies of the cache's `cell_seqs` and `cell_pos`, refreshed from the host before
+each replay. Needs n_seq <= MAX_MASK_SEQS (the bitmask is one int64 per cell).
 
 Only used with `compile=True` on CUDA; the eager path handles everything else (prefill,
 mixed batches, sizes above the largest bucket).
@@ -17,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from worker.torch_model.kv_cache import SCRATCH, AttnGroup, KVCache, build_mask
+from worker.torch_model.kv_cache import AttnGroup, AttnPlan, KVCache, pool_mask
 from worker.torch_model.model import Model
 
 
@@ -30,6 +33,7 @@ def buckets(n_max: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: Model, kv: KVCache, n_seq_max: int, group: int, window: int | None) -> None:
+        assert kv.has_seq_masks, "CUDA graphs need n_seq <= MAX_MASK_SEQS"
         dev = kv.device
         self.model, self.kv, self.group, self.window = model, kv, group, window
         self.sizes = buckets(max(n_seq_max, 1))
@@ -38,19 +42,20 @@ class DecodeGraphs:
         self.tokens = torch.zeros(n_max, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n_max, dtype=torch.long, device=dev)
         self.cells = torch.full((n_max,), kv.scratch_cell, dtype=torch.long, device=dev)
-        self.seq_ids = torch.full((n_max,), SCRATCH, dtype=torch.long, device=dev)
+        self.seq_ids = torch.full((n_max,), kv.n_seq, dtype=torch.long, device=dev)
         self.rows = torch.arange(n_max, device=dev)
-        self.cell_seq = torch.full((n_all,), SCRATCH, dtype=torch.long, device=dev)
+        self.cell_seqs = torch.zeros(n_all, dtype=torch.long, device=dev)
         self.cell_pos = torch.zeros(n_all, dtype=torch.long, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, Tensor] = {}
         self._capture_all()
 
     def _forward(self, bs: int) -> Tensor:
-        mask = build_mask(self.cell_seq, self.cell_pos, self.seq_ids[:bs], self.positions[:bs], self.group, self.window)
-        plan = [AttnGroup(slice(0, bs), None, mask)]
+        seq_ids, positions = self.seq_ids[:bs], self.positions[:bs]
+        mask = pool_mask(self.cell_seqs, self.cell_pos, seq_ids, positions, self.group, self.window)
+        plan = AttnPlan(self.cells[:0], seq_ids, positions, [AttnGroup(slice(0, bs), None, mask)])
         logits: Tensor = self.model(
-            self.tokens[:bs], self.positions[:bs], self.cells[:bs], plan, self.rows[:bs], self.kv.k, self.kv.v
+            self.tokens[:bs], positions, self.cells[:bs], plan, self.rows[:bs], self.kv.k, self.kv.v
         )
         return logits
 
@@ -85,8 +90,8 @@ class DecodeGraphs:
         self.tokens[n:bs].zero_()
         self.positions[n:bs].zero_()
         self.cells[n:bs].fill_(self.kv.scratch_cell)
-        self.seq_ids[n:bs].fill_(SCRATCH)
-        self.cell_seq[:-1].copy_(torch.from_numpy(self.kv.cell_seq))
-        self.cell_pos[:-1].copy_(torch.from_numpy(self.kv.cell_pos))
+        self.seq_ids[n:bs].fill_(self.kv.n_seq)
+        self.cell_seqs.copy_(torch.from_numpy(self.kv.cell_seqs))
+        self.cell_pos.copy_(torch.from_numpy(self.kv.cell_pos))
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

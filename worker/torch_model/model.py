@@ -6,11 +6,10 @@ embeddings. q/k/v and gate/up projections are packed into one matrix each at loa
 (`load_weights` maps HF names onto row slices), so a layer is four matmuls.
 
 A forward pass takes every token of the batch as one row: decoding slots (one token each) and
-prompt chunks alike; all matmuls run over the flat [T, hidden] batch. Each token writes its
-K/V into the cache cell the KV cache gave it, then attends through the step's attention plan
-(`KVCache.plan`: decoding rows as one batch over their own sequences' cells, each prompt chunk
-on its own), with masks built from positions. Only the rows in `logit_rows` go through the
-final norm and the LM head.
+prompt pieces alike; all matmuls run over the flat [T, hidden] batch. Each token writes its
+K/V into the cache cell the KV cache gave it, then attends over its sequence's cells through
+the step's attention plan (`KVCache.plan`: per-sequence position -> cell tables). Only the
+rows in `logit_rows` go through the final norm and the LM head.
 
 Numerics mirror transformers (RMSNorm in float32, RoPE tables computed in float32 and cast to
 the model dtype) so float32 logits match `LlamaForCausalLM` to ~1e-5.
@@ -26,9 +25,24 @@ The plain weights are dropped afterwards (the embedding table stays for lookups)
 Fused CPU kernels (`Model.use_cpu_kernels`, worker/torch_model/cpu_kernels.py): on float32 and
 bfloat16 CPU models each layer runs as RMSNorm -> qkv matmul -> RoPE+KV store -> attention ->
 o matmul (+ residual, one oneDNN call in float32) -> RMSNorm -> gate_up matmul -> SiLU*up ->
-down matmul (+ residual): nine calls instead of ~45 torch ops, with single-token rows attending
-straight from the cell pool. Prompt chunks still attend through SDPA. Without the kernels (float16, a
-GPU, or no C compiler) `Layer.forward` runs the same layer as torch ops.
+down matmul (+ residual): nine calls instead of ~45 torch ops. One attention kernel computes
+every row, prompt and decode rows alike, reading each sequence's cells straight from the pool
+through its table.
+
+Batch invariance (why the kernel path can be exact): every step of a layer computes each row on
+its own, by arithmetic that does not depend on the other rows: the kernels are row-wise, and
+the attention kernel's order of reduction depends on the row's position only (cpu_kernels.c).
+The matmuls are oneDNN's, whose kernel choice depends on the row count: on some CPUs float32
+on prepacked weights gives every row bitwise the same result whatever the row count (an AVX2
+EPYC, checked for 1..2100 rows), on others not (an AVX-512 Xeon), so `matmuls_row_invariant`
+probes the model's own weights at load. Where it holds, a row's logits are a function of its
+sequence's tokens alone: not of the batch around it, of how its prompt was cut into pieces, or
+of whether its prefix KV was shared from another sequence. bfloat16 runs `F.linear` (oneDNN
+has no bf16 prepacking without avx512bw), and the torch path's SDPA and gathers are not batch
+invariant either: those results hold to rounding only.
+
+Without the kernels (float16, a GPU, or no C compiler) `Layer.forward` runs the same layer as
+torch ops, attention through SDPA over keys gathered by the tables.
 """
 
 from __future__ import annotations
@@ -44,7 +58,7 @@ from torch import Tensor, nn
 from worker.torch_model import cpu_kernels
 from worker.torch_model.config import ModelConfig, RopeConfig
 from worker.torch_model.cpu_kernels import Kernels
-from worker.torch_model.kv_cache import AttnGroup
+from worker.torch_model.kv_cache import AttnGroup, AttnPlan
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -83,7 +97,7 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: list[AttnGroup]) -> Tensor:
+def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: AttnPlan) -> Tensor:
     """q [T, n_heads, d]; k/v_cache [n_cells + 1, n_kv_heads, d] -> [T, n_heads * d].
 
     GQA without repeating K/V: the query heads sharing one KV head are folded into the query
@@ -92,17 +106,17 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: list[AttnGroup]
     t, n_heads, d = q.shape
     n_kv_heads = k_cache.shape[1]
     group = n_heads // n_kv_heads
-    if len(plan) == 1 and isinstance(plan[0].rows, slice) and plan[0].rows == slice(0, t):
-        return _attend(q, k_cache, v_cache, plan[0], group)
+    groups = plan.groups
+    if len(groups) == 1 and isinstance(groups[0].rows, slice) and groups[0].rows == slice(0, t):
+        return _attend(q, k_cache, v_cache, groups[0], group)
     out = q.new_empty((t, n_heads * d))
-    for g in plan:
+    for g in groups:
         out[g.rows] = _attend(q[g.rows], k_cache, v_cache, g, group)
     return out
 
 
 def _attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, g: AttnGroup, group: int) -> Tensor:
     rows, n_heads, d = q.shape
-    assert g.mask is not None, "a group planned for the fused kernel reached the torch path"
     b = g.mask.shape[0]
     tq = rows // b
     n_kv_heads = k_cache.shape[1]
@@ -154,6 +168,32 @@ def prepack_weight(w: Tensor, rows_hint: int = 8) -> Tensor:
     return packed
 
 
+# Row counts at which `Model.matmuls_row_invariant` compares rows with the same rows alone: small
+# batches, block multiples and one past them (tail blocks).
+PROBE_ROWS = (1, 2, 3, 8, 9, 16, 17, 33, 64, 65, 129, 257, 513)
+
+
+def _rows_agree(
+    w: Tensor, bias: Tensor | None, add: bool, counts: list[int], dtype: torch.dtype, gen: torch.Generator
+) -> bool:
+    """Whether `linear` (or `linear_add`) of random rows gives the first rows and the last row of
+    every row count in `counts` bitwise as it gives them alone."""
+    n_out, n_in = w.shape
+    x = torch.randn(counts[-1], n_in, generator=gen).to(dtype)
+    res = torch.randn(counts[-1], n_out, generator=gen).to(dtype)
+
+    def run(a: int, b: int) -> Tensor:
+        return linear_add(x[a:b], w, bias, res[a:b]) if add else linear(x[a:b], w, bias)
+
+    checked = sorted({0, 1, 2, *(m - 1 for m in counts)} & set(range(counts[-1])))
+    alone = {r: run(r, r + 1)[0] for r in checked}
+    for m in counts:
+        out = run(0, m)
+        if not all(torch.equal(out[r], alone[r]) for r in checked if r < m):
+            return False
+    return True
+
+
 def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -187,7 +227,7 @@ class Layer(nn.Module):
             param.data = param.data.new_empty(0)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor, plan: list[AttnGroup]
+        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor, plan: AttnPlan
     ) -> Tensor:
         cfg, t = self.cfg, x.shape[0]
         eps = cfg.rms_norm_eps
@@ -209,7 +249,7 @@ class Layer(nn.Module):
         return linear_add(F.silu(gate) * up, self.w["down"], None, x)
 
     def forward_fused(
-        self, x: Tensor, positions: Tensor, cells: Tensor, plan: list[AttnGroup], k_cache: Tensor, v_cache: Tensor,
+        self, x: Tensor, positions: Tensor, cells: Tensor, plan: AttnPlan, k_cache: Tensor, v_cache: Tensor,
         cos: Tensor, sin: Tensor, kern: Kernels, nt: int,
     ) -> Tensor:
         """`forward` on the fused CPU kernels; cos/sin are the whole tables, not per-token rows."""
@@ -218,14 +258,7 @@ class Layer(nn.Module):
         qkv = linear(kern.rms_norm(x, self.input_norm, eps, nt), self.w["qkv"], self.qkv_bias)
         kern.rope_store(qkv, h, kvh, d, cos, sin, positions, cells, k_cache, v_cache, self.q_norm, self.k_norm, eps, nt)
         o = qkv.new_empty((x.shape[0], h * d))
-        for g in plan:  # single-token rows through the kernel, prompt chunks through SDPA
-            if g.q_pos is not None and g.cell_pos is not None and g.cells is not None and isinstance(g.rows, Tensor):
-                kern.decode_attn(
-                    o, qkv, qkv.stride(0), g.rows, h, kvh, d, k_cache, v_cache, g.cells, g.cell_pos, g.q_pos,
-                    cfg.sliding_window, nt,
-                )
-            else:
-                o[g.rows] = _attend(qkv[g.rows, : h * d].view(-1, h, d), k_cache, v_cache, g, h // kvh)
+        kern.attn(o, qkv, h, kvh, d, k_cache, v_cache, plan.tables, plan.row_seq, plan.row_pos, cfg.sliding_window, nt)
         x = linear_add(o, self.w["o"], self.o_bias, x)
         gate_up = linear(kern.rms_norm(x, self.post_norm, eps, nt), self.w["gate_up"])
         return linear_add(kern.silu_mul(gate_up, nt), self.w["down"], None, x)
@@ -277,6 +310,25 @@ class Model(nn.Module):
         if self.lm_head is not self.embed:
             self.lm_head.data = self.lm_head.data.new_empty(0)
 
+    @torch.inference_mode()
+    def matmuls_row_invariant(self, max_rows: int) -> bool:
+        """Whether every prepacked matmul gives each row bitwise the same result whatever the row
+        count. oneDNN picks its kernel by shape, row count and thread count: on some CPUs all row
+        counts agree (the AVX2 machine this was written on, checked up to 2100 rows), on others
+        they do not (an AVX-512 Xeon: a 1-row product differs from the same row among others, and
+        from 16 rows on some shapes differ again). So this probes the model's own weights, as
+        forward calls them, at PROBE_ROWS row counts up to `max_rows`: evidence, not proof."""
+        if not self.prepacked:
+            return False
+        layer = cast(Layer, self.layers[0])
+        counts = [m for m in PROBE_ROWS if m <= max_rows]
+        gen = torch.Generator().manual_seed(0)
+        cases = [
+            (layer.w["qkv"], layer.qkv_bias, False), (layer.w["o"], layer.o_bias, True),
+            (layer.w["gate_up"], None, False), (layer.w["down"], None, True), (self.w["lm_head"], None, False),
+        ]
+        return all(_rows_agree(w, bias, add, counts, self.dtype, gen) for w, bias, add in cases)
+
     def use_cpu_kernels(self) -> bool:
         """Run on the fused CPU kernels from now on if this model can (see module doc)."""
         cfg = self.cfg
@@ -302,7 +354,7 @@ class Model(nn.Module):
         tokens: Tensor,
         positions: Tensor,
         cells: Tensor,
-        plan: list[AttnGroup],
+        plan: AttnPlan,
         logit_rows: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
