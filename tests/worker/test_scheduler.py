@@ -281,22 +281,37 @@ def test_a_waiting_prompt_is_prefilled_in_staging_and_resumes_from_the_prompt_ca
 
 
 def test_prompt_rows_per_step_follow_the_budget_while_slots_generate() -> None:
-    b, kv = make(n_slots=2, n_ctx=1024, n_batch=512)
+    b, kv = make(n_slots=2, n_ctx=2048, n_batch=512)
     b.enqueue(task([1, 2, 3]))
     step(b, kv)
-    b.budget.observe(10.0, 0, 1)  # a decode-only step: 10 ms
-    b.budget.observe(10.0 + 100 * 1.0, 100, 1)  # 1 ms per prompt row
-    b.enqueue(task(list(range(100, 100 + SHORT_PROMPT + 100))))
+    b.budget.observe(10.0, 0, 0, 1)  # a step of one decode row: 10 ms
+    b.budget.rows = 6.0
+    b.enqueue(task(list(range(100, 100 + SHORT_PROMPT + 300))))
     rows = [sum(len(e.tokens) for s, e in step(b, kv).entries if s.id == 1) for _ in range(3)]
-    assert rows == [6, 6, 6]  # 0.6 x 10 ms / 1 ms
+    assert rows == [6, 6, 6]
+    b.budget.observe(30.0, 6, 0, 1)  # over 1.8 x 10 ms: fewer rows
+    assert b.budget.rows == 4.0
+    b.budget.observe(12.0, 4, 0, 1)  # under: more
+    assert b.budget.rows == 5.0
+
+
+def test_a_piece_bigger_than_the_budget_comes_when_the_credit_allows() -> None:
+    b, kv = make(n_slots=2, n_ctx=2048, n_batch=512, recipe=FA_ON)
+    b.enqueue(task([1, 2, 3]))
+    step(b, kv)
+    b.budget.observe(10.0, 0, 0, 1)
+    b.budget.rows = 20.0
+    b.enqueue(task(list(range(100, 100 + SHORT_PROMPT + 300))))
+    rows = [sum(len(e.tokens) for s, e in step(b, kv).entries if s.id == 1) for _ in range(6)]
+    assert rows == [0, 0, 0, 80, 0, 0]  # pieces of >= 64 rows: when 4 steps of 20 have added up
 
 
 def test_short_prompts_are_not_held_back_by_the_budget() -> None:
     b, kv = make(n_slots=3, n_ctx=3072, n_batch=512)
     b.enqueue(task([1, 2, 3]))
     step(b, kv)
-    b.budget.observe(10.0, 0, 1)
-    b.budget.observe(110.0, 100, 1)
+    b.budget.observe(10.0, 0, 0, 1)
+    b.budget.rows = 1.0
     b.enqueue(task(list(range(100, 300))))
     b.enqueue(task(list(range(300, 500))))
     assert sorted(shapes(step(b, kv))) == [(0, 1, True), (1, 200, True), (2, 200, True)]

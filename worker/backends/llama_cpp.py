@@ -192,9 +192,11 @@ class LlamaCppBackend:
         self._threads = threads or _default_threads()
         self._type_k = KV_TYPES[cache_type_k]
         self._type_v = KV_TYPES[cache_type_v]
-        self._flash_attn = FLASH_ATTN[flash_attn]
+        self.flash_attn = flash_attn
         self.kv_unified = kv_unified
-        # "auto" resolves to flash attention on the CPU; its recipe also holds without it.
+        # "auto" is flash attention on the CPU (llama.cpp's choice); its recipe holds either way.
+        # Without it prompt pieces may be of any size >= 2 rows, which bounds the others'
+        # inter-token latency better while a long prompt comes in on a small CPU.
         self.recipe = RowRecipe() if flash_attn == "off" else RowRecipe(short_prompt=FA_TILE_ROWS)
         self._progress = progress or (lambda phase, fraction: None)
         self._abort = threading.Event()
@@ -254,7 +256,7 @@ class LlamaCppBackend:
         cp.n_seq_max = self.n_seq_max
         cp.n_threads = self._threads
         cp.n_threads_batch = self._threads
-        cp.flash_attn_type = self._flash_attn
+        cp.flash_attn_type = FLASH_ATTN[self.flash_attn]
         cp.type_k = self._type_k
         cp.type_v = self._type_v
         cp.kv_unified = self.kv_unified
@@ -268,6 +270,7 @@ class LlamaCppBackend:
         self._mem = ll.llama_get_memory(ctx)
         self.n_ctx = int(ll.llama_n_ctx(ctx))
         self.n_ctx_seq = int(ll.llama_n_ctx_seq(ctx))
+        log.info("context: %d cells, %d per sequence, flash attention %s", self.n_ctx, self.n_ctx_seq, self.flash_attn)
         self._progress("warming up", 1.0)
         self._warmup()
 

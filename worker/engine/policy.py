@@ -98,46 +98,51 @@ def youngest(slots: Sequence[Slot]) -> Slot | None:
 
 
 class PrefillBudget:
-    """How many prompt rows a step may add while slots are generating (chunked prefill).
+    """How many rows of long prompts a step may add while slots are generating (chunked prefill).
 
-    A step costs about `decode_ms` (the generating slots' rows) plus `row_ms` per prompt row.
-    To keep the generating slots' inter-token latency within (1 + share) x a decode-only step,
-    a step may add share x decode_ms / row_ms prompt rows. Both costs are running averages of
-    measured steps, so the budget follows the model, the hardware and the context length (a
-    row late in a long prompt costs more). Unused rows accumulate as credit (bounded), so a
-    backend whose pieces cannot be smaller than some minimum still gets one every few steps.
-    With no slot generating there is nobody to protect: the whole batch is prompt.
+    The goal: a step that carries prompt rows takes at most (1 + share) x a step of decode rows
+    alone, so the generating slots' inter-token latency stays within that while a long prompt
+    comes in. How many rows fit depends on the model, the hardware, the context (a row late in
+    a long prompt attends over more cells) and the backend's fixed cost of a piece (llama.cpp
+    runs each piece as a ubatch of its own: one more pass over the weights), so it is found,
+    not modelled: `rows` grows by a tenth (at least one) after a step under the target and
+    shrinks by a third after a step over it. A backend whose pieces cannot be smaller than some
+    minimum gets one whenever the rows granted since its last piece add up to it (credit): such
+    steps come less often instead of every step. With no slot generating there is nobody to
+    protect: the whole batch may be prompt.
     """
 
-    def __init__(self, share: float = 0.6, alpha: float = 0.25, max_credit: int = 2048) -> None:
+    def __init__(self, share: float = 0.8, start_rows: float = 16.0, alpha: float = 0.25) -> None:
         self.share = share
         self.alpha = alpha
-        self.max_credit = max_credit
-        self.decode_ms: float | None = None
-        self.row_ms: float | None = None
+        self.rows = start_rows
+        self.decode_ms: float | None = None  # running average of a step of decode rows alone
         self.credit = 0.0
+        self._steady = False  # the last step was decode rows alone
 
     def grant(self, n_decoding: int, cap: int) -> int:
-        """Prompt rows this step may carry (at most `cap`)."""
-        if n_decoding == 0 or self.decode_ms is None or self.row_ms is None:
+        """Rows of long prompts this step may carry (at most `cap`); call it only when some wait."""
+        if n_decoding == 0 or self.decode_ms is None:
             self.credit = 0.0
             return cap
-        per_step = self.share * self.decode_ms / max(self.row_ms, 1e-3)
-        self.credit = min(self.credit + per_step, float(self.max_credit))
+        self.credit = min(self.credit + self.rows, 2 * self.rows + 64)  # room for a 64-row piece
         return max(0, min(cap, int(self.credit)))
 
-    def spend(self, n_rows: int, n_decoding: int) -> None:
-        if n_decoding:
-            self.credit -= n_rows
+    def spend(self, n_rows: int) -> None:
+        self.credit = max(0.0, self.credit - n_rows)
 
-    def observe(self, step_ms: float, n_prompt_rows: int, n_decode_rows: int) -> None:
-        """One decode took `step_ms` for these rows."""
-        if n_prompt_rows == 0:
-            if n_decode_rows:
-                self.decode_ms = self._ema(self.decode_ms, step_ms)
-            return
-        base = self.decode_ms if n_decode_rows and self.decode_ms is not None else 0.0
-        self.row_ms = self._ema(self.row_ms, max(step_ms - base, 0.0) / n_prompt_rows)
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.alpha * (new - old)
+    def observe(self, step_ms: float, n_budget_rows: int, n_other_prompt_rows: int, n_decode_rows: int) -> None:
+        """A step took `step_ms`: decode rows, rows of long prompts (budgeted) and of short ones."""
+        steady, self._steady = self._steady, n_decode_rows > 0 and n_budget_rows + n_other_prompt_rows == 0
+        if n_decode_rows == 0 or n_other_prompt_rows:
+            return  # nothing to learn: no one was protected, or short prompts went in at once
+        if n_budget_rows == 0:
+            # Only after another such step: llama.cpp rebuilds its graph when shapes change,
+            # and the step after a piece pays for it; the target is the steady decode step.
+            if steady or self.decode_ms is None:
+                self.decode_ms = step_ms if self.decode_ms is None else self.decode_ms + self.alpha * (step_ms - self.decode_ms)
+        elif self.decode_ms is not None:
+            if step_ms > (1 + self.share) * self.decode_ms:
+                self.rows = max(1.0, self.rows * 2 / 3)
+            else:
+                self.rows = min(4096.0, self.rows + max(1.0, self.rows / 10))

@@ -81,6 +81,7 @@ class Plan:
     entries: list[tuple[Slot, BatchEntry]] = field(default_factory=list)
     from_saved: list[Slot] = field(default_factory=list)
     n_decode_rows: int = 0
+    n_budget_rows: int = 0  # rows of long prompts, within the prefill budget
 
     def __bool__(self) -> bool:
         return bool(self.entries or self.from_saved)
@@ -379,7 +380,8 @@ class Scheduler:
         cap = self._backend.n_batch - len(decoding)
         if self._prefill_cap is not None:
             cap = min(cap, self._prefill_cap)
-        budget = self.budget.grant(len(decoding), cap)
+        has_long = any(s.task is not None and len(s.task.prompt) > SHORT_PROMPT for s in prefilling)
+        budget = self.budget.grant(len(decoding), cap) if has_long else 0
         used = short_used = 0  # rows of long prompts (against the budget), of short ones
         for s in prefilling:
             if s.source is not None and not self._take_source(s):
@@ -404,7 +406,8 @@ class Scheduler:
             else:
                 used += n
             free -= n
-        self.budget.spend(used, len(decoding))
+        self.budget.spend(used)
+        plan.n_budget_rows = used
         if not plan and self.n_busy() > 0 and self._backend.kv_unified and not any(s.source for s in self._all):
             self._preempt_youngest()  # prompts fill the pool and nothing can move
         return plan
@@ -473,7 +476,8 @@ class Scheduler:
         self._metrics.n_decode.inc()
         self._prefill_cap = None
         if step_ms is not None:
-            self.budget.observe(step_ms, plan.n_prompt_rows, plan.n_decode_rows)
+            n_budget = plan.n_budget_rows
+            self.budget.observe(step_ms, n_budget, plan.n_prompt_rows - n_budget, plan.n_decode_rows)
         to_sample: list[Slot] = []
         n_rows = 0
         for slot, entry in plan.entries:
