@@ -304,6 +304,9 @@ def test_a_piece_bigger_than_the_budget_comes_when_the_credit_allows() -> None:
     b.enqueue(task(list(range(100, 100 + SHORT_PROMPT + 300))))
     rows = [sum(len(e.tokens) for s, e in step(b, kv).entries if s.id == 1) for _ in range(6)]
     assert rows == [0, 0, 0, 80, 0, 0]  # pieces of >= 64 rows: when 4 steps of 20 have added up
+    b.budget.rows, b.budget.credit = 1.0, 0.0
+    rows = [sum(len(e.tokens) for s, e in step(b, kv).entries if s.id == 1) for _ in range(8)]
+    assert rows == [0, 0, 0, 64, 0, 0, 0, 64]  # the smallest piece at least every 4th step
 
 
 def test_short_prompts_are_not_held_back_by_the_budget() -> None:

@@ -108,8 +108,9 @@ class PrefillBudget:
     not modelled: `rows` grows by a tenth (at least one) after a step under the target and
     shrinks by a third after a step over it. A backend whose pieces cannot be smaller than some
     minimum gets one whenever the rows granted since its last piece add up to it (credit): such
-    steps come less often instead of every step. With no slot generating there is nobody to
-    protect: the whole batch may be prompt.
+    steps come less often instead of every step, but at least every 4th step (`floor`), so a
+    long prompt is never starved when even its smallest piece is over the target. With no slot
+    generating there is nobody to protect: the whole batch may be prompt.
     """
 
     def __init__(self, share: float = 0.8, start_rows: float = 16.0, alpha: float = 0.25) -> None:
@@ -120,12 +121,13 @@ class PrefillBudget:
         self.credit = 0.0
         self._steady = False  # the last step was decode rows alone
 
-    def grant(self, n_decoding: int, cap: int) -> int:
+    def grant(self, n_decoding: int, cap: int, min_piece: int = 1) -> int:
         """Rows of long prompts this step may carry (at most `cap`); call it only when some wait."""
         if n_decoding == 0 or self.decode_ms is None:
             self.credit = 0.0
             return cap
-        self.credit = min(self.credit + self.rows, 2 * self.rows + 64)  # room for a 64-row piece
+        per_step = max(self.rows, min_piece / 4)
+        self.credit = min(self.credit + per_step, 2 * per_step + min_piece)
         return max(0, min(cap, int(self.credit)))
 
     def spend(self, n_rows: int) -> None:

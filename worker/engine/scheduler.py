@@ -380,8 +380,8 @@ class Scheduler:
         cap = self._backend.n_batch - len(decoding)
         if self._prefill_cap is not None:
             cap = min(cap, self._prefill_cap)
-        has_long = any(s.task is not None and len(s.task.prompt) > SHORT_PROMPT for s in prefilling)
-        budget = self.budget.grant(len(decoding), cap) if has_long else 0
+        long = [len(s.task.prompt) for s in prefilling if s.task is not None and len(s.task.prompt) > SHORT_PROMPT]
+        budget = self.budget.grant(len(decoding), cap, self._recipe.min_piece(long[0])) if long else 0
         used = short_used = 0  # rows of long prompts (against the budget), of short ones
         for s in prefilling:
             if s.source is not None and not self._take_source(s):
