@@ -46,16 +46,18 @@ overload. One burst of 2 x `--parallel` requests (16 on 8 slots) with throughput
 
 long-prompt. `--parallel` - 1 (7) decoders with throughput's short prompts start at once. Once each has
 streamed 16 tokens, their gaps are measured over a steady window of `--steady-seconds` (1.5); then ONE
-request with a fresh `--long-prompt-tokens` (8192) token prompt and max_tokens 1 is sent, and the decoders'
-gaps are recorded from that moment until its first token arrives (a gap counts if it overlaps that window,
-so a stall across its end is in). ctx: parallel x (long prompt + 512) = 69632, so every slot has room for
-the long prompt. Reported: steady ITL p50/p99, ITL p50/p99 during the prefill, during-p99 / steady-p99,
-and the long prompt's TTFT. Goal: during-p99 <= 2x steady-p99 on each target (and the first/second ratios
-are shown). Once every decoder has streamed a token past the long prompt's first one, the client hangs up
-on them (closes their streams: their token counts are not checked, the long prompt's is). Their max_tokens
-is sized from the target's own measured speed (the fastest steady ITL and the slowest long-prompt TTFT
-seen, from the warm-up on), with a 2x margin, so that they are still decoding when the long prompt's first
-token arrives, yet a server that ignores a gone client stops soon; `--max-tokens` fixes it instead. A round
+request with a fresh `--long-prompt-tokens` (8000) token prompt and max_tokens 1 is sent, and the decoders'
+gaps are recorded from that moment for `--window-seconds` (20) or until its first token, whichever comes
+first (a gap counts if it overlaps that window, so a stall across its end is in). The window is bounded
+because a server that protects the decoders prefills slowly, and minutes later their contexts (and so
+their gaps) have grown for reasons of their own. ctx: parallel x (long prompt + 512) = 68096, so every
+slot has room for the long prompt. Reported: steady ITL p50/p99, ITL p50/p99 in the window,
+window-p99 / steady-p99, and the long prompt's TTFT (under load for the window, alone afterwards: the
+client then hangs up on the decoders, closing their streams; their token counts are not checked, the
+long prompt's is). Goal: window-p99 <= 2x steady-p99 on each target (and the first/second ratios are
+shown). The decoders' max_tokens is sized from the target's own measured speed (the fastest steady ITL),
+with a margin, so that they are still decoding at the window's end, yet a server that ignores a gone
+client stops soon; `--max-tokens` fixes it instead. A round
 in which a decoder finished before that is cut at its end, says so, and is rerun with more tokens.
 
 Noise. This box is shared, and llama.cpp's threads (one per core, spinning at barriers) collapse by 10-40x
@@ -124,7 +126,12 @@ DECODER_MARGIN = 2.0  # long-prompt: decoders are sized for this many times the 
 
 
 def normal_token_ids(model: Path) -> list[int]:
-    """Ids of the model's NORMAL vocabulary tokens (no control/byte/unused ones), from the GGUF."""
+    """Ids of the model's NORMAL vocabulary tokens (no control/byte/unused ones), from the GGUF
+    (or, for an HF folder, its tokenizer.json minus the added special tokens)."""
+    if model.is_dir():
+        spec = json.loads((model / "tokenizer.json").read_text())
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        return sorted(i for i in spec["model"]["vocab"].values() if i not in special)
     from gguf import GGUFReader
 
     reader = GGUFReader(str(model))
@@ -415,7 +422,8 @@ def decoder_max_tokens(args: argparse.Namespace, t: Target, num_decoders: int) -
     room = slot_room(args, num_decoders)
     if not (t.itl_s > 0 and t.long_ttft_s > 0):  # not measured yet (NaN)
         return room
-    seconds = args.steady_seconds + DECODER_MARGIN * t.long_ttft_s + 1.0
+    during = min(DECODER_MARGIN * t.long_ttft_s, args.window_seconds + 2.0)
+    seconds = args.steady_seconds + during + 1.0
     return min(room, WARM_TOKENS + math.ceil(float(seconds) / t.itl_s))
 
 
@@ -467,21 +475,27 @@ async def long_prompt_round(bench: Bench, t: Target, n: int, round_idx: int, att
         steady_from = time.perf_counter()
         await asyncio.sleep(args.steady_seconds)
         long_prompt = random_tokens(bench.vocab, f"long/{round_idx}/{attempt}", args.long_prompt_tokens)
-        long = await stream_completion(t.client, t.model_name, long_prompt, LONG_PROMPT_MAX_TOKENS)
-        first_token_at = long.start + long.ttft
-        if long.error is None:  # the gap spanning the window's end is part of the stall: wait for its end
-            await poll_until(lambda: all(task.done() or r.token_times[-1] > first_token_at
+        long = RequestResult(start=time.perf_counter())  # stamped again when sent; the window needs it now
+        long_task = asyncio.create_task(
+            stream_completion(t.client, t.model_name, long_prompt, LONG_PROMPT_MAX_TOKENS, res=long))
+        await poll_until(lambda: long_task.done() or bool(long.token_times)
+                         or time.perf_counter() - long.start > args.window_seconds, args.request_timeout)
+        window_end = min(long.start + args.window_seconds, long.start + long.ttft if long.token_times else math.inf)
+        if not long_task.done() or long.error is None:  # the gap spanning the window's end counts: wait for it
+            await poll_until(lambda: all(task.done() or r.token_times[-1] > window_end
                                          for task, r in zip(tasks, decoders, strict=True)),
                              args.request_timeout)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+    await long_task  # alone from here on: its TTFT counts the window under load and the rest unloaded
     wall = time.perf_counter() - start
     errors = errors_of([*decoders, long])
     if errors:
         return Outcome({}, errors, wall)
-    steady, during, end = split_gaps(decoders, steady_from, long.start, first_token_at)
+    first_token_at = long.start + long.ttft
+    steady, during, end = split_gaps(decoders, steady_from, long.start, min(first_token_at, window_end))
     metrics = {
         **p50_p99("steady_itl", steady), **p50_p99("during_itl", during),
         "long_ttft_ms": long.ttft * 1e3, "decoder_max_tokens": max_tokens,
@@ -493,7 +507,7 @@ async def long_prompt_round(bench: Bench, t: Target, n: int, round_idx: int, att
     t.itl_s = min(t.itl_s, steady_itl_s) if t.itl_s > 0 else steady_itl_s
     t.long_ttft_s = max(t.long_ttft_s, long.ttft) if t.long_ttft_s > 0 else long.ttft
     out = Outcome(metrics, [], wall)
-    if end < first_token_at:
+    if end < min(first_token_at, window_end):
         t.long_ttft_s *= 2
         out.notes.append(f"a decoder finished its {max_tokens} tokens {first_token_at - end:.2f}s before the "
                          f"long prompt's first token ({long.ttft:.2f}s prefill): during-window cut there")
@@ -891,7 +905,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="throughput: burst sizes")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix: the common prefix")
     p.add_argument("--suffix-tokens", type=int, default=16, help="shared-prefix: each request's own suffix")
-    p.add_argument("--long-prompt-tokens", type=int, default=8192, help="long-prompt: the long prompt")
+    p.add_argument("--long-prompt-tokens", type=int, default=8000, help="long-prompt: the long prompt (8000: it and its answer fit the small model's 8192-token training context, the most llama-server gives a slot)")
+    p.add_argument("--window-seconds", type=float, default=20.0,
+                   help="long-prompt: the decoders' gaps are measured for this long after the long prompt is "
+                        "sent (or until its first token); then they hang up, so a slow, budgeted prefill is "
+                        "not compared with steady gaps of much shorter contexts")
     p.add_argument("--steady-seconds", type=float, default=1.5,
                    help="long-prompt: the decoders' steady window before the long prompt is sent")
     p.add_argument("--kv-unified", action="store_true",

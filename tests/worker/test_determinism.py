@@ -1,6 +1,6 @@
 """Same input, same output: greedy results do not depend on what else runs, and a shared
 prefix is computed once. Real workers with their DEFAULT flags (llama.cpp: flash attention
-auto, f16 KV cache, a KV stream per slot; torch: float32 on the fused CPU kernels).
+auto, f16 KV cache, a KV stream per slot; torch on the CPU: float32 on the fused kernels).
 
 Prompts are token ids of lengths on both sides of 64 (llama.cpp's flash attention runs other
 kernels for pieces of >= 64 rows) and answers are long enough (32 tokens) for a difference at
@@ -35,6 +35,8 @@ def default_worker(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> I
     args = ["--parallel", str(N_SLOTS), "--ctx-size", "4096", "--backend", backend]
     if variant == "fa-off":
         args += ["--flash-attn", "off"]
+    if backend == "torch":
+        args += ["--device", "cpu"]  # bitwise invariant there (on a GPU: to rounding only)
     with run_worker(model, *args, timeout=120) as url:
         yield str(request.param), url
 

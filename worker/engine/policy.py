@@ -106,14 +106,14 @@ class PrefillBudget:
     a long prompt attends over more cells) and the backend's fixed cost of a piece (llama.cpp
     runs each piece as a ubatch of its own: one more pass over the weights), so it is found,
     not modelled: `rows` grows by a tenth (at least one) after a step under the target and
-    shrinks by a third after a step over it. A backend whose pieces cannot be smaller than some
+    shrinks by a fifth after a step over it. A backend whose pieces cannot be smaller than some
     minimum gets one whenever the rows granted since its last piece add up to it (credit): such
     steps come less often instead of every step, but at least every 4th step (`floor`), so a
     long prompt is never starved when even its smallest piece is over the target. With no slot
     generating there is nobody to protect: the whole batch may be prompt.
     """
 
-    def __init__(self, share: float = 0.8, start_rows: float = 16.0, alpha: float = 0.25) -> None:
+    def __init__(self, share: float = 1.0, start_rows: float = 16.0, alpha: float = 0.25) -> None:
         self.share = share
         self.alpha = alpha
         self.rows = start_rows
@@ -145,6 +145,6 @@ class PrefillBudget:
                 self.decode_ms = step_ms if self.decode_ms is None else self.decode_ms + self.alpha * (step_ms - self.decode_ms)
         elif self.decode_ms is not None:
             if step_ms > (1 + self.share) * self.decode_ms:
-                self.rows = max(1.0, self.rows * 2 / 3)
+                self.rows = max(1.0, self.rows * 0.8)
             else:
                 self.rows = min(4096.0, self.rows + max(1.0, self.rows / 10))

@@ -235,7 +235,7 @@ class Scheduler:
         pending, n_pending = self._pending_source(others, tokens, wanted)
         if n_pending >= max(n_keep, n_src, n_entry) + _MIN_SHARE_GAIN:
             self._save_tail(slot, 0)
-            slot.source, slot.n_source = pending, n_pending
+            slot.source, slot.source_task, slot.n_source = pending, pending.task, n_pending
             log.info("task %d: waits for slot %d to compute %d shared prompt tokens", task.id, pending.id, n_pending)
             return 0, None
         if src is not None and n_src >= max(n_keep + _MIN_REUSE_GAIN, n_entry):
@@ -315,9 +315,9 @@ class Scheduler:
         tokens = task.tokens()
         wanted = self._wanted(task)
         n_have = self._reuse(src, tokens, wanted)
-        if n_have < slot.n_source and src.is_prefill and src.task is not None:
+        if n_have < slot.n_source and src.is_prefill and src.task is slot.source_task:
             return False  # still being computed
-        slot.source, slot.n_source = None, 0
+        slot.source, slot.source_task, slot.n_source = None, None, 0
         if n_have >= _MIN_REUSE_GAIN:
             self._copy(src, slot, n_have)
         n_keep = n_have if n_have >= _MIN_REUSE_GAIN else 0

@@ -38,6 +38,7 @@ class Slot:
     feed: list[int] = field(default_factory=list)
     is_prefill: bool = False
     source: Slot | None = None  # waiting for this slot to compute our shared prefix ...
+    source_task: Task | None = None  # ... for this task of it ...
     n_source: int = 0  # ... up to this length
     t_last_used: float = field(default_factory=time.monotonic)
 
@@ -70,6 +71,6 @@ class Slot:
         task, self.task = self.task, None
         self.feed = []
         self.is_prefill = False
-        self.source, self.n_source = None, 0
+        self.source, self.source_task, self.n_source = None, None, 0
         self.t_last_used = time.monotonic()
         return task
