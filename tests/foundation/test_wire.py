@@ -77,7 +77,8 @@ def test_completion_logprobs_is_a_count() -> None:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({}, "messages"),
-        ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+        ({"messages": MSG, "response_format": "json"}, "response_format"),
+        ({"messages": MSG, "grammar": 5}, "grammar"),
     ],
 )
 def test_bad_chat_bodies_name_the_param(body: dict[str, Any], param: str) -> None:

@@ -25,7 +25,7 @@ Sampling state (penalty history, RNG seeded per request, logit bias) lives in a 
 made by `new_sampler`; `sample` also *accepts* the chosen token into that state. An item
 samples either a row of the last decode (`logits_index`) or a row saved earlier (`logits`,
 from `logits_row`: a prompt whose KV was all cached needs no decode). The optional per-item
-`mask` is the seam for grammar-constrained decoding: a boolean array of n_vocab where False
+`mask` is a grammar's (worker/engine/grammar.py): a boolean array of n_vocab where False
 forbids a token; it is applied before any other sampler.
 
 Logprobs are computed from the raw logits (log-softmax before temperature/penalties), as
@@ -168,6 +168,11 @@ class Backend(Protocol):
         ...
 
     def is_eog(self, token: int) -> bool: ...
+
+    def grammar_tokenizer(self) -> Any:
+        """The vocabulary as llguidance sees it (an `LLTokenizer`, end-of-generation tokens as its
+        EOS), for worker/engine/grammar.py. Built at the first call (up to ~1 s), then cached."""
+        ...
 
     # -- engine thread only ---------------------------------------------------------------
     def decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus: ...

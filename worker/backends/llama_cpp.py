@@ -208,6 +208,8 @@ class LlamaCppBackend:
 
         self._vocab_model = self._load_model(vocab_only=True)
         self._vocab = ll.llama_model_get_vocab(self._vocab_model)
+        self._grammar_lock = threading.Lock()
+        self._grammar_tok: Any = None  # llguidance's view of the vocabulary, made at first use
         self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
         self._load()
         self._meta = self._read_meta()
@@ -345,6 +347,14 @@ class LlamaCppBackend:
 
     def is_eog(self, token: int) -> bool:
         return bool(_vocab_is_eog(self._vocab, token))
+
+    def grammar_tokenizer(self) -> Any:
+        with self._grammar_lock:
+            if self._grammar_tok is None:
+                from llguidance.llamacpp import lltokenizer_from_vocab
+
+                self._grammar_tok = lltokenizer_from_vocab(self._vocab, n_vocab=self.n_vocab, eos_token=self._eog_tokens())
+            return self._grammar_tok
 
     def _eog_tokens(self) -> list[int]:
         if self._eog_ids is None:

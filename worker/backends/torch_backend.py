@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from itertools import chain
 from pathlib import Path
@@ -101,6 +102,8 @@ class TorchBackend:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device, self.cfg)
         self.tokenizer = HFTokenizer(self._path)
+        self._grammar_lock = threading.Lock()
+        self._grammar_tok: Any = None  # llguidance's view of the vocabulary, made at first use
         if n_slots < 1:
             raise ValueError(f"n_slots must be at least 1, not {n_slots}")
         n_ctx = n_ctx if n_ctx > 0 else self.cfg.max_position_embeddings
@@ -237,6 +240,16 @@ class TorchBackend:
 
     def is_eog(self, token: int) -> bool:
         return self.tokenizer.is_eog(token)
+
+    def grammar_tokenizer(self) -> Any:
+        with self._grammar_lock:
+            if self._grammar_tok is None:
+                import llguidance
+
+                source = (self._path / "tokenizer.json").read_text(encoding="utf-8")
+                eog = sorted(self.tokenizer.eog_ids)
+                self._grammar_tok = llguidance.LLTokenizer(source, n_vocab=self.cfg.vocab_size, eos_token=eog)
+            return self._grammar_tok
 
     # -- engine thread ------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
+from worker.engine.grammar import MaskBatch, consume
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import PromptCache
 from worker.engine.scheduler import Plan, Scheduler
@@ -117,6 +118,8 @@ class Engine:
         self.status = LoadStatus()
         self._flush_hooks: list[Callable[[], None]] = []
         self._gauges = (-1, -1, -1)  # last values published by _update_gauges
+        self._masks: MaskBatch | None = None  # made at the first constrained task
+        self._mask_totals: tuple[int, float, float] = (0, 0.0, 0.0)  # published to metrics so far
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # -- any thread ---------------------------------------------------------------------------
@@ -212,6 +215,8 @@ class Engine:
         return True
 
     def _close_backend(self) -> None:
+        if self._masks is not None:
+            self._masks.close()
         if self._backend is not None:
             try:
                 self._backend.close()
@@ -318,21 +323,48 @@ class Engine:
     def _run_batch(self, scheduler: Scheduler, plan: Plan) -> None:
         backend = self._require_backend()
         to_sample: list[Slot] = []
+        masks = self._start_masks(plan)  # on a helper thread, while the decode runs
         if plan.entries:
             self.flush_events()  # the event loop wakes as the decode releases the GIL
             t0 = time.perf_counter()
             if backend.decode([entry for _, entry in plan.entries]) is DecodeStatus.NO_KV_SPACE:
+                if masks is not None:
+                    masks.wait()  # unused: the matchers' state did not change
                 scheduler.on_no_kv_space(plan)
                 return
             to_sample = scheduler.commit(plan, (time.perf_counter() - t0) * 1e3)
         slots = to_sample + plan.from_saved
         if slots:
             tasks = [s.task for s in slots if s.task is not None]
-            items = [SampleItem(t.sampler, i) for i, t in enumerate(tasks[: len(to_sample)])]
-            items += [SampleItem(s.task.sampler, logits=s.logits) for s in plan.from_saved if s.task is not None]
+            rows = self._wait_masks(masks) if masks is not None else [None] * len(tasks)
+            items = [SampleItem(t.sampler, i, mask=m) for i, (t, m) in enumerate(zip(tasks, rows, strict=True))]
+            for item, slot in zip(items[len(to_sample) :], plan.from_saved, strict=True):
+                item.logits_index, item.logits = -1, slot.logits
             samples = backend.sample(items, [t.params for t in tasks])
             for slot, sample in zip(slots, samples, strict=True):
                 self._on_token(slot, sample)
+
+    def _wait_masks(self, masks: MaskBatch) -> list[Any]:
+        rows = masks.wait()
+        totals = (masks.n_masks, masks.compute_seconds, masks.wait_seconds)
+        published, self._mask_totals = self._mask_totals, totals
+        m = self._metrics
+        m.grammar_masks.inc(totals[0] - published[0])
+        m.grammar_mask_seconds.inc(totals[1] - published[1])
+        m.grammar_wait_seconds.inc(totals[2] - published[2])
+        return rows
+
+    def _start_masks(self, plan: Plan) -> MaskBatch | None:
+        """Start computing the grammar masks of the slots that sample this step (in sample
+        order: entries asking for logits, then saved logits); None if none is constrained."""
+        sampling = [slot for slot, entry in plan.entries if entry.logits] + plan.from_saved
+        matchers = [slot.task.matcher if slot.task is not None else None for slot in sampling]
+        if all(m is None for m in matchers):
+            return None
+        if self._masks is None:
+            self._masks = MaskBatch(self._require_backend().meta.n_vocab, self.n_slots + 1)
+        self._masks.start(matchers)
+        return self._masks
 
     def _on_token(self, slot: Slot, sample: Sample) -> None:
         backend = self._require_backend()
@@ -346,6 +378,10 @@ class Engine:
         task.generated.append(token)
         task.stats.n_decoded += 1
         p = task.params
+        grammar = consume(task.matcher, token) if task.matcher is not None else None
+        if grammar is not None and grammar.error is not None:
+            self._fail(slot, f"constrained decoding failed: {grammar.error}")
+            return
         if not p.ignore_eos and backend.is_eog(token):
             self._finish(slot, "stop", None)
             return
@@ -353,6 +389,8 @@ class Engine:
         task.emit(TokenEvent(text, token, sample.logprob, sample.top_logprobs))
         if stop_word is not None:
             self._finish(slot, "stop", stop_word)
+        elif grammar is not None and grammar.is_complete:  # nothing but end-of-generation may follow
+            self._finish(slot, "stop", None)
         elif (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens) or len(slot.cache) >= backend.n_ctx_seq:
             self._finish(slot, "length", None)
         else:
@@ -379,6 +417,13 @@ class Engine:
             "task %d done on slot %d: %s; prompt %d tokens (%d cached) in %.1f ms; %d tokens in %.1f ms (%.1f t/s)",
             task.id, slot.id, reason, st.n_prompt, st.n_cached, st.prompt_ms, st.n_decoded, st.predicted_ms, tps,
         )
+
+    def _fail(self, slot: Slot, message: str) -> None:
+        task = slot.release()
+        assert task is not None
+        self._free_sampler(task)
+        log.error("task %d failed on slot %d: %s", task.id, slot.id, message)
+        task.emit(ErrorEvent(message, 500, "server_error"))
 
     def _free_sampler(self, task: Task) -> None:
         if task.sampler is not None and self._backend is not None:

@@ -44,6 +44,13 @@ class WorkerMetrics:
         self.requests_parked = Counter(
             "omni:requests_parked", "Requests prefilled while every slot was busy (first token sent early)", registry=r
         )
+        self.grammar_masks = Counter("omni:grammar_masks", "Next-token masks computed for constrained slots", registry=r)
+        self.grammar_mask_seconds = Counter(
+            "omni:grammar_mask_seconds", "Time spent computing grammar masks (beside the decode)", registry=r
+        )
+        self.grammar_wait_seconds = Counter(
+            "omni:grammar_wait_seconds", "Time the engine waited for grammar masks after its decode", registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from worker.engine.grammar import Grammar
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,6 +16,7 @@ class SamplingParams:
     temperature <= 0 means greedy (exact argmax). top_k <= 0, top_p >= 1 and min_p <= 0
     disable their samplers. repeat_last_n: 0 disables penalties, -1 means the whole context.
     seed None means a random seed per request. max_tokens None means until EOS or a full context.
+    grammar: the constraint every token must keep to (worker/engine/grammar.py), or None.
     """
 
     temperature: float = 0.8
@@ -32,6 +37,7 @@ class SamplingParams:
     n: int = 1
     cache_prompt: bool = True
     id_slot: int = -1
+    grammar: Grammar | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -8,7 +8,7 @@ Every result goes out through `emit`, called on the engine thread: one `TokenEve
 token, then exactly one `FinishEvent` or `ErrorEvent`. A cancelled task gets no further events.
 
 The task, not the slot, owns what must survive preemption: the generated tokens, the sampler
-(penalty history, RNG), the detokenizer and the stop-string matcher. A preempted task is
+(penalty history, RNG), the grammar's parser state, the detokenizer and the stop-string matcher. A preempted task is
 re-admitted with `prompt + generated` as its prompt and continues where it stopped.
 """
 
@@ -112,6 +112,7 @@ class Task:
         self.is_cancelled = False
         self.generated: list[int] = []
         self.sampler: Any = None
+        self.matcher = params.grammar.matcher() if params.grammar is not None else None  # owned like the sampler
         self.output = TextOutput(params.stop)
         self.stats = TaskStats(n_prompt=len(prompt), t_arrival=time.monotonic())
         self.n_preempted = 0

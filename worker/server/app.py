@@ -9,6 +9,7 @@ thread so the event loop never stalls. Every error is the one envelope from work
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -20,13 +21,23 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from worker.backends.base import Backend
+from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.metrics import CONTENT_TYPE
 from worker.engine.sampling_params import SamplingParams
 from worker.errors import APIError, api_error_handler, error_body, http_exception_handler, parse_model
 from worker.server.generation import Generation
 from worker.server.openai_format import Choices, ResponseInfo, error_payload, stream_chat, stream_completion
 from worker.server.sse import aggregated, event_stream
-from worker.server.state import WorkerState
+from worker.server.state import REASONING_FORMATS, WorkerState
+from worker.server.structured import (
+    Constraint,
+    ToolSet,
+    check_tool_schemas,
+    check_tools,
+    compile_constraint,
+    output_constraint,
+    tool_call_lark,
+)
 from worker.server.wire import (
     ApplyTemplateRequest,
     ChatCompletionRequest,
@@ -37,7 +48,10 @@ from worker.server.wire import (
     new_id,
     now,
 )
+from worker.text.chat_output import ChatOutputConfig
 from worker.text.chat_template import ChatTemplateError
+from worker.text.reasoning import detect_markers, starts_in_reasoning
+from worker.text.tool_calls import ToolFormat, detect_format
 
 _LONG_TEXT = 8192  # characters: above this, tokenize off the event loop
 
@@ -141,26 +155,66 @@ def _info(state: WorkerState, backend: Backend, model: str | None, prefix: str) 
 # --------------------------------------------------------------------------- inference
 
 
+def _chat_grammar(backend: Backend, tools: ToolSet | None, fmt: ToolFormat, c: Constraint | None) -> Grammar | None:
+    """The chat request's one grammar: a forced tool call, a JSON answer or a call (tool_choice
+    auto with a JSON schema), or the output constraint alone. Blocking: run it in a thread."""
+    if tools is None or not tools.is_active:
+        return compile_constraint(backend, c) if c is not None else None
+    check_tool_schemas(backend, tools)
+    if not tools.choice.is_forced and c is None:
+        return None  # free text, parsed for calls afterwards
+    if c is not None and (tools.choice.is_forced or c.kind != "json_schema"):
+        raise APIError(f"{c.param} cannot be combined with tool_choice {tools.choice.mode!r}", param=c.param)
+    lark = tool_call_lark(backend, fmt, tools, c)
+    return compile_grammar(backend.grammar_tokenizer(), "lark", lark)
+
+
+def _reasoning_format(state: WorkerState, value: str | None) -> str:
+    fmt = value or state.reasoning_format
+    if fmt not in REASONING_FORMATS:
+        raise APIError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, not {fmt!r}",
+                       param="reasoning_format")
+    return fmt
+
+
 async def chat_completions(request: Request) -> Response:
     state = _state(request)
     backend = _ready(state)
     req = parse_model(ChatCompletionRequest, await request.body())
     params = req.to_sampling_params()
+    tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    constraint = output_constraint(req)
+    reasoning = _reasoning_format(state, req.reasoning_format)
+    rendered_tools = tools.tools if tools is not None and tools.is_active else None
     nv = req.nvext
     if nv is not None and nv.use_raw_prompt:
         text = "".join(m.text() for m in req.messages)
     else:
-        text = _render_chat(state, backend, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+        text = _render_chat(state, backend, req.messages, rendered_tools, req.add_generation_prompt, req.chat_template_kwargs)
+    source = state.template.source if state.template is not None else None
+    tool_format = detect_format(source)
+    if constraint is not None or rendered_tools is not None:
+        grammar = await anyio.to_thread.run_sync(_chat_grammar, backend, tools, tool_format, constraint)
+        params = dataclasses.replace(params, grammar=grammar)
+    markers = detect_markers(source) if reasoning != "none" else None
+    output = ChatOutputConfig(
+        tool_format=tool_format if rendered_tools is not None else None,
+        parallel_tool_calls=req.parallel_tool_calls,
+        reasoning=markers,
+        starts_in_reasoning=markers is not None and starts_in_reasoning(text, markers),
+        legacy_reasoning=reasoning == "deepseek-legacy",
+    )
+    chat = output if output.tool_format is not None or output.reasoning is not None else None
     tokens = await _tokenize(backend, text, True, True)
     _check_prompt(tokens, backend)
     gen = Generation(state.engine, [tokens], params, quiet_tokens=not req.stream)
     info = _info(state, backend, req.model, "chatcmpl")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return event_stream(gen, stream_chat(gen, info, include_usage=include_usage))
+        return event_stream(gen, stream_chat(gen, info, include_usage=include_usage, chat=chat))
 
     async def build() -> tuple[int, Any]:
-        choices = Choices(gen, info)
+        choices = Choices(gen, info, chat=chat)
         await choices.collect()
         if choices.error is not None:
             return choices.error.status_code, error_payload(choices.error)
@@ -174,6 +228,10 @@ async def completions(request: Request) -> Response:
     backend = _ready(state)
     req = parse_model(CompletionRequest, await request.body())
     params = req.to_sampling_params()
+    constraint = output_constraint(req)
+    if constraint is not None:
+        grammar = await anyio.to_thread.run_sync(compile_constraint, backend, constraint)
+        params = dataclasses.replace(params, grammar=grammar)
     prompts: list[list[int]] = []
     echo: list[str] = []
     for i, p in enumerate(req.prompts()):

@@ -24,7 +24,7 @@ from worker.backends import BackendOptions, load_backend, resolve_kind
 from worker.backends.base import Backend
 from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
-from worker.server.state import WorkerState
+from worker.server.state import REASONING_FORMATS, WorkerState
 
 log = logging.getLogger("worker")
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
@@ -110,6 +110,10 @@ def serve(
         8192, "--cache-ram", "-cram", min=-1,
         help="host-RAM prompt cache for idle slots' KV, in MiB (0: off, -1: no limit); llama.cpp backend",
     ),
+    reasoning_format: str = typer.Option(
+        "auto", "--reasoning-format",
+        help="auto | deepseek | deepseek-legacy | none: where <think> text goes (a request's reasoning_format wins)",
+    ),
     parent_pid: int | None = typer.Option(None, "--parent-pid", help="exit when this process is gone"),
 ) -> None:
     """Serve one model with continuous batching over N slots."""
@@ -122,6 +126,9 @@ def serve(
             f"must be at least --parallel ({parallel}): every generating slot adds a token per step",
             param_hint="--batch-size",
         )
+    if reasoning_format not in REASONING_FORMATS:
+        raise typer.BadParameter(f"{reasoning_format!r} is not one of {', '.join(REASONING_FORMATS)}",
+                                 param_hint="--reasoning-format")
     try:
         kind = resolve_kind(backend, model)  # type: ignore[arg-type]
     except ValueError as e:
@@ -159,7 +166,7 @@ def serve(
         _loader(kind, model, options, chat_template, lambda: state), parallel, metrics, on_load_failed,
         cache_ram_mib=cache_ram,
     )
-    state = WorkerState(engine, metrics, alias or _default_model_id(model), model, kind)
+    state = WorkerState(engine, metrics, alias or _default_model_id(model), model, kind, reasoning_format=reasoning_format)
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.server.app import build_app
 

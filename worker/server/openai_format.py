@@ -15,6 +15,16 @@ from typing import Any
 from worker.engine.task import ErrorEvent, FinishEvent, TaskStats, TokenEvent
 from worker.errors import error_body
 from worker.server.generation import Generation
+from worker.text.chat_output import (
+    ChatOutputConfig,
+    ChatOutputStream,
+    ContentDelta,
+    Delta,
+    ParsedMessage,
+    ReasoningDelta,
+    ToolArgsDelta,
+    ToolCallStart,
+)
 
 TokenText = Callable[[int], bytes]
 
@@ -70,16 +80,52 @@ def timings(stats: TaskStats) -> dict[str, Any]:
     }
 
 
-def usage(gen: Generation, finishes: dict[int, FinishEvent]) -> dict[str, Any]:
+def usage(gen: Generation, finishes: dict[int, FinishEvent], n_reasoning: int | None = None) -> dict[str, Any]:
+    """`n_reasoning`: the reasoning tokens of a chat completion's choices (None: not a chat)."""
     n_prompt = sum(len(p) for p in gen.prompts)
     n_completion = sum(f.stats.n_decoded for f in finishes.values())
     n_cached = sum(f.stats.n_cached for i, f in finishes.items() if i % gen.params.n == 0)
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": n_prompt,
         "completion_tokens": n_completion,
         "total_tokens": n_prompt + n_completion,
         "prompt_tokens_details": {"cached_tokens": n_cached},
     }
+    if n_reasoning is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": n_reasoning}
+    return out
+
+
+class ChatParse:
+    """One choice's output parser (reasoning, tool calls) and its count of reasoning tokens."""
+
+    __slots__ = ("n_reasoning", "stream")
+
+    def __init__(self, config: ChatOutputConfig) -> None:
+        self.stream = ChatOutputStream(config)
+        self.n_reasoning = 0
+
+    def token(self, text: str) -> list[Delta]:
+        was_reasoning = self.stream.in_reasoning
+        deltas = self.stream.feed(text)
+        if was_reasoning or self.stream.in_reasoning:
+            self.n_reasoning += 1
+        return deltas
+
+    def finish(self, text: str) -> list[Delta]:
+        return [*self.stream.feed(text), *self.stream.finish()]
+
+
+def message(parsed: ParsedMessage) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning_content is not None:
+        out["reasoning_content"] = parsed.reasoning_content
+    if parsed.tool_calls:
+        out["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parsed.tool_calls
+        ]
+    return out
 
 
 def error_payload(ev: ErrorEvent) -> dict[str, Any]:
@@ -141,12 +187,17 @@ class _Choice:
 
 
 class Choices:
-    """The fold of a generation's events into final choices (non-streaming responses)."""
+    """The fold of a generation's events into final choices (non-streaming responses).
 
-    def __init__(self, gen: Generation, info: ResponseInfo, *, echo: list[str] | None = None) -> None:
+    `chat`: parse each chat choice's text into reasoning, content and tool calls."""
+
+    def __init__(
+        self, gen: Generation, info: ResponseInfo, *, echo: list[str] | None = None, chat: ChatOutputConfig | None = None
+    ) -> None:
         self.gen = gen
         self.info = info
         self.choices = [_Choice() for _ in gen.tasks]
+        self.parses = [ChatParse(chat) for _ in gen.tasks] if chat is not None else None
         if echo:
             for i, c in enumerate(self.choices):
                 c.text.append(echo[i // gen.params.n])
@@ -163,9 +214,13 @@ class Choices:
                     c.completion_logprobs.add(self.info, ev, c.n_chars)
                 c.text.append(ev.text)
                 c.n_chars += len(ev.text)
+                if self.parses is not None:
+                    self.parses[index].token(ev.text)
             elif isinstance(ev, FinishEvent):
                 c.text.append(ev.text)
                 c.finish = ev
+                if self.parses is not None:
+                    self.parses[index].finish(ev.text)
             else:
                 self.error = ev
                 self.gen.cancel()
@@ -178,28 +233,37 @@ class Choices:
         first = self.choices[0].finish
         return timings(first.stats) if first else None
 
-    def _body(self, object: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _body(self, object: str, choices: list[dict[str, Any]], n_reasoning: int | None = None) -> dict[str, Any]:
         return {
             "id": self.info.id,
             "object": object,
             "created": self.info.created,
             "model": self.info.model,
             "choices": choices,
-            "usage": usage(self.gen, self.finishes()),
+            "usage": usage(self.gen, self.finishes(), n_reasoning),
             "timings": self._timings(),
         }
 
     def chat_completion(self) -> dict[str, Any]:
         want_lp = self.gen.params.logprobs
-        return self._body("chat.completion", [
-            {
+        out = []
+        for i, c in enumerate(self.choices):
+            reason: str | None = c.finish.reason if c.finish else None
+            if self.parses is None:
+                msg: dict[str, Any] = {"role": "assistant", "content": "".join(c.text)}
+            else:
+                parsed = self.parses[i].stream.result()
+                msg = message(parsed)
+                if parsed.tool_calls:
+                    reason = "tool_calls"
+            out.append({
                 "index": i,
-                "message": {"role": "assistant", "content": "".join(c.text)},
-                "finish_reason": c.finish.reason if c.finish else None,
+                "message": msg,
+                "finish_reason": reason,
                 "logprobs": {"content": c.chat_logprobs} if want_lp else None,
-            }
-            for i, c in enumerate(self.choices)
-        ])
+            })
+        n_reasoning = sum(p.n_reasoning for p in self.parses) if self.parses is not None else 0
+        return self._body("chat.completion", out, n_reasoning)
 
     def completion(self) -> dict[str, Any]:
         want_lp = self.gen.params.logprobs
@@ -217,7 +281,11 @@ class Choices:
 # --------------------------------------------------------------------------- streaming
 
 
-async def stream_chat(gen: Generation, info: ResponseInfo, *, include_usage: bool) -> AsyncIterator[bytes]:
+async def stream_chat(
+    gen: Generation, info: ResponseInfo, *, include_usage: bool, chat: ChatOutputConfig | None = None
+) -> AsyncIterator[bytes]:
+    """`chat`: split reasoning and tool calls out of the text (`delta.reasoning_content`,
+    `delta.tool_calls`: index, id and name first, then argument fragments)."""
     want_lp = gen.params.logprobs
     head = {"id": info.id, "object": "chat.completion.chunk", "created": info.created, "model": info.model}
 
@@ -227,27 +295,57 @@ async def stream_chat(gen: Generation, info: ResponseInfo, *, include_usage: boo
 
     text_chunk = _TextChunks(lambda index, text: {**head, "choices": [
         {"index": index, "delta": {"content": text}, "finish_reason": None}]})
+
+    def delta_chunks(index: int, deltas: list[Delta], lp: dict[str, Any] | None) -> list[bytes]:
+        out: list[bytes] = []
+        for d in deltas:
+            extra = {"logprobs": lp} if lp is not None and not out else {}
+            if isinstance(d, ContentDelta):
+                out.append(chunk(index, {"content": d.text}, **extra) if extra else text_chunk(index, d.text))
+            elif isinstance(d, ReasoningDelta):
+                out.append(chunk(index, {"reasoning_content": d.text}, **extra))
+            elif isinstance(d, ToolCallStart):
+                call = {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+                out.append(chunk(index, {"tool_calls": [call]}, **extra))
+            elif isinstance(d, ToolArgsDelta):
+                out.append(chunk(index, {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}, **extra))
+        if lp is not None and not out:
+            out.append(chunk(index, {}, logprobs=lp))
+        return out
+
+    parses = [ChatParse(chat) for _ in gen.tasks] if chat is not None else None
     for i in range(len(gen.tasks)):
         yield chunk(i, {"role": "assistant", "content": ""})
     finishes: dict[int, FinishEvent] = {}
     async for index, ev in gen.events():
         if isinstance(ev, TokenEvent):
-            if want_lp:
-                yield chunk(index, {"content": ev.text}, logprobs={"content": [chat_logprob(info, ev)]})
+            lp = {"content": [chat_logprob(info, ev)]} if want_lp else None
+            if parses is not None:
+                for frame in delta_chunks(index, parses[index].token(ev.text), lp):
+                    yield frame
+            elif lp is not None:
+                yield chunk(index, {"content": ev.text}, logprobs=lp)
             elif ev.text:
                 yield text_chunk(index, ev.text)
         elif isinstance(ev, FinishEvent):
             finishes[index] = ev
-            if ev.text:
+            reason: str = ev.reason
+            if parses is not None:
+                for frame in delta_chunks(index, parses[index].finish(ev.text), None):
+                    yield frame
+                if parses[index].stream.result().tool_calls:
+                    reason = "tool_calls"
+            elif ev.text:
                 yield text_chunk(index, ev.text)
-            yield sse({**head, "choices": [{"index": index, "delta": {}, "finish_reason": ev.reason}],
+            yield sse({**head, "choices": [{"index": index, "delta": {}, "finish_reason": reason}],
                        "timings": timings(ev.stats)})
         else:
             gen.cancel()
             yield sse(error_payload(ev))
             return
     if include_usage:
-        yield sse({**head, "choices": [], "usage": usage(gen, finishes)})
+        n_reasoning = sum(p.n_reasoning for p in parses) if parses is not None else 0
+        yield sse({**head, "choices": [], "usage": usage(gen, finishes, n_reasoning)})
     yield SSE_DONE
 
 

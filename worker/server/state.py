@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from worker.engine.engine import Engine
 from worker.engine.metrics import WorkerMetrics
 
+REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
+
 if TYPE_CHECKING:
     from worker.text.chat_template import ChatTemplate
 
@@ -25,4 +27,5 @@ class WorkerState:
     model_path: str
     backend_kind: str
     template: ChatTemplate | None = None  # set by the loader once the model's metadata is known
+    reasoning_format: str = "auto"  # the default of requests' reasoning_format
     created: int = field(default_factory=lambda: int(time.time()))

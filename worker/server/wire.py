@@ -68,6 +68,10 @@ class _SamplingRequest(OpenAIBaseModel):
     id_slot: int = -1
     nvext: NvExt | None = None
     user: str | None = None
+    # Constrained output (worker/server/structured.py): at most one of these.
+    response_format: dict[str, Any] | None = None
+    json_schema: Any = None  # llama-server: a JSON schema
+    grammar: str | None = None  # llama-server: a GBNF grammar
 
     @field_validator("stop")
     @classmethod
@@ -147,21 +151,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    reasoning_format: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-
-    @field_validator("response_format")
-    @classmethod
-    def _only_text_format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        # Constrained decoding (a grammar engine's per-slot token mask) is not built yet:
-        # refusing is better than answering unconstrained text to a client that asked for JSON.
-        kind = (v or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(f"response_format type {kind!r} is not supported yet; only 'text' is")
-        return v
 
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self._max_new_tokens()
@@ -213,7 +208,7 @@ class DetokenizeRequest(OpenAIBaseModel):
 
 class ApplyTemplateRequest(OpenAIBaseModel):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None

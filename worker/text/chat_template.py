@@ -192,7 +192,9 @@ _TEXT_PART_TYPES = frozenset({"text", "input_text", "output_text"})
 def _normalize_message(message: Mapping[str, Any], caps: TemplateCaps) -> dict[str, Any]:
     out = {key: value for key, value in message.items() if value is not None}
     content = out.get("content")
-    if caps.requires_typed_content:
+    if content is None and out.get("tool_calls"):  # only tool calls: templates concatenate content
+        out["content"] = [] if caps.requires_typed_content else ""
+    elif caps.requires_typed_content:
         if isinstance(content, str):
             out["content"] = [{"type": "text", "text": content}]
     elif isinstance(content, list) and all(
