@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test models run test lint bench clean
+.PHONY: setup setup-test chromium models run test lint bench clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +28,17 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
+# The web UI tests drive Debian's chromium (Playwright cannot download its own browsers here).
+# Installed where apt-get and root are available; elsewhere tests/webui skips, saying why.
+chromium:
+	@command -v chromium >/dev/null || { \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } \
+	      || echo "chromium could not be installed: tests/webui will skip"; \
+	  else echo "no chromium and no root apt-get: tests/webui will skip"; fi; }
+
 setup: $(VENV)/.base
-setup-test: $(VENV)/.test
+setup-test: $(VENV)/.test chromium
 
 models: $(VENV)/.base
 	$(PY) -m worker.testing.tiny_models --out models --size tiny
