@@ -3,6 +3,8 @@ Starlette app for the router's own routes (/v1/models, /models/load|unload|sleep
 
 The proxied POST routes skip Starlette entirely (hot path): read the body, pick the model
 from its `model` field with one `json.loads`, admit the request (`ensure_ready`), forward.
+The Responses API (router.responses) is mounted on the Starlette app; it reaches a model
+through `open_chat`, the same admission path as a proxied request.
 API keys are compared in constant time (`hmac.compare_digest`) against every configured key.
 """
 
@@ -15,9 +17,12 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
 from urllib.parse import parse_qs
 
+import httpx
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -29,8 +34,19 @@ from router.events import EventBus
 from router.model import ModelHandle
 from router.pool import Pool
 from router.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
+from router.responses.routes import ResponsesRoutes
+from router.responses.service import ResponsesService
+from router.responses.store import Store
 from router.state import ModelState
-from worker.errors import APIError, api_error_handler, http_exception_handler, not_found, parse_json
+from router.webui import WebUI
+from worker.errors import (
+    APIError,
+    ErrorType,
+    api_error_handler,
+    http_exception_handler,
+    not_found,
+    parse_json,
+)
 
 log = logging.getLogger("omni.router.app")
 
@@ -54,6 +70,15 @@ PUBLIC_PREFIXES = ("/static/", "/webui/", "/assets/")
 SSE_KEEPALIVE_S = 15.0
 
 
+@dataclass
+class ResponsesConfig:
+    """The Responses API's store: `max_entries` 0 turns it off."""
+
+    data_dir: Path | None = None
+    max_entries: int = 0
+    ttl_s: float = 30 * 24 * 3600.0
+
+
 def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
     for k, v in headers:
         if k == name:
@@ -64,12 +89,18 @@ def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes | None:
 class RouterApp:
     """The ASGI application served by `omni-router`."""
 
-    def __init__(self, pool: Pool, *, api_keys: list[str] | None = None, cors_origins: list[str] | None = None) -> None:
+    def __init__(self, pool: Pool, *, api_keys: list[str] | None = None, cors_origins: list[str] | None = None,
+                 responses: ResponsesConfig | None = None) -> None:
         self.pool = pool
+        rc = responses or ResponsesConfig()
+        data_dir = rc.data_dir or Path(".")
+        self.store = Store(data_dir / "responses.sqlite3", max_entries=rc.max_entries, ttl_s=rc.ttl_s)
+        self.responses = ResponsesService(self.store, self.open_chat)
         self.events: EventBus = pool.events
         self.api_keys = [k.encode() for k in (api_keys or [])]
         self.cors_origins = set(cors_origins or [])
         self._background: set[asyncio.Task[None]] = set()
+        self.webui = WebUI()  # the bundled chat page (webui/), if present
         self.admin = Starlette(
             routes=[
                 Route("/health", self.health),
@@ -81,6 +112,7 @@ class RouterApp:
                 Route("/models/sleep", self.sleep_model, methods=["POST"]),
                 Route("/models/sse", self.models_sse),
                 Route("/props", self.props),
+                *ResponsesRoutes(self.responses, self.resolve_model).routes(),
             ],
             exception_handlers={APIError: api_error_handler, HTTPException: http_exception_handler,
                                 500: api_error_handler},
@@ -93,7 +125,9 @@ class RouterApp:
         try:
             yield
         finally:
+            await self.responses.close()
             await self.pool.close()
+            self.store.close()
 
     # ------------------------------------------------------------------ raw ASGI front
 
@@ -117,6 +151,9 @@ class RouterApp:
             return
         if method == "GET" and path in PROXY_GET and b"model=" in scope.get("query_string", b""):
             await self._proxy_get(scope, receive, send, PROXY_GET[path], cors)
+            return
+        if self.webui.handles(method, path):
+            await self.webui(scope, receive, send)
             return
         if cors:
             send = self._with_headers(send, cors)
@@ -152,7 +189,7 @@ class RouterApp:
         out: list[tuple[bytes, bytes]] = [(b"content-length", b"0")]
         if cors:
             req_headers = _header(headers, b"access-control-request-headers")
-            out += [*cors, (b"access-control-allow-methods", b"GET, POST, OPTIONS"),
+            out += [*cors, (b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS"),
                     (b"access-control-allow-headers", req_headers or b"authorization, content-type, x-api-key"),
                     (b"access-control-max-age", b"600")]
         await send({"type": "http.response.start", "status": 204, "headers": out})
@@ -220,6 +257,43 @@ class RouterApp:
             raise APIError(f"model {name!r} is not loaded (autoload is off; POST /models/load first)",
                            param="model", code="model_not_loaded")
         return handle
+
+    def resolve_model(self, name: str | None, scope: Scope) -> str:
+        """The model a translated request (the Responses API) goes to, or the proxy's 400/404."""
+        if name is None and len(self.pool.handles) == 1:
+            return next(iter(self.pool.handles))
+        if not name:
+            raise APIError("'model' is required (a name from GET /v1/models)", param="model")
+        self._lookup(name, scope)
+        return name
+
+    @contextlib.asynccontextmanager
+    async def open_chat(self, model: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Admit one chat-completions stream for `model` and yield its parsed SSE chunks.
+
+        The same admission as a proxied request (autoload, queue, --models-max); leaving closes
+        the upstream stream (the worker cancels the request) and releases the model. An upstream
+        error status comes out as its own `APIError`; a cut stream as a final `{"error"}` chunk.
+        """
+        handle = self.pool.get(model)
+        if handle is None:
+            raise not_found(f"model {model!r} not found (see GET /v1/models)")
+        base = await handle.ensure_ready()
+        try:
+            req = self.pool.client.build_request("POST", base + "/v1/chat/completions", json=body)
+            try:
+                resp = await self.pool.client.send(req, stream=True)
+            except httpx.TransportError as e:
+                raise APIError(f"upstream for model {model!r} is unreachable: {e!r}", status_code=503,
+                               type="unavailable_error", code=503, headers={"Retry-After": "1"}) from None
+            try:
+                if resp.status_code != 200:
+                    raise _upstream_error(resp.status_code, await resp.aread())
+                yield _sse_chunks(resp, model)
+            finally:
+                await resp.aclose()
+        finally:
+            handle.release()
 
     async def _run_proxied(self, scope: Scope, receive: Receive, send: Send, handle: ModelHandle, method: str,
                            upstream_path: str, body: bytes, cors: list[tuple[bytes, bytes]] | None) -> None:
@@ -353,6 +427,33 @@ def _query_autoload(query: bytes) -> bool:
         return True
     value = parse_qs(query.decode("latin-1")).get("autoload", ["true"])[0].lower()
     return value not in ("false", "0", "no", "off")
+
+
+def _upstream_error(status: int, raw: bytes) -> APIError:
+    """An upstream's error answer, as the same envelope (a non-JSON body becomes the message)."""
+    try:
+        err = json.loads(raw)["error"]
+        if not isinstance(err, dict):
+            err = {"message": str(err)}
+    except (ValueError, KeyError, TypeError):
+        err = {"message": raw.decode(errors="replace")[:500] or f"upstream status {status}"}
+    extra = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
+    kind = cast(ErrorType, err.get("type") or ("invalid_request_error" if status < 500 else "server_error"))
+    return APIError(str(err.get("message", "")), status_code=status, type=kind, param=err.get("param"),
+                    code=err.get("code"), extra=extra)
+
+
+async def _sse_chunks(resp: httpx.Response, model: str) -> AsyncIterator[dict[str, Any]]:
+    try:
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)
+    except (httpx.TransportError, ValueError) as e:
+        yield {"error": {"message": f"upstream for model {model!r} stopped mid-stream ({e!r})"}}
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:

@@ -6,6 +6,7 @@ Bad arguments or a bad preset: one line on stderr (`omni-router: error: ...`) an
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -16,6 +17,12 @@ from typer._click.exceptions import ClickException  # typer vendors its own clic
 from router.presets import ModelPreset, PresetError, check_unique, load_presets, merge, scan_models_dir
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+def default_data_dir() -> Path:
+    """Where the router keeps its state (the Responses API store): the user's state dir."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "omni-router"
 
 
 def build_presets(preset: list[Path], models_dir: Path | None, overrides: dict[str, Any]) -> list[ModelPreset]:
@@ -46,6 +53,11 @@ def serve(
     parallel: Annotated[int | None, typer.Option("--parallel", "-np", help="override for every model")] = None,
     n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", "-ngl", help="override for every model")] = None,
     threads: Annotated[int | None, typer.Option("--threads", "-t", help="override for every model")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="state dir (Responses API store) "
+                                                  "[default: $XDG_STATE_HOME/omni-router]")] = None,
+    responses_max_entries: Annotated[int, typer.Option(min=0, help="stored responses (and conversations) "
+                                                       "kept; 0 = store nothing")] = 10000,
+    responses_ttl: Annotated[float, typer.Option(min=1, help="seconds a stored response is kept")] = 30 * 24 * 3600.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
 ) -> None:
     """One OpenAI-compatible endpoint for many models."""
@@ -58,12 +70,13 @@ def serve(
 
     import uvicorn
 
-    from router.app import RouterApp
+    from router.app import ResponsesConfig, RouterApp
     from router.pool import Pool, PoolConfig
 
     config = PoolConfig(models_max=models_max, max_queue=max_queue, sleep_idle_seconds=sleep_idle_seconds,
                         autoload=models_autoload)
-    app = RouterApp(Pool(presets, config), api_keys=api_key, cors_origins=cors_origin)
+    responses = ResponsesConfig(data_dir or default_data_dir(), responses_max_entries, responses_ttl)
+    app = RouterApp(Pool(presets, config), api_keys=api_key, cors_origins=cors_origin, responses=responses)
     uvicorn.run(app, host=host, port=port, loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"),
                 log_level=log_level.lower(), access_log=False, timeout_keep_alive=75, lifespan="on",
                 proxy_headers=False, server_header=False, date_header=False, timeout_graceful_shutdown=3)

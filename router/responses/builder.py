@@ -1,0 +1,239 @@
+"""The upstream's chat-completion chunks -> the response object and its stream events (pure).
+
+`ResponseBuilder`, fed the chunks one by one, keeps the response object and returns the typed
+Responses stream events each chunk makes (with a monotonic `sequence_number`). Invariant: at
+most one output item is open at a time; a new kind of delta (reasoning, text, another tool
+call) closes the open one first, so `output_item.added` and `output_item.done` pair up in order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.responses.wire import (
+    FunctionCallItem,
+    Item,
+    MessageItem,
+    OutputText,
+    ReasoningItem,
+    ReasoningText,
+    dump_item,
+    new_id,
+)
+
+
+@dataclass
+class _Open:
+    """The output item being streamed."""
+
+    kind: str  # "reasoning" | "message" | "function_call"
+    index: int  # its output_index
+    tool_index: int = -1  # the chat delta's tool call index
+
+
+@dataclass
+class ResponseBuilder:
+    """The response object and its stream events, built from chat-completion chunks."""
+
+    id: str
+    echo: dict[str, Any]
+    created_at: int = field(default_factory=lambda: int(time.time()))
+    status: str = "queued"
+    output: list[Item] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    incomplete_reason: str | None = None
+    completed_at: int | None = None
+    num_events: int = 0
+    _open: _Open | None = None
+
+    # ---- the object
+
+    def output_text(self) -> str:
+        return "".join(p.text for it in self.output if isinstance(it, MessageItem) and isinstance(it.content, list)
+                       for p in it.content if isinstance(p, OutputText))
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "completed_at": self.completed_at,
+            "status": self.status,
+            "error": self.error,
+            "incomplete_details": {"reason": self.incomplete_reason} if self.incomplete_reason else None,
+            "output": [dump_item(it) for it in self.output],
+            "output_text": self.output_text(),
+            "usage": self.usage,
+            **self.echo,
+        }
+
+    def _event(self, kind: str, **data: Any) -> dict[str, Any]:
+        ev = {"type": kind, "sequence_number": self.num_events, **data}
+        self.num_events += 1
+        return ev
+
+    def _lifecycle(self, kind: str) -> dict[str, Any]:
+        return self._event(kind, response=self.snapshot())
+
+    # ---- events
+
+    def start(self) -> list[dict[str, Any]]:
+        """`response.created` (queued or in progress) and `response.in_progress`."""
+        events = [self._lifecycle("response.created")]
+        self.status = "in_progress"
+        events.append(self._lifecycle("response.in_progress"))
+        return events
+
+    def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """One chat-completion chunk -> the events it makes."""
+        events: list[dict[str, Any]] = []
+        if chunk.get("usage"):
+            self.usage = _usage(chunk["usage"])
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                events += self._reasoning(delta["reasoning_content"])
+            logprobs = ((choice.get("logprobs") or {}).get("content")) or []
+            is_text_open = self._open is not None and self._open.kind == "message"
+            if delta.get("content") or (logprobs and is_text_open):  # a token may end mid-character: no text yet
+                events += self._text(delta.get("content") or "", logprobs)
+            for call in delta.get("tool_calls") or []:
+                events += self._tool_call(call)
+            if choice.get("finish_reason") == "length":
+                self.incomplete_reason = "max_output_tokens"
+        return events
+
+    def finish(self) -> list[dict[str, Any]]:
+        events = self._close()
+        self.completed_at = int(time.time())
+        if self.incomplete_reason:
+            self.status = "incomplete"
+            return [*events, self._lifecycle("response.incomplete")]
+        self.status = "completed"
+        return [*events, self._lifecycle("response.completed")]
+
+    def fail(self, message: str, code: str = "server_error") -> list[dict[str, Any]]:
+        events = self._close("incomplete")
+        self.status = "failed"
+        self.error = {"code": code, "message": message}
+        return [*events, self._lifecycle("response.failed")]
+
+    def cancel(self) -> None:
+        self._close("incomplete")
+        self.status = "cancelled"
+
+    # ---- one kind of delta each
+
+    def _begin(self, kind: str, item: Item, tool_index: int = -1) -> list[dict[str, Any]]:
+        events = self._close()
+        self.output.append(item)
+        self._open = _Open(kind, len(self.output) - 1, tool_index)
+        return [*events, self._event("response.output_item.added", output_index=self._open.index,
+                                     item=dump_item(item))]
+
+    def _reasoning(self, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._open is None or self._open.kind != "reasoning":
+            events += self._begin("reasoning", ReasoningItem(
+                type="reasoning", id=new_id("rs"), summary=[], content=[ReasoningText(type="reasoning_text", text="")],
+                status="in_progress"))
+            events.append(self._part_event("response.content_part.added", {"type": "reasoning_text", "text": ""}))
+        assert self._open is not None
+        item = self.output[self._open.index]
+        assert isinstance(item, ReasoningItem) and item.content
+        item.content[0].text += text
+        return [*events, self._event("response.reasoning_text.delta", item_id=item.id, output_index=self._open.index,
+                                     content_index=0, delta=text)]
+
+    def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._open is None or self._open.kind != "message":
+            events += self._begin("message", MessageItem(
+                type="message", id=new_id("msg"), role="assistant", content=[OutputText(type="output_text", text="")],
+                status="in_progress"))
+            events.append(self._part_event("response.content_part.added",
+                                           {"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+        assert self._open is not None
+        item = self.output[self._open.index]
+        assert isinstance(item, MessageItem) and isinstance(item.content, list)
+        part = item.content[0]
+        assert isinstance(part, OutputText)
+        part.text += text
+        lps = [_logprob(lp) for lp in logprobs]
+        part.logprobs.extend(lps)
+        return [*events, self._event("response.output_text.delta", item_id=item.id, output_index=self._open.index,
+                                     content_index=0, delta=text, logprobs=lps)]
+
+    def _tool_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        index = int(call.get("index", 0))
+        fn = call.get("function") or {}
+        if self._open is None or self._open.kind != "function_call" or self._open.tool_index != index:
+            events += self._begin("function_call", FunctionCallItem(
+                type="function_call", id=new_id("fc"), call_id=call.get("id") or new_id("call"),
+                name=fn.get("name") or "", arguments="", status="in_progress"), index)
+        assert self._open is not None
+        item = self.output[self._open.index]
+        assert isinstance(item, FunctionCallItem)
+        if fn.get("name") and not item.name:
+            item.name = fn["name"]
+        if fn.get("arguments"):
+            item.arguments += fn["arguments"]
+            events.append(self._event("response.function_call_arguments.delta", item_id=item.id,
+                                      output_index=self._open.index, delta=fn["arguments"]))
+        return events
+
+    def _part_event(self, kind: str, part: dict[str, Any]) -> dict[str, Any]:
+        assert self._open is not None
+        item = self.output[self._open.index]
+        return self._event(kind, item_id=item.id, output_index=self._open.index, content_index=0, part=part)
+
+    def _close(self, status: str | None = None) -> list[dict[str, Any]]:
+        """Finish the open item: its `*.done` events, then `output_item.done`."""
+        if self._open is None:
+            return []
+        op, self._open = self._open, None
+        item = self.output[op.index]
+        item.status = status or ("incomplete" if self.incomplete_reason else "completed")  # type: ignore[assignment]
+        ids = {"item_id": item.id, "output_index": op.index}
+        events = []
+        if isinstance(item, ReasoningItem) and item.content:
+            text = item.content[0].text
+            events += [self._event("response.reasoning_text.done", **ids, content_index=0, text=text),
+                       self._event("response.content_part.done", **ids, content_index=0,
+                                   part={"type": "reasoning_text", "text": text})]
+        elif isinstance(item, MessageItem) and isinstance(item.content, list):
+            part = item.content[0]
+            assert isinstance(part, OutputText)
+            events += [self._event("response.output_text.done", **ids, content_index=0, text=part.text,
+                                   logprobs=part.logprobs),
+                       self._event("response.content_part.done", **ids, content_index=0,
+                                   part=part.model_dump(mode="json"))]
+        elif isinstance(item, FunctionCallItem):
+            events.append(self._event("response.function_call_arguments.done", **ids, name=item.name,
+                                      arguments=item.arguments))
+        events.append(self._event("response.output_item.done", output_index=op.index, item=dump_item(item)))
+        return events
+
+
+def _usage(u: dict[str, Any]) -> dict[str, Any]:
+    prompt = int(u.get("prompt_tokens") or 0)
+    completion = int(u.get("completion_tokens") or 0)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)},
+        "output_tokens": completion,
+        "output_tokens_details": {
+            "reasoning_tokens": int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)},
+        "total_tokens": int(u.get("total_tokens") or prompt + completion),
+    }
+
+
+def _logprob(lp: dict[str, Any]) -> dict[str, Any]:
+    tops = [{"token": t.get("token", ""), "logprob": t.get("logprob", 0.0), "bytes": t.get("bytes") or []}
+            for t in lp.get("top_logprobs") or []]
+    return {"token": lp.get("token", ""), "logprob": lp.get("logprob", 0.0), "bytes": lp.get("bytes") or [],
+            "top_logprobs": tops}

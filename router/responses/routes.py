@@ -1,0 +1,129 @@
+"""The Responses API's HTTP routes, under `/v1`, without it, and under `/v3` (OpenVINO Model
+Server's path): `/responses[...]` and `/conversations[...]`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Scope
+
+from router.responses.service import ResponsesService
+from router.responses.store import page
+from router.responses.wire import AddItems, CreateConversation, CreateResponse
+from worker.errors import APIError, parse_model
+
+PREFIXES = ("/v1", "", "/v3")
+ResolveModel = Callable[[str | None, Scope], str]  # 404 / 400 for a model the router cannot serve
+
+
+def _page_args(request: Request) -> dict[str, Any]:
+    q = request.query_params
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise APIError("Invalid value for 'limit': expected an integer from 1 to 100", param="limit")
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError("Invalid value for 'order': expected 'asc' or 'desc'", param="order")
+    return {"limit": limit, "order": order, "after": q.get("after")}
+
+
+def _event_stream(body: AsyncIterator[bytes]) -> Response:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+
+class ResponsesRoutes:
+    def __init__(self, service: ResponsesService, resolve_model: ResolveModel) -> None:
+        self.service = service
+        self.resolve_model = resolve_model
+
+    def routes(self) -> list[Route]:
+        out = []
+        for p in PREFIXES:
+            out += [
+                Route(f"{p}/responses", self.create, methods=["POST"]),
+                Route(f"{p}/responses/{{rid}}", self.get, methods=["GET"]),
+                Route(f"{p}/responses/{{rid}}", self.delete, methods=["DELETE"]),
+                Route(f"{p}/responses/{{rid}}/cancel", self.cancel, methods=["POST"]),
+                Route(f"{p}/responses/{{rid}}/input_items", self.input_items, methods=["GET"]),
+                Route(f"{p}/conversations", self.create_conversation, methods=["POST"]),
+                Route(f"{p}/conversations/{{cid}}", self.get_conversation, methods=["GET"]),
+                Route(f"{p}/conversations/{{cid}}", self.update_conversation, methods=["POST"]),
+                Route(f"{p}/conversations/{{cid}}", self.delete_conversation, methods=["DELETE"]),
+                Route(f"{p}/conversations/{{cid}}/items", self.items, methods=["GET"]),
+                Route(f"{p}/conversations/{{cid}}/items", self.add_items, methods=["POST"]),
+                Route(f"{p}/conversations/{{cid}}/items/{{item_id}}", self.get_item, methods=["GET"]),
+                Route(f"{p}/conversations/{{cid}}/items/{{item_id}}", self.delete_item, methods=["DELETE"]),
+            ]
+        return out
+
+    # ---- responses
+
+    async def create(self, request: Request) -> Response:
+        req = parse_model(CreateResponse, await request.body())
+        model = self.resolve_model(req.model, request.scope)
+        prepared = await self.service.prepare(req, model)
+        if req.stream:
+            return _event_stream(await self.service.stream(prepared))
+        return JSONResponse(await self.service.create(prepared))
+
+    async def get(self, request: Request) -> Response:
+        rid = request.path_params["rid"]
+        if request.query_params.get("stream", "false").lower() == "true":
+            try:
+                after = int(request.query_params.get("starting_after", "-1"))
+            except ValueError:
+                raise APIError("Invalid value for 'starting_after': expected an integer",
+                               param="starting_after") from None
+            return _event_stream(self.service.follow(rid, after))
+        return JSONResponse(await self.service.get(rid))
+
+    async def delete(self, request: Request) -> Response:
+        return JSONResponse(await self.service.delete(request.path_params["rid"]))
+
+    async def cancel(self, request: Request) -> Response:
+        return JSONResponse(await self.service.cancel(request.path_params["rid"]))
+
+    async def input_items(self, request: Request) -> Response:
+        args = _page_args(request)
+        return JSONResponse(page(await self.service.input_items(request.path_params["rid"]), **args))
+
+    # ---- conversations
+
+    async def create_conversation(self, request: Request) -> Response:
+        body = await request.body()
+        req = parse_model(CreateConversation, body or b"{}")
+        return JSONResponse(await self.service.create_conversation(req))
+
+    async def get_conversation(self, request: Request) -> Response:
+        return JSONResponse(await self.service.get_conversation(request.path_params["cid"]))
+
+    async def update_conversation(self, request: Request) -> Response:
+        req = parse_model(CreateConversation, await request.body())
+        return JSONResponse(await self.service.update_conversation(request.path_params["cid"], req.metadata or {}))
+
+    async def delete_conversation(self, request: Request) -> Response:
+        return JSONResponse(await self.service.delete_conversation(request.path_params["cid"]))
+
+    async def items(self, request: Request) -> Response:
+        args = _page_args(request)
+        return JSONResponse(page(await self.service.items(request.path_params["cid"]), **args))
+
+    async def add_items(self, request: Request) -> Response:
+        req = parse_model(AddItems, await request.body())
+        added = await self.service.add_items(request.path_params["cid"], req)
+        return JSONResponse({"object": "list", "data": added, "first_id": added[0]["id"],
+                             "last_id": added[-1]["id"], "has_more": False})
+
+    async def get_item(self, request: Request) -> Response:
+        return JSONResponse(await self.service.get_item(request.path_params["cid"], request.path_params["item_id"]))
+
+    async def delete_item(self, request: Request) -> Response:
+        return JSONResponse(await self.service.delete_item(request.path_params["cid"], request.path_params["item_id"]))

@@ -1,0 +1,194 @@
+"""The durable store of responses and conversations: one SQLite file (stdlib `sqlite3`).
+
+Responses keep their response object and their own input items; `previous_response_id` is
+replayed by walking the chain back. Conversations keep their items in order. Both are bounded
+by entry count and age (each kind counted on its own), pruned on every write; an expired entry
+is invisible to reads at once. In the router every call runs on one thread of the store's own
+(`call()`), so the event loop never blocks on the disk and calls never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger("omni.router.responses")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, status TEXT NOT NULL,
+    previous_response_id TEXT, body TEXT NOT NULL, input TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
+CREATE TABLE IF NOT EXISTS conversations (
+    id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, metadata TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS conversations_created ON conversations (created_at);
+CREATE TABLE IF NOT EXISTS conversation_items (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, conversation_id TEXT NOT NULL, item_id TEXT NOT NULL,
+    item TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS conversation_items_conv ON conversation_items (conversation_id, seq);
+"""
+
+
+class ChainBroken(LookupError):
+    """A response in a `previous_response_id` chain is gone (deleted, expired or never stored)."""
+
+
+class Store:
+    def __init__(self, path: Path, *, max_entries: int, ttl_s: float) -> None:
+        self.path = path
+        self.max_entries = max_entries
+        self.ttl_s = ttl_s
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="responses-store")
+        self._db: sqlite3.Connection | None = None
+        self.num_recovered = 0
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.max_entries > 0
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def close(self) -> None:
+        def shut() -> None:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+        self._executor.submit(shut).result()
+        self._executor.shutdown()
+
+    # ---- everything below runs on the store's thread
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # autocommit (`with db` for transactions); one thread at a time uses it: the store's
+            # own in the router, the caller's in unit tests
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            self._db = db
+            self.num_recovered = self._recover()
+        return self._db
+
+    def _cutoff(self) -> int:
+        return int(time.time() - self.ttl_s)
+
+    def open(self) -> int:
+        """Open (the first call of any kind does: a router that never uses the store never
+        creates its file); returns how many unfinished responses `_recover` failed."""
+        self._conn()
+        return self.num_recovered
+
+    def _recover(self) -> int:
+        """Responses left queued or in progress by a router that went away fail now."""
+        db = self._conn()
+        self._prune()
+        rows = db.execute("SELECT id, body FROM responses WHERE status IN ('queued', 'in_progress')").fetchall()
+        for rid, body in rows:
+            obj = json.loads(body)
+            obj.update(status="failed", error={"code": "server_error", "message": "the router restarted"})
+            db.execute("UPDATE responses SET status = 'failed', body = ? WHERE id = ?", (json.dumps(obj), rid))
+        if rows:
+            log.warning("%d background responses left unfinished by the last router are failed now", len(rows))
+        return len(rows)
+
+    def _prune(self) -> None:
+        db = self._conn()
+        cutoff = self._cutoff()
+        with db:
+            db.execute("DELETE FROM responses WHERE created_at < ?", (cutoff,))
+            db.execute("DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at DESC, "
+                       "rowid DESC LIMIT -1 OFFSET ?)", (self.max_entries,))
+            db.execute("DELETE FROM conversations WHERE created_at < ?", (cutoff,))
+            db.execute("DELETE FROM conversations WHERE id IN (SELECT id FROM conversations ORDER BY created_at DESC, "
+                       "rowid DESC LIMIT -1 OFFSET ?)", (self.max_entries,))
+            db.execute("DELETE FROM conversation_items WHERE conversation_id NOT IN (SELECT id FROM conversations)")
+
+    # responses
+
+    def put_response(self, body: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
+        db = self._conn()
+        is_new = db.execute("SELECT 1 FROM responses WHERE id = ?", (body["id"],)).fetchone() is None
+        db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+                   (body["id"], body["created_at"], body["status"], body.get("previous_response_id"),
+                    json.dumps(body), json.dumps(input_items)))
+        if is_new:
+            self._prune()
+
+    def get_response(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        row = self._conn().execute("SELECT body, input FROM responses WHERE id = ? AND created_at >= ?",
+                                   (rid, self._cutoff())).fetchone()
+        return None if row is None else (json.loads(row[0]), json.loads(row[1]))
+
+    def delete_response(self, rid: str) -> bool:
+        return self._conn().execute("DELETE FROM responses WHERE id = ?", (rid,)).rowcount > 0
+
+    def chain(self, rid: str) -> list[dict[str, Any]]:
+        """Input and output items of `rid` and every response before it, oldest first."""
+        segments: list[list[dict[str, Any]]] = []
+        cur: str | None = rid
+        while cur is not None:
+            found = self.get_response(cur)
+            if found is None:
+                raise ChainBroken(cur)
+            body, input_items = found
+            segments.append(input_items + body["output"])
+            cur = body.get("previous_response_id")
+        return [item for seg in reversed(segments) for item in seg]
+
+    # conversations
+
+    def put_conversation(self, cid: str, created_at: int, metadata: dict[str, str]) -> None:
+        self._conn().execute("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?)",
+                             (cid, created_at, json.dumps(metadata)))
+        self._prune()
+
+    def get_conversation(self, cid: str) -> dict[str, Any] | None:
+        row = self._conn().execute("SELECT created_at, metadata FROM conversations WHERE id = ? AND created_at >= ?",
+                                   (cid, self._cutoff())).fetchone()
+        if row is None:
+            return None
+        return {"id": cid, "object": "conversation", "created_at": row[0], "metadata": json.loads(row[1])}
+
+    def delete_conversation(self, cid: str) -> bool:
+        db = self._conn()
+        with db:
+            db.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (cid,))
+            return db.execute("DELETE FROM conversations WHERE id = ?", (cid,)).rowcount > 0
+
+    def add_items(self, cid: str, items: list[dict[str, Any]]) -> None:
+        db = self._conn()
+        with db:
+            db.executemany("INSERT INTO conversation_items (conversation_id, item_id, item) VALUES (?, ?, ?)",
+                           [(cid, it["id"], json.dumps(it)) for it in items])
+
+    def items(self, cid: str) -> list[dict[str, Any]]:
+        rows = self._conn().execute("SELECT item FROM conversation_items WHERE conversation_id = ? ORDER BY seq",
+                                    (cid,)).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def delete_item(self, cid: str, item_id: str) -> bool:
+        return self._conn().execute("DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
+                                    (cid, item_id)).rowcount > 0
+
+
+def page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """One page of a list endpoint (`order` asc or desc, `after` an item id)."""
+    ordered = items if order == "asc" else list(reversed(items))
+    if after is not None:
+        ids = [it.get("id") for it in ordered]
+        ordered = ordered[ids.index(after) + 1:] if after in ids else []
+    data = ordered[:limit]
+    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None, "has_more": len(ordered) > limit}

@@ -1,0 +1,289 @@
+"""The Responses API at the edge: request and item models, and the 400s they raise.
+
+Field names follow the OpenAI SDK's `responses` types. Items keep the shape they have on the
+wire (they are stored and echoed as they are); everything else is converted into plain values
+by `router.responses.translate`.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+
+from worker.errors import APIError, parse_model
+
+MAX_METADATA = 16
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# --------------------------------------------------------------------------- content parts
+
+
+class InputText(_Model):
+    type: Literal["input_text"]
+    text: str
+
+
+class OutputText(_Model):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+class InputImage(_Model):
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str = "auto"
+
+
+class Refusal(_Model):
+    type: Literal["refusal"]
+    refusal: str
+
+
+class ReasoningText(_Model):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+Part = Annotated[InputText | OutputText | InputImage | Refusal, Field(discriminator="type")]
+
+
+# --------------------------------------------------------------------------- items
+
+
+class MessageItem(_Model):
+    type: Literal["message"] = "message"
+    id: str | None = None
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Part]
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallItem(_Model):
+    type: Literal["function_call"]
+    id: str | None = None
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallOutputItem(_Model):
+    type: Literal["function_call_output"]
+    id: str | None = None
+    call_id: str
+    output: str | list[Part]
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class ReasoningItem(_Model):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningText] = Field(default_factory=list)
+    content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+def _item_kind(v: Any) -> str:
+    kind = v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", "message")
+    return str(kind)
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
+    Discriminator(_item_kind),
+]
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+def with_id(item: Item) -> Item:
+    """Items get an id when stored, and a message's string content becomes one text part, as
+    OpenAI stores them."""
+    if isinstance(item, MessageItem) and isinstance(item.content, str):
+        part: InputText | OutputText = (OutputText(type="output_text", text=item.content) if item.role == "assistant"
+                                        else InputText(type="input_text", text=item.content))
+        item = item.model_copy(update={"content": [part]})
+    if item.id is None:
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[item.type]
+        item = item.model_copy(update={"id": new_id(prefix)})
+    return item
+
+
+def dump_item(item: Item) -> dict[str, Any]:
+    return item.model_dump(mode="json", exclude_none=True)
+
+
+class _Items(BaseModel):
+    items: list[Item]
+
+
+def parse_items(raw: list[Any], param: str) -> list[Item]:
+    """Validate a list of items (stored or from a request) or raise a 400 naming `param[i]`."""
+    for i, v in enumerate(raw):
+        kind = _item_kind(v)
+        if kind not in ITEM_TYPES:
+            raise APIError(f"Input item type {kind!r} is not supported (supported: {', '.join(ITEM_TYPES)})",
+                           param=f"{param}[{i}].type")
+    try:
+        return parse_model(_Items, {"items": raw}).items
+    except APIError as e:
+        if e.param and e.param.startswith("items"):
+            e.param = param + e.param[len("items"):]
+            e.message = e.message.replace("'items", f"'{param}", 1)
+        raise
+
+
+# --------------------------------------------------------------------------- request
+
+
+class FunctionTool(_Model):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class TextFormat(_Model):
+    type: Literal["text", "json_schema", "json_object"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_needed(self) -> TextFormat:
+        if self.type == "json_schema" and (self.schema_ is None or not self.name):
+            raise ValueError("json_schema format needs 'name' and 'schema'")
+        return self
+
+
+class TextConfig(_Model):
+    format: TextFormat = Field(default_factory=lambda: TextFormat(type="text"))
+    verbosity: str | None = None
+
+
+class ReasoningConfig(_Model):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: str | None = None
+
+
+class ConversationRef(_Model):
+    id: str
+
+
+class CreateResponse(_Model):
+    model: str | None = None
+    input: str | list[Any] = ""
+    instructions: str | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    max_tool_calls: int | None = Field(default=None, ge=0)
+    text: TextConfig = Field(default_factory=TextConfig)
+    reasoning: ReasoningConfig | None = None
+    max_output_tokens: int | None = Field(default=None, gt=0)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    metadata: dict[str, str] | None = None
+    store: bool = True
+    stream: bool = False
+    previous_response_id: str | None = None
+    conversation: str | ConversationRef | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    background: bool = False
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    # extensions, as OpenVINO Model Server accepts them
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and len(v) > MAX_METADATA:
+            raise ValueError(f"at most {MAX_METADATA} entries")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: str | dict[str, Any]) -> str | dict[str, Any]:
+        if isinstance(v, str) and v not in ("auto", "none", "required"):
+            raise ValueError("expected 'auto', 'none', 'required' or {'type': 'function', 'name': ...}")
+        if isinstance(v, dict) and (v.get("type") != "function" or not isinstance(v.get("name"), str)):
+            raise ValueError(f"tool choice type {v.get('type')!r} is not supported (only function tools)")
+        return v
+
+    @property
+    def conversation_id(self) -> str | None:
+        return self.conversation.id if isinstance(self.conversation, ConversationRef) else self.conversation
+
+    def function_tools(self) -> list[FunctionTool]:
+        out = []
+        for i, t in enumerate(self.tools):
+            kind = t.get("type")
+            if kind != "function":
+                raise APIError(f"Tool type {kind!r} is not supported: the router serves function tools only",
+                               param=f"tools[{i}].type")
+            try:
+                out.append(FunctionTool.model_validate(t))
+            except Exception as e:
+                raise APIError(f"Invalid function tool: {e}", param=f"tools[{i}]") from None
+        return out
+
+    def input_items(self) -> list[Item]:
+        if isinstance(self.input, str):
+            return [MessageItem(role="user", content=self.input)]
+        return parse_items(self.input, "input")
+
+    def check(self) -> None:
+        """Cross-field rules pydantic does not express on one field."""
+        if self.conversation is not None and self.previous_response_id is not None:
+            raise APIError("'previous_response_id' and 'conversation' cannot be used together",
+                           param="conversation")
+        if self.background and not self.store:
+            raise APIError("background responses need store=true", param="background")
+        if isinstance(self.tool_choice, dict):
+            names = {t.get("name") for t in self.tools}
+            if self.tool_choice["name"] not in names:
+                raise APIError(f"tool_choice names {self.tool_choice['name']!r}, which is not in 'tools'",
+                               param="tool_choice")
+
+
+class CreateConversation(_Model):
+    items: list[Any] = Field(default_factory=list)
+    metadata: dict[str, str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_size(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None and len(v) > MAX_METADATA:
+            raise ValueError(f"at most {MAX_METADATA} entries")
+        return v
+
+
+class AddItems(_Model):
+    items: list[Any] = Field(min_length=1)
