@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, cast
 
+import httpx
 import numpy as np
 import pytest
 
@@ -20,6 +21,7 @@ from worker.engine.prompt_cache import PromptCache
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import SHORT_PROMPT, Plan, Scheduler
 from worker.engine.task import Task
+from worker.testing.tiny_models import ModelPaths
 
 FA_ON = RowRecipe(short_prompt=64)  # llama.cpp with flash attention
 FA_OFF = RowRecipe()
@@ -465,3 +467,15 @@ def test_the_part_of_a_slot_a_new_task_overwrites_is_saved_first() -> None:
     plan = step(b, kv)
     assert plan.entries[0][1].pos == 2
     assert cache.best(first, (len(first), 0))[1] == len(first)
+
+
+def test_prompt_longer_than_batch_size_is_prefilled_regression(tiny_models: ModelPaths) -> None:
+    # Reproduces a hang: with flash attention a prompt under 64 tokens had to go in one piece,
+    # so with `--batch-size 32` a 33-token prompt never fit a step and was never prefilled.
+    from tests.worker.conftest import worker_process
+
+    with worker_process(tiny_models.gguf_f32, "--parallel", "2", "--ctx-size", "1024", "--batch-size", "32") as (_, url):
+        for n in (40, 300):  # a short prompt (one piece with flash attention), a long one (budgeted pieces)
+            r = httpx.post(url + "/v1/completions", json={"prompt": list(range(10, 10 + n)), "max_tokens": 4}, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 4

@@ -422,7 +422,13 @@ class Scheduler:
         if len(slot.cache) >= n_prompt and not self._recipe.exact_rows:
             return min(1, budget)
         end = n_prompt if not self._recipe.exact_rows else len(slot.cache) + len(slot.feed)
-        return piece_len(end - len(slot.cache), budget, self._recipe.min_piece(n_prompt), self._backend.n_ubatch)
+        # A batch smaller than the recipe's smallest piece (`--batch-size 32` with flash attention)
+        # cannot keep its promise: pieces then fit the batch, and rows may differ at rounding level.
+        max_piece = min(self._backend.n_batch, self._backend.n_ubatch)
+        min_piece = self._recipe.min_piece(n_prompt)
+        if min_piece > max_piece:
+            min_piece = max(2, max_piece // 2) if not self._recipe.exact_rows else 1
+        return piece_len(end - len(slot.cache), budget, min_piece, max_piece)
 
     def _make_room(self, decoding: list[Slot]) -> int:
         """Shared pool: one free cell per generating slot, by eviction then preemption."""
