@@ -6,6 +6,7 @@
     .venv/bin/python -m bench.bench_worker --targets llama-server,llama-server   # harness self-check
     .venv/bin/python -m bench.bench_worker --targets "ours,llama-server:-fa off"  # a target's own flags
     .venv/bin/python -m bench.bench_worker --url mine=http://127.0.0.1:8080 --targets mine
+    .venv/bin/python -m bench.bench_worker --json-schema builtin --concurrency 1,8   # constrained vs not
 
 Method, common to all workloads. Every target is started once (or is an already running `--url`) with
 `--parallel` slots (8), the same total KV size `--ctx-size` (its default depends on the workload), each
@@ -60,6 +61,21 @@ with a margin, so that they are still decoding at the window's end, yet a server
 client stops soon; `--max-tokens` fixes it instead. A round
 in which a decoder finished before that is cut at its end, says so, and is rerun with more tokens.
 
+--json-schema PATH|builtin (throughput only): every target also runs as TARGET+schema, a second target on
+the same server whose requests carry a JSON schema (the file at PATH, or `builtin`: an object with an
+integer, a string of at most 24 characters, an enum, an array of at most 6 numbers and a string of at most
+600 characters, so that on random weights the value is rarely complete within 64 tokens), sent as the
+top-level `json_schema` field (what llama-server's /v1/completions honours: it ignores `response_format`
+there; `--schema-field response_format` sends OpenAI's form instead). Both variants take turns like any
+two targets, with prompts of their own of the same lengths (the twin's would be prefix-cache hits), so one
+run shows TARGET, TARGET+schema and their ratio (goal: >= 0.9x tok/s, TTFT shown). Constrained
+requests go without `ignore_eos`: llama-server fails a request whose grammar completes under ignore_eos
+(HTTP 500 "Unexpected empty grammar stack"), and the grammar bans EOS until the value is complete anyway.
+So they may stop early: tok/s counts the tokens generated (usage.completion_tokens) and the ratio line
+shows the mean tokens per request of both variants. A constrained answer must start like the schema's
+value ('{' for an object) and, if it stopped before max_tokens, parse as JSON: a server that ignores the
+schema fails loudly instead of looking fast.
+
 Noise. This box is shared, and llama.cpp's threads (one per core, spinning at barriers) collapse by 10-40x
 when another process takes a core. So: before each burst or round we wait (up to --quiet-wait) for the
 machine to be quiet; during it we measure the CPU used by the target, by us, and by everything else
@@ -88,7 +104,7 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +136,22 @@ TARGET_PREFILL_ITL = 2.0  # long-prompt: decoders' ITL p99 during the long prefi
 WARM_TOKENS = 16  # long-prompt: tokens every decoder streams before the steady window starts
 LONG_PROMPT_MAX_TOKENS = 1
 DECODER_MARGIN = 2.0  # long-prompt: decoders are sized for this many times the expected prefill
+TARGET_SCHEMA_RATIO = 0.9  # --json-schema: constrained tok/s / unconstrained, same server
+SCHEMA_SUFFIX = "+schema"
+# --json-schema builtin: every JSON kind a schema constrains, and a long free-text tail, so that
+# greedy decoding on random weights rarely completes the value within --max-tokens (64).
+BUILTIN_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer"},
+        "name": {"type": "string", "maxLength": 24},
+        "kind": {"enum": ["alpha", "beta", "gamma", "delta"]},
+        "scores": {"type": "array", "items": {"type": "number"}, "maxItems": 6},
+        "notes": {"type": "string", "maxLength": 600},
+    },
+    "required": ["id", "name", "kind", "scores", "notes"],
+    "additionalProperties": False,
+}
 
 
 # ---------------------------------------------------------------- prompts
@@ -152,11 +184,12 @@ def random_tokens(vocab: list[int], seed: str, length: int) -> list[int]:
 
 
 def make_prompt(vocab: list[int], round_idx: int, concurrency: int, req_idx: int,
-                min_len: int, max_len: int, attempt: int = 0) -> list[int]:
+                min_len: int, max_len: int, attempt: int = 0, salt: str = "") -> list[int]:
     """The prompt of one request of a cell. A retried burst gets other tokens (no prefix-cache
-    hit on what the server saw on the first attempt) but the same lengths (the same work)."""
+    hit on what the server saw on the first attempt) but the same lengths (the same work); so does
+    a `salt` (a +schema target, which shares its server with the plain one)."""
     length = random.Random(f"{round_idx}/{concurrency}/{req_idx}").randint(min_len, max_len)
-    return random_tokens(vocab, f"{round_idx}/{concurrency}/{req_idx}/{attempt}", length)
+    return random_tokens(vocab, f"{round_idx}/{concurrency}/{req_idx}/{attempt}{salt}", length)
 
 
 # ---------------------------------------------------------------- one request, one burst
@@ -171,10 +204,43 @@ class RequestResult:
     server_tpot_ms: float = math.nan  # the server's own timings.predicted_ms / predicted_n
     end: float = 0.0
     error: str | None = None
+    text: list[str] = field(default_factory=list)  # the streamed pieces
+    finish_reason: str | None = None
 
     @property
     def gaps(self) -> list[float]:
         return [b - a for a, b in itertools.pairwise(self.token_times)]
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """--json-schema: what constrained requests add to their body, and how their answers must start."""
+
+    body: dict[str, Any]
+    opening: str | None  # '{' for an object schema, '[' for an array one, else None (not checked)
+
+    def check(self, res: RequestResult, max_tokens: int) -> str | None:
+        """Why `res` is not a plausible constrained answer, or None."""
+        text = "".join(res.text).lstrip()
+        if not 0 < res.num_tokens <= max_tokens:
+            return f"generated {res.num_tokens} tokens, expected 1 to {max_tokens}"
+        if self.opening is not None and not text.startswith(self.opening):
+            return f"answer does not start with {self.opening!r} (schema ignored?): {text[:80]!r}"
+        if res.num_tokens < max_tokens:  # it stopped by itself: the value must be complete
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                return f"stopped after {res.num_tokens} tokens ({res.finish_reason}) with invalid JSON: {text[:80]!r}"
+        return None
+
+
+def make_constraint(schema: dict[str, Any], field_name: str) -> Constraint:
+    if field_name == "json_schema":
+        body: dict[str, Any] = {"json_schema": schema}
+    else:
+        body = {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}}
+    kind = schema.get("type") or ("object" if "properties" in schema else None)
+    return Constraint(body, {"object": "{", "array": "["}.get(kind) if isinstance(kind, str) else None)
 
 
 def _count_tokens(final: dict[str, Any], num_chunks: int) -> int:
@@ -188,13 +254,17 @@ def _count_tokens(final: dict[str, Any], num_chunks: int) -> int:
 
 
 async def stream_completion(client: httpx.AsyncClient, model_name: str, prompt: list[int],
-                            max_tokens: int, res: RequestResult | None = None) -> RequestResult:
+                            max_tokens: int, res: RequestResult | None = None,
+                            constraint: Constraint | None = None) -> RequestResult:
     """One streaming request. `res` is filled in as tokens arrive, so a caller that cancels the
     request keeps what it got."""
-    body = {
+    body: dict[str, Any] = {
         "model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }
+    if constraint is not None:  # no ignore_eos: llama-server fails a grammar that completes under it
+        del body["ignore_eos"]
+        body.update(constraint.body)
     res = res if res is not None else RequestResult()
     res.start = time.perf_counter()
     first_chunk_at: float | None = None
@@ -221,6 +291,9 @@ async def stream_completion(client: httpx.AsyncClient, model_name: str, prompt: 
                     if obj.get(key):
                         final[key] = obj[key]
                 choices = obj.get("choices") or []
+                if choices:
+                    res.text.append(choices[0].get("text") or "")
+                    res.finish_reason = choices[0].get("finish_reason") or res.finish_reason
                 # A token chunk carries text, or is a not-yet-finished chunk (a token whose text
                 # is held back, e.g. half a UTF-8 character: we send it empty, llama-server sends
                 # nothing). An empty closing chunk is not one.
@@ -238,7 +311,9 @@ async def stream_completion(client: httpx.AsyncClient, model_name: str, prompt: 
         t = final.get("timings") or {}
         if t.get("predicted_n") and isinstance(t.get("predicted_ms"), int | float):
             res.server_tpot_ms = float(t["predicted_ms"]) / float(t["predicted_n"])
-        if res.num_tokens != max_tokens:
+        if constraint is not None:
+            res.error = constraint.check(res, max_tokens)
+        elif res.num_tokens != max_tokens:
             res.error = f"generated {res.num_tokens} tokens, expected {max_tokens}"
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = f"{type(e).__name__}: {e}"
@@ -262,23 +337,26 @@ def ttfts_ms(results: list[RequestResult]) -> list[float]:
 
 @dataclass
 class Target:
-    """A started target, and what the run has learnt about its speed (long-prompt sizing)."""
+    """A started target, and what the run has learnt about its speed (long-prompt sizing). With
+    --json-schema a server has two: plain, and TARGET+schema whose requests carry the constraint."""
 
     server: Server
     client: httpx.AsyncClient
     model_name: str
     itl_s: float = math.nan  # its decoders' steady ITL p50, last measured
     long_ttft_s: float = math.nan  # the long prompt's TTFT next to decoders, last measured or guessed
+    constraint: Constraint | None = None
 
     @property
     def name(self) -> str:
-        return self.server.name
+        return self.server.name + (SCHEMA_SUFFIX if self.constraint is not None else "")
 
     async def burst(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[RequestResult]]:
         """Send all prompts at once; (burst start -> last successful response end, results)."""
         start = time.perf_counter()
         results = await asyncio.gather(
-            *(stream_completion(self.client, self.model_name, p, max_tokens) for p in prompts))
+            *(stream_completion(self.client, self.model_name, p, max_tokens, constraint=self.constraint)
+              for p in prompts))
         ends = [r.end for r in results if r.error is None]
         return (max(ends) if ends else time.perf_counter()) - start, list(results)
 
@@ -352,9 +430,9 @@ class Bench:
     args: argparse.Namespace
     vocab: list[int]
 
-    def short_prompts(self, n: int, round_idx: int, attempt: int) -> list[list[int]]:
+    def short_prompts(self, n: int, round_idx: int, attempt: int, salt: str = "") -> list[list[int]]:
         lo, hi = self.args.prompt_tokens
-        return [make_prompt(self.vocab, round_idx, n, i, lo, hi, attempt) for i in range(n)]
+        return [make_prompt(self.vocab, round_idx, n, i, lo, hi, attempt, salt) for i in range(n)]
 
 
 @dataclass
@@ -373,7 +451,10 @@ RoundFn = Callable[[Bench, Target, int, int, int], Awaitable[Outcome]]
 
 async def throughput_burst(bench: Bench, t: Target, n: int, round_idx: int, attempt: int) -> Outcome:
     """N requests with short distinct prompts at once (throughput, overload)."""
-    wall, results = await t.burst(bench.short_prompts(n, round_idx, attempt), bench.args.max_tokens)
+    # A +schema target gets prompts of its own (same lengths): its plain twin, on the same server,
+    # ran just before, and the same prompts would be prefix-cache hits.
+    salt = SCHEMA_SUFFIX if t.constraint is not None else ""
+    wall, results = await t.burst(bench.short_prompts(n, round_idx, attempt, salt), bench.args.max_tokens)
     ok = [r for r in results if r.error is None]
     num_tokens = sum(r.num_tokens for r in ok)
     metrics = {
@@ -602,8 +683,11 @@ def describe_workload(args: argparse.Namespace) -> str:
     lo, hi = args.prompt_tokens
     short = f"prompts {lo}-{hi} tokens"
     if args.workload == "throughput":
+        constrained = "" if args.schema is None else (
+            f"; each target also as TARGET{SCHEMA_SUFFIX}: the same requests constrained by the JSON schema "
+            f"{args.json_schema} (field {args.schema_field}, no ignore_eos: may stop early)")
         return (f"workload throughput: bursts of N = {','.join(map(str, args.concurrency))} requests, {short}, "
-                f"{args.max_tokens} tokens each")
+                f"{args.max_tokens} tokens each{constrained}")
     if args.workload == "shared-prefix":
         return (f"workload shared-prefix: {args.parallel} requests = one fresh {args.prefix_tokens}-token prefix "
                 f"(new every round) + distinct {args.suffix_tokens}-token suffixes, {args.max_tokens} tokens "
@@ -676,7 +760,7 @@ async def measure_with_retries(bench: Bench, t: Target, targets: list[Target], n
     """Run a burst or round until one is clean (little foreign CPU, nothing to rerun). An attempt
     running far longer than the fastest clean one so far is cut short; the last one always runs."""
     args = bench.args
-    others = [o for o in targets if o is not t]
+    others = [o for o in targets if o.server is not t.server]  # not its own +schema variant
     attempt = 0
     while True:
         foreign_before = await wait_quiet(args.quiet_below, args.quiet_wait)
@@ -741,6 +825,9 @@ async def run(args: argparse.Namespace, servers: list[Server], vocab: list[int])
     bench = Bench(args, vocab)
     try:
         targets = [Target(s, c, await model_name_of(c)) for s, c in zip(servers, clients, strict=True)]
+        if args.schema is not None:  # each server twice: plain, then constrained (TARGET+schema)
+            constraint = make_constraint(args.schema, args.schema_field)
+            targets = [v for t in targets for v in (t, replace(t, constraint=constraint))]
         for t in targets:
             await warm_up(bench, t)
         samples: list[Sample] = []
@@ -808,6 +895,23 @@ def ratio_line(table: dict[str, Any], samples: list[Sample], workload: Workload,
     return f"{'':>3}  {a}/{b}: " + ", ".join(parts)
 
 
+def schema_line(table: dict[str, Any], samples: list[Sample], constrained: str, plain: str, n: int) -> str:
+    """--json-schema: one server's constrained figures against its plain ones."""
+    mc, mp = table[constrained][n]["median"], table[plain][n]["median"]
+    r = mc.get("tok_s", math.nan) / mp.get("tok_s", math.nan)
+    goal = Goal("tok_s", "tok/s", ">=", TARGET_SCHEMA_RATIO)
+    ttft = mc.get("ttft_p50_ms", math.nan) / mp.get("ttft_p50_ms", math.nan)
+    return (f"{'':>3}  {constrained}/{plain}: tok/s {r:.3f}x ({goal.text(r)}; paired per round "
+            f"{paired_ratio(samples, constrained, plain, n, 'tok_s'):.3f}x), TTFT p50 {ttft:.2f}x, tokens per "
+            f"request {mc.get('num_tokens', math.nan) / n:.1f} vs {mp.get('num_tokens', math.nan) / n:.1f}")
+
+
+def target_names(servers: list[Server], args: argparse.Namespace) -> list[str]:
+    """Every target's name, in run order: with --json-schema each server's plain one, then its +schema one."""
+    names = [s.name for s in servers]
+    return [x for name in names for x in (name, name + SCHEMA_SUFFIX)] if args.schema is not None else names
+
+
 def scaling_line(table: dict[str, Any], names: list[str]) -> str:
     parts = []
     for name in names:
@@ -842,8 +946,14 @@ def print_report(table: dict[str, Any], samples: list[Sample], names: list[str],
             if row["num_noisy"]:
                 tail += f"  {row['num_noisy']} noisy rounds kept"
             print(f"{n:>3}  {name:<{width}} {figures}{tail}")
-        if len(names) >= 2:
-            print(ratio_line(table, samples, workload, names[0], names[1], n))
+        plain = names[::2] if args.schema is not None else names
+        if len(plain) >= 2:
+            print(ratio_line(table, samples, workload, plain[0], plain[1], n))
+        if args.schema is not None:
+            for name in plain:
+                print(schema_line(table, samples, name + SCHEMA_SUFFIX, name, n))
+            if len(plain) >= 2:
+                print(ratio_line(table, samples, workload, plain[0] + SCHEMA_SUFFIX, plain[1] + SCHEMA_SUFFIX, n))
         print()
     if args.workload == "throughput" and 1 in cells and 8 in cells:
         print(scaling_line(table, names))
@@ -867,6 +977,15 @@ def print_report(table: dict[str, Any], samples: list[Sample], names: list[str],
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def load_schema(spec: str) -> dict[str, Any]:
+    if spec == "builtin":
+        return BUILTIN_SCHEMA
+    schema = json.loads(Path(spec).read_text())
+    if not isinstance(schema, dict):
+        raise ValueError("a JSON schema is an object")
+    return schema
 
 
 def default_ctx_size(args: argparse.Namespace) -> int:
@@ -926,7 +1045,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--json", type=Path, default=None, help="write config, every burst/round and the summary here")
+    p.add_argument("--json-schema", default=None, metavar="PATH|builtin",
+                   help="throughput: also run every target as TARGET+schema, its requests constrained by this JSON "
+                        "schema (a file, or builtin), and show the constrained/plain ratio")
+    p.add_argument("--schema-field", choices=("json_schema", "response_format"), default="json_schema",
+                   help="how --json-schema is sent: top-level json_schema (llama-server's /v1/completions honours "
+                        "only that) or OpenAI's response_format {type: json_schema}")
     args = p.parse_args(argv)
+    args.schema = None
+    if args.json_schema is not None:
+        if args.workload != "throughput":
+            p.error("--json-schema: the throughput workload only")
+        try:
+            args.schema = load_schema(args.json_schema)
+        except (OSError, ValueError) as e:
+            p.error(f"--json-schema {args.json_schema}: {e}")
     if args.quick:
         args.rounds = 2
     if args.ctx_size is None:
@@ -976,7 +1109,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers:
             s.stop()
-    names = [s.name for s in servers]
+    names = target_names(servers, args)
     table = summarize(samples, names, WORKLOADS[args.workload].cells(args), args.max_noise)
     print_report(table, samples, names, args, header)
     if args.json:

@@ -1,0 +1,206 @@
+#!/usr/bin/env python3
+"""Stand-in for the `llama-server` binary: llama-server's command line in, omni-worker out.
+
+llama.cpp's server test-suite (tools/server/tests, driven by scripts/llama_server_suite.py) starts
+whatever LLAMA_SERVER_BIN_PATH names with llama-server flags, on models it downloads from the HF
+hub. This script takes those flags, puts the local GGUF in env OMNI_SHIM_MODEL (default
+models/tiny-llama-f32.gguf under the repo root) in place of the model, and execs
+
+- omni-worker (`python -m worker.server.cli`, with the Python running this script), or
+- the reference llama-server named by env OMNI_SHIM_LLAMA_SERVER: the flags pass through
+  untouched but for the model, so both servers run the same tiny model.
+
+exec keeps the pid, so the suite's SIGTERM reaches the server itself. Env OMNI_SHIM_WORKER_ARGS
+(shell-split) is appended to omni-worker's arguments, e.g. "--backend torch", or "--batch-size 512"
+to override a preset's value (the last one wins).
+
+How each llama-server flag is treated (omni-worker mode):
+
+mapped       --port --host -a/--alias -c/--ctx-size -np/--parallel -b/--batch-size
+             -ub/--ubatch-size -t/--threads -ngl/--gpu-layers/--n-gpu-layers
+             -ctk/--cache-type-k -ctv/--cache-type-v -fa/--flash-attn -cram/--cache-ram
+             -kvu/--kv-unified, --reasoning-format (omni-worker refuses values it lacks, e.g.
+             nothink), --chat-template and --chat-template-file (both -> --chat-template:
+             omni-worker takes a file, a builtin name or inline Jinja with {{ or {%; llama-server
+             takes any other text as the template itself, where omni-worker fails to load)
+defaulted    no -np: llama-server's "auto" is 4 slots sharing one KV cache, so the shim adds
+             --parallel 4 --kv-unified (omni-worker's own default is 4 slots, a stream each)
+model        -m/--model -hf/-hfr/--hf-repo -hff/--hf-file -mu/--model-url --offline:
+             dropped; --model OMNI_SHIM_MODEL instead (also in llama-server mode)
+ignored      no effect on what omni-worker does: --jinja (it always renders Jinja templates),
+             -cb/--cont-batching (always on), --metrics, --slots, --no-slots (/metrics and
+             /slots are always served), --no-ui/--no-webui (no web UI), -v/--verbose/--log-verbose,
+             -lv/--verbosity/--log-verbosity, --no-mmproj/--no-mmproj-auto (text only)
+             --temp/--temperature 0.8 (omni-worker's default temperature is 0.8 too)
+tolerated    semantic gaps that every preset of the suite passes, so refusing them would fail
+             every test: warned about on stderr, fatal with OMNI_SHIM_STRICT=1
+             --no-jinja      llama-server: its built-in C++ template formats, not Jinja.
+                             omni-worker always uses Jinja (same prompt for ChatML models).
+             -s/--seed       llama-server: the default seed of requests without one.
+                             omni-worker: no server-wide seed (a random one per request).
+             -n/--predict/--n-predict
+                             llama-server: the default max tokens of requests without one.
+                             omni-worker has no equivalent: a request without max_tokens runs
+                             until EOS or a full slot (an issue to file).
+refused      everything else: exit 2 naming the flag, so a test that needs it fails loudly
+             instead of passing by accident. Among them --temp other than 0.8, --reasoning,
+             --embedding, --reranking, --pooling, --lora, --model-draft/--spec-*, --api-key, --context-shift, --slot-save-path,
+             --grp-attn-n/-w, --sleep-idle-seconds, --no-cache-idle-slots, --swa-full, --tags,
+             --mmproj-url, --media-path, --models-dir/--models-max/--models-preset (router mode),
+             --tools, --mcp-servers-*, --cors-origins, --backend_sampling.
+
+Usage (normally by the suite): LLAMA_SERVER_BIN_PATH points at a two-line shell wrapper that runs
+`<venv python> scripts/llama_server_shim.py "$@"`. By hand:
+    .venv/bin/python scripts/llama_server_shim.py --port 8080 --hf-repo x/y --ctx-size 512
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = ROOT / "models" / "tiny-llama-f32.gguf"
+OMNI_DEFAULT_TEMPERATURE = 0.8
+EXIT_REFUSED = 2
+
+MAPPED: dict[str, str] = {  # llama-server flag (takes a value) -> omni-worker flag
+    "--port": "--port", "--host": "--host",
+    "-a": "--alias", "--alias": "--alias",
+    "-c": "--ctx-size", "--ctx-size": "--ctx-size",
+    "-np": "--parallel", "--parallel": "--parallel",
+    "-b": "--batch-size", "--batch-size": "--batch-size",
+    "-ub": "--ubatch-size", "--ubatch-size": "--ubatch-size",
+    "-t": "--threads", "--threads": "--threads",
+    "-ngl": "--n-gpu-layers", "--gpu-layers": "--n-gpu-layers", "--n-gpu-layers": "--n-gpu-layers",
+    "-ctk": "--cache-type-k", "--cache-type-k": "--cache-type-k",
+    "-ctv": "--cache-type-v", "--cache-type-v": "--cache-type-v",
+    "-fa": "--flash-attn", "--flash-attn": "--flash-attn",
+    "-cram": "--cache-ram", "--cache-ram": "--cache-ram",
+    "--chat-template": "--chat-template", "--chat-template-file": "--chat-template",
+    "--reasoning-format": "--reasoning-format",  # omni-worker checks the value (it has no "nothink")
+}
+MAPPED_SWITCHES: dict[str, str] = {"-kvu": "--kv-unified", "--kv-unified": "--kv-unified"}
+MODEL_FLAGS = {"-m", "--model", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"}
+MODEL_SWITCHES = {"--offline"}
+IGNORED_SWITCHES = {
+    "--jinja", "-cb", "--cont-batching", "--metrics", "--slots", "--no-slots", "--no-ui", "--no-webui",
+    "-v", "--verbose", "--log-verbose", "--no-mmproj", "--no-mmproj-auto",
+}
+IGNORED_FLAGS = {"-lv", "--verbosity", "--log-verbosity"}
+TOLERATED_SWITCHES = {
+    "--no-jinja": "omni-worker always renders chat templates with Jinja (llama-server: its C++ formats)",
+}
+TOLERATED_FLAGS = {
+    "-s": "omni-worker has no server-wide default seed (requests without one get a random seed)",
+    "--seed": "omni-worker has no server-wide default seed (requests without one get a random seed)",
+    "-n": "omni-worker has no server-wide default max tokens (no max_tokens: until EOS or a full slot)",
+    "--predict": "omni-worker has no server-wide default max tokens (no max_tokens: until EOS or a full slot)",
+    "--n-predict": "omni-worker has no server-wide default max tokens (no max_tokens: until EOS or a full slot)",
+}
+TEMPERATURE_FLAGS = {"--temp", "--temperature"}  # accepted at omni-worker's default only
+REASONS = {  # refused flags whose reason is worth more than "no equivalent"
+    "--embedding": "omni-worker serves no embeddings", "--embeddings": "omni-worker serves no embeddings",
+    "--reranking": "omni-worker serves no reranking", "--rerank": "omni-worker serves no reranking",
+    "--lora": "omni-worker loads no LoRA adapters", "--api-key": "omni-worker checks no API key",
+    "--context-shift": "omni-worker does not shift contexts", "--model-draft": "no speculative decoding",
+    "--slot-save-path": "omni-worker cannot save slots to disk",
+    "--sleep-idle-seconds": "omni-worker sleeps only on POST /sleep, not when idle",
+}
+TAKES_VALUE = set(MAPPED) | MODEL_FLAGS | IGNORED_FLAGS | set(TOLERATED_FLAGS) | TEMPERATURE_FLAGS
+
+
+class Refused(Exception):
+    """A flag whose meaning omni-worker lacks: the server must not start."""
+
+
+def split_args(argv: list[str]) -> list[tuple[str, str | None]]:
+    """[(flag, value or None)]: `--flag=value` split, a known flag's value taken whatever it looks
+    like (`--cache-ram -1`), an unknown flag's value if the next word is not a flag."""
+    out: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(argv):
+        flag, eq, value = argv[i].partition("=")
+        i += 1
+        if eq:
+            out.append((flag, value))
+        elif flag in TAKES_VALUE or (i < len(argv) and not argv[i].startswith("-")):
+            if i >= len(argv):
+                raise Refused(f"{flag} needs a value")
+            out.append((flag, argv[i]))
+            i += 1
+        else:
+            out.append((flag, None))
+    return out
+
+
+def to_omni_worker(argv: list[str], model: Path, *, is_strict: bool) -> tuple[list[str], list[str]]:
+    """(omni-worker arguments, warnings) for llama-server's `argv`; Refused if a flag has no equivalent."""
+    out = ["--model", str(model)]
+    warnings: list[str] = []
+    has_parallel = False
+    for flag, value in split_args(argv):
+        if flag in MAPPED and value is not None:
+            out += [MAPPED[flag], value]
+            has_parallel = has_parallel or MAPPED[flag] == "--parallel"
+        elif flag in MAPPED_SWITCHES and value is None:
+            out.append(MAPPED_SWITCHES[flag])
+        elif flag in MODEL_FLAGS or flag in MODEL_SWITCHES or flag in IGNORED_SWITCHES or flag in IGNORED_FLAGS:
+            continue
+        elif flag in TEMPERATURE_FLAGS and value is not None:
+            if float(value) != OMNI_DEFAULT_TEMPERATURE:
+                raise Refused(f"{flag} {value}: omni-worker's default temperature is {OMNI_DEFAULT_TEMPERATURE}")
+        elif flag in TOLERATED_FLAGS or flag in TOLERATED_SWITCHES:
+            why = TOLERATED_FLAGS.get(flag) or TOLERATED_SWITCHES[flag]
+            message = f"{flag}{'' if value is None else ' ' + value}: {why}"
+            if is_strict:
+                raise Refused(message + " (OMNI_SHIM_STRICT=1)")
+            warnings.append(message)
+        else:
+            raise Refused(f"{flag}: {REASONS.get(flag, 'omni-worker has no equivalent')}")
+    if not has_parallel:  # llama-server's -np auto: 4 slots, one KV cache for all
+        out += ["--parallel", "4", "--kv-unified"]
+    return out, warnings
+
+
+def to_llama_server(argv: list[str], model: Path) -> list[str]:
+    """llama-server's own `argv`, the model replaced by the local one; everything else as it was."""
+    out = ["--model", str(model)]
+    i = 0
+    while i < len(argv):
+        flag = argv[i].partition("=")[0]
+        takes_next = flag in MODEL_FLAGS and "=" not in argv[i]
+        if flag not in MODEL_FLAGS and flag not in MODEL_SWITCHES:
+            out.append(argv[i])
+        i += 2 if takes_next else 1
+    return out
+
+
+def main(argv: list[str]) -> int:
+    model = Path(os.environ.get("OMNI_SHIM_MODEL") or DEFAULT_MODEL).resolve()
+    if not model.exists():
+        print(f"llama_server_shim: model {model} not found (make models, or set OMNI_SHIM_MODEL)", file=sys.stderr)
+        return EXIT_REFUSED
+    upstream = os.environ.get("OMNI_SHIM_LLAMA_SERVER")
+    if upstream:
+        args = to_llama_server(argv, model)
+        print(f"llama_server_shim: exec {upstream} {' '.join(args)}", file=sys.stderr, flush=True)
+        os.execv(upstream, [upstream, *args])
+    try:
+        args, warnings = to_omni_worker(argv, model, is_strict=os.environ.get("OMNI_SHIM_STRICT") == "1")
+    except (Refused, ValueError) as e:
+        print(f"llama_server_shim: refusing to start omni-worker: {e}", file=sys.stderr)
+        return EXIT_REFUSED
+    for w in warnings:
+        print(f"llama_server_shim: warning: ignoring {w}", file=sys.stderr)
+    cmd = [sys.executable, "-m", "worker.server.cli", *args, *shlex.split(os.environ.get("OMNI_SHIM_WORKER_ARGS", ""))]
+    print(f"llama_server_shim: exec {' '.join(cmd)}", file=sys.stderr, flush=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    os.execve(sys.executable, cmd, env)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
