@@ -176,12 +176,14 @@ class TextFormat(_Model):
 
 class TextConfig(_Model):
     format: TextFormat = Field(default_factory=lambda: TextFormat(type="text"))
-    verbosity: str | None = None
+    # No model we serve is tuned for verbosity levels: only the default is honest.
+    verbosity: Literal["medium"] | None = None
 
 
 class ReasoningConfig(_Model):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: str | None = None
+    # We do not summarize reasoning: "auto" (the server's choice) gives the reasoning text itself.
+    summary: Literal["auto"] | None = None
 
 
 class ConversationRef(_Model):
@@ -213,6 +215,9 @@ class CreateResponse(_Model):
     background: bool = False
     user: str | None = None
     safety_identifier: str | None = None
+    # Output logprobs are the only extra output we can include (they come with top_logprobs).
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    prompt: None = None  # OpenAI's stored prompt templates: none exist here
     prompt_cache_key: str | None = None
     service_tier: str | None = None
     # extensions, as OpenVINO Model Server accepts them

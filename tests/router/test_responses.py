@@ -321,6 +321,10 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"background": True, "store": False}, "background"),
     ({"temperature": 3}, "temperature"),
+    ({"include": ["file_search_call.results"]}, "include.0"),
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
 ]
 
 
