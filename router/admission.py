@@ -7,8 +7,9 @@ admit; evict the LRU idle model (a command to its owner, which refuses if a requ
 meanwhile); drain the LRU busy model (it finishes its in-flight requests but admits no new
 ones, which wait for it to come back; undone when the queue empties); or wait until something
 changes (a release, a request finishing, a load finishing); or, when pinned models hold every
-slot, fail the load at once (`SlotsFull`). Running requests are never
-aborted to make room.
+slot, refuse the load at once (`SlotsFull`: the requests get a 503 saying why; the model is
+not marked failed). Running requests are never aborted to make room. Slots are given back by
+the model's owner alone, when it is left without a process (`ModelHandle._set`).
 """
 
 from __future__ import annotations
@@ -56,12 +57,11 @@ class Slots:
         try:
             await fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release(name)  # granted just as we were cancelled
-            self.poke()
+            self.poke()  # a slot granted just as we were cancelled is released by the owner
             raise
 
     def release(self, name: str) -> None:
+        """Called by the model's owner only, whenever it is left without a process."""
         self.holders.discard(name)
         self.draining.discard(name)
         self.poke()

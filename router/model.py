@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from router.admission import SlotsFull
 from router.eviction import Occupant
+from router.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory, tree_memory
 from router.presets import ModelPreset
 from router.process import LoadError, WorkerProcess, free_port, wait_ready, worker_argv
 from router.state import ModelState
@@ -56,6 +58,11 @@ class _EnsureReady:
 
 
 @dataclass
+class _Load:
+    """Load (or wake) with no request waiting: load-on-startup, `POST /models/load`, a queue-full request."""
+
+
+@dataclass
 class _Sleep:
     reply: asyncio.Future[bool]
 
@@ -80,6 +87,14 @@ class _Drain:
 class _LoadDone:
     proc: WorkerProcess | None
     error: str | None
+    can_sleep: bool = True
+
+
+@dataclass
+class _SlotRefused:
+    """No slot can ever be had (pinned models hold them all): not a failure of the model."""
+
+    reason: str
 
 
 @dataclass
@@ -94,11 +109,18 @@ class _Exited:
 
 
 @dataclass
+class _Measured:
+    proc: WorkerProcess
+    memory: TreeMemory
+
+
+@dataclass
 class _Poke:
     """Something changed (a waiter left, the idle timer fired): re-examine."""
 
 
-_Command = _EnsureReady | _Sleep | _Unload | _Evict | _Drain | _LoadDone | _SleepDone | _Exited | _Poke
+_Command = (_EnsureReady | _Load | _Sleep | _Unload | _Evict | _Drain | _LoadDone | _SlotRefused | _SleepDone
+            | _Exited | _Measured | _Poke)
 
 
 def _reply(fut: asyncio.Future[bool], value: bool) -> None:
@@ -124,10 +146,12 @@ class ModelHandle:
     failures: int = 0
     retry_at: float = 0.0
     ready_since: float = 0.0
+    memory: TreeMemory | None = None  # the worker's process tree, last sample; None without a process
+    can_sleep: bool = True  # the server speaks our /sleep + /wake contract (its /health has is_sleeping)
     _waiters: list[asyncio.Future[str]] = field(default_factory=list)
     _stop_waiters: list[asyncio.Future[bool]] = field(default_factory=list)
     _commands: asyncio.Queue[_Command] = field(default_factory=asyncio.Queue)
-    _effect: asyncio.Task[None] | None = None
+    _effect: asyncio.Task[Any] | None = None
     _failing: str | None = None  # why we are stopping a worker that failed to come up
     _stop_requested: bool = False  # unload arrived while spawning: stop once the load reports
     is_draining: bool = False  # chosen to make room: finish in-flight work, admit nothing new
@@ -166,6 +190,7 @@ class ModelHandle:
             return self.admit()
         pool = self.pool
         if pool.num_waiting >= pool.config.max_queue:
+            self.load()  # the bound limits waiting requests, never loads: the retry finds it loaded
             raise APIError("too many queued requests, retry later", status_code=503,
                            type="unavailable_error", code=503, headers={"Retry-After": "1"})
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -180,6 +205,10 @@ class ModelHandle:
             raise
         finally:
             pool.num_waiting -= 1
+
+    def load(self) -> None:
+        """Start loading (or waking) without waiting and without taking a place in the queue."""
+        self._commands.put_nowait(_Load())
 
     async def sleep(self) -> bool:
         return await self._ask(_Sleep)
@@ -240,6 +269,8 @@ class ModelHandle:
         match cmd:
             case _EnsureReady(reply):
                 self._on_ensure_ready(reply)
+            case _Load():
+                self._on_load()
             case _Sleep(reply):
                 _reply(reply, self._begin_sleep())
             case _Unload(reply):
@@ -249,12 +280,17 @@ class ModelHandle:
             case _Drain(is_on, reply):
                 self._on_drain(is_on)
                 _reply(reply, True)
-            case _LoadDone(proc, error):
-                self._on_load_done(proc, error)
+            case _LoadDone(proc, error, can_sleep):
+                self._on_load_done(proc, error, can_sleep)
+            case _SlotRefused(reason):
+                self._on_slot_refused(reason)
             case _SleepDone(ok):
                 self._on_sleep_done(ok)
             case _Exited(proc, code):
                 self._on_exited(proc, code)
+            case _Measured(proc, memory):
+                if proc is self.process:
+                    self.memory = memory
             case _Poke():
                 self._on_poke()
 
@@ -263,6 +299,11 @@ class ModelHandle:
         changed = state is not old or progress != self.progress
         self.state = state
         self.progress = progress
+        if not state.has_process:
+            # The one place a slot is given back. A slot is held from the grant until the process
+            # is gone, and every way out (reaped, spawn failed, left the queue, refused, a grant
+            # that raced a cancel) ends here, in UNLOADED or FAILED. Idempotent.
+            self.pool.slots.release(self.name)
         if changed:
             if self.pool.slots.queued:
                 self.pool.slots.poke()
@@ -296,18 +337,35 @@ class ModelHandle:
         # LOADING: joins the load. STOPPING: a load starts once the process is reaped.
         # Draining: waits until the model was evicted and loads again (behind the queue).
 
+    def _on_load(self) -> None:
+        state = self.state
+        if state in (ModelState.UNLOADED, ModelState.FAILED) or (state is ModelState.SLEEPING and not self.is_draining):
+            # A waiter nobody awaits: it keeps a queued load from being dropped as abandoned.
+            intent: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            intent.add_done_callback(self._on_load_intent_done)
+            self._on_ensure_ready(intent)
+
+    def _on_load_intent_done(self, fut: asyncio.Future[str]) -> None:
+        if not fut.cancelled() and fut.exception() is None:  # (reading it marks it retrieved)
+            self.release()
+
     def _begin_load(self) -> None:
         self.exit_code = None
         self.error = None
         self.info = None
         self._failing = None
+        self._stop_requested = False  # an unload that raced an earlier load ended with it
         self._set(ModelState.LOADING, {"phase": "queued", "fraction": 0.0})
         self._effect = asyncio.create_task(self._load(), name=f"load:{self.name}")
 
     async def _load(self) -> None:
         proc: WorkerProcess | None = None
         try:
-            await self.pool.slots.acquire(self.name)
+            try:
+                await self.pool.slots.acquire(self.name)
+            except SlotsFull as e:
+                self._commands.put_nowait(_SlotRefused(str(e)))
+                return
             self._set_progress({"phase": "spawning", "fraction": 0.0})
             port = free_port(self.pool.config.host)
             base = f"http://{self.pool.config.host}:{port}"
@@ -316,12 +374,10 @@ class ModelHandle:
             proc = await WorkerProcess.spawn(argv, self.name, env=self._env())
             self.process, self.base_url = proc, base
             self._watcher = asyncio.create_task(self._watch(proc), name=f"watch:{self.name}")
-            await wait_ready(self.pool.client, base, proc, self.preset.load_timeout, self._set_progress)
+            can_sleep = await wait_ready(self.pool.client, base, proc, self.preset.load_timeout, self._set_progress)
             self.info = await self._fetch_info(base)
-            self._commands.put_nowait(_LoadDone(proc, None))
+            self._commands.put_nowait(_LoadDone(proc, None, can_sleep))
         except Exception as e:  # LoadError, OSError from the spawn, or a surprise: never stay LOADING
-            if proc is None:  # the spawn itself failed: no process will report its exit
-                self.pool.slots.release(self.name)
             self._commands.put_nowait(_LoadDone(proc, str(e)))
 
     def _env(self) -> dict[str, str] | None:
@@ -339,10 +395,20 @@ class ModelHandle:
         return None
 
     async def _watch(self, proc: WorkerProcess) -> None:
-        code = await proc.wait()
+        sampler = asyncio.create_task(self._sample_memory(proc), name=f"memory:{self.name}")
+        try:
+            code = await proc.wait()
+        finally:
+            sampler.cancel()
         self._commands.put_nowait(_Exited(proc, code))
 
-    def _on_load_done(self, proc: WorkerProcess | None, error: str | None) -> None:
+    async def _sample_memory(self, proc: WorkerProcess) -> None:
+        """Report the process tree's memory, often while loading, then now and then."""
+        while (memory := await asyncio.to_thread(tree_memory, proc.pid)) is not None:
+            self._commands.put_nowait(_Measured(proc, memory))
+            await asyncio.sleep(SAMPLE_LOADING_S if self.state is ModelState.LOADING else SAMPLE_RUNNING_S)
+
+    def _on_load_done(self, proc: WorkerProcess | None, error: str | None, can_sleep: bool) -> None:
         if self.state is not ModelState.LOADING or (proc is not None and proc is not self.process):
             return
         if self._stop_requested:
@@ -354,6 +420,7 @@ class ModelHandle:
                 self._resolve_stop_waiters(True)
             return
         if error is None:
+            self.can_sleep = can_sleep
             self._set(ModelState.READY)
             self.ready_since = time.monotonic()
             self.last_used = time.monotonic()
@@ -363,6 +430,13 @@ class ModelHandle:
         else:  # the process exists (hung, or exiting): stop it; _on_exited finishes the job
             self._failing = error
             self._begin_stop()
+
+    def _on_slot_refused(self, reason: str) -> None:
+        if self.state is not ModelState.LOADING or self.process is not None:
+            return
+        self._set(ModelState.UNLOADED)  # not FAILED: the model is fine, no backoff applies
+        self._resolve_stop_waiters(True)
+        self._fail_waiters(f"model {self.name!r} cannot be loaded now: {reason}")
 
     def _resolve_waiters(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -381,15 +455,18 @@ class ModelHandle:
         sleeping = self._effect  # a POST /sleep may still be on its way: wake after it
         self._effect = asyncio.create_task(self._wake(sleeping), name=f"wake:{self.name}")
 
-    async def _wake(self, sleeping: asyncio.Task[None] | None) -> None:
+    async def _wake(self, sleeping: asyncio.Task[Any] | None) -> None:
         proc, base = self.process, self.base_url
         assert proc is not None and base is not None
-        if sleeping is not None and not sleeping.done():
-            await asyncio.wait([sleeping])
         try:
-            r = await self.pool.client.post(f"{base}/wake", timeout=self.preset.load_timeout)
-            if r.status_code >= 400:
-                raise LoadError(f"/wake answered {r.status_code}: {r.text[:300]}")
+            is_asleep = True
+            if sleeping is not None:
+                await asyncio.wait([sleeping])
+                is_asleep = not sleeping.cancelled() and sleeping.result() is True
+            if is_asleep:  # a /sleep that failed left the worker awake: nothing to wake
+                r = await self.pool.client.post(f"{base}/wake", timeout=self.preset.load_timeout)
+                if r.status_code >= 400:
+                    raise LoadError(f"/wake answered {r.status_code}: {r.text[:300]}")
             await wait_ready(self.pool.client, base, proc, self.preset.load_timeout, self._set_progress)
             self._commands.put_nowait(_LoadDone(proc, None))
         except Exception as e:  # LoadError, httpx.HTTPError, or a surprise: never stay LOADING
@@ -398,17 +475,22 @@ class ModelHandle:
     def _begin_sleep(self) -> bool:
         if self.state is not ModelState.READY or self.num_in_flight or self.preset.is_remote:
             return False
+        if not self.can_sleep:  # e.g. a `cmd` llama-server: it has no /wake, so it is stopped
+            log.info("model %s: no sleep support, stopping instead", self.name)
+            self._begin_stop()
+            return True
         self._set(ModelState.SLEEPING)
         self._effect = asyncio.create_task(self._sleep_effect(), name=f"sleep:{self.name}")
         return True
 
-    async def _sleep_effect(self) -> None:
+    async def _sleep_effect(self) -> bool:
         try:
             r = await self.pool.client.post(f"{self.base_url}/sleep", timeout=30.0)
             ok = r.status_code < 400
         except httpx.HTTPError:
             ok = False
         self._commands.put_nowait(_SleepDone(ok))
+        return ok
 
     def _on_sleep_done(self, ok: bool) -> None:
         if not ok and self.state is ModelState.SLEEPING:
@@ -466,7 +548,7 @@ class ModelHandle:
         proc = self.process
         assert proc is not None
         self._set(ModelState.STOPPING)
-        self._effect = asyncio.create_task(proc.stop(self.preset.stop_timeout), name=f"stop:{self.name}")  # type: ignore[arg-type]
+        self._effect = asyncio.create_task(proc.stop(self.preset.stop_timeout), name=f"stop:{self.name}")
 
     def _resolve_stop_waiters(self, ok: bool) -> None:
         waiters, self._stop_waiters = self._stop_waiters, []
@@ -477,12 +559,12 @@ class ModelHandle:
         if proc is not self.process:
             return
         self.process = None
+        self.memory = None
         self.is_draining = False
         if self.base_url is not None:
             self.pool.upstream.forget(self.base_url)
         self.base_url = None
         self.log_tail = list(proc.log_tail)
-        self.pool.slots.release(self.name)
         expected = self.state is ModelState.STOPPING and self._failing is None
         if expected:
             self.failures = 0
@@ -505,6 +587,7 @@ class ModelHandle:
         self.error = error
         self.ready_since = 0.0
         self._failing = None
+        self._stop_requested = False
         log.error("model %s: failed (exit code %s): %s", self.name, code, error)
         self._set(ModelState.FAILED)
         self._fail_waiters(f"model {self.name!r} failed to load: {error}")
@@ -533,12 +616,18 @@ class ModelHandle:
             st["progress"] = self.progress
         return st
 
+    def memory_view(self) -> dict[str, int | None]:
+        """Host RAM = the worker tree's USS (what stopping it frees); no estimate or VRAM yet."""
+        m = self.memory
+        return {"estimated_bytes": None, "ram_bytes": m.uss_bytes if m else None,
+                "rss_bytes": m.rss_bytes if m else None, "vram_bytes": None}
+
     def card(self) -> dict[str, Any]:
         p = self.preset
         card: dict[str, Any] = {
             "id": p.name, "object": "model", "created": self.pool.created, "owned_by": "omni-router",
             "aliases": list(p.aliases), "backend": p.backend, "status": self.status(),
-            "in_flight": self.num_in_flight, "pinned": p.pin,
+            "in_flight": self.num_in_flight, "pinned": p.pin, "memory": self.memory_view(),
         }
         if p.model is not None:
             card["path"] = str(p.model)

@@ -7,7 +7,6 @@ kept by `router.admission.Slots`. The pool wires them together, starts and stops
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,6 @@ from router.events import EventBus
 from router.model import ModelHandle
 from router.presets import ModelPreset
 from router.upstream import UpstreamClient
-from worker.errors import APIError
 
 
 @dataclass
@@ -55,7 +53,6 @@ class Pool:
             for n in p.names:
                 self.by_name[n] = h
         self._slots_task: asyncio.Task[None] | None = None
-        self._startup: list[asyncio.Task[None]] = []
 
     def get(self, name: str) -> ModelHandle | None:
         return self.by_name.get(name)
@@ -66,16 +63,15 @@ class Pool:
             h.start()
         for h in self.handles.values():
             if h.preset.load_on_startup and not h.preset.is_remote:
-                self._startup.append(asyncio.create_task(self.load(h)))
+                h.load()
 
     async def load(self, h: ModelHandle) -> None:
-        with contextlib.suppress(APIError):
-            await h.ensure_ready()
-            h.release()
+        """Start loading `h` (not bound by `--max-queue`: that limits waiting requests, not loads)."""
+        h.load()
 
     async def close(self) -> None:
         """Stop every worker (concurrently, each with its stop-timeout), then the tasks."""
-        tasks = [*self._startup, *(h._task for h in self.handles.values() if h._task), self._slots_task]
+        tasks = [*(h._task for h in self.handles.values() if h._task), self._slots_task]
         for t in tasks:
             if t is not None:
                 t.cancel()

@@ -53,7 +53,8 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
         text = text.replace("${MODEL}", str(preset.model or "")).replace("${PARENT_PID}", str(parent_pid))
         return shlex.split(text)
     argv = [sys.executable, "-m", "worker.server.cli", "--model", str(preset.model), "--alias", preset.name,
-            "--host", host, "--port", str(port), "--parent-pid", str(parent_pid)]
+            "--host", host, "--port", str(port), "--parent-pid", str(parent_pid),
+            "--metrics"]  # GET /metrics?model= is proxied to the worker
     if preset.backend != "auto":
         argv += ["--backend", preset.backend]
     for flag, value in (("--ctx-size", preset.ctx_size), ("--parallel", preset.parallel),
@@ -164,10 +165,12 @@ async def wait_ready(
     timeout: float,
     on_progress: Callable[[dict[str, Any]], None],
     interval: float = 0.02,
-) -> None:
+) -> bool:
     """Poll `GET /health` until 200 (not sleeping); raise LoadError on exit, 500, or timeout.
 
-    Fast polls first (small models are ready in about a second), slower ones for long loads.
+    Returns whether the server speaks our sleep contract (its /health reports `is_sleeping`, as
+    our worker's does; llama-server's and vLLM's do not). Fast polls first (small models are
+    ready in about a second), slower ones for long loads.
     """
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -179,8 +182,10 @@ async def wait_ready(
             r = await client.get(f"{base_url}/health", timeout=2.0)
             if r.status_code == 200:
                 body = r.json()
-                if not (isinstance(body, dict) and body.get("is_sleeping")):
-                    return
+                if not isinstance(body, dict):
+                    return False
+                if not body.get("is_sleeping"):
+                    return "is_sleeping" in body
             elif r.status_code == 503:
                 err = r.json().get("error", {})
                 progress = err.get("progress") if isinstance(err, dict) else None

@@ -1,7 +1,9 @@
 """A fake worker for router lifecycle edge cases: a real subprocess speaking the worker's HTTP
 contract (/health 503-with-progress while loading, /sleep, /wake, chat completions streaming or
 not, /v1/models, --parent-pid, SIGTERM), with flags that make the hard cases reproducible:
-slow start, failing load, crash mid-stream, ignoring SIGTERM, slow wake.
+slow start, failing load, crash mid-stream, ignoring SIGTERM, slow wake, and (`--no-sleep`) a
+server without the sleep contract, like llama-server: no `is_sleeping` in /health, and a
+/sleep and /wake that answer 404 (after `--sleep-time`).
 
 Run as `python tests/router/fake_worker.py --port P [flags]` (presets use `backend = cmd`).
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -25,6 +28,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+ECHO_PATHS = ("/completion", "/completions", "/infill", "/embedding", "/embeddings", "/v1/embeddings", "/rerank",
+              "/v1/rerank", "/reranking", "/v1/reranking", "/v1/audio/speech", "/v1/audio/transcriptions",
+              "/audio/transcriptions", "/v1/audio/translations", "/v1/images/generations")
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
@@ -35,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parent-pid", type=int, default=None)
     p.add_argument("--load-time", type=float, default=0.0, help="seconds of 503 'Loading model'")
     p.add_argument("--wake-time", type=float, default=0.0)
+    p.add_argument("--no-sleep", action="store_true", help="no sleep contract (404 on /sleep and /wake)")
+    p.add_argument("--sleep-time", type=float, default=0.0, help="seconds before /sleep answers")
     p.add_argument("--fail-load", action="store_true", help="exit 1 after the load time")
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--tokens", type=int, default=5, help="chunks per streamed answer")
@@ -66,13 +75,20 @@ class Fake:
             body = {"error": {"message": "Loading model", "type": "unavailable_error", "param": None, "code": 503,
                               "progress": {"phase": "weights", "fraction": round(self.progress(), 3)}}}
             return JSONResponse(body, status_code=503)
+        if self.args.no_sleep:
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ok", "is_sleeping": self.is_sleeping})
 
     async def sleep(self, request: Request) -> Response:
+        await asyncio.sleep(self.args.sleep_time)
+        if self.args.no_sleep:
+            return _not_found()
         self.is_sleeping = True
         return JSONResponse({"status": "sleeping"})
 
     async def wake(self, request: Request) -> Response:
+        if self.args.no_sleep:
+            return _not_found()
         if self.is_sleeping:
             await asyncio.sleep(self.args.wake_time)
         self.is_sleeping = False
@@ -121,6 +137,28 @@ class Fake:
                 "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
         yield b"data: " + json.dumps(last).encode() + b"\n\ndata: [DONE]\n\n"
 
+    async def echo(self, request: Request) -> Response:
+        """The other OpenAI / llama-server routes a `cmd` upstream may serve: report what arrived
+        (path, body digest, content type) so a test can check the router forwarded it untouched."""
+        body = await request.body()
+        seen = {"path": request.url.path, "model": self.name, "sha256": hashlib.sha256(body).hexdigest(),
+                "content_type": request.headers.get("content-type", ""), "pid": os.getpid()}
+        if request.url.path == "/v1/audio/speech":  # chunked audio, no content-length
+            return StreamingResponse(self._audio(), media_type="audio/mpeg", headers={"x-seen": json.dumps(seen)})
+        if body.startswith(b"{") and json.loads(body).get("stream"):  # llama-server's native stream: no [DONE]
+            return StreamingResponse(self._native_stream(), media_type="text/event-stream")
+        return JSONResponse(seen)
+
+    async def _audio(self) -> AsyncIterator[bytes]:
+        for i in range(3):
+            yield bytes([i]) * 1000
+            await asyncio.sleep(0)
+
+    async def _native_stream(self) -> AsyncIterator[bytes]:
+        for i in range(3):
+            yield b"data: " + json.dumps({"content": f"t{i}", "stop": False}).encode() + b"\n\n"
+        yield b"data: " + json.dumps({"content": "", "stop": True, "model": self.name}).encode() + b"\n\n"
+
     async def watch_parent(self) -> None:
         parent = self.args.parent_pid
         while parent:
@@ -141,6 +179,11 @@ class Fake:
         watcher.cancel()
 
 
+def _not_found() -> Response:
+    return JSONResponse({"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": 404}},
+                        status_code=404)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.spawn_log:
@@ -154,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         Route("/v1/models", fake.models),
         Route("/props", fake.props),
         Route("/v1/chat/completions", fake.chat, methods=["POST"]),
+        *(Route(path, fake.echo, methods=["POST"]) for path in ECHO_PATHS),
     ], lifespan=fake.lifespan)
     print(f"fake worker {fake.name} pid {os.getpid()} on port {args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=1)

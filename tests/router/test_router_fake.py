@@ -434,3 +434,79 @@ def test_the_httpx_upstream_path_used_for_https_remotes_proxies_too(router_facto
 
     events = stream_chat(r, "a", on_chunk=kill_at_third)
     assert "mid-stream" in json.loads(events[-1])["error"]["message"]
+
+
+def test_max_queue_0_blocks_no_load_bug_load_on_startup_and_models_load_did_nothing(router_factory: Factory) -> None:
+    """Bug: the `--max-queue` bound was checked for loads too. With `--max-queue 0` a
+    load-on-startup model never loaded, `POST /models/load` answered success and did nothing,
+    and every request got 503. The bound must limit waiting requests, never loads."""
+    r = router_factory(fake_model("a", extra="load-on-startup = true") + fake_model("b") + fake_model("c"),
+                       "--max-queue", "0")
+    r.wait_status("a", "loaded", timeout=10)
+    with r.client() as c:
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200  # ready: never queued
+        assert c.post("/models/load", json={"model": "b"}).json() == {"success": True}
+        r.wait_status("b", "loaded", timeout=10)
+        assert c.post("/v1/chat/completions", json=chat("b")).status_code == 200
+        resp = c.post("/v1/chat/completions", json=chat("c"))  # it would have to wait: refused...
+        assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+        r.wait_status("c", "loaded", timeout=10)  # ...but its load goes on, so the retry is served
+        assert c.post("/v1/chat/completions", json=chat("c")).status_code == 200
+    assert r.models()["a"]["in_flight"] == 0 and r.models()["b"]["in_flight"] == 0
+
+
+def test_pinned_models_holding_every_slot_is_a_503_bug_it_was_a_crash_with_backoff(router_factory: Factory) -> None:
+    """Bug: `SlotsFull` was raised inside the load, so the refused model turned `failed`, its
+    failure count rose and backoff applied: the third request read "keeps crashing (exit code
+    None)" for a worker that never started. Reproduced by asking three times for a model while
+    a pinned one holds the only slot, then freeing the slot."""
+    r = router_factory(fake_model("a", extra="pin = true\nload-on-startup = true") + fake_model("b"),
+                       "--models-max", "1")
+    r.wait_status("a", "loaded")
+    with r.client() as c:
+        for _ in range(3):
+            resp = c.post("/v1/chat/completions", json=chat("b"), timeout=10)
+            assert resp.status_code == 503 and resp.json()["error"]["type"] == "unavailable_error"
+            message = resp.json()["error"]["message"]
+            assert "held by pinned models" in message and "crashing" not in message, message
+            status = r.models()["b"]["status"]
+            assert status["value"] == "unloaded" and "failed" not in status, status
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
+        assert c.post("/models/unload", json={"model": "a"}).json() == {"success": True}
+        assert c.post("/v1/chat/completions", json=chat("b")).status_code == 200  # no backoff to sit out
+
+
+def test_idle_cmd_server_without_sleep_is_stopped_bug_a_request_during_its_sleep_failed_it(
+        router_factory: Factory, tmp_path: Path) -> None:
+    """Bug: an idle `cmd` server was put to SLEEPING and sent `POST /sleep`; a request arriving
+    while that was in flight woke it with `POST /wake`, which a server without the sleep
+    contract (llama-server) answers 404, and that was taken for a failed load: the model turned
+    `failed` and the request got 503. Reproduced with a fake that has no sleep contract and
+    answers /sleep only after 2 s: the request comes right after the model left `loaded`."""
+    spawns = tmp_path / "spawns.txt"
+    r = router_factory(fake_model("a", "--no-sleep", "--sleep-time", "2", "--spawn-log", str(spawns)),
+                       "--sleep-idle-seconds", "0.3")
+    with r.client() as c:
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
+        wait_until(lambda: r.status("a") != "loaded", 10, 0.01, what="a to go idle")
+        resp = c.post("/v1/chat/completions", json=chat("a"))
+        assert resp.status_code == 200, resp.text
+        r.wait_status("a", "unloaded", timeout=10)  # idle again: stopped, never `sleeping`
+    assert len(spawns.read_text().split()) == 2
+    assert "model a: sleeping" not in r.log() and "model a: failed" not in r.log()
+
+
+def test_models_report_the_worker_tree_memory_while_loading_and_loaded(router_factory: Factory) -> None:
+    r = router_factory(fake_model("a", "--load-time", "1.5") + fake_model("b"), "--no-models-autoload")
+    none = {"estimated_bytes": None, "ram_bytes": None, "rss_bytes": None, "vram_bytes": None}
+    assert r.models()["a"]["memory"] == none  # not running: nothing measured
+    with r.client() as c:
+        assert c.post("/models/load", json={"model": "a"}).json() == {"success": True}
+        loading = wait_until(lambda: (m := r.models()["a"])["status"]["value"] == "loading"
+                             and m["memory"]["ram_bytes"] and m, 10, 0.02, what="a sample while loading")
+        mem = loading["memory"]
+        assert 1 << 20 < mem["ram_bytes"] <= mem["rss_bytes"] and mem["vram_bytes"] is None
+        card = r.wait_status("a", "loaded")
+        assert card["memory"]["ram_bytes"] > 1 << 20
+        assert c.post("/models/unload", json={"model": "a"}).json() == {"success": True}
+    assert r.models()["a"]["memory"] == none == r.models()["b"]["memory"]
