@@ -31,6 +31,7 @@ from starlette.routing import Route
 from starlette.types import Message, Receive, Scope, Send
 
 from router.events import EventBus
+from router.form import boundary, form_field
 from router.model import ModelHandle
 from router.pool import Pool
 from router.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
@@ -50,14 +51,27 @@ from worker.errors import (
 
 log = logging.getLogger("omni.router.app")
 
-# client path -> worker path, for POST routes routed by the body's `model` field
+# client path -> worker path, for POST routes routed by the body's `model` field (a JSON
+# field, or a form field of a multipart body: the audio uploads). Paths a `cmd` upstream
+# (llama-server, an OpenAI-compatible TTS/STT/image server) may serve go through unchanged.
 PROXY_POST: dict[str, str] = {
     "/v1/chat/completions": "/v1/chat/completions",
     "/chat/completions": "/v1/chat/completions",
     "/v1/completions": "/v1/completions",
-    "/completions": "/v1/completions",
+    "/completions": "/completions",  # llama-server's native shape, as /completion
+    "/completion": "/completion",
     "/v1/embeddings": "/v1/embeddings",
-    "/embeddings": "/v1/embeddings",
+    "/embeddings": "/embeddings",
+    "/embedding": "/embedding",
+    "/v1/rerank": "/v1/rerank",
+    "/rerank": "/rerank",
+    "/v1/reranking": "/v1/reranking",
+    "/reranking": "/reranking",
+    "/v1/audio/speech": "/v1/audio/speech",
+    "/v1/audio/transcriptions": "/v1/audio/transcriptions",
+    "/audio/transcriptions": "/audio/transcriptions",
+    "/v1/audio/translations": "/v1/audio/translations",
+    "/v1/images/generations": "/v1/images/generations",
     "/tokenize": "/tokenize",
     "/detokenize": "/detokenize",
     "/apply-template": "/apply-template",
@@ -217,7 +231,7 @@ class RouterApp:
                           cors: list[tuple[bytes, bytes]] | None) -> None:
         body = await _read_body(receive)
         try:
-            name = self._model_from_body(body, scope.get("query_string", b""))
+            name = self._model_from_body(body, scope.get("query_string", b""), _header(scope["headers"], b"content-type"))
             handle = self._lookup(name, scope)
         except APIError as e:
             await self._send_error(send, e, cors)
@@ -234,11 +248,16 @@ class RouterApp:
             return
         await self._run_proxied(scope, receive, send, handle, "GET", upstream_path, b"", cors)
 
-    def _model_from_body(self, body: bytes, query: bytes = b"") -> str:
-        data = parse_json(body)
-        if not isinstance(data, dict):
-            raise APIError("Request body must be a JSON object")
-        name = data.get("model")
+    def _model_from_body(self, body: bytes, query: bytes = b"", content_type: bytes | None = None) -> str:
+        sep = boundary(content_type) if content_type is not None else None
+        name: object
+        if sep is not None:
+            name = form_field(body, sep, "model")
+        else:
+            data = parse_json(body)
+            if not isinstance(data, dict):
+                raise APIError("Request body must be a JSON object")
+            name = data.get("model")
         if name is None and query:
             name = parse_qs(query.decode("latin-1")).get("model", [None])[0]
         if name is None and len(self.pool.handles) == 1:

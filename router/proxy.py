@@ -5,7 +5,8 @@ the `model` field), drop hop-by-hop headers both ways, reuse keep-alive connecti
 (router.upstream for local workers; httpx only for https remote upstreams). A JSON
 response is read whole and sent in one message; an SSE response is forwarded chunk by chunk
 as it arrives (no buffering). If the client disconnects, the caller cancels us and closing
-the upstream response closes its connection, which the worker sees as a cancel. If the
+the upstream response closes its connection, which the worker sees as a cancel. A body
+without a content-length (chunked: streamed audio, say) is forwarded as it arrives too. If the
 worker dies mid-stream, the client gets a final SSE `data: {"error": ...}` event instead of
 a silent cut (the openai SDK raises it as an APIError).
 
@@ -64,6 +65,10 @@ def _is_sse(headers: list[tuple[bytes, bytes]]) -> bool:
     return False
 
 
+def _has_length(headers: list[tuple[bytes, bytes]]) -> bool:
+    return any(k.lower() == b"content-length" for k, _ in headers)
+
+
 def sse_error(message: str, code: int = 502) -> bytes:
     body = error_body(message, "server_error", None, code)
     return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -95,7 +100,8 @@ async def forward(
         raise UpstreamUnavailable(f"worker for model {model!r} is unreachable: {e}", retryable=e.retryable) from None
     try:
         hdrs = _response_headers(conn.headers, cors or [])
-        if not _is_sse(conn.headers):
+        is_sse = _is_sse(conn.headers)
+        if not is_sse and _has_length(conn.headers):
             try:
                 data = await conn.read_all()
             except UpstreamError as e:
@@ -109,11 +115,14 @@ async def forward(
             async for chunk in conn.iter_body():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except UpstreamError as e:
+            if not is_sse:  # a cut chunked body (streamed audio, say): the client sees it end early
+                raise
             await send({"type": "http.response.body", "body": _mid_stream(model, e), "more_body": True})
         except asyncio.CancelledError:  # the router is shutting down (or the client left: no-op)
             with contextlib.suppress(Exception):
-                await send({"type": "http.response.body", "more_body": False,
-                            "body": sse_error("the request was cancelled: the router is shutting down", 503)})
+                if is_sse:
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": sse_error("the request was cancelled: the router is shutting down", 503)})
             raise
         await send({"type": "http.response.body", "body": b""})
         return conn.status

@@ -77,7 +77,7 @@ def wait_healthy(
 def run_worker(model: str | Path, *args: str, timeout: float = 60.0) -> Iterator[str]:
     """Start `omni-worker --model MODEL ARGS` on a free port; yield its base URL once healthy."""
     port = free_port()
-    cmd = [sys.executable, "-m", "worker.server.cli", "--model", str(model), "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "worker.server.cli", "--model", str(model), "--port", str(port), "--metrics", *args]
     # A file, not a pipe: an undrained pipe would block a chatty worker.
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in finally)
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)

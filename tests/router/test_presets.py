@@ -172,10 +172,10 @@ def test_models_dir_scan_and_merge(tmp_path: Path) -> None:
 
 ARGV_CASES = [
     (ModelPreset(name="a", model=Path("/m.gguf")), ["--model", "/m.gguf", "--alias", "a", "--host", "127.0.0.1",
-                                                     "--port", "9", "--parent-pid", "7"]),
+                                                     "--port", "9", "--parent-pid", "7", "--metrics"]),
     (ModelPreset(name="a", model=Path("/m"), backend="torch", ctx_size=512, parallel=2, batch_size=64,
                  n_gpu_layers=0, threads=1, chat_template="chatml", cache_ram=512, flash_attn="off", kv_unified=True),
-     ["--model", "/m", "--alias", "a", "--host", "127.0.0.1", "--port", "9", "--parent-pid", "7", "--backend",
+     ["--model", "/m", "--alias", "a", "--host", "127.0.0.1", "--port", "9", "--parent-pid", "7", "--metrics", "--backend",
       "torch", "--ctx-size", "512", "--parallel", "2", "--batch-size", "64", "--n-gpu-layers", "0",
       "--threads", "1", "--chat-template", "chatml", "--cache-ram", "512", "--flash-attn", "off", "--kv-unified"]),
 ]

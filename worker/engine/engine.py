@@ -120,6 +120,7 @@ class Engine:
         self._gauges = (-1, -1, -1)  # last values published by _update_gauges
         self._masks: MaskBatch | None = None  # made at the first constrained task
         self._mask_totals: tuple[int, float, float] = (0, 0.0, 0.0)  # published to metrics so far
+        self.last_busy = time.monotonic()  # engine thread writes; when it last had a task
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # -- any thread ---------------------------------------------------------------------------
@@ -177,6 +178,7 @@ class Engine:
                 self._pump_inbox()
                 if self._has_work() and not self._stopping:
                     self._step()
+                    self.last_busy = time.monotonic()
             except Exception as e:
                 log.exception("engine step failed; failing the tasks in flight")
                 self._fail_all(f"internal error: {e!r}", 500)
@@ -259,6 +261,7 @@ class Engine:
             cmd.future.set_exception(e)
 
     def _enqueue(self, task: Task) -> None:
+        self.last_busy = time.monotonic()
         self._require_scheduler().enqueue(task)  # first: if waking fails, _fail_all answers it too
         if self._require_backend().is_sleeping:
             self.wake()
@@ -279,6 +282,11 @@ class Engine:
             self._require_scheduler().forget_kv()
             backend.sleep()
             log.info("sleeping: weights and KV cache freed")
+
+    def sleep_if_idle_for(self, idle_s: float) -> None:
+        """`--sleep-idle-seconds` (engine thread, idle): sleep unless a task ran in the last `idle_s`."""
+        if time.monotonic() - self.last_busy >= idle_s:
+            self.sleep()
 
     def wake(self) -> None:
         backend = self._require_backend()

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import time
 from typing import Any
 
 import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worker.backends.base import Backend
 from worker.engine.grammar import Grammar, compile_grammar
@@ -26,6 +29,7 @@ from worker.engine.metrics import CONTENT_TYPE
 from worker.engine.sampling_params import SamplingParams
 from worker.errors import APIError, api_error_handler, error_body, http_exception_handler, parse_model
 from worker.server.generation import Generation
+from worker.server.native_format import NativeInfo, NativeResults, collect_native, stream_native
 from worker.server.openai_format import Choices, ResponseInfo, error_payload, stream_chat, stream_completion
 from worker.server.sse import aggregated, event_stream
 from worker.server.state import REASONING_FORMATS, WorkerState
@@ -44,6 +48,8 @@ from worker.server.wire import (
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    NativeCompletionRequest,
+    NativePrompt,
     TokenizeRequest,
     new_id,
     now,
@@ -181,7 +187,7 @@ async def chat_completions(request: Request) -> Response:
     state = _state(request)
     backend = _ready(state)
     req = parse_model(ChatCompletionRequest, await request.body())
-    params = req.to_sampling_params()
+    params = req.to_sampling_params(state.defaults)
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     constraint = output_constraint(req)
     reasoning = _reasoning_format(state, req.reasoning_format)
@@ -227,7 +233,7 @@ async def completions(request: Request) -> Response:
     state = _state(request)
     backend = _ready(state)
     req = parse_model(CompletionRequest, await request.body())
-    params = req.to_sampling_params()
+    params = req.to_sampling_params(state.defaults)
     constraint = output_constraint(req)
     if constraint is not None:
         grammar = await anyio.to_thread.run_sync(compile_constraint, backend, constraint)
@@ -259,6 +265,48 @@ async def completions(request: Request) -> Response:
         return 200, choices.completion()
 
     return aggregated(gen, build)
+
+
+async def _native_tokens(backend: Backend, prompt: NativePrompt, param: str) -> list[int]:
+    """llama-server's tokenize_mixed: specials for the first text part only; ids as they are."""
+    if isinstance(prompt, str):
+        return await _tokenize(backend, prompt, True, True)
+    tokens: list[int] = []
+    for i, part in enumerate(prompt):
+        if isinstance(part, str):
+            tokens += await _tokenize(backend, part, i == 0, True)
+        else:
+            _check_token_ids([part], backend, param)
+            tokens.append(part)
+    return tokens
+
+
+async def native_completion(request: Request) -> Response:
+    """llama-server's native /completion (and /completions): worker/server/native_format.py."""
+    state = _state(request)
+    backend = _ready(state)
+    req = parse_model(NativeCompletionRequest, await request.body())
+    params = req.to_sampling_params(state.defaults)
+    constraint = output_constraint(req)
+    if constraint is not None:
+        grammar = await anyio.to_thread.run_sync(compile_constraint, backend, constraint)
+        params = dataclasses.replace(params, grammar=grammar)
+    try:
+        prompts = req.prompts()
+    except ValueError as e:
+        raise APIError(str(e), param="prompt") from None
+    token_prompts: list[list[int]] = []
+    for i, p in enumerate(prompts):
+        tokens = await _native_tokens(backend, p, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
+        _check_prompt(tokens, backend)
+        token_prompts.append(tokens)
+    texts = [b"".join(backend.token_to_piece(t) for t in p).decode(errors="replace") for p in token_prompts]
+    gen = Generation(state.engine, token_prompts, params, quiet_tokens=not req.stream)
+    info = NativeInfo(req.model or state.model_id, backend.token_to_piece, texts, req.return_tokens, req.stream)
+    results = NativeResults(gen, info)
+    if req.stream:
+        return event_stream(gen, stream_native(gen, results))
+    return aggregated(gen, lambda: collect_native(gen, results))
 
 
 # --------------------------------------------------------------------------- tokenizer & template
@@ -311,6 +359,8 @@ async def health(request: Request) -> Response:
 
 def _model_card(state: WorkerState) -> dict[str, Any]:
     card: dict[str, Any] = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "omni-router"}
+    if state.tags:
+        card["tags"] = list(state.tags)
     backend = state.engine.backend
     if backend is not None:
         m = backend.meta
@@ -329,11 +379,13 @@ async def models(request: Request) -> Response:
     return JSONResponse({"object": "list", "data": [_model_card(_state(request))]})
 
 
-def _default_params() -> dict[str, Any]:
-    d = SamplingParams()
+def _default_params(d: SamplingParams) -> dict[str, Any]:
+    n_predict = -1 if d.max_tokens is None else d.max_tokens
     return {
         "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
-        "repeat_penalty": d.repeat_penalty, "repeat_last_n": d.repeat_last_n, "n_predict": -1,
+        "repeat_penalty": d.repeat_penalty, "repeat_last_n": d.repeat_last_n,
+        "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
+        "seed": -1 if d.seed is None else d.seed, "n_predict": n_predict, "max_tokens": n_predict,
     }
 
 
@@ -343,7 +395,7 @@ async def props(request: Request) -> Response:
     m = backend.meta
     return JSONResponse(
         {
-            "default_generation_settings": {"n_ctx": backend.n_ctx_seq, "params": _default_params()},
+            "default_generation_settings": {"n_ctx": backend.n_ctx_seq, "params": _default_params(state.defaults)},
             "total_slots": state.engine.n_slots,
             "model_alias": state.model_id,
             "model_path": state.model_path,
@@ -358,15 +410,26 @@ async def props(request: Request) -> Response:
     )
 
 
+def _not_enabled(endpoint: str, flag: str) -> APIError:
+    """llama-server's answer for an endpoint its command line left off."""
+    return APIError(f"This server does not support {endpoint} endpoint. Start it with `{flag}`",
+                    status_code=501, type="not_supported_error", code=501)
+
+
 async def slots(request: Request) -> Response:
     state = _state(request)
+    if not state.is_slots_on:
+        raise _not_enabled("slots", "--slots")
     _ready(state)
     info = await asyncio.wrap_future(state.engine.call(state.engine.slots_info))
     return JSONResponse(info)
 
 
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+    state = _state(request)
+    if not state.is_metrics_on:
+        raise _not_enabled("metrics", "--metrics")
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def sleep(request: Request) -> Response:
@@ -388,12 +451,45 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(f"internal error: {exc!r}", "server_error", None, 500), status_code=500)
 
 
-def build_app(state: WorkerState) -> Starlette:
+_PUBLIC_PATHS = frozenset({"/health", "/v1/health"})  # as llama-server: everything else needs the key
+
+
+class _RequireAPIKey:
+    """`--api-key`: `Authorization: Bearer KEY` or `X-Api-Key: KEY` on every route but /health
+    (llama-server's rule); keys are compared in constant time."""
+
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+        self._app = app
+        self._keys = [k.encode() for k in keys]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _PUBLIC_PATHS or scope["method"] == "OPTIONS":
+            await self._app(scope, receive, send)
+            return
+        if self._is_authorized(dict(scope["headers"])):
+            await self._app(scope, receive, send)
+            return
+        body = APIError("Invalid API Key", status_code=401, type="authentication_error", code=401).body()
+        await JSONResponse(body, status_code=401)(scope, receive, send)
+
+    def _is_authorized(self, headers: dict[bytes, bytes]) -> bool:
+        token = headers.get(b"authorization") or headers.get(b"x-api-key") or b""
+        if token[:7].lower() == b"bearer ":
+            token = token[7:]
+        token = token.strip()
+        ok = False
+        for key in self._keys:  # no early exit: the time does not depend on which key matched
+            ok |= hmac.compare_digest(token, key)
+        return ok
+
+
+def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = ()) -> ASGIApp:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/completions", completions, methods=["POST"]),
+        Route("/completion", native_completion, methods=["POST"]),  # llama-server's native shape
+        Route("/completions", native_completion, methods=["POST"]),  # as llama-server: native, not OpenAI
         Route("/v1/models", models, methods=["GET"]),
         Route("/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -416,4 +512,10 @@ def build_app(state: WorkerState) -> Starlette:
         },
     )
     app.state.worker = state
-    return app
+    outer: ASGIApp = app
+    if cors_origins:
+        outer = CORSMiddleware(outer, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
+                               allow_headers=["*"])
+    if api_keys:
+        outer = _RequireAPIKey(outer, api_keys)
+    return outer

@@ -15,15 +15,18 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 
 import typer
 import uvicorn
+from typer._click.exceptions import ClickException, NoSuchOption  # typer vendors its own click
 
 from worker.backends import BackendOptions, load_backend, resolve_kind
 from worker.backends.base import Backend
 from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
+from worker.engine.sampling_params import SamplingParams
 from worker.server.state import REASONING_FORMATS, WorkerState
 
 log = logging.getLogger("worker")
@@ -78,11 +81,15 @@ def _watch_parent(pid: int, server: _Server) -> None:
         time.sleep(0.25)
 
 
+_NO_HUB = "omni-worker does not download models (there is no model hub here): pass a local GGUF file or HF folder with -m"
+
+
 @cli.command()
 def serve(
-    model: str = typer.Option(..., "--model", "-m", help="GGUF file or HF model directory"),
+    model: str | None = typer.Option(None, "--model", "-m", help="GGUF file or HF model directory"),
     backend: str = typer.Option("auto", "--backend", help="auto | llama_cpp | torch"),
     alias: str | None = typer.Option(None, "--alias", "-a", help="model id reported by the API"),
+    tags: str | None = typer.Option(None, "--tags", help="comma-separated model tags (reported in /v1/models)"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port"),
     uds: str | None = typer.Option(None, "--uds", help="listen on a unix socket instead of a port"),
@@ -97,9 +104,16 @@ def serve(
     ),
     batch_size: int = typer.Option(2048, "--batch-size", "-b", min=1, help="max tokens per decode step"),
     ubatch_size: int = typer.Option(512, "--ubatch-size", "-ub", min=1, help="physical batch size"),
-    n_gpu_layers: int | None = typer.Option(None, "--n-gpu-layers", "-ngl", help="default: all"),
+    n_gpu_layers: str | None = typer.Option(
+        None, "--n-gpu-layers", "--gpu-layers", "-ngl", help="N, auto or all (default: all)"
+    ),
     threads: int | None = typer.Option(None, "--threads", "-t", min=1),
-    chat_template: str | None = typer.Option(None, "--chat-template", help="template file or builtin name"),
+    chat_template: str | None = typer.Option(None, "--chat-template", help="template file, builtin name or Jinja"),
+    chat_template_file: str | None = typer.Option(None, "--chat-template-file", help="Jinja template file"),
+    jinja: bool = typer.Option(
+        True, "--jinja/--no-jinja",
+        help="templates are always Jinja; --no-jinja is accepted and changes nothing (a warning says so)",
+    ),
     cache_type_k: str = typer.Option("f16", "--cache-type-k", "-ctk"),
     cache_type_v: str = typer.Option("f16", "--cache-type-v", "-ctv"),
     flash_attn: str = typer.Option("auto", "--flash-attn", "-fa", help="auto | on | off"),
@@ -114,11 +128,52 @@ def serve(
         "auto", "--reasoning-format",
         help="auto | deepseek | deepseek-legacy | none: where <think> text goes (a request's reasoning_format wins)",
     ),
+    # -- sampling defaults (a request's own fields win; GET /props reports these) --
+    n_predict: int = typer.Option(-1, "--n-predict", "--predict", "-n", help="default and cap of max_tokens (-1: none)"),
+    temperature: float = typer.Option(0.8, "--temp", "--temperature", min=0.0),
+    top_k: int = typer.Option(40, "--top-k"),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
+    min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0),
+    repeat_penalty: float = typer.Option(1.0, "--repeat-penalty", min=0.0),
+    repeat_last_n: int = typer.Option(64, "--repeat-last-n", min=-1),
+    presence_penalty: float = typer.Option(0.0, "--presence-penalty"),
+    frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
+    seed: int = typer.Option(-1, "--seed", "-s", help="default seed (-1: a random one per request)"),
+    # -- HTTP server --
+    api_key: str | None = typer.Option(None, "--api-key", help="comma-separated keys; /health stays public"),
+    api_key_file: str | None = typer.Option(None, "--api-key-file", help="a file of keys, one per line"),
+    cors_origins: str | None = typer.Option(None, "--cors-origins", help="comma-separated origins, or *"),
+    slots: bool = typer.Option(True, "--slots/--no-slots", help="GET /slots (501 with --no-slots)"),
+    metrics_on: bool = typer.Option(False, "--metrics", help="GET /metrics (Prometheus); 501 without it"),
+    sleep_idle_seconds: float = typer.Option(
+        -1, "--sleep-idle-seconds", help="free the model after this many idle seconds (-1: never); a request wakes it"
+    ),
+    context_shift: bool = typer.Option(
+        False, "--context-shift/--no-context-shift", help="omni-worker never shifts context (--no-context-shift)"
+    ),
+    offline: bool = typer.Option(False, "--offline", help="accepted: omni-worker never goes online"),
+    hf_repo: str | None = typer.Option(None, "--hf-repo", "-hf", "-hfr", hidden=True),
+    hf_file: str | None = typer.Option(None, "--hf-file", "-hff", hidden=True),
+    model_url: str | None = typer.Option(None, "--model-url", "-mu", hidden=True),
     parent_pid: int | None = typer.Option(None, "--parent-pid", help="exit when this process is gone"),
 ) -> None:
-    """Serve one model with continuous batching over N slots."""
+    """Serve one model with continuous batching over N slots (llama-server's flags, same names)."""
     _setup_logging()
 
+    if hf_repo or hf_file or model_url:
+        flag = "--hf-repo" if hf_repo else "--hf-file" if hf_file else "--model-url"
+        raise typer.BadParameter(_NO_HUB, param_hint=flag)
+    if model is None:
+        raise typer.BadParameter("a model is required: -m PATH (a GGUF file or HF folder)", param_hint="--model")
+    if context_shift:
+        raise typer.BadParameter(
+            "omni-worker does not shift context: a request stops with finish_reason length when its slot is full "
+            "(leave it out or pass --no-context-shift)", param_hint="--context-shift",
+        )
+    if chat_template and chat_template_file:
+        raise typer.BadParameter("give --chat-template or --chat-template-file, not both", param_hint="--chat-template-file")
+    if not jinja:
+        log.warning("--no-jinja: omni-worker always renders chat templates with Jinja (the model's, or --chat-template)")
     if backend not in ("auto", "llama_cpp", "torch"):
         raise typer.BadParameter(f"{backend!r} is not one of auto, llama_cpp, torch", param_hint="--backend")
     if batch_size < parallel:
@@ -139,7 +194,7 @@ def serve(
         kv_unified=kv_unified,
         n_batch=batch_size,
         n_ubatch=ubatch_size,
-        n_gpu_layers=n_gpu_layers,
+        n_gpu_layers=_gpu_layers(n_gpu_layers),
         threads=threads,
         cache_type_k=cache_type_k,
         cache_type_v=cache_type_v,
@@ -148,6 +203,12 @@ def serve(
         dtype=dtype,
         compile=compile,
     )
+    defaults = SamplingParams(
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+        repeat_last_n=repeat_last_n, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+        seed=seed if seed >= 0 else None, max_tokens=n_predict if n_predict >= 0 else None,
+    )
+    api_keys = _api_keys(api_key, api_key_file)
     metrics = WorkerMetrics()
     exit_code = 0
     server: _Server | None = None
@@ -163,15 +224,19 @@ def serve(
             server.request_exit()
 
     engine = Engine(
-        _loader(kind, model, options, chat_template, lambda: state), parallel, metrics, on_load_failed,
+        _loader(kind, model, options, chat_template or chat_template_file, lambda: state), parallel, metrics,
+        on_load_failed,
         cache_ram_mib=cache_ram,
     )
-    state = WorkerState(engine, metrics, alias or _default_model_id(model), model, kind, reasoning_format=reasoning_format)
+    state = WorkerState(
+        engine, metrics, alias or _default_model_id(model), model, kind, reasoning_format=reasoning_format,
+        defaults=defaults, tags=_split(tags), is_slots_on=slots, is_metrics_on=metrics_on,
+    )
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.server.app import build_app
 
     config = uvicorn.Config(
-        build_app(state),
+        build_app(state, api_keys=api_keys, cors_origins=_split(cors_origins)),
         host=host,
         port=port,
         uds=uds,
@@ -181,6 +246,9 @@ def serve(
         timeout_graceful_shutdown=1,
     )
     server = _Server(config, on_exit=lambda: engine.stop(timeout=0))  # failing in-flight requests ends their streams
+    if sleep_idle_seconds > 0:
+        threading.Thread(target=_sleep_when_idle, args=(engine, sleep_idle_seconds, server), name="idle-sleep",
+                         daemon=True).start()
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid, server), name="parent-watch", daemon=True).start()
     log.info("omni-worker: model %s (backend %s), %d slots, listening on %s", model, kind, parallel, uds or f"{host}:{port}")
@@ -191,6 +259,42 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _split(value: str | None) -> tuple[str, ...]:
+    return tuple(v.strip() for v in (value or "").split(",") if v.strip())
+
+
+def _api_keys(keys: str | None, path: str | None) -> tuple[str, ...]:
+    out = _split(keys)
+    if path is not None:
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as e:
+            raise typer.BadParameter(f"cannot read {path}: {e.strerror}", param_hint="--api-key-file") from None
+        out += tuple(line.strip() for line in lines if line.strip())
+    return out
+
+
+def _gpu_layers(value: str | None) -> int | None:
+    """llama-server's -ngl: a number, auto or all; our backends offload all when it is None."""
+    if value is None or value in ("auto", "all"):
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise typer.BadParameter(f"{value!r} is not a number, auto or all", param_hint="--n-gpu-layers") from None
+
+
+def _sleep_when_idle(engine: Engine, idle_s: float, server: _Server) -> None:
+    """`--sleep-idle-seconds`: ask the engine, now and then, to sleep if it has been idle that long;
+    it decides on its own thread (`sleep_if_idle_for`), so a request arriving meanwhile wins."""
+    period = min(1.0, idle_s / 4)
+    while not server.should_exit:
+        time.sleep(period)
+        backend = engine.backend
+        if backend is not None and not backend.is_sleeping and time.monotonic() - engine.last_busy >= idle_s:
+            engine.call_when_idle(lambda: engine.sleep_if_idle_for(idle_s)).result()
 
 
 def _loader(
@@ -211,9 +315,22 @@ def _loader(
     return load
 
 
-def main() -> None:
-    """Console-script entry point (`omni-worker`)."""
-    cli()
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point (`omni-worker`): a bad or unknown flag is one line and exit 2."""
+    command = typer.main.get_command(cli)
+    try:
+        command.main(args=argv if argv is not None else sys.argv[1:], prog_name="omni-worker", standalone_mode=False)
+    except NoSuchOption as e:
+        print(f"omni-worker: error: unknown option {e.option_name}: omni-worker does not implement it "
+              "(see omni-worker --help for the llama-server flags it takes)", file=sys.stderr)
+        sys.exit(2)
+    except ClickException as e:
+        print(f"omni-worker: error: {e.format_message()}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from worker.engine.engine import Engine
 from worker.engine.metrics import WorkerMetrics
+from worker.engine.sampling_params import SamplingParams
 
 REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
 
@@ -28,4 +29,8 @@ class WorkerState:
     backend_kind: str
     template: ChatTemplate | None = None  # set by the loader once the model's metadata is known
     reasoning_format: str = "auto"  # the default of requests' reasoning_format
+    defaults: SamplingParams = field(default_factory=SamplingParams)  # --temp, -n, ...: what requests omit
+    tags: tuple[str, ...] = ()  # --tags: informational, reported in /v1/models
+    is_slots_on: bool = True  # GET /slots (--slots / --no-slots)
+    is_metrics_on: bool = True  # GET /metrics (omni-worker --metrics; the CLI's default is off)
     created: int = field(default_factory=lambda: int(time.time()))

@@ -91,29 +91,37 @@ class _SamplingRequest(OpenAIBaseModel):
                     raise ValueError(f"logit_bias key {key!r} is not a token id") from None
         return v
 
-    def _max_new_tokens(self) -> int | None:
+    def _max_new_tokens(self, default: int | None) -> int | None:
+        """max_tokens, else n_predict (-1: unlimited), else the server's `-n`; `-n` also caps it
+        (as llama-server's n_predict caps a slot)."""
         if self.max_tokens is not None:
-            return self.max_tokens
-        if self.n_predict is not None and self.n_predict >= 0:
-            return self.n_predict
-        return None
+            n: int | None = self.max_tokens
+        elif self.n_predict is not None:
+            n = self.n_predict if self.n_predict >= 0 else None
+        else:
+            n = default
+        return n if default is None or (n is not None and n <= default) else default
 
-    def _common_params(self, *, logprobs: bool, top_logprobs: int, max_tokens: int | None) -> SamplingParams:
+    def _common_params(
+        self, defaults: SamplingParams | None, *, logprobs: bool, top_logprobs: int, max_tokens: int | None
+    ) -> SamplingParams:
+        """`defaults`: the server's (omni-worker --temp, --top-k, ..., -n, --seed); a field the
+        request leaves out takes its value from there."""
+        d = defaults or SamplingParams()
         nv = self.nvext or NvExt()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         greedy = bool(self.greedy_sampling or nv.greedy_sampling)
         rep = self.repeat_penalty or self.repetition_penalty or nv.repetition_penalty
-        defaults = SamplingParams()
         return SamplingParams(
-            temperature=0.0 if greedy else (defaults.temperature if self.temperature is None else self.temperature),
-            top_k=nv.top_k if nv.top_k is not None else (defaults.top_k if self.top_k is None else self.top_k),
-            top_p=defaults.top_p if self.top_p is None else self.top_p,
-            min_p=defaults.min_p if self.min_p is None else self.min_p,
-            repeat_penalty=defaults.repeat_penalty if rep is None else rep,
-            repeat_last_n=defaults.repeat_last_n if self.repeat_last_n is None else self.repeat_last_n,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            seed=self.seed,
+            temperature=0.0 if greedy else (d.temperature if self.temperature is None else self.temperature),
+            top_k=nv.top_k if nv.top_k is not None else (d.top_k if self.top_k is None else self.top_k),
+            top_p=d.top_p if self.top_p is None else self.top_p,
+            min_p=d.min_p if self.min_p is None else self.min_p,
+            repeat_penalty=d.repeat_penalty if rep is None else rep,
+            repeat_last_n=d.repeat_last_n if self.repeat_last_n is None else self.repeat_last_n,
+            presence_penalty=d.presence_penalty if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=d.frequency_penalty if self.frequency_penalty is None else self.frequency_penalty,
+            seed=d.seed if self.seed is None or self.seed < 0 else self.seed,
             logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
             max_tokens=max_tokens,
             stop=tuple(s for s in stop if s),
@@ -158,10 +166,15 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
-    def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self._max_new_tokens()
+    def to_sampling_params(self, defaults: SamplingParams | None = None) -> SamplingParams:
+        d = defaults or SamplingParams()
+        max_tokens: int | None
+        if self.max_completion_tokens is not None:
+            max_tokens = self.max_completion_tokens if d.max_tokens is None else min(self.max_completion_tokens, d.max_tokens)
+        else:
+            max_tokens = self._max_new_tokens(d.max_tokens)
         top = self.top_logprobs if self.top_logprobs is not None else (self.n_probs or 0)
-        return self._common_params(logprobs=self.logprobs or bool(self.n_probs), top_logprobs=top, max_tokens=max_tokens)
+        return self._common_params(d, logprobs=self.logprobs or bool(self.n_probs), top_logprobs=top, max_tokens=max_tokens)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -186,11 +199,46 @@ class CompletionRequest(_SamplingRequest):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: SamplingParams | None = None) -> SamplingParams:
         n_lp = self.logprobs if self.logprobs is not None else (self.n_probs or 0)
         use_lp = self.logprobs is not None or bool(self.n_probs)
+        d = defaults or SamplingParams()
         # Like llama-server (not OpenAI's 16): no max_tokens means until EOS or the context is full.
-        return self._common_params(logprobs=use_lp, top_logprobs=n_lp, max_tokens=self._max_new_tokens())
+        return self._common_params(d, logprobs=use_lp, top_logprobs=n_lp, max_tokens=self._max_new_tokens(d.max_tokens))
+
+
+NativePrompt = str | list[int] | list[str | int]  # one prompt: text, token ids, or both mixed
+
+
+class NativeCompletionRequest(_SamplingRequest):
+    """llama-server's native /completion: `prompt` is text, token ids, text and ids mixed (one
+    prompt), or a list of those (several prompts); `n_probs` top log-probabilities per token."""
+
+    prompt: str | list[Any]
+    return_tokens: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def prompts(self) -> list[NativePrompt]:
+        """As llama-server's tokenize_input_prompts: a list holding any number is one prompt."""
+        p = self.prompt
+        if isinstance(p, str) or any(isinstance(x, int) for x in p):
+            return [p]
+        for x in p:
+            is_mixed = isinstance(x, list) and all(isinstance(y, str | int) for y in x)
+            if not (isinstance(x, str) or is_mixed):
+                raise ValueError("each prompt must be a string, a list of token ids, or a list of both")
+        return list(p)
+
+    def to_sampling_params(self, defaults: SamplingParams | None = None) -> SamplingParams:
+        d = defaults or SamplingParams()
+        n = self.n_probs or 0
+        return self._common_params(d, logprobs=n > 0, top_logprobs=n, max_tokens=self._max_new_tokens(d.max_tokens))
 
 
 class TokenizeRequest(OpenAIBaseModel):

@@ -1,0 +1,157 @@
+"""Engine events -> llama-server's native `/completion` objects (streamed or one body).
+
+The native shape, as tools/server/server-task.cpp writes it (`to_json_non_oaicompat`): a
+partial result per token `{index, content, tokens, stop: false, id_slot, tokens_predicted,
+tokens_evaluated[, completion_probabilities]}` and a final one `{..., stop: true, model,
+generation_settings, prompt, stop_type, stopping_word, tokens_cached, timings}`. A stream is
+`data: {...}` events with no `[DONE]`; in a stream the final object's `content` is empty (the
+text went out in the partials). A body is one object, or an array for several prompts.
+`tokens` is filled only with `return_tokens`; `completion_probabilities` only with `n_probs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.task import FinishEvent, TokenEvent
+from worker.server.generation import Generation
+from worker.server.openai_format import TokenText, error_payload, sse, timings
+
+
+@dataclass(frozen=True, slots=True)
+class NativeInfo:
+    model: str
+    piece: TokenText  # raw bytes of a token
+    prompts: list[str]  # each prompt as text (the final object's `prompt`)
+    return_tokens: bool
+    is_stream: bool
+
+
+def _token(piece: bytes) -> str:
+    return piece.decode("utf-8", errors="replace")
+
+
+def token_probs(info: NativeInfo, ev: TokenEvent) -> dict[str, Any]:
+    """One entry of `completion_probabilities` (llama-server's pre-sampling log-probabilities)."""
+    piece = info.piece(ev.token)
+    return {
+        "id": ev.token,
+        "token": _token(piece),
+        "bytes": list(piece),
+        "logprob": ev.logprob,
+        "top_logprobs": [
+            {"id": t, "token": _token(p), "bytes": list(p), "logprob": lp}
+            for t, p, lp in ((t, info.piece(t), lp) for t, lp in ev.top_logprobs)
+        ],
+    }
+
+
+def generation_settings(p: SamplingParams, *, is_stream: bool) -> dict[str, Any]:
+    n_predict = -1 if p.max_tokens is None else p.max_tokens
+    return {
+        "seed": -1 if p.seed is None else p.seed, "temperature": p.temperature, "top_k": p.top_k,
+        "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n, "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty, "stop": list(p.stop),
+        "max_tokens": n_predict, "n_predict": n_predict, "ignore_eos": p.ignore_eos, "stream": is_stream,
+        "logit_bias": [{"token": t, "bias": b} for t, b in p.logit_bias.items()], "n_probs": p.top_logprobs,
+    }
+
+
+def _stop_type(ev: FinishEvent) -> str:
+    if ev.reason == "length":
+        return "limit"
+    return "word" if ev.stop_word else "eos"
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    probs: list[dict[str, Any]] = field(default_factory=list)
+
+
+class NativeResults:
+    """Folds a generation's events into llama-server's native objects, one per prompt."""
+
+    def __init__(self, gen: Generation, info: NativeInfo) -> None:
+        self.gen = gen
+        self.info = info
+        self._choices = [_Choice() for _ in gen.tasks]
+        self._settings = generation_settings(gen.params, is_stream=info.is_stream)
+
+    def partial(self, index: int, ev: TokenEvent) -> dict[str, Any]:
+        """The streamed object for one token (also recorded for the final object)."""
+        c = self._choices[index]
+        c.text.append(ev.text)
+        c.tokens.append(ev.token)
+        out: dict[str, Any] = {
+            "index": index, "content": ev.text, "tokens": [ev.token] if self.info.return_tokens else [],
+            "stop": False, "id_slot": self.gen.params.id_slot, "tokens_predicted": len(c.tokens),
+            "tokens_evaluated": len(self.gen.prompt_of(index)),
+        }
+        if self.gen.params.logprobs:
+            probs = token_probs(self.info, ev)
+            c.probs.append(probs)
+            out["completion_probabilities"] = [probs]
+        return out
+
+    def final(self, index: int, ev: FinishEvent) -> dict[str, Any]:
+        c = self._choices[index]
+        c.text.append(ev.text)
+        content = "".join(c.text)
+        stream = self.info.is_stream
+        out: dict[str, Any] = {
+            "index": index,
+            "content": "" if stream else content,
+            "tokens": c.tokens if self.info.return_tokens and not stream else [],
+            "id_slot": self.gen.params.id_slot,
+            "stop": True,
+            "model": self.info.model,
+            "tokens_predicted": ev.stats.n_decoded,
+            "tokens_evaluated": ev.stats.n_prompt,
+            "generation_settings": self._settings,
+            "prompt": self.info.prompts[index // self.gen.params.n],
+            "has_new_line": "\n" in content,
+            "truncated": False,
+            "stop_type": _stop_type(ev),
+            "stopping_word": ev.stop_word or "",
+            "tokens_cached": ev.stats.n_prompt + ev.stats.n_decoded,
+            "timings": timings(ev.stats),
+        }
+        if not stream and c.probs:
+            out["completion_probabilities"] = c.probs
+        return out
+
+
+async def stream_native(gen: Generation, results: NativeResults) -> AsyncIterator[bytes]:
+    """`data: {...}` per token and one final object per prompt; no `[DONE]` (llama-server's native stream)."""
+    async for index, ev in gen.events():
+        if isinstance(ev, TokenEvent):
+            yield sse(results.partial(index, ev))
+        elif isinstance(ev, FinishEvent):
+            if ev.text:  # the held-back tail goes out as text, as llama-server's last partial
+                yield sse({"index": index, "content": ev.text, "tokens": [], "stop": False,
+                           "id_slot": gen.params.id_slot})
+            yield sse(results.final(index, ev))
+        else:
+            gen.cancel()
+            yield sse(error_payload(ev))
+            return
+
+
+async def collect_native(gen: Generation, results: NativeResults) -> tuple[int, Any]:
+    """(status, body): one object for one prompt, else an array in prompt order."""
+    finals: dict[int, dict[str, Any]] = {}
+    async for index, ev in gen.events():
+        if isinstance(ev, TokenEvent):
+            results.partial(index, ev)
+        elif isinstance(ev, FinishEvent):
+            finals[index] = results.final(index, ev)
+        else:
+            gen.cancel()
+            return ev.status_code, error_payload(ev)
+    objs = [finals[i] for i in sorted(finals)]
+    return 200, objs[0] if len(objs) == 1 else objs
