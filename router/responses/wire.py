@@ -197,7 +197,9 @@ class CreateResponse(_Model):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
-    max_tool_calls: int | None = Field(default=None, ge=0)
+    # 0: no tools; 1: one call. Function calls come in one turn (parallel or not): a larger cap
+    # than one call per turn could not be enforced, so it is refused rather than ignored.
+    max_tool_calls: int | None = Field(default=None, ge=0, le=1)
     text: TextConfig = Field(default_factory=TextConfig)
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = Field(default=None, gt=0)

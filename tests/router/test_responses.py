@@ -322,6 +322,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"background": True, "store": False}, "background"),
     ({"temperature": 3}, "temperature"),
     ({"include": ["file_search_call.results"]}, "include.0"),
+    ({"max_tool_calls": 3}, "max_tool_calls"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
