@@ -27,27 +27,19 @@ defaulted    no -np: llama-server's "auto" is 4 slots sharing one KV cache, so t
              --parallel 4 --kv-unified (omni-worker's own default is 4 slots, a stream each)
 model        -m/--model -hf/-hfr/--hf-repo -hff/--hf-file -mu/--model-url --offline:
              dropped; --model OMNI_SHIM_MODEL instead (also in llama-server mode)
-ignored      no effect on what omni-worker does: --jinja (it always renders Jinja templates),
-             -cb/--cont-batching (always on), --metrics, --slots, --no-slots (/metrics and
-             /slots are always served), --no-ui/--no-webui (no web UI), -v/--verbose/--log-verbose,
+passed       omni-worker takes these as llama-server does (flag and value unchanged): --jinja
+             --no-jinja --metrics --slots --no-slots --context-shift (omni-worker refuses it)
+             --no-context-shift -s/--seed -n/--predict/--n-predict --temp/--temperature
+             --api-key --tags --sleep-idle-seconds --cors-origins
+ignored      no effect on what omni-worker does: -cb/--cont-batching (always on),
+             --no-ui/--no-webui (the worker serves no web UI), -v/--verbose/--log-verbose,
              -lv/--verbosity/--log-verbosity, --no-mmproj/--no-mmproj-auto (text only)
-             --temp/--temperature 0.8 (omni-worker's default temperature is 0.8 too)
-tolerated    semantic gaps that every preset of the suite passes, so refusing them would fail
-             every test: warned about on stderr, fatal with OMNI_SHIM_STRICT=1
-             --no-jinja      llama-server: its built-in C++ template formats, not Jinja.
-                             omni-worker always uses Jinja (same prompt for ChatML models).
-             -s/--seed       llama-server: the default seed of requests without one.
-                             omni-worker: no server-wide seed (a random one per request).
-             -n/--predict/--n-predict
-                             llama-server: the default max tokens of requests without one.
-                             omni-worker has no equivalent: a request without max_tokens runs
-                             until EOS or a full slot (an issue to file).
 refused      everything else: exit 2 naming the flag, so a test that needs it fails loudly
-             instead of passing by accident. Among them --temp other than 0.8, --reasoning,
-             --embedding, --reranking, --pooling, --lora, --model-draft/--spec-*, --api-key, --context-shift, --slot-save-path,
-             --grp-attn-n/-w, --sleep-idle-seconds, --no-cache-idle-slots, --swa-full, --tags,
-             --mmproj-url, --media-path, --models-dir/--models-max/--models-preset (router mode),
-             --tools, --mcp-servers-*, --cors-origins, --backend_sampling.
+             instead of passing by accident. Among them --reasoning, --embedding, --reranking,
+             --pooling, --lora, --model-draft/--spec-*, --slot-save-path, --grp-attn-n/-w,
+             --no-cache-idle-slots, --swa-full, --mmproj-url, --media-path,
+             --models-dir/--models-max/--models-preset (router mode), --tools, --mcp-servers-*,
+             --backend_sampling.
 
 Usage (normally by the suite): LLAMA_SERVER_BIN_PATH points at a two-line shell wrapper that runs
 `<venv python> scripts/llama_server_shim.py "$@"`. By hand:
@@ -63,7 +55,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = ROOT / "models" / "tiny-llama-f32.gguf"
-OMNI_DEFAULT_TEMPERATURE = 0.8
 EXIT_REFUSED = 2
 
 MAPPED: dict[str, str] = {  # llama-server flag (takes a value) -> omni-worker flag
@@ -86,30 +77,22 @@ MAPPED_SWITCHES: dict[str, str] = {"-kvu": "--kv-unified", "--kv-unified": "--kv
 MODEL_FLAGS = {"-m", "--model", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"}
 MODEL_SWITCHES = {"--offline"}
 IGNORED_SWITCHES = {
-    "--jinja", "-cb", "--cont-batching", "--metrics", "--slots", "--no-slots", "--no-ui", "--no-webui",
-    "-v", "--verbose", "--log-verbose", "--no-mmproj", "--no-mmproj-auto",
+    "-cb", "--cont-batching", "--no-ui", "--no-webui", "-v", "--verbose", "--log-verbose", "--no-mmproj",
+    "--no-mmproj-auto",
 }
 IGNORED_FLAGS = {"-lv", "--verbosity", "--log-verbosity"}
-TOLERATED_SWITCHES = {
-    "--no-jinja": "omni-worker always renders chat templates with Jinja (llama-server: its C++ formats)",
+PASSED_SWITCHES = {"--jinja", "--no-jinja", "--metrics", "--slots", "--no-slots", "--context-shift", "--no-context-shift"}
+PASSED_FLAGS = {
+    "-s", "--seed", "-n", "--predict", "--n-predict", "--temp", "--temperature", "--api-key", "--tags",
+    "--sleep-idle-seconds", "--cors-origins",
 }
-TOLERATED_FLAGS = {
-    "-s": "omni-worker has no server-wide default seed (requests without one get a random seed)",
-    "--seed": "omni-worker has no server-wide default seed (requests without one get a random seed)",
-    "-n": "omni-worker has no server-wide default max tokens (no max_tokens: until EOS or a full slot)",
-    "--predict": "omni-worker has no server-wide default max tokens (no max_tokens: until EOS or a full slot)",
-    "--n-predict": "omni-worker has no server-wide default max tokens (no max_tokens: until EOS or a full slot)",
-}
-TEMPERATURE_FLAGS = {"--temp", "--temperature"}  # accepted at omni-worker's default only
 REASONS = {  # refused flags whose reason is worth more than "no equivalent"
     "--embedding": "omni-worker serves no embeddings", "--embeddings": "omni-worker serves no embeddings",
     "--reranking": "omni-worker serves no reranking", "--rerank": "omni-worker serves no reranking",
-    "--lora": "omni-worker loads no LoRA adapters", "--api-key": "omni-worker checks no API key",
-    "--context-shift": "omni-worker does not shift contexts", "--model-draft": "no speculative decoding",
+    "--lora": "omni-worker loads no LoRA adapters", "--model-draft": "no speculative decoding",
     "--slot-save-path": "omni-worker cannot save slots to disk",
-    "--sleep-idle-seconds": "omni-worker sleeps only on POST /sleep, not when idle",
 }
-TAKES_VALUE = set(MAPPED) | MODEL_FLAGS | IGNORED_FLAGS | set(TOLERATED_FLAGS) | TEMPERATURE_FLAGS
+TAKES_VALUE = set(MAPPED) | MODEL_FLAGS | IGNORED_FLAGS | PASSED_FLAGS
 
 
 class Refused(Exception):
@@ -136,10 +119,9 @@ def split_args(argv: list[str]) -> list[tuple[str, str | None]]:
     return out
 
 
-def to_omni_worker(argv: list[str], model: Path, *, is_strict: bool) -> tuple[list[str], list[str]]:
-    """(omni-worker arguments, warnings) for llama-server's `argv`; Refused if a flag has no equivalent."""
+def to_omni_worker(argv: list[str], model: Path) -> list[str]:
+    """omni-worker's arguments for llama-server's `argv`; Refused if a flag has no equivalent."""
     out = ["--model", str(model)]
-    warnings: list[str] = []
     has_parallel = False
     for flag, value in split_args(argv):
         if flag in MAPPED and value is not None:
@@ -149,20 +131,15 @@ def to_omni_worker(argv: list[str], model: Path, *, is_strict: bool) -> tuple[li
             out.append(MAPPED_SWITCHES[flag])
         elif flag in MODEL_FLAGS or flag in MODEL_SWITCHES or flag in IGNORED_SWITCHES or flag in IGNORED_FLAGS:
             continue
-        elif flag in TEMPERATURE_FLAGS and value is not None:
-            if float(value) != OMNI_DEFAULT_TEMPERATURE:
-                raise Refused(f"{flag} {value}: omni-worker's default temperature is {OMNI_DEFAULT_TEMPERATURE}")
-        elif flag in TOLERATED_FLAGS or flag in TOLERATED_SWITCHES:
-            why = TOLERATED_FLAGS.get(flag) or TOLERATED_SWITCHES[flag]
-            message = f"{flag}{'' if value is None else ' ' + value}: {why}"
-            if is_strict:
-                raise Refused(message + " (OMNI_SHIM_STRICT=1)")
-            warnings.append(message)
+        elif flag in PASSED_SWITCHES and value is None:
+            out.append(flag)
+        elif flag in PASSED_FLAGS and value is not None:
+            out += [flag, value]
         else:
             raise Refused(f"{flag}: {REASONS.get(flag, 'omni-worker has no equivalent')}")
     if not has_parallel:  # llama-server's -np auto: 4 slots, one KV cache for all
         out += ["--parallel", "4", "--kv-unified"]
-    return out, warnings
+    return out
 
 
 def to_llama_server(argv: list[str], model: Path) -> list[str]:
@@ -189,12 +166,10 @@ def main(argv: list[str]) -> int:
         print(f"llama_server_shim: exec {upstream} {' '.join(args)}", file=sys.stderr, flush=True)
         os.execv(upstream, [upstream, *args])
     try:
-        args, warnings = to_omni_worker(argv, model, is_strict=os.environ.get("OMNI_SHIM_STRICT") == "1")
+        args = to_omni_worker(argv, model)
     except (Refused, ValueError) as e:
         print(f"llama_server_shim: refusing to start omni-worker: {e}", file=sys.stderr)
         return EXIT_REFUSED
-    for w in warnings:
-        print(f"llama_server_shim: warning: ignoring {w}", file=sys.stderr)
     cmd = [sys.executable, "-m", "worker.server.cli", *args, *shlex.split(os.environ.get("OMNI_SHIM_WORKER_ARGS", ""))]
     print(f"llama_server_shim: exec {' '.join(cmd)}", file=sys.stderr, flush=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
