@@ -190,6 +190,12 @@ class ConversationRef(_Model):
     id: str
 
 
+def _check_metadata(v: dict[str, str] | None) -> dict[str, str] | None:
+    if v is not None and len(v) > MAX_METADATA:
+        raise ValueError(f"at most {MAX_METADATA} entries")
+    return v
+
+
 class CreateResponse(_Model):
     model: str | None = None
     input: str | list[Any] = ""
@@ -228,12 +234,7 @@ class CreateResponse(_Model):
     ignore_eos: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_size(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None and len(v) > MAX_METADATA:
-            raise ValueError(f"at most {MAX_METADATA} entries")
-        return v
+    _metadata_size = field_validator("metadata")(_check_metadata)
 
     @field_validator("tool_choice")
     @classmethod
@@ -284,12 +285,7 @@ class CreateConversation(_Model):
     items: list[Any] = Field(default_factory=list)
     metadata: dict[str, str] | None = None
 
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_size(cls, v: dict[str, str] | None) -> dict[str, str] | None:
-        if v is not None and len(v) > MAX_METADATA:
-            raise ValueError(f"at most {MAX_METADATA} entries")
-        return v
+    _metadata_size = field_validator("metadata")(_check_metadata)
 
 
 class AddItems(_Model):

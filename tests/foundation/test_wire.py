@@ -123,3 +123,11 @@ def test_error_envelope_over_http(method: str, path: str, content: bytes, status
     err = r.json()["error"]
     assert set(err) >= {"message", "type", "param", "code"}
     assert err["message"]
+
+
+@pytest.mark.parametrize(("body", "param"), [({"prompt": []}, "prompt"), ({"prompt": "x", "suffix": "y"}, "suffix")])
+def test_bad_completion_bodies_name_the_param(body: dict[str, Any], param: str) -> None:
+    # suffix (fill-in-the-middle) used to be accepted and ignored.
+    with pytest.raises(APIError) as exc:
+        parse_model(CompletionRequest, body)
+    assert exc.value.status_code == 400 and exc.value.param == param

@@ -229,15 +229,21 @@ async def chat_completions(request: Request) -> Response:
     return aggregated(gen, build)
 
 
+async def _with_output_constraint(backend: Backend, req: Any, params: SamplingParams) -> SamplingParams:
+    """`params` with the grammar of the request's response_format / json_schema / grammar, if any."""
+    constraint = output_constraint(req)
+    if constraint is None:
+        return params
+    grammar = await anyio.to_thread.run_sync(compile_constraint, backend, constraint)
+    return dataclasses.replace(params, grammar=grammar)
+
+
 async def completions(request: Request) -> Response:
     state = _state(request)
     backend = _ready(state)
     req = parse_model(CompletionRequest, await request.body())
     params = req.to_sampling_params(state.defaults)
-    constraint = output_constraint(req)
-    if constraint is not None:
-        grammar = await anyio.to_thread.run_sync(compile_constraint, backend, constraint)
-        params = dataclasses.replace(params, grammar=grammar)
+    params = await _with_output_constraint(backend, req, params)
     prompts: list[list[int]] = []
     echo: list[str] = []
     for i, p in enumerate(req.prompts()):
@@ -287,10 +293,7 @@ async def native_completion(request: Request) -> Response:
     backend = _ready(state)
     req = parse_model(NativeCompletionRequest, await request.body())
     params = req.to_sampling_params(state.defaults)
-    constraint = output_constraint(req)
-    if constraint is not None:
-        grammar = await anyio.to_thread.run_sync(compile_constraint, backend, constraint)
-        params = dataclasses.replace(params, grammar=grammar)
+    params = await _with_output_constraint(backend, req, params)
     try:
         prompts = req.prompts()
     except ValueError as e:

@@ -177,18 +177,27 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._common_params(d, logprobs=self.logprobs or bool(self.n_probs), top_logprobs=top, max_tokens=max_tokens)
 
 
+def _non_empty(v: Any) -> Any:
+    if isinstance(v, list) and len(v) == 0:
+        raise ValueError("prompt must not be empty")
+    return v
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
 
-    @field_validator("prompt")
+    @field_validator("suffix")
     @classmethod
-    def _prompt_not_empty(cls, v: Any) -> Any:
-        if isinstance(v, list) and len(v) == 0:
-            raise ValueError("prompt must not be empty")
+    def _no_suffix(cls, v: str | None) -> str | None:
+        # Fill-in-the-middle needs the model's FIM tokens; llama-server's /infill is not built yet.
+        if v:
+            raise ValueError("suffix (fill-in-the-middle) is not supported")
         return v
+
+    _prompt_not_empty = field_validator("prompt")(_non_empty)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of single prompts (a string or a token-id list each)."""
@@ -217,12 +226,7 @@ class NativeCompletionRequest(_SamplingRequest):
     prompt: str | list[Any]
     return_tokens: bool = False
 
-    @field_validator("prompt")
-    @classmethod
-    def _prompt_not_empty(cls, v: Any) -> Any:
-        if isinstance(v, list) and len(v) == 0:
-            raise ValueError("prompt must not be empty")
-        return v
+    _prompt_not_empty = field_validator("prompt")(_non_empty)
 
     def prompts(self) -> list[NativePrompt]:
         """As llama-server's tokenize_input_prompts: a list holding any number is one prompt."""
