@@ -1,5 +1,6 @@
 """The router's HTTP surface: a thin raw-ASGI front (auth, CORS, the proxied routes) over a
-Starlette app for the router's own routes (/v1/models, /models/load|unload|sleep|sse, /props, /health).
+Starlette app for the router's own routes (/v1/models, /models/load|unload|sleep|sse, /props, /health,
+/metrics, /logs, /logs/stream, /start_profile and friends).
 
 The proxied POST routes skip Starlette entirely (hot path): read the body, pick the model
 from its `model` field with one `json.loads`, admit the request (`ensure_ready`), forward.
@@ -15,7 +16,6 @@ import contextlib
 import hmac
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ from typing import Any, cast
 from urllib.parse import parse_qs
 
 import httpx
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -32,9 +33,13 @@ from starlette.types import Message, Receive, Scope, Send
 
 from router.events import EventBus
 from router.form import boundary, form_field
+from router.logs import ROUTER_LOG, LogRoutes, RingHandler, log_requests
+from router.metrics import RouterMetrics
 from router.model import ModelHandle
 from router.pool import Pool
+from router.profiling import RouterProfiling
 from router.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
+from router.request_trace import REQUEST_ID_HEADER, RequestTrace, request_id
 from router.responses.routes import ResponsesRoutes
 from router.responses.service import ResponsesService
 from router.responses.store import Store
@@ -114,6 +119,10 @@ class RouterApp:
         self.api_keys = [k.encode() for k in (api_keys or [])]
         self.cors_origins = set(cors_origins or [])
         self._background: set[asyncio.Task[None]] = set()
+        self.active: dict[int, RequestTrace] = {}  # the proxied requests in progress
+        self.metrics = RouterMetrics(self.events, pool.handles, pool.client, self.active.values)
+        self.profiling = RouterProfiling(self.events, pool.handles, pool.client)
+        self.logs = LogRoutes(self._canonical_name)
         self.webui = WebUI()  # the bundled chat page (webui/), if present
         self.admin = Starlette(
             routes=[
@@ -126,6 +135,9 @@ class RouterApp:
                 Route("/models/sleep", self.sleep_model, methods=["POST"]),
                 Route("/models/sse", self.models_sse),
                 Route("/props", self.props),
+                Route("/metrics", self.metrics_text),
+                *self.logs.routes(),
+                *self.profiling.routes(),
                 *ResponsesRoutes(self.responses, self.resolve_model).routes(),
             ],
             exception_handlers={APIError: api_error_handler, HTTPException: http_exception_handler,
@@ -135,10 +147,19 @@ class RouterApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        observers = [asyncio.create_task(self.metrics.run(), name="metrics"),
+                     asyncio.create_task(log_requests(self.events), name="request-log")]
+        log_handler = RingHandler(ROUTER_LOG)
+        logging.getLogger().addHandler(log_handler)
+        await asyncio.sleep(0)  # the observers subscribe before the first event
         await self.pool.start()
         try:
             yield
         finally:
+            logging.getLogger().removeHandler(log_handler)
+            await self.profiling.close()
+            for t in observers:
+                t.cancel()
             await self.responses.close()
             await self.pool.close()
             self.store.close()
@@ -330,37 +351,47 @@ class RouterApp:
                     return
 
         watcher = asyncio.create_task(cancel_on_disconnect())
-        t0 = time.perf_counter()
+        trace = RequestTrace(request_id(scope["headers"]), handle.name, scope["path"])
+        self.active[id(trace)] = trace
+        send = trace.wrap(send)
         status = 0
+        is_cancelled = False
         qs = scope.get("query_string", b"")
         target = upstream_path + ("?" + qs.decode("latin-1") if qs and method == "GET" else "")
         try:
+            if not handle.can_admit():
+                trace.queued(handle.state.value)
             base = await handle.ensure_ready()
+            trace.ready()
             try:
-                status = await self._forward_with_retry(send, handle, method, base, target, scope, body, cors)
+                status = await self._forward_with_retry(send, handle, method, base, target, scope, body, cors,
+                                                        trace.request_id)
             finally:
                 handle.release()
         except APIError as e:
             status = e.status_code
             await self._send_error(send, e, cors)
         except Exception as e:  # a bug: answer with the envelope if nothing was sent yet
+            status = 500
             log.exception("proxying to model %s failed", handle.name)
             with contextlib.suppress(Exception):
                 await self._send_error(send, APIError(f"internal error: {e!r}", status_code=500, type="server_error"))
         except asyncio.CancelledError:
             # The client left (the watcher cancelled us), or uvicorn's graceful shutdown ran out:
-            # either way there is nobody left to answer, and nothing to report.
+            # either way there is nobody left to answer (the trace still reports it).
+            is_cancelled = True
             return
         finally:
             done = True
             watcher.cancel()
-            if self.events.wants("request"):
-                self.events.emit("request", {"model": handle.name, "path": scope["path"], "status": status,
-                                             "duration_ms": round((time.perf_counter() - t0) * 1000, 3)})
+            del self.active[id(trace)]
+            trace.end(status, is_cancelled=is_cancelled)
+            self.events.emit("request", trace.event())
 
     async def _forward_with_retry(self, send: Send, handle: ModelHandle, method: str, base: str, target: str,
-                                  scope: Scope, body: bytes, cors: list[tuple[bytes, bytes]] | None) -> int:
-        headers = request_headers(scope["headers"])
+                                  scope: Scope, body: bytes, cors: list[tuple[bytes, bytes]] | None,
+                                  rid: str) -> int:
+        headers = [*request_headers(scope["headers"]), (REQUEST_ID_HEADER, rid.encode())]
         for attempt in (1, 2):
             try:
                 return await forward(self.pool.upstream, self.pool.client, send, method, base, target, headers,
@@ -429,6 +460,14 @@ class RouterApp:
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        """Prometheus text: the router's series and every running worker's (router.metrics)."""
+        return Response(await self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def _canonical_name(self, name: str) -> str | None:
+        handle = self.pool.get(name)
+        return None if handle is None else handle.name
 
     async def props(self, request: Request) -> Response:
         return JSONResponse({
