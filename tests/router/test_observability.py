@@ -21,6 +21,7 @@ from tests.util import ROOT, wait_until
 Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 GGUF16 = ROOT / "models" / "tiny-llama-f16.gguf"
+HF = ROOT / "models" / "tiny-llama"
 KEY = "obs-key"
 
 pytestmark = pytest.mark.skipif(not (GGUF.exists() and GGUF16.exists()), reason="tiny models not generated (make models)")
@@ -80,6 +81,8 @@ def test_metrics_count_requests_tokens_a_load_and_an_eviction(router_factory: Fa
     assert value(after, "llamacpp:tokens_predicted_seconds_total", model="a") > 0
     assert ("llamacpp:kv_cache_tokens", frozenset({("model", "a")})) in after
     assert value(after, "omni:requests_total", model="a", reason="length") == 3.0
+    assert value(after, "omni:prefix_cache_hit_tokens_total", model="a") > 0  # the same prompt 3 times
+    assert 0 < value(after, "llamacpp:kv_cache_usage_ratio", model="a") <= 1
     assert value(after, "omni_router:requests_total", model="a", route="/v1/completions", status="200") == 3.0
     assert value(after, "omni_router:model_loads_total", model="a") == 1.0
     assert value(after, "omni_router:model_load_seconds_count", model="a") == 1.0
@@ -106,8 +109,7 @@ def test_metrics_count_requests_tokens_a_load_and_an_eviction(router_factory: Fa
     assert value(final, "omni_router:model_state", model="b", state="loaded") == 1.0
     raw = httpx.get(f"{r.base}/metrics", params={"model": "b"}, headers=r.headers, timeout=10).text
     assert "llamacpp:tokens_predicted_total 4.0" in raw  # ?model= is still the worker's own page
-    print(f"\nload a: {load_s:.3f}s; queue sum a: "
-          f"{value(after, 'omni_router:request_queue_seconds_sum', model='a'):.3f}s; "
+    print(f"\nload a: {load_s:.3f}s; queue sum a: {value(after, 'omni_router:request_queue_seconds_sum', model='a'):.3f}s; "
           f"e2e sum a (3 req): {value(after, 'omni_router:e2e_request_latency_seconds_sum', model='a'):.3f}s")
 
 
@@ -208,3 +210,52 @@ def test_log_stream_delivers_worker_lines_as_written(router_factory: Factory) ->
     router_log = httpx.get(f"{r.base}/logs", headers=r.headers, timeout=10).text  # no model: the router's own
     assert "request id=" in router_log and "model=a route=/v1/completions status=200" in router_log
     assert "completion_tokens=4" in router_log
+
+
+def test_metrics_count_sleeps_wakes_and_a_failed_load(router_factory: Factory, tmp_path: Path) -> None:
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model" * 100)
+    r = router_factory(PRESET + f'\n[models.bad]\nmodel = "{junk}"\nbackend = "llama_cpp"\n')
+    complete(r, "b", 2)
+    assert httpx.post(f"{r.base}/models/sleep", json={"model": "b"}, timeout=10).status_code == 200
+    r.wait_status("b", "sleeping")
+    asleep = scrape(r)
+    assert value(asleep, "omni_router:model_sleeps_total", model="b") == 1.0
+    assert value(asleep, "omni_router:model_state", model="b", state="sleeping") == 1.0
+    assert ("llamacpp:tokens_predicted_total", frozenset({("model", "b")})) not in asleep  # never woken by a scrape
+    assert r.status("b") == "sleeping"
+    complete(r, "b", 2)  # wakes it
+    awake = scrape(r)
+    assert value(awake, "omni_router:model_wakes_total", model="b") == 1.0
+    assert value(awake, "omni_router:model_wake_seconds_count", model="b") == 1.0
+    assert value(awake, "omni_router:model_loads_total", model="b") == 1.0  # a wake is not a load
+    assert value(awake, "llamacpp:tokens_predicted_total", model="b") == 4.0
+
+    resp = httpx.post(f"{r.base}/v1/completions", json={"model": "bad", "prompt": "x", "max_tokens": 1}, timeout=60)
+    assert resp.status_code == 503
+    failed = scrape(r)
+    assert value(failed, "omni_router:model_loads_total", model="bad") == 1.0
+    assert value(failed, "omni_router:model_load_failures_total", model="bad") == 1.0
+    assert value(failed, "omni_router:model_load_seconds_count", model="bad") == 0.0
+    assert value(failed, "omni_router:requests_total", model="bad", route="/v1/completions", status="503") == 1.0
+    assert value(failed, "omni_router:model_state", model="bad", state="failed") == 1.0
+
+
+def test_enable_torch_records_a_torch_profiler_trace(router_factory: Factory, tmp_path: Path) -> None:
+    if not (HF / "config.json").exists():
+        pytest.skip("tiny HF model not generated")
+    r = router_factory(f'[models.hf]\nmodel = "{HF}"\nbackend = "torch"\nctx-size = 256\nparallel = 1\nthreads = 1\n')
+    complete(r, "hf", 2)  # loaded: /start_profile reaches it at once
+    body = {"run_id": "torch1", "event_dir": str(tmp_path), "enable_torch": True,
+            "trace_path_template": "{event_dir}/{run_id}-{component}.trace.json"}
+    start = httpx.post(f"{r.base}/start_profile", json=body, timeout=30)
+    assert start.status_code == 200 and start.json()["workers"]["hf"]["torch"] is True, start.text
+    complete(r, "hf", 4)
+    stop = httpx.post(f"{r.base}/stop_profile", json={"run_id": "torch1"}, timeout=60).json()
+    trace = Path(stop["workers"]["hf"]["torch_trace"])
+    assert trace == tmp_path / "torch1-worker-hf.trace.json"
+    assert json.loads(trace.read_text())["traceEvents"]  # a Chrome trace with events
+    # events-only: /start_request_profile never starts torch
+    start = httpx.post(f"{r.base}/start_request_profile", json={**body, "run_id": "ev"}, timeout=30).json()
+    assert start["workers"]["hf"]["torch"] is False
+    assert httpx.post(f"{r.base}/stop_request_profile", timeout=30).json()["stopped"] == ["ev"]
