@@ -113,7 +113,11 @@ class RingHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self._ring.append(self.format(record))
+            if record.exc_info or record.stack_info or not hasattr(record, "asctime"):
+                line = self.format(record)
+            else:  # the console handler formatted it already: reuse its time stamp (strftime is slow)
+                line = f"{record.asctime} {record.levelname} {record.name}: {record.getMessage()}"
+            self._ring.append(line)
         except Exception:
             self.handleError(record)
 
@@ -123,12 +127,15 @@ class RingHandler(logging.Handler):
 
 def request_line(data: dict[str, Any]) -> str:
     """One `request` event as logfmt: `request id=... model=... route=... status=... ...`."""
-    fields = (("id", data["request_id"]), ("model", data["model"]), ("route", data["path"]),
-              ("status", data["status"]), ("queued_ms", data["queued_ms"]), ("ttft_ms", data["ttft_ms"]),
-              ("total_ms", data["duration_ms"]), ("prompt_tokens", data["prompt_tokens"]),
-              ("completion_tokens", data["completion_tokens"]), ("cancelled", data["is_cancelled"]))
-    return "request " + " ".join(f"{k}={'-' if v is None else str(v).lower() if isinstance(v, bool) else v}"
-                                 for k, v in fields)
+    d = data
+    return (f"request id={d['request_id']} model={d['model']} route={d['path']} status={d['status']} "
+            f"queued_ms={d['queued_ms']} ttft_ms={_v(d['ttft_ms'])} total_ms={d['duration_ms']} "
+            f"prompt_tokens={_v(d['prompt_tokens'])} completion_tokens={_v(d['completion_tokens'])} "
+            f"cancelled={'true' if d['is_cancelled'] else 'false'}")
+
+
+def _v(value: object) -> str:
+    return "-" if value is None else str(value)
 
 
 async def log_requests(events: EventBus) -> None:

@@ -12,6 +12,7 @@ llama-server `timings` (`predicted_n`, `prompt_n`, one per choice at its end).
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 import uuid
@@ -29,12 +30,16 @@ REQUEST_ID_HEADER = b"x-request-id"
 _MAX_ID_LEN = 128
 
 
+_ID_PREFIX = uuid.uuid4().hex[:8]  # per router process: ids stay unique across restarts
+_next_id = itertools.count(1)
+
+
 def request_id(headers: list[tuple[bytes, bytes]]) -> str:
-    """The client's `X-Request-Id` (if short and printable), else a fresh one."""
+    """The client's `X-Request-Id` (if short and printable), else a fresh one (no syscall)."""
     for k, v in headers:
         if k == REQUEST_ID_HEADER and 0 < len(v) <= _MAX_ID_LEN and v.isascii() and v.decode().isprintable():
             return v.decode()
-    return uuid.uuid4().hex[:16]
+    return f"{_ID_PREFIX}-{next(_next_id)}"
 
 
 @dataclass(slots=True)
