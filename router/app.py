@@ -318,22 +318,42 @@ class RouterApp:
         handle = self.pool.get(model)
         if handle is None:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
-        base = await handle.ensure_ready()
+        trace = RequestTrace(request_id([]), handle.name, "/v1/responses")
+        self.active[id(trace)] = trace
+        status = 0
+        is_cancelled = False
         try:
-            req = self.pool.client.build_request("POST", base + "/v1/chat/completions", json=body)
+            if not handle.can_admit():
+                trace.queued(handle.state.value)
+            base = await handle.ensure_ready()
+            trace.ready()
             try:
-                resp = await self.pool.client.send(req, stream=True)
-            except httpx.TransportError as e:
-                raise APIError(f"upstream for model {model!r} is unreachable: {e!r}", status_code=503,
-                               type="unavailable_error", code=503, headers={"Retry-After": "1"}) from None
-            try:
-                if resp.status_code != 200:
-                    raise _upstream_error(resp.status_code, await resp.aread())
-                yield _sse_chunks(resp, model)
+                req = self.pool.client.build_request("POST", base + "/v1/chat/completions", json=body,
+                                                     headers={"x-request-id": trace.request_id})
+                try:
+                    resp = await self.pool.client.send(req, stream=True)
+                except httpx.TransportError as e:
+                    raise APIError(f"upstream for model {model!r} is unreachable: {e!r}", status_code=503,
+                                   type="unavailable_error", code=503, headers={"Retry-After": "1"}) from None
+                try:
+                    status = resp.status_code
+                    if resp.status_code != 200:
+                        raise _upstream_error(resp.status_code, await resp.aread())
+                    yield _sse_chunks(resp, model, trace)
+                finally:
+                    await resp.aclose()
             finally:
-                await resp.aclose()
+                handle.release()
+        except APIError as e:
+            status = e.status_code
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            is_cancelled = True
+            raise
         finally:
-            handle.release()
+            del self.active[id(trace)]
+            trace.end(status, is_cancelled=is_cancelled)
+            self.events.emit("request", trace.event())
 
     async def _run_proxied(self, scope: Scope, receive: Receive, send: Send, handle: ModelHandle, method: str,
                            upstream_path: str, body: bytes, cors: list[tuple[bytes, bytes]] | None) -> None:
@@ -501,7 +521,7 @@ def _upstream_error(status: int, raw: bytes) -> APIError:
                     code=err.get("code"), extra=extra)
 
 
-async def _sse_chunks(resp: httpx.Response, model: str) -> AsyncIterator[dict[str, Any]]:
+async def _sse_chunks(resp: httpx.Response, model: str, trace: RequestTrace) -> AsyncIterator[dict[str, Any]]:
     try:
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
@@ -509,6 +529,7 @@ async def _sse_chunks(resp: httpx.Response, model: str) -> AsyncIterator[dict[st
             data = line[5:].strip()
             if data == "[DONE]":
                 return
+            trace.chunk(data.encode())
             yield json.loads(data)
     except (httpx.TransportError, ValueError) as e:
         yield {"error": {"message": f"upstream for model {model!r} stopped mid-stream ({e!r})"}}

@@ -143,7 +143,7 @@ class RouterMetrics:
             (self.load_seconds if kind == "load" else self.wake_seconds).labels(model).observe(time.monotonic() - t0)
             if kind == "wake":
                 self.wakes.labels(model).inc()
-        elif value == ModelState.FAILED.value:
+        elif value == ModelState.FAILED.value and kind == "load":
             self.load_failures.labels(model).inc()
 
     # ---- a scrape

@@ -84,16 +84,20 @@ class RequestTrace:
             if kind == "http.response.body":
                 body: bytes = message.get("body", b"")
                 if body:
-                    if not self.t_first_byte:
-                        self.t_first_byte = time.time()
-                    if b'_n"' in body or b'_tokens"' in body:
-                        self._count_tokens(body)
+                    self.chunk(body)
             elif kind == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []),
                                                   (REQUEST_ID_HEADER, self.request_id.encode())]}
             await send(message)
 
         return traced
+
+    def chunk(self, body: bytes) -> None:
+        """A piece of the response body on its way to the client."""
+        if not self.t_first_byte:
+            self.t_first_byte = time.time()
+        if b'_n"' in body or b'_tokens"' in body:
+            self._count_tokens(body)
 
     def _count_tokens(self, body: bytes) -> None:
         if (m := _COMPLETION.search(body)) is not None:

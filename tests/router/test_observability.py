@@ -210,6 +210,14 @@ def test_log_stream_delivers_worker_lines_as_written(router_factory: Factory) ->
     router_log = httpx.get(f"{r.base}/logs", headers=r.headers, timeout=10).text  # no model: the router's own
     assert "request id=" in router_log and "model=a route=/v1/completions status=200" in router_log
     assert "completion_tokens=4" in router_log
+    # the Responses API reaches the model through the same admission: traced and counted too
+    resp = httpx.post(f"{r.base}/v1/responses", headers=r.headers, timeout=60,
+                      json={"model": "a", "input": "hi", "max_output_tokens": 3})
+    assert resp.status_code == 200, resp.text
+    samples = scrape(r)
+    assert value(samples, "omni_router:requests_total", model="a", route="/v1/responses", status="200") == 1.0
+    router_log = httpx.get(f"{r.base}/logs", headers=r.headers, timeout=10).text
+    assert "route=/v1/responses status=200" in router_log and "completion_tokens=3" in router_log
 
 
 def test_metrics_count_sleeps_wakes_and_a_failed_load(router_factory: Factory, tmp_path: Path) -> None:

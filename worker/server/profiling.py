@@ -123,7 +123,8 @@ class Profiler:
             writer = self._writers.get(path)
             if writer is None:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                writer = self._writers[path] = _Writer(path, path.open("a", encoding="utf-8"))
+                # line-buffered: a run cut short by a crash or a SIGKILL keeps its events
+                writer = self._writers[path] = _Writer(path, path.open("a", encoding="utf-8", buffering=1))
             writer.run_ids.append(run.run_id)
             self.runs[run.run_id] = run
             self.is_active = True
