@@ -318,42 +318,61 @@ class RouterApp:
         handle = self.pool.get(model)
         if handle is None:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
-        trace = RequestTrace(request_id([]), handle.name, "/v1/responses")
-        self.active[id(trace)] = trace
-        status = 0
-        is_cancelled = False
+        trace = self._begin_trace(request_id([]), handle, "/v1/responses")
         try:
-            if not handle.can_admit():
-                trace.queued(handle.state.value)
-            base = await handle.ensure_ready()
-            trace.ready()
-            try:
-                req = self.pool.client.build_request("POST", base + "/v1/chat/completions", json=body,
-                                                     headers={"x-request-id": trace.request_id})
-                try:
-                    resp = await self.pool.client.send(req, stream=True)
-                except httpx.TransportError as e:
-                    raise APIError(f"upstream for model {model!r} is unreachable: {e!r}", status_code=503,
-                                   type="unavailable_error", code=503, headers={"Retry-After": "1"}) from None
-                try:
-                    status = resp.status_code
-                    if resp.status_code != 200:
-                        raise _upstream_error(resp.status_code, await resp.aread())
-                    yield _sse_chunks(resp, model, trace)
-                finally:
-                    await resp.aclose()
-            finally:
-                handle.release()
+            async with self._open_chat(model, handle, body, trace) as chunks:
+                yield chunks
         except APIError as e:
-            status = e.status_code
+            trace.status = e.status_code
             raise
         except (asyncio.CancelledError, GeneratorExit):
-            is_cancelled = True
+            trace.is_cancelled = True
             raise
         finally:
-            del self.active[id(trace)]
-            trace.end(status, is_cancelled=is_cancelled)
-            self.events.emit("request", trace.event())
+            self._end_trace(trace)
+
+    @contextlib.asynccontextmanager
+    async def _open_chat(self, model: str, handle: ModelHandle, body: dict[str, Any],
+                         trace: RequestTrace) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        base = await self._admit(handle, trace)
+        try:
+            req = self.pool.client.build_request("POST", base + "/v1/chat/completions", json=body,
+                                                 headers={"x-request-id": trace.request_id})
+            try:
+                resp = await self.pool.client.send(req, stream=True)
+            except httpx.TransportError as e:
+                raise APIError(f"upstream for model {model!r} is unreachable: {e!r}", status_code=503,
+                               type="unavailable_error", code=503, headers={"Retry-After": "1"}) from None
+            try:
+                trace.status = resp.status_code
+                if resp.status_code != 200:
+                    raise _upstream_error(resp.status_code, await resp.aread())
+                yield _sse_chunks(resp, model, trace)
+            finally:
+                await resp.aclose()
+        finally:
+            handle.release()
+
+    # ---- request traces (router.request_trace): metrics, the request log and profiling read them
+
+    def _begin_trace(self, rid: str, handle: ModelHandle, route: str) -> RequestTrace:
+        trace = RequestTrace(rid, handle.name, route)
+        self.active[id(trace)] = trace
+        return trace
+
+    @staticmethod
+    async def _admit(handle: ModelHandle, trace: RequestTrace) -> str:
+        """`handle.ensure_ready()`, marking whether (and in which model state) the request waited."""
+        if not handle.can_admit():
+            trace.queued(handle.state.value)
+        base = await handle.ensure_ready()
+        trace.ready()
+        return base
+
+    def _end_trace(self, trace: RequestTrace) -> None:
+        del self.active[id(trace)]
+        trace.end()
+        self.events.emit("request", trace.event())
 
     async def _run_proxied(self, scope: Scope, receive: Receive, send: Send, handle: ModelHandle, method: str,
                            upstream_path: str, body: bytes, cors: list[tuple[bytes, bytes]] | None) -> None:
@@ -371,42 +390,34 @@ class RouterApp:
                     return
 
         watcher = asyncio.create_task(cancel_on_disconnect())
-        trace = RequestTrace(request_id(scope["headers"]), handle.name, scope["path"])
-        self.active[id(trace)] = trace
+        trace = self._begin_trace(request_id(scope["headers"]), handle, scope["path"])
         send = trace.wrap(send)
-        status = 0
-        is_cancelled = False
         qs = scope.get("query_string", b"")
         target = upstream_path + ("?" + qs.decode("latin-1") if qs and method == "GET" else "")
         try:
-            if not handle.can_admit():
-                trace.queued(handle.state.value)
-            base = await handle.ensure_ready()
-            trace.ready()
+            base = await self._admit(handle, trace)
             try:
-                status = await self._forward_with_retry(send, handle, method, base, target, scope, body, cors,
-                                                        trace.request_id)
+                trace.status = await self._forward_with_retry(send, handle, method, base, target, scope, body, cors,
+                                                              trace.request_id)
             finally:
                 handle.release()
         except APIError as e:
-            status = e.status_code
+            trace.status = e.status_code
             await self._send_error(send, e, cors)
         except Exception as e:  # a bug: answer with the envelope if nothing was sent yet
-            status = 500
+            trace.status = 500
             log.exception("proxying to model %s failed", handle.name)
             with contextlib.suppress(Exception):
                 await self._send_error(send, APIError(f"internal error: {e!r}", status_code=500, type="server_error"))
         except asyncio.CancelledError:
             # The client left (the watcher cancelled us), or uvicorn's graceful shutdown ran out:
             # either way there is nobody left to answer (the trace still reports it).
-            is_cancelled = True
+            trace.is_cancelled = True
             return
         finally:
             done = True
             watcher.cancel()
-            del self.active[id(trace)]
-            trace.end(status, is_cancelled=is_cancelled)
-            self.events.emit("request", trace.event())
+            self._end_trace(trace)
 
     async def _forward_with_retry(self, send: Send, handle: ModelHandle, method: str, base: str, target: str,
                                   scope: Scope, body: bytes, cors: list[tuple[bytes, bytes]] | None,

@@ -68,10 +68,9 @@ class RequestTrace:
     def ready(self) -> None:
         self.t_ready = time.time()
 
-    def end(self, status: int, *, is_cancelled: bool = False) -> None:
+    def end(self) -> None:
+        """The response is over (`status` and `is_cancelled` set by the caller)."""
         self.t_end = time.time()
-        self.status = status
-        self.is_cancelled = is_cancelled
         if self.completion_tokens is None and self._has_timings:
             self.completion_tokens = self._predicted_n
             self.prompt_tokens = self._prompt_n

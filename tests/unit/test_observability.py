@@ -31,7 +31,8 @@ def _run(trace: RequestTrace, chunks: list[bytes]) -> None:
 
     asyncio.run(go())
     assert (b"x-request-id", trace.request_id.encode()) in sent[0]["headers"]
-    trace.end(200)
+    trace.status = 200
+    trace.end()
 
 
 @pytest.mark.parametrize(("chunks", "prompt", "completion"), [
@@ -63,8 +64,8 @@ def test_request_id_takes_a_sane_client_id_or_makes_one(headers: list[tuple[byte
 def test_request_line_is_logfmt() -> None:
     t = RequestTrace("r9", "tiny", "/v1/chat/completions", t_received=100.0)
     t.queued("loading")
-    t.t_queued, t.t_ready, t.t_first_byte = 100.0, 100.5, 100.6
-    t.end(200)
+    t.t_queued, t.t_ready, t.t_first_byte, t.status = 100.0, 100.5, 100.6, 200
+    t.end()
     t.t_end = 101.0
     line = request_line(t.event())
     assert line == ("request id=r9 model=tiny route=/v1/chat/completions status=200 queued_ms=500.0 "
