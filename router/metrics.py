@@ -201,11 +201,10 @@ class _LiveCollector:
             for s in ModelState:
                 state.add_metric([name, s.value], 1.0 if h.state is s else 0.0)
         yield from (in_flight, queued, state)
-        merged: dict[str, Metric] = {}
+        merged: dict[str, Metric] = {}  # one family per name, every model's samples in it
         for m in self.workers:
             into = merged.get(m.name)
             if into is None:
-                merged[m.name] = m
-            else:
-                into.samples = [*into.samples, *m.samples]
+                into = merged[m.name] = Metric(m.name, m.documentation, m.type, m.unit)
+            into.samples.extend(m.samples)
         yield from merged.values()

@@ -80,7 +80,8 @@ class RouterProfiling:
             path = self.profiler.start(run)
         except OSError as e:
             raise APIError(f"cannot write to event_dir: {e}", param="event_dir") from None
-        body = {**req.model_dump(exclude_none=True), "run_id": run.run_id, "enable_torch": run.enable_torch}
+        body = {**req.model_dump(exclude_none=True), "run_id": run.run_id, "enable_torch": run.enable_torch,
+                "event_dir": str(run.event_dir)}  # absolute: a worker's cwd need not be ours
         self._bodies[run.run_id] = body
         self._follow()
         kind = "/start_request_profile" if events_only else "/start_profile"

@@ -27,6 +27,7 @@ _PREDICTED_N = re.compile(rb'"predicted_n":\s*(\d+)')
 _PROMPT_N = re.compile(rb'"prompt_n":\s*(\d+)')
 _CACHE_N = re.compile(rb'"cache_n":\s*(\d+)')
 REQUEST_ID_HEADER = b"x-request-id"
+CLIENT_CLOSED = 499
 _MAX_ID_LEN = 128
 
 
@@ -69,8 +70,11 @@ class RequestTrace:
         self.t_ready = time.time()
 
     def end(self) -> None:
-        """The response is over (`status` and `is_cancelled` set by the caller)."""
+        """The response is over (`status` and `is_cancelled` set by the caller). A request the
+        client left is reported with status 499 (nginx's "client closed request")."""
         self.t_end = time.time()
+        if self.is_cancelled:
+            self.status = CLIENT_CLOSED
         if self.completion_tokens is None and self._has_timings:
             self.completion_tokens = self._predicted_n
             self.prompt_tokens = self._prompt_n

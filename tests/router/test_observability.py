@@ -22,6 +22,7 @@ Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 GGUF16 = ROOT / "models" / "tiny-llama-f16.gguf"
 HF = ROOT / "models" / "tiny-llama"
+SMALL = ROOT / "models" / "small-llama-f16.gguf"  # slow enough (~100 tokens/s here) to watch a stream
 KEY = "obs-key"
 
 pytestmark = pytest.mark.skipif(not (GGUF.exists() and GGUF16.exists()), reason="tiny models not generated (make models)")
@@ -223,7 +224,8 @@ def test_log_stream_delivers_worker_lines_as_written(router_factory: Factory) ->
 def test_metrics_count_sleeps_wakes_and_a_failed_load(router_factory: Factory, tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a model" * 100)
-    r = router_factory(PRESET + f'\n[models.bad]\nmodel = "{junk}"\nbackend = "llama_cpp"\n')
+    r = router_factory(PRESET + f'\n[models.bad]\nmodel = "{junk}"\nbackend = "llama_cpp"\n'
+                       + f'\n[models.s]\nmodel = "{SMALL}"\nbackend = "llama_cpp"\n')
     complete(r, "b", 2)
     assert httpx.post(f"{r.base}/models/sleep", json={"model": "b"}, timeout=10).status_code == 200
     r.wait_status("b", "sleeping")
@@ -232,12 +234,36 @@ def test_metrics_count_sleeps_wakes_and_a_failed_load(router_factory: Factory, t
     assert value(asleep, "omni_router:model_state", model="b", state="sleeping") == 1.0
     assert ("llamacpp:tokens_predicted_total", frozenset({("model", "b")})) not in asleep  # never woken by a scrape
     assert r.status("b") == "sleeping"
-    complete(r, "b", 2)  # wakes it
+    first_chunk, finish = threading.Event(), threading.Event()
+
+    def stream_s() -> None:  # a long stream to look at the gauges while it runs
+        with httpx.stream("POST", f"{r.base}/v1/completions", timeout=60,
+                          json={"model": "s", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}) as s:
+            for line in s.iter_lines():
+                if line.startswith("data: "):
+                    first_chunk.set()
+                    if finish.is_set():
+                        return  # leaving closes the stream: the worker cancels the rest
+
+    t = threading.Thread(target=stream_s, daemon=True)
+    t.start()
+    assert first_chunk.wait(60)
+    busy = scrape(r)
+    finish.set()
+    t.join(30)
+    assert value(busy, "omni_router:requests_in_flight", model="s") == 1.0
+    assert value(busy, "llamacpp:requests_processing", model="s") == 1.0
+    assert value(busy, "llamacpp:n_busy_slots_per_decode", model="s") == 1.0
+    assert value(busy, "omni_router:time_to_first_token_seconds_count", model="s") == 0.0  # counted at the end
+    wait_until(lambda: value(scrape(r), "omni_router:requests_in_flight", model="s") == 0.0, 10,
+               what="the cancelled stream to end")
+    assert value(scrape(r), "omni_router:requests_total", model="s", route="/v1/completions", status="499") == 1.0
+    complete(r, "b", 2)  # wakes b
     awake = scrape(r)
     assert value(awake, "omni_router:model_wakes_total", model="b") == 1.0
     assert value(awake, "omni_router:model_wake_seconds_count", model="b") == 1.0
     assert value(awake, "omni_router:model_loads_total", model="b") == 1.0  # a wake is not a load
-    assert value(awake, "llamacpp:tokens_predicted_total", model="b") == 4.0
+    assert value(awake, "omni_router:requests_total", model="b", route="/v1/completions", status="200") == 2.0
 
     resp = httpx.post(f"{r.base}/v1/completions", json={"model": "bad", "prompt": "x", "max_tokens": 1}, timeout=60)
     assert resp.status_code == 503

@@ -86,7 +86,7 @@ class ProfileRun:
     @classmethod
     def from_request(cls, req: StartProfile, *, events_only: bool = False) -> ProfileRun:
         run_id = req.run_id or time.strftime("%Y%m%d-%H%M%S")
-        return cls(run_id, Path(req.event_dir), req.trace_path_template or DEFAULT_TRACE_TEMPLATE,
+        return cls(run_id, Path(req.event_dir).absolute(), req.trace_path_template or DEFAULT_TRACE_TEMPLATE,
                    req.enable_torch and not events_only, req.token_interval)
 
     def trace_path(self, component: str) -> Path:
