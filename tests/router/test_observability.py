@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.router.conftest import RouterProc
+from tests.router.conftest import RouterProc, chat, fake_model
 from tests.util import ROOT, wait_until
 
 Factory = Callable[..., RouterProc]
@@ -293,3 +294,30 @@ def test_enable_torch_records_a_torch_profiler_trace(router_factory: Factory, tm
     start = httpx.post(f"{r.base}/start_request_profile", json={**body, "run_id": "ev"}, timeout=30).json()
     assert start["workers"]["hf"]["torch"] is False
     assert httpx.post(f"{r.base}/stop_request_profile", timeout=30).json()["stopped"] == ["ev"]
+
+
+def test_queue_depth_while_loading_and_an_idle_stop(router_factory: Factory) -> None:
+    """Fake workers (real subprocesses): a 2 s load to watch requests queue, and a server
+    without the sleep contract that is stopped when idle (evicted, reason `idle`)."""
+    r = router_factory(fake_model("slow", "--load-time", "2") + fake_model("nosleep", "--no-sleep", extra="ttl = 1"))
+    with ThreadPoolExecutor(2) as ex:
+        futures = [ex.submit(httpx.post, f"{r.base}/v1/chat/completions", json=chat("slow"), timeout=30)
+                   for _ in range(2)]
+
+        def queued() -> Samples:
+            s = scrape(r)
+            return s if value(s, "omni_router:requests_queued", model="slow") == 2.0 else {}
+
+        s = wait_until(queued, 10, what="2 requests queued for the load")
+        assert value(s, "omni_router:model_state", model="slow", state="loading") == 1.0
+        assert [f.result().status_code for f in futures] == [200, 200]
+    s = scrape(r)
+    assert value(s, "omni_router:requests_queued", model="slow") == 0.0
+    assert value(s, "omni_router:request_queue_seconds_count", model="slow") == 2.0
+    assert value(s, "omni_router:request_queue_seconds_sum", model="slow") > 2 * 1.5  # both waited for the load
+
+    assert httpx.post(f"{r.base}/v1/chat/completions", json=chat("nosleep"), timeout=30).status_code == 200
+    r.wait_status("nosleep", "unloaded", timeout=15)
+    s = scrape(r)
+    assert value(s, "omni_router:model_evictions_total", model="nosleep", reason="idle") == 1.0
+    assert value(s, "omni_router:model_sleeps_total", model="nosleep") == 0.0
