@@ -126,3 +126,37 @@ def test_log_ring_history_then_live_lines() -> None:
             return [q.get_nowait() for _ in range(q.qsize())]
 
     assert asyncio.run(go()) == ["old 2", "old 3", "old 4", "new"]
+
+
+def test_generation_trace_events_per_task(tmp_path: Path) -> None:
+    from worker.engine.sampling_params import SamplingParams
+    from worker.engine.task import FinishEvent, Task, TokenEvent
+    from worker.server.profiling import GenerationTrace
+
+    p = Profiler("worker-m")
+    path = p.start(ProfileRun("r", tmp_path, "{event_dir}/t.json", False, 2))
+    tasks = [Task([1, 2, 3], SamplingParams(), 0, lambda e: None) for _ in range(3)]
+    for t in tasks:
+        t.stats.t_start = t.stats.t_arrival + 0.001
+    trace = GenerationTrace(p, "rid", tasks)
+    trace.on_start()
+    for i in range(5):  # task 0: 5 tokens then finished
+        if i == 0:
+            tasks[0].stats.t_first_token = tasks[0].stats.t_start + 0.002
+        trace.on_event(0, TokenEvent("x", 7))
+    tasks[0].stats.t_end = tasks[0].stats.t_first_token + 0.01
+    trace.on_event(0, FinishEvent("length", "", None, tasks[0].stats))
+    tasks[1].stats.t_first_token = tasks[1].stats.t_start + 0.002  # task 1: EOS at once, no token event
+    tasks[1].stats.t_end = tasks[1].stats.t_first_token
+    trace.on_event(1, FinishEvent("stop", "", None, tasks[1].stats))
+    trace.on_event(2, TokenEvent("x", 7))  # task 2: the client leaves after one token
+    trace.on_cancel()
+    trace.on_cancel()  # a second cancel (the response's `finally`) adds nothing
+    p.stop(None)
+    by_task: dict[int, list[str]] = {}
+    for e in (json.loads(line) for line in path.read_text().splitlines()):
+        assert e["request_id"] == "rid" and e["component"] == "worker-m"
+        by_task.setdefault(e["index"], []).append(e["event"])
+    assert by_task[0] == ["queued", "slot_assigned", "prefill_done", "first_token", "tokens", "tokens", "finished"]
+    assert by_task[1] == ["queued", "slot_assigned", "prefill_done", "first_token", "finished"]
+    assert by_task[2] == ["queued", "slot_assigned", "first_token", "cancelled"]
