@@ -25,7 +25,7 @@ from starlette.routing import Route
 from router.events import Event, EventBus
 from router.state import ModelState
 from worker.errors import APIError
-from worker.server.profiling import Profiler, ProfileRun, parse_start, parse_stop
+from worker.server.profile_log import Profiler, ProfileRun, parse_start, parse_stop
 
 if TYPE_CHECKING:
     from router.model import ModelHandle

@@ -14,7 +14,7 @@ import pytest
 from router.logs import LogRing, request_line
 from router.profile_report import load_events, summary, timelines, write_report
 from router.request_trace import RequestTrace, request_id
-from worker.server.profiling import Profiler, ProfileRun
+from worker.server.profile_log import Profiler, ProfileRun
 
 
 def _run(trace: RequestTrace, chunks: list[bytes]) -> None:

@@ -1,5 +1,5 @@
-"""Request-level profiling (SGLang-Omni's `/start_profile` / `/stop_profile`), shared by the
-worker and the router.
+"""Request-level profiling (SGLang-Omni's `/start_profile` / `/stop_profile`): the contract,
+which the router's endpoints (router/profiling.py) follow too, and the worker's side.
 
     POST /start_profile          {"run_id", "event_dir", "trace_path_template", "enable_torch",
                                   "token_interval"}: append request events to
@@ -20,155 +20,35 @@ One JSON object a line: `ts` (wall clock, seconds), `event`, `request_id` (the r
     tokens         every `token_interval` generated tokens (`n`)
     finished       with reason and counts; or `error`, or `cancelled`
 
-Engine-thread events are written from the engine thread: a write is one `json.dumps` and a
-buffered file write under a lock, and nothing is written when no run is active (one attribute
-read per generation). With `enable_torch` on the torch backend, `torch.profiler` runs on the
-engine thread (started and stopped there) and its Chrome trace goes to `trace_path_template`
-(fields `{event_dir}`, `{run_id}`, `{component}`, `{pid}`).
+Engine-thread events are written from the engine thread (worker/server/profile_log.py: one
+`json.dumps` and a line write under a lock), and nothing is written when no run is active (one
+attribute read per generation). With `enable_torch` on the torch backend, `torch.profiler`
+runs on the engine thread (started and stopped there) and its Chrome trace goes to
+`trace_path_template` (fields `{event_dir}`, `{run_id}`, `{component}`, `{pid}`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import logging
-import os
-import re
-import threading
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worker.engine.task import ErrorEvent, Event, FinishEvent, Task, TokenEvent
-from worker.errors import APIError, parse_model
+from worker.errors import APIError
+from worker.server.profile_log import SAFE_NAME, Profiler, ProfileRun, parse_start, parse_stop, wall
 
 if TYPE_CHECKING:
     from worker.server.state import WorkerState
 
 log = logging.getLogger("worker.profiling")
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
-DEFAULT_TRACE_TEMPLATE = "{event_dir}/trace_{component}_{pid}.json"
-_SAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-class StartProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str | None = None
-    event_dir: str
-    trace_path_template: str | None = None
-    enable_torch: bool = False
-    token_interval: int = Field(16, ge=1)
-
-
-class StopProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ProfileRun:
-    run_id: str
-    event_dir: Path
-    trace_path_template: str
-    enable_torch: bool
-    token_interval: int
-
-    @classmethod
-    def from_request(cls, req: StartProfile, *, events_only: bool = False) -> ProfileRun:
-        run_id = req.run_id or time.strftime("%Y%m%d-%H%M%S")
-        return cls(run_id, Path(req.event_dir).absolute(), req.trace_path_template or DEFAULT_TRACE_TEMPLATE,
-                   req.enable_torch and not events_only, req.token_interval)
-
-    def trace_path(self, component: str) -> Path:
-        return Path(self.trace_path_template.format(event_dir=self.event_dir, run_id=self.run_id,
-                                                    component=component, pid=os.getpid()))
-
-
-@dataclass(slots=True)
-class _Writer:
-    path: Path
-    file: IO[str]
-    run_ids: list[str] = field(default_factory=list)
-
-
-class Profiler:
-    """The runs of one process and their JSONL files (any thread may `record`)."""
-
-    def __init__(self, component: str) -> None:
-        self.component = _SAFE.sub("_", component)
-        self.runs: dict[str, ProfileRun] = {}
-        self.is_active = False  # read on hot paths without the lock
-        self._writers: dict[Path, _Writer] = {}
-        self._lock = threading.Lock()
-
-    def events_path(self, run: ProfileRun) -> Path:
-        return run.event_dir / f"events_{self.component}_{os.getpid()}.jsonl"
-
-    def start(self, run: ProfileRun) -> Path:
-        """Start `run` (again: a no-op); returns its events file."""
-        path = self.events_path(run)
-        with self._lock:
-            if run.run_id in self.runs:
-                return path
-            writer = self._writers.get(path)
-            if writer is None:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                # line-buffered: a run cut short by a crash or a SIGKILL keeps its events
-                writer = self._writers[path] = _Writer(path, path.open("a", encoding="utf-8", buffering=1))
-            writer.run_ids.append(run.run_id)
-            self.runs[run.run_id] = run
-            self.is_active = True
-        return path
-
-    def stop(self, run_id: str | None) -> list[ProfileRun]:
-        """Stop one run (or all); a file is closed when its last run stops."""
-        with self._lock:
-            ids = list(self.runs) if run_id is None else [run_id] if run_id in self.runs else []
-            stopped = [self.runs.pop(i) for i in ids]
-            for run in stopped:
-                path = self.events_path(run)
-                writer = self._writers[path]
-                writer.run_ids.remove(run.run_id)
-                if not writer.run_ids:
-                    writer.file.close()
-                    del self._writers[path]
-            self.is_active = bool(self.runs)
-        return stopped
-
-    def record(self, event: str, request_id: str, ts: float | None = None, **fields: Any) -> None:
-        if not self.is_active:
-            return
-        head = {"ts": time.time() if ts is None else ts, "event": event, "request_id": request_id,
-                "component": self.component, "pid": os.getpid()}
-        with self._lock:
-            for w in self._writers.values():
-                w.file.write(json.dumps({**head, "run_id": w.run_ids[0], **fields}) + "\n")
-
-    @property
-    def token_interval(self) -> int:
-        runs = list(self.runs.values())
-        return min((r.token_interval for r in runs), default=16)
-
-
-def wall(monotonic_ts: float) -> float:
-    """A `time.monotonic()` stamp as wall-clock time."""
-    return time.time() - (time.monotonic() - monotonic_ts)
-
-
-# --------------------------------------------------------------------------- the worker
-
-
-PROFILER = Profiler("worker")
+PROFILER = Profiler("worker")  # renamed worker-<model> by routes()
 
 
 class GenerationTrace:
@@ -326,18 +206,8 @@ async def start_request_profile(request: Request) -> Response:
 
 def routes(model_id: str) -> list[Route]:
     """The worker's profiling routes; its events files are named after `model_id`."""
-    PROFILER.component = _SAFE.sub("_", f"worker-{model_id}")
+    PROFILER.component = SAFE_NAME.sub("_", f"worker-{model_id}")
     return [Route("/start_profile", start_profile, methods=["POST"]),
             Route("/stop_profile", _stop, methods=["POST"]),
             Route("/start_request_profile", start_request_profile, methods=["POST"]),
             Route("/stop_request_profile", _stop, methods=["POST"])]
-
-
-def parse_start(raw: bytes) -> StartProfile:
-    return parse_model(StartProfile, raw or b"{}")
-
-
-def parse_stop(raw: bytes) -> StopProfile:
-    return parse_model(StopProfile, raw) if raw.strip() else StopProfile()
-
-
