@@ -360,12 +360,18 @@ class RouterApp:
         self.active[id(trace)] = trace
         return trace
 
-    @staticmethod
-    async def _admit(handle: ModelHandle, trace: RequestTrace) -> str:
+    async def _admit(self, handle: ModelHandle, trace: RequestTrace) -> str:
         """`handle.ensure_ready()`, marking whether (and in which model state) the request waited."""
-        if not handle.can_admit():
+        is_waiting = not handle.can_admit()
+        if is_waiting:
             trace.queued(handle.state.value)
         base = await handle.ensure_ready()
+        if is_waiting and self.profiling.profiler.is_active:
+            try:
+                await self.profiling.joined(handle.name)  # a worker that just loaded joins the run first
+            except BaseException:
+                handle.release()  # admitted, but the client left
+                raise
         trace.ready()
         return base
 

@@ -59,6 +59,7 @@ class RouterProfiling:
         self._client = client
         self._follower: asyncio.Task[None] | None = None
         self._queue: asyncio.Queue[Event] | None = None
+        self._joins: dict[str, asyncio.Future[Any]] = {}  # model -> its start broadcast in flight
         self._bodies: dict[str, dict[str, Any]] = {}  # run_id -> the start body, for late workers
 
     def routes(self) -> list[Route]:
@@ -146,10 +147,27 @@ class RouterProfiling:
                 record_trace(self.profiler, data["trace"])
 
     async def _start_in(self, model: str) -> None:
-        """A worker that became ready during a run joins it."""
+        """A worker that became ready during a run joins it (requests admitted meanwhile wait in
+        `joined()`, so that the worker records the requests that waited for its load too)."""
         workers = [h for h in self._workers() if h.name == model]
-        for body in list(self._bodies.values()):
-            await self._broadcast("/start_profile", body, workers)
+        bodies = list(self._bodies.values())
+        join = asyncio.ensure_future(asyncio.gather(*(self._broadcast("/start_profile", b, workers) for b in bodies)))
+        self._joins[model] = join
+        try:
+            await join
+        finally:
+            if self._joins.get(model) is join:
+                del self._joins[model]
+
+    async def joined(self, model: str) -> None:
+        """Return once `model`'s worker has joined the active runs (at once, nearly always).
+
+        Its READY event reaches `_run` before the waiting requests resume (both are woken by
+        the owner's one synchronous transition, the subscriber first), so a request that
+        waited for the load finds the join here and waits for it."""
+        join = self._joins.get(model)
+        if join is not None:
+            await asyncio.shield(join)
 
     async def close(self) -> None:
         self.profiler.stop(None)

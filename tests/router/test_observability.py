@@ -136,12 +136,8 @@ def test_profiling_writes_ordered_events_and_the_report_prints_the_table(router_
     start = httpx.post(f"{r.base}/start_profile", headers=r.headers, timeout=10,
                        json={"run_id": "t1", "event_dir": str(event_dir), "token_interval": 8})
     assert start.status_code == 200, start.text
-    assert start.json()["workers"] == {}  # nothing loaded yet
-    assert httpx.post(f"{r.base}/models/load", json={"model": "a"}, headers=r.headers, timeout=10).status_code == 200
-    r.wait_status("a", "loaded")
-    # the worker that became ready joins the active run
-    wait_until(lambda: list(event_dir.glob("events_worker-a_*.jsonl")), 10, what="the worker to join the run")
-
+    assert start.json()["workers"] == {}  # nothing loaded yet: the first request loads `a`, whose
+    # worker joins the run as it becomes ready, before that request reaches it
     ids = []
     for i, stream in enumerate((False, True, False)):
         resp = complete(r, "a", 20, stream=stream, headers={"X-Request-Id": f"req-{i}"})
@@ -152,6 +148,9 @@ def test_profiling_writes_ordered_events_and_the_report_prints_the_table(router_
     assert stop.json()["workers"]["a"]["stopped"] == ["t1"]
 
     events = _events(event_dir)
+    r0 = [_ts(events, "req-0", "router", e) for e in ("received", "queued", "model_ready", "first_token", "finished")]
+    assert r0 == sorted(r0)
+    assert [e["state"] for e in events if e["event"] == "queued" and e["component"] == "router"] == ["unloaded"]
     for rid in ids:
         rr = [_ts(events, rid, "router", e) for e in ("received", "model_ready", "first_token", "finished")]
         assert rr == sorted(rr), (rid, rr)
@@ -176,7 +175,8 @@ def test_profiling_writes_ordered_events_and_the_report_prints_the_table(router_
     assert set(table) == {"queue", "load", "prefill", "decode", "ttft", "total"}
     for stage in ("queue", "prefill", "decode", "ttft", "total"):
         assert table[stage][0] == "3", (stage, table[stage])
-    assert table["load"][0] == "0"  # it was loaded before the requests came
+    assert table["load"][0] == "1"  # the first request waited for the load
+    assert float(table["load"][1]) > 100  # ms: a worker's spawn and load
 
 
 def test_log_stream_delivers_worker_lines_as_written(router_factory: Factory) -> None:
