@@ -1,4 +1,5 @@
 """`omni-router --preset FILE ...`: parse arguments and presets, then serve with uvicorn.
+`omni-router profile-report DIR`: summarize a profiling run (router.profile_report).
 
 Bad arguments or a bad preset: one line on stderr (`omni-router: error: ...`) and exit 2.
 """
@@ -82,6 +83,27 @@ def serve(
                 proxy_headers=False, server_header=False, date_header=False, timeout_graceful_shutdown=3)
 
 
+report_cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+
+@report_cli.command()
+def profile_report(
+    directory: Annotated[Path, typer.Argument(help="the event_dir of a profiling run")],
+    run_id: Annotated[str | None, typer.Option(help="only this run's events")] = None,
+    timelines: Annotated[bool, typer.Option("--timelines/--no-timelines", help="one timeline per request")] = True,
+) -> None:
+    """Per-request timelines and a per-stage summary of `/start_profile` events."""
+    from router.profile_report import load_events, write_report
+    from router.profile_report import timelines as build_timelines
+
+    if not directory.is_dir():
+        raise typer.BadParameter(f"{directory} is not a directory", param_hint="DIR")
+    events = load_events(directory, run_id)
+    if not events:
+        raise typer.BadParameter(f"no events_*.jsonl events in {directory}", param_hint="DIR")
+    write_report(build_timelines(events), sys.stdout, with_timelines=timelines)
+
+
 def _best(preferred: str, fallback: str) -> str:
     try:
         __import__(preferred)
@@ -91,9 +113,15 @@ def _best(preferred: str, fallback: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    command = typer.main.get_command(cli)
+    args = argv if argv is not None else sys.argv[1:]
+    prog = "omni-router"
+    if args[:1] == ["profile-report"]:  # a subcommand beside the default `serve` (no name)
+        command = typer.main.get_command(report_cli)
+        args, prog = args[1:], "omni-router profile-report"
+    else:
+        command = typer.main.get_command(cli)
     try:
-        command.main(args=argv if argv is not None else sys.argv[1:], prog_name="omni-router", standalone_mode=False)
+        command.main(args=args, prog_name=prog, standalone_mode=False)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:

@@ -367,6 +367,7 @@ class ModelHandle:
                 self._commands.put_nowait(_SlotRefused(str(e)))
                 return
             self._set_progress({"phase": "spawning", "fraction": 0.0})
+            self.pool.events.emit("load_started", {"model": self.name})
             port = free_port(self.pool.config.host)
             base = f"http://{self.pool.config.host}:{port}"
             argv = worker_argv(self.preset, port, os.getpid(), self.pool.config.host)
@@ -452,6 +453,7 @@ class ModelHandle:
 
     def _begin_wake(self) -> None:
         self._set(ModelState.LOADING, {"phase": "waking", "fraction": 0.0})
+        self.pool.events.emit("wake_started", {"model": self.name})
         sleeping = self._effect  # a POST /sleep may still be on its way: wake after it
         self._effect = asyncio.create_task(self._wake(sleeping), name=f"wake:{self.name}")
 
@@ -477,6 +479,7 @@ class ModelHandle:
             return False
         if not self.can_sleep:  # e.g. a `cmd` llama-server: it has no /wake, so it is stopped
             log.info("model %s: no sleep support, stopping instead", self.name)
+            self.pool.events.emit("evicted", {"model": self.name, "reason": "idle"})
             self._begin_stop()
             return True
         self._set(ModelState.SLEEPING)
@@ -513,6 +516,7 @@ class ModelHandle:
         if self.state not in (ModelState.READY, ModelState.SLEEPING) or self.num_in_flight or self.preset.pin:
             return False
         log.info("model %s: evicted (least recently used, idle)", self.name)
+        self.pool.events.emit("evicted", {"model": self.name, "reason": "lru"})
         self._begin_stop()
         return True
 

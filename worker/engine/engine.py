@@ -416,6 +416,7 @@ class Engine:
         task.emit(FinishEvent(reason, task.output.finish(), stop_word, st))
         m = self._metrics
         m.prompt_tokens.inc(st.n_evaluated)
+        m.prefix_hit_tokens.inc(st.n_cached)
         m.prompt_seconds.inc(st.prompt_ms / 1e3)
         m.tokens_predicted.inc(st.n_decoded)
         m.tokens_predicted_seconds.inc(st.predicted_ms / 1e3)
@@ -475,6 +476,7 @@ class Engine:
             m.requests_deferred.set(values[1])
         if values[2] != last[2]:
             m.kv_cells_used.set(values[2])
+            m.kv_usage_ratio.set(values[2] / max(1, self._require_backend().n_ctx))
 
 
 def _params_info(task: Task) -> dict[str, Any]:

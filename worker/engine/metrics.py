@@ -30,6 +30,10 @@ class WorkerMetrics:
         self.requests_processing = Gauge("llamacpp:requests_processing", "Tasks in a slot", registry=r)
         self.requests_deferred = Gauge("llamacpp:requests_deferred", "Tasks waiting for a slot", registry=r)
         self.kv_cells_used = Gauge("llamacpp:kv_cache_tokens", "KV cells in use", registry=r)
+        self.kv_usage_ratio = Gauge("llamacpp:kv_cache_usage_ratio", "KV cells in use / KV cells in all", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "omni:prefix_cache_hit_tokens", "Prompt tokens found in a slot's KV cache (not decoded again)", registry=r
+        )
         self.prompt_cache_bytes = Gauge("omni:prompt_cache_bytes", "Host RAM held by the prompt cache", registry=r)
         self.prompt_cache_entries = Gauge("omni:prompt_cache_entries", "Prompts saved in the prompt cache", registry=r)
         self.prompt_cache_restored = Counter(

@@ -28,6 +28,7 @@ from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.metrics import CONTENT_TYPE
 from worker.engine.sampling_params import SamplingParams
 from worker.errors import APIError, api_error_handler, error_body, http_exception_handler, parse_model
+from worker.server import profiling
 from worker.server.generation import Generation
 from worker.server.native_format import NativeInfo, NativeResults, collect_native, stream_native
 from worker.server.openai_format import Choices, ResponseInfo, error_payload, stream_chat, stream_completion
@@ -505,6 +506,7 @@ def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origin
         Route("/metrics", metrics, methods=["GET"]),
         Route("/sleep", sleep, methods=["POST"]),
         Route("/wake", wake, methods=["POST"]),
+        *profiling.routes(state.model_id),
     ]
     app = Starlette(
         routes=routes,
@@ -515,7 +517,7 @@ def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origin
         },
     )
     app.state.worker = state
-    outer: ASGIApp = app
+    outer: ASGIApp = profiling.RequestContext(app)  # X-Request-Id for the profiling events
     if cors_origins:
         outer = CORSMiddleware(outer, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
                                allow_headers=["*"])
