@@ -36,6 +36,7 @@ from router.form import boundary, form_field
 from router.logs import ROUTER_LOG, LogRoutes, RingHandler, log_requests
 from router.metrics import RouterMetrics
 from router.model import ModelHandle
+from router.openapi import openapi_document
 from router.pool import Pool
 from router.profiling import RouterProfiling
 from router.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
@@ -87,6 +88,7 @@ PROXY_GET: dict[str, str] = {"/props": "/props", "/slots": "/slots", "/metrics":
 PUBLIC_PATHS = frozenset({"/health", "/", "/index.html", "/favicon.ico"})
 PUBLIC_PREFIXES = ("/static/", "/webui/", "/assets/")
 SSE_KEEPALIVE_S = 15.0
+DEFAULT_MAX_BODY_SIZE = 100 * 1024 * 1024  # bytes; an audio upload is the largest body we expect
 
 
 @dataclass
@@ -109,8 +111,9 @@ class RouterApp:
     """The ASGI application served by `omni-router`."""
 
     def __init__(self, pool: Pool, *, api_keys: list[str] | None = None, cors_origins: list[str] | None = None,
-                 responses: ResponsesConfig | None = None) -> None:
+                 responses: ResponsesConfig | None = None, max_body_size: int = DEFAULT_MAX_BODY_SIZE) -> None:
         self.pool = pool
+        self.max_body_size = max_body_size
         rc = responses or ResponsesConfig()
         data_dir = rc.data_dir or Path(".")
         self.store = Store(data_dir / "responses.sqlite3", max_entries=rc.max_entries, ttl_s=rc.ttl_s)
@@ -136,6 +139,7 @@ class RouterApp:
                 Route("/models/sse", self.models_sse),
                 Route("/props", self.props),
                 Route("/metrics", self.metrics_text),
+                Route("/openapi.json", self.openapi),
                 *self.logs.routes(),
                 *self.profiling.routes(),
                 *ResponsesRoutes(self.responses, self.resolve_model).routes(),
@@ -181,6 +185,12 @@ class RouterApp:
             await self._send_error(send, APIError("Invalid API Key", status_code=401, type="authentication_error",
                                                   code=401), cors)
             return
+        if self.max_body_size:
+            too_large = self._body_too_large(headers)
+            if too_large is not None:
+                await self._send_error(send, too_large, cors)
+                return
+            receive = _limit_body(receive, self.max_body_size)
         if method == "POST" and path in PROXY_POST:
             await self._proxy_body(scope, receive, send, PROXY_POST[path], cors)
             return
@@ -193,6 +203,35 @@ class RouterApp:
         if cors:
             send = self._with_headers(send, cors)
         await self.admin(scope, receive, send)
+
+    def route_table(self) -> list[tuple[str, str]]:
+        """Every (method, path) this app serves, path parameters as `{name}`: the proxied
+        routes, the router's own (Starlette) routes and the web UI's files. /openapi.json and
+        the security tests are built from it, so a new route is documented and tested as is."""
+        table: dict[tuple[str, str], None] = {}
+        for path in PROXY_POST:
+            table["POST", path] = None
+        for path in PROXY_GET:
+            table["GET", path] = None
+        for route in self.admin.routes:
+            if isinstance(route, Route):
+                path = route.path.replace(":path}", "}")
+                for method in sorted((route.methods or {"GET"}) - {"HEAD"}):
+                    table[method, path] = None
+        if self.webui.enabled:
+            for path in ("/", "/index.html", "/favicon.ico", "/static/{file}", "/assets/{file}"):
+                table["GET", path] = None
+        return list(table)
+
+    def _body_too_large(self, headers: list[tuple[bytes, bytes]]) -> APIError | None:
+        length = _header(headers, b"content-length")
+        if length is None:
+            return None  # chunked: `_limit_body` counts
+        if not length.isdigit():
+            return APIError("Invalid Content-Length header", param="content-length")
+        if int(length) > self.max_body_size:
+            return _too_large(self.max_body_size)
+        return None
 
     def _is_public(self, path: str) -> bool:
         return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
@@ -250,8 +289,8 @@ class RouterApp:
 
     async def _proxy_body(self, scope: Scope, receive: Receive, send: Send, upstream_path: str,
                           cors: list[tuple[bytes, bytes]] | None) -> None:
-        body = await _read_body(receive)
         try:
+            body = await _read_body(receive)
             name = self._model_from_body(body, scope.get("query_string", b""), _header(scope["headers"], b"content-type"))
             handle = self._lookup(name, scope)
         except APIError as e:
@@ -498,6 +537,10 @@ class RouterApp:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
+    async def openapi(self, request: Request) -> Response:
+        """An OpenAPI 3.1 document of every route (router.openapi), built from `route_table()`."""
+        return JSONResponse(openapi_document(self.route_table(), list(self.pool.handles)))
+
     async def metrics_text(self, request: Request) -> Response:
         """Prometheus text: the router's series and every running worker's (router.metrics)."""
         return Response(await self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
@@ -554,6 +597,28 @@ async def _sse_chunks(resp: httpx.Response, model: str, trace: RequestTrace) -> 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"request body is larger than the limit of {limit} bytes (--max-body-size)",
+                    status_code=413, code="request_too_large")
+
+
+def _limit_body(receive: Receive, limit: int) -> Receive:
+    """`receive` that raises a 413 `APIError` once more than `limit` body bytes came in (a
+    chunked body has no Content-Length to check up front)."""
+    received = 0
+
+    async def limited() -> Message:
+        nonlocal received
+        message = await receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _too_large(limit)
+        return message
+
+    return limited
 
 
 async def _read_body(receive: Receive) -> bytes:

@@ -59,6 +59,8 @@ def serve(
     responses_max_entries: Annotated[int, typer.Option(min=0, help="stored responses (and conversations) "
                                                        "kept; 0 = store nothing")] = 10000,
     responses_ttl: Annotated[float, typer.Option(min=1, help="seconds a stored response is kept")] = 30 * 24 * 3600.0,
+    max_body_size: Annotated[int, typer.Option(min=0, help="largest request body in bytes, larger is a 413 "
+                                               "(0 = no limit)")] = 100 * 1024 * 1024,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
 ) -> None:
     """One OpenAI-compatible endpoint for many models."""
@@ -77,7 +79,8 @@ def serve(
     config = PoolConfig(models_max=models_max, max_queue=max_queue, sleep_idle_seconds=sleep_idle_seconds,
                         autoload=models_autoload)
     responses = ResponsesConfig(data_dir or default_data_dir(), responses_max_entries, responses_ttl)
-    app = RouterApp(Pool(presets, config), api_keys=api_key, cors_origins=cors_origin, responses=responses)
+    app = RouterApp(Pool(presets, config), api_keys=api_key, cors_origins=cors_origin, responses=responses,
+                    max_body_size=max_body_size)
     uvicorn.run(app, host=host, port=port, loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"),
                 log_level=log_level.lower(), access_log=False, timeout_keep_alive=75, lifespan="on",
                 proxy_headers=False, server_header=False, date_header=False, timeout_graceful_shutdown=3)

@@ -10,6 +10,7 @@ naming the bad field, never a 500. No torch, no llama_cpp, no request models her
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -105,11 +106,40 @@ def _describe_validation_error(exc: ValidationError) -> APIError:
 M = TypeVar("M", bound=BaseModel)
 
 
+# `\ud800`..`\udfff` escapes: only a body with one can decode to a lone surrogate
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
 def parse_json(raw: bytes | bytearray) -> Any:
+    """Any JSON value, or a 400: invalid JSON or UTF-8, nesting too deep for the decoder
+    (a RecursionError), or a string with a lone surrogate (valid JSON, but no text: it
+    would fail later, when the string is encoded for a tokenizer or a log)."""
     try:
-        return json.loads(raw)
+        data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"Invalid JSON body: {e}") from None
+    except RecursionError:
+        raise APIError("Invalid JSON body: nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise APIError("Invalid JSON body: a string holds a lone UTF-16 surrogate (not valid Unicode)")
+    return data
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
 
 
 def parse_model(model_cls: type[M], raw: bytes | Any) -> M:

@@ -1,0 +1,96 @@
+"""The router's OpenAPI 3.1 document (`GET /openapi.json`), built from its route table.
+
+Every route is listed (a new route appears by itself); request bodies that have a pydantic
+model at the edge (the worker's wire models, the Responses API's) carry its JSON schema, with
+`model` narrowed to the configured names. Every route documents the one error envelope for
+4xx and 5xx, so a client (or schemathesis) can check that errors keep their shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from router.responses.wire import AddItems, CreateConversation, CreateResponse
+from worker.server.wire import (
+    ApplyTemplateRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    NativeCompletionRequest,
+    TokenizeRequest,
+)
+
+REF = "#/components/schemas/{model}"
+BODY_MODELS: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/chat/completions": ChatCompletionRequest,
+    "/v1/completions": CompletionRequest,
+    "/completions": CompletionRequest,
+    "/completion": NativeCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+    "/apply-template": ApplyTemplateRequest,
+    "/v1/responses": CreateResponse,
+    "/responses": CreateResponse,
+    "/v1/conversations": CreateConversation,
+    "/conversations": CreateConversation,
+    "/v1/conversations/{cid}/items": AddItems,
+    "/conversations/{cid}/items": AddItems,
+}
+MODEL_ONLY = frozenset({"/models/load", "/models/unload", "/models/sleep"})
+ERROR_ENVELOPE: dict[str, Any] = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}},
+    }},
+}
+ANY_BODY: dict[str, Any] = {"schema": {}}
+OK_CONTENT = {"application/json": ANY_BODY, "text/event-stream": ANY_BODY, "*/*": ANY_BODY}
+
+
+def openapi_document(routes: list[tuple[str, str]], model_names: list[str]) -> dict[str, Any]:
+    """The document for `routes` ((method, path) pairs) with `model` one of `model_names`."""
+    schemas: dict[str, Any] = {"Error": ERROR_ENVELOPE}
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path in routes:
+        paths.setdefault(path, {})[method.lower()] = _operation(method, path, model_names, schemas)
+    return {"openapi": "3.1.0", "info": {"title": "omni-router", "version": "0.1.0"},
+            "paths": paths, "components": {"schemas": schemas}}
+
+
+def _operation(method: str, path: str, model_names: list[str], schemas: dict[str, Any]) -> dict[str, Any]:
+    error = {"description": "the error envelope",
+             "content": {"application/json": {"schema": {"$ref": REF.format(model="Error")}}}}
+    op: dict[str, Any] = {
+        "operationId": f"{method.lower()} {path}",
+        "responses": {"200": {"description": "success", "content": OK_CONTENT},
+                      "204": {"description": "no content"}, "304": {"description": "not modified"},
+                      "4XX": error, "5XX": error},
+    }
+    params = [p[1:-1] for p in path.split("/") if p.startswith("{")]
+    op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
+    if method == "POST":
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": _body_schema(path, model_names, schemas)}}}
+    return op
+
+
+def _body_schema(path: str, model_names: list[str], schemas: dict[str, Any]) -> dict[str, Any]:
+    model_prop = {"type": "string", "enum": model_names} if model_names else {"type": "string"}
+    if path in MODEL_ONLY:
+        return {"type": "object", "required": ["model"], "properties": {"model": model_prop}}
+    cls = BODY_MODELS.get(path)
+    if cls is None:
+        return {"type": "object"}
+    schema = cls.model_json_schema(ref_template=REF)
+    schemas.update(schema.pop("$defs", {}))
+    if "model" in schema.get("properties", {}):
+        schema["properties"]["model"] = model_prop
+        schema["required"] = sorted({*schema.get("required", []), "model"})
+    return schema
