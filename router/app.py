@@ -124,7 +124,7 @@ class RouterApp:
         self._background: set[asyncio.Task[None]] = set()
         self.active: dict[int, RequestTrace] = {}  # the proxied requests in progress
         self.metrics = RouterMetrics(self.events, pool.handles, pool.client, self.active.values)
-        self.profiling = RouterProfiling(self.events, pool.handles, pool.client)
+        self.profiling = RouterProfiling(self.events, pool.handles, pool.client, data_dir)
         self.logs = LogRoutes(self._canonical_name)
         self.webui = WebUI()  # the bundled chat page (webui/), if present
         self.admin = Starlette(

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -52,8 +53,10 @@ def record_trace(profiler: Profiler, t: RequestTrace) -> None:
 
 
 class RouterProfiling:
-    def __init__(self, events: EventBus, handles: Mapping[str, ModelHandle], client: httpx.AsyncClient) -> None:
+    def __init__(self, events: EventBus, handles: Mapping[str, ModelHandle], client: httpx.AsyncClient,
+                 data_dir: Path | None = None) -> None:
         self.profiler = Profiler("router")
+        self._data_dir = data_dir
         self._events = events
         self._handles = handles
         self._client = client
@@ -77,6 +80,7 @@ class RouterProfiling:
     async def _start(self, raw: bytes, *, events_only: bool) -> Response:
         req = parse_start(raw)
         run = ProfileRun.from_request(req, events_only=events_only)
+        self._check_paths(run)
         try:
             path = self.profiler.start(run)
         except OSError as e:
@@ -89,6 +93,20 @@ class RouterProfiling:
         workers = await self._broadcast(kind, body, self._workers())
         log.info("profiling run %s: events to %s", run.run_id, run.event_dir)
         return JSONResponse({"run_id": run.run_id, "events": str(path), "workers": workers})
+
+    def _check_paths(self, run: ProfileRun) -> None:
+        """An HTTP client picks where a run writes: never into the data dir, and a trace only as a
+        `.json` file inside `event_dir` (a template could otherwise name any file, a preset too)."""
+        event_dir = run.event_dir.resolve()
+        if self._data_dir is not None and event_dir.is_relative_to(self._data_dir.resolve()):
+            raise APIError("event_dir must not be inside the router's data dir", param="event_dir")
+        try:
+            trace = run.trace_path("router").resolve()
+        except (KeyError, IndexError, AttributeError, ValueError) as e:
+            raise APIError(f"invalid trace_path_template: {e!r}", param="trace_path_template") from None
+        if not trace.is_relative_to(event_dir) or not trace.name.endswith((".json", ".json.gz")):
+            raise APIError("trace_path_template must name a .json file inside event_dir",
+                           param="trace_path_template")
 
     async def stop_profile(self, request: Request) -> Response:
         req = parse_stop(await request.body())
