@@ -48,6 +48,8 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        if status_code == 503 and not any(k.lower() == "retry-after" for k in headers or {}):
+            headers = {**(headers or {}), "Retry-After": "1"}  # every 503 says when to come back
         self.headers = headers
         self.extra = extra or {}
 

@@ -87,7 +87,7 @@ async def blast(base: str, n: int, n_tokens: int, deadline_s: float, body_extra:
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(deadline_s), limits=limits) as client:
         tasks = [asyncio.create_task(one_stream(client, MODELS[i % len(MODELS)], n_tokens, body_extra, count, tally))
                  for i in range(n)]
-        done, pending = await asyncio.wait(tasks, timeout=deadline_s)
+        _done, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for t in pending:
             t.cancel()
         tally.lost += [f"hung past the {deadline_s}s deadline"] * len(pending)
