@@ -1,6 +1,7 @@
 # One command to run the demo, one to run the tests. Both set everything up on a fresh clone.
 #   make run    install, generate the demo models, serve presets/demo.toml on 127.0.0.1:8080
 #   make test   install (with test extras), generate the test models, lint, type-check, test
+#   make soak   the long reliability runs (-m soak): 500 streams on real workers, full schemathesis
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-test chromium models run test lint bench clean
+.PHONY: setup setup-test chromium models run test soak lint bench clean
 
 $(VENV)/.base: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -52,6 +53,9 @@ lint: setup-test
 
 test: setup-test models lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+soak: setup-test models
+	$(VENV)/bin/pytest tests/reliability -m soak -s $(PYTEST_ARGS)
 
 bench: setup-test models
 	$(PY) -m worker.testing.tiny_models --out models --size small
