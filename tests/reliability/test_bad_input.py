@@ -5,6 +5,7 @@ router (and its worker) still serve a good request afterwards."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -121,11 +122,30 @@ def test_huge_max_tokens_and_n_over_the_slot_count_finish_without_a_hang(tiny_ro
         assert resp.status_code == 200 and len(resp.json()["choices"]) == 5
 
 
-@pytest.mark.xfail(strict=False, reason="worker/server (wt-compat): /completion's prompt list is checked only "
-                   "one level deep; `[[1], 2]` reaches a comparison of an int with a list (TypeError -> 500), "
-                   "and `[true]` passes as token id 1. Found by schemathesis; fix in worker/server/wire.py "
-                   "NativeCompletionRequest (reject nested lists and bools) after the merge.")
-@pytest.mark.parametrize("prompt", [[[1], 2], [True]], ids=["nested-list", "bool"])
-def test_native_completion_prompt_of_the_wrong_shape_is_a_400(tiny_router: RouterProc, prompt: Any) -> None:
+@pytest.mark.parametrize("prompt", [[[1], 2], [True], [[True]]], ids=["nested-list", "bool", "nested-bool"])
+def test_native_completion_prompt_of_the_wrong_shape_is_a_400_bug_it_was_a_500(tiny_router: RouterProc,
+                                                                                 prompt: Any) -> None:
+    """Found by schemathesis: `[[1], 2]` reached a comparison of an int with a list (a 500),
+    and `[true]` passed as token id 1."""
     with tiny_router.client(timeout=DEADLINE_S) as c:
         assert_envelope(c.post("/completion", json={"model": "tiny", "prompt": prompt, "n_predict": 2}), 400)
+
+
+def test_a_huge_repeat_last_n_is_clamped_to_the_context_bug_it_was_an_oom_kill(tiny_router: RouterProc) -> None:
+    """Found by schemathesis: `repeat_last_n: 75184836908212` with a penalty on made llama.cpp
+    allocate its penalty window up front (gigabytes per sampler): the kernel OOM-killed the
+    worker. 10**8 would be 400 MB unclamped, enough to see and safe to run."""
+    body = chat(max_tokens=4, frequency_penalty=0.5, repeat_last_n=10**8)
+    with tiny_router.client(timeout=DEADLINE_S) as c:
+        assert c.post("/v1/chat/completions", json=chat()).status_code == 200
+        (worker,) = tiny_router.workers()
+        peak_before = peak_rss(worker.pid)
+        for _ in range(2):
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
+        assert peak_rss(worker.pid) - peak_before < 100 * 2**20
+
+
+def peak_rss(pid: int) -> int:
+    """The process's RSS high-water mark (VmHWM): a window freed after the request still shows."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) * 1024

@@ -17,9 +17,9 @@ from tests.reliability.conftest import GGUF, TINY_PRESET, serve_router
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
 ST = Path(sys.executable).with_name("schemathesis")
 CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
-# Left out: the profiling routes (they write files where the body says), the endless event
-# streams, and POST /completion until its prompt check is fixed (the xfail in test_bad_input).
-EXCLUDE = r"(_profile|/logs/stream|/models/sse|^/completion$)"
+# Left out: the profiling routes (they write files where the body says) and the endless event
+# streams.
+EXCLUDE = r"(_profile|/logs/stream|/models/sse)"
 
 
 def run_schemathesis(tmp_path: Path, *args: str, budget_s: int) -> None:

@@ -473,7 +473,9 @@ class LlamaCppBackend:
             arr = (ll.llama_logit_bias * len(bias))(*(ll.llama_logit_bias(t, b) for t, b in bias.items()))
             add(chain, ll.llama_sampler_init_logit_bias(self.n_vocab, len(bias), arr))
         if params.has_penalties:
-            last_n = self.n_ctx if params.repeat_last_n < 0 else params.repeat_last_n
+            # llama.cpp allocates the whole window up front: a client's 2**31 would be 8 GB per
+            # sampler (an OOM kill); more than the context is never looked at anyway.
+            last_n = self.n_ctx if params.repeat_last_n < 0 else min(params.repeat_last_n, self.n_ctx)
             add(
                 chain,
                 ll.llama_sampler_init_penalties(

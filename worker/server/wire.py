@@ -219,6 +219,11 @@ class CompletionRequest(_SamplingRequest):
 NativePrompt = str | list[int] | list[str | int]  # one prompt: text, token ids, or both mixed
 
 
+def _is_prompt_part(x: object) -> bool:
+    """A string or a token id (JSON `true` is a bool, not token 1)."""
+    return isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool))
+
+
 class NativeCompletionRequest(_SamplingRequest):
     """llama-server's native /completion: `prompt` is text, token ids, text and ids mixed (one
     prompt), or a list of those (several prompts); `n_probs` top log-probabilities per token."""
@@ -231,10 +236,14 @@ class NativeCompletionRequest(_SamplingRequest):
     def prompts(self) -> list[NativePrompt]:
         """As llama-server's tokenize_input_prompts: a list holding any number is one prompt."""
         p = self.prompt
-        if isinstance(p, str) or any(isinstance(x, int) for x in p):
+        if isinstance(p, str):
+            return [p]
+        if any(_is_prompt_part(x) and not isinstance(x, str) for x in p):
+            if not all(_is_prompt_part(x) for x in p):  # e.g. [[1], 2]: not one prompt, not several
+                raise ValueError("a prompt with token ids holds only token ids and strings")
             return [p]
         for x in p:
-            is_mixed = isinstance(x, list) and all(isinstance(y, str | int) for y in x)
+            is_mixed = isinstance(x, list) and all(_is_prompt_part(y) for y in x)
             if not (isinstance(x, str) or is_mixed):
                 raise ValueError("each prompt must be a string, a list of token ids, or a list of both")
         return list(p)
