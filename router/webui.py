@@ -61,9 +61,12 @@ class WebUI:
         for prefix, folder in PREFIXES.items():
             if path.startswith(prefix):
                 base = (self.root / folder).resolve()
-                target = (base / path[len(prefix):]).resolve()
-                if target.is_relative_to(base) and target.is_file():
-                    return target
+                try:
+                    target = (base / path[len(prefix):]).resolve()
+                    if target.is_relative_to(base) and target.is_file():
+                        return target
+                except (OSError, ValueError):  # a name too long for the OS, a NUL byte: no such file
+                    return None
         return None
 
     def _load(self, file: Path) -> _File:
