@@ -125,7 +125,7 @@ def test_a_worker_exiting_at_once_in_a_loop_backs_off_and_the_router_stays_respo
     statuses, latencies = [], []
     t0 = time.monotonic()
     with r.client(timeout=30) as c:
-        while time.monotonic() - t0 < 6:
+        while time.monotonic() - t0 < 4:
             t1 = time.monotonic()
             resp = c.post("/v1/chat/completions", json=chat("a"))
             latencies.append(time.monotonic() - t1)
@@ -139,7 +139,7 @@ def test_a_worker_exiting_at_once_in_a_loop_backs_off_and_the_router_stays_respo
     assert card["status"]["value"] == "failed" and card["status"]["exit_code"] == 1
     assert n_spawns <= 5 < len(statuses)  # backoff: most requests are refused without a spawn
     assert max(latencies) < 5
-    report(f"exit-at-once loop: {len(statuses)} requests in 6 s, all 503 + Retry-After, {n_spawns} spawns "
+    report(f"exit-at-once loop: {len(statuses)} requests in 4 s, all 503 + Retry-After, {n_spawns} spawns "
            f"(backoff), max latency {max(latencies) * 1000:.0f} ms, `failed` shown, other model served")
 
 

@@ -38,7 +38,7 @@ def run_schemathesis(tmp_path: Path, *args: str, budget_s: int) -> None:
 
 
 def test_schemathesis_finds_no_5xx_and_no_schema_violation(tmp_path: Path) -> None:
-    run_schemathesis(tmp_path, "--phases", "examples,fuzzing", "--max-examples", "3", budget_s=40)
+    run_schemathesis(tmp_path, "--phases", "examples,fuzzing", "--max-examples", "3", budget_s=25)
 
 
 @pytest.mark.soak
