@@ -65,6 +65,8 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
             argv += [flag, str(value)]
     if preset.kv_unified:
         argv.append("--kv-unified")
+    if preset.jinja is not None:
+        argv.append("--jinja" if preset.jinja else "--no-jinja")
     return argv
 
 

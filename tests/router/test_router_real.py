@@ -204,3 +204,18 @@ def test_a_model_that_fails_to_load_is_failed_with_the_workers_exit_code(router_
     status = r.models()["bad"]["status"]
     assert (status["value"], status["failed"], status["exit_code"]) == ("failed", True, 1)
     assert any("bad.gguf" in line for line in status["log_tail"])
+
+
+def test_llama_cpp_readme_preset_serves(router_factory: Factory) -> None:
+    """The example preset of llama.cpp's server README (tests/router/test_presets.py) runs as written,
+    the tiny GGUF in place of its file paths: both models answer, the section's settings reach the worker."""
+    from tests.router.test_presets import README_PRESET
+
+    r = router_factory(README_PRESET.format(m=GGUF), suffix=".ini")
+    for name in ("ggml-org/MY-MODEL-GGUF:Q8_0", "custom_model"):
+        with r.client(timeout=120) as c:
+            res = c.post("/v1/chat/completions", json=chat(name, max_tokens=4))
+            assert res.status_code == 200, res.text
+    args = r.models()["ggml-org/MY-MODEL-GGUF:Q8_0"]["status"]["args"]
+    assert args[args.index("--ctx-size") + 1] == "4096" and args[args.index("--chat-template") + 1] == "chatml"
+    assert "--jinja" in args and args[args.index("--cache-ram") + 1] == "0"
