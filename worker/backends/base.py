@@ -126,6 +126,31 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
+class FimTokens:
+    """A code model's fill-in-the-middle tokens (llama.cpp's fim_pre/suf/mid/rep/sep; -1: none)."""
+
+    pre: int = -1
+    suf: int = -1
+    mid: int = -1
+    rep: int = -1  # repository name (optional)
+    sep: int = -1  # file separator (optional)
+
+    def missing(self) -> list[str]:
+        """The kinds /infill needs that the model lacks (empty: infill works)."""
+        return [kind for kind, t in (("prefix", self.pre), ("suffix", self.suf), ("middle", self.mid)) if t < 0]
+
+
+# llama.cpp's names for FIM tokens in a vocabulary without FIM metadata (llama-vocab.cpp)
+FIM_TOKEN_TEXTS: dict[str, tuple[str, ...]] = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "▁<PRE>", "<|fim▁begin|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>", "▁<SUF>", "<|fim▁hole|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>", "▁<MID>", "<|fim▁end|>"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
+
+
+@dataclass(frozen=True, slots=True)
 class ModelMeta:
     """What the HTTP layer reports about the loaded model (/props, /v1/models)."""
 
@@ -140,6 +165,7 @@ class ModelMeta:
     eos_token_id: int
     add_bos: bool
     chat_template: str | None
+    fim: FimTokens = FimTokens()
 
 
 class Backend(Protocol):

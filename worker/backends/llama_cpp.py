@@ -44,7 +44,7 @@ import llama_cpp as ll
 import llama_cpp.llama_cpp as llc
 import numpy as np
 
-from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, RowRecipe, Sample, SampleItem
+from worker.backends.base import BatchEntry, DecodeStatus, FimTokens, ModelMeta, RowRecipe, Sample, SampleItem
 from worker.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("worker.llama_cpp")
@@ -301,6 +301,9 @@ class LlamaCppBackend:
             eos_token_id=eos,
             add_bos=bool(ll.llama_vocab_get_add_bos(self._vocab)),
             chat_template=tmpl.decode(errors="replace") if tmpl else None,
+            fim=FimTokens(*(int(f(self._vocab)) for f in (ll.llama_vocab_fim_pre, ll.llama_vocab_fim_suf,
+                                                           ll.llama_vocab_fim_mid, ll.llama_vocab_fim_rep,
+                                                           ll.llama_vocab_fim_sep))),
         )
 
     @property

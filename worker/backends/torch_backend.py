@@ -149,6 +149,7 @@ class TorchBackend:
             eos_token_id=self.tokenizer.eos_token_id,
             add_bos=self.tokenizer.add_bos,
             chat_template=self.tokenizer.chat_template,
+            fim=self.tokenizer.fim_tokens(),
         )
         log.info(
             "torch backend: %s on %s/%s, %d params, n_ctx=%d (%d per sequence, unified=%s), n_seq_max=%d, "

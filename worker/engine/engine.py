@@ -292,8 +292,24 @@ class Engine:
         backend = self._require_backend()
         if backend.is_sleeping:
             t0 = time.monotonic()
+            self.last_busy = t0  # a fresh idle period: --sleep-idle-seconds counts from the wake
             backend.wake()
             log.info("awake: model reloaded in %.2f s", time.monotonic() - t0)
+
+    def slot_snapshot(self, slot_id: int) -> tuple[list[int], tuple[int, int], bytearray | None]:
+        """Engine thread, idle: what the slot holds (POST /slots/{id}?action=save)."""
+        return self._require_scheduler().slot_snapshot(slot_id)
+
+    def restore_slot(self, slot_id: int, tokens: list[int], rows: tuple[int, int], state: bytes) -> bool:
+        """Engine thread, idle: load a saved slot (action=restore); False if it did not fit."""
+        return self._require_scheduler().restore_slot(slot_id, tokens, rows, state)
+
+    def erase_slot(self, slot_id: int) -> int:
+        """Engine thread, idle: forget a slot's KV (action=erase); the tokens it held."""
+        return self._require_scheduler().erase_slot(slot_id)
+
+    def n_idle_slots(self) -> int:
+        return self.n_slots - self._require_scheduler().n_busy()
 
     def slots_info(self) -> list[dict[str, Any]]:
         n_ctx = self._require_backend().n_ctx_seq
@@ -310,7 +326,7 @@ class Engine:
                     "n_prompt_tokens": len(t.prompt) if t else 0,
                     "n_decoded": t.stats.n_decoded if t else 0,
                     "is_prefill": s.is_prefill,
-                    "params": _params_info(t) if t else None,
+                    **({"params": _params_info(t)} if t else {}),  # as llama-server: an idle slot has none
                 }
             )
         return out
@@ -341,6 +357,7 @@ class Engine:
                 scheduler.on_no_kv_space(plan)
                 return
             to_sample = scheduler.commit(plan, (time.perf_counter() - t0) * 1e3)
+            self._metrics.n_busy_slots.inc(scheduler.n_busy())
         slots = to_sample + plan.from_saved
         if slots:
             tasks = [s.task for s in slots if s.task is not None]
@@ -399,7 +416,9 @@ class Engine:
             self._finish(slot, "stop", stop_word)
         elif grammar is not None and grammar.is_complete:  # nothing but end-of-generation may follow
             self._finish(slot, "stop", None)
-        elif (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens) or len(slot.cache) >= backend.n_ctx_seq:
+        elif (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens) or len(slot.cache) + 1 >= backend.n_ctx_seq:
+            # The context is full once prompt + generated tokens fill it (llama-server's n_past + 1 >= n_ctx):
+            # the last token is never decoded, so it needs no cell.
             self._finish(slot, "length", None)
         else:
             slot.feed = [token]
@@ -415,10 +434,8 @@ class Engine:
         self._free_sampler(task)
         task.emit(FinishEvent(reason, task.output.finish(), stop_word, st))
         m = self._metrics
-        m.prompt_tokens.inc(st.n_evaluated)
-        m.prompt_seconds.inc(st.prompt_ms / 1e3)
-        m.tokens_predicted.inc(st.n_decoded)
-        m.tokens_predicted_seconds.inc(st.predicted_ms / 1e3)
+        m.on_task_done(n_evaluated=st.n_evaluated, n_cached=st.n_cached, prompt_s=st.prompt_ms / 1e3,
+                       n_decoded=st.n_decoded, predicted_s=st.predicted_ms / 1e3, n_tokens=st.n_prompt + st.n_decoded)
         m.requests.labels(reason).inc()
         tps = st.n_decoded / (st.predicted_ms / 1e3) if st.predicted_ms > 0 else 0.0
         log.info(
@@ -469,7 +486,6 @@ class Engine:
         last, self._gauges = self._gauges, values
         m = self._metrics
         if values[0] != last[0]:
-            m.busy_slots.set(values[0])
             m.requests_processing.set(values[0])
         if values[1] != last[1]:
             m.requests_deferred.set(values[1])

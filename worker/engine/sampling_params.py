@@ -37,6 +37,7 @@ class SamplingParams:
     n: int = 1
     cache_prompt: bool = True
     id_slot: int = -1
+    return_progress: bool = False  # stream ProgressEvents while the prompt is computed
     grammar: Grammar | None = None
 
     @property

@@ -73,7 +73,18 @@ class ErrorEvent:
     type: str = "server_error"
 
 
-Event = TokenEvent | FinishEvent | ErrorEvent
+@dataclass(frozen=True, slots=True)
+class ProgressEvent:
+    """Prompt processing progress (only for params.return_progress): at admission, then after
+    each decode that computed part of the prompt (llama-server's `prompt_progress`)."""
+
+    total: int  # prompt tokens
+    cache: int  # of them reused from the KV cache
+    processed: int  # in the KV cache now (cache included)
+    time_ms: float  # since the task was first admitted to a slot
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent | ProgressEvent
 
 
 class TextOutput:
@@ -121,6 +132,15 @@ class Task:
     def cancel(self) -> None:
         """Any thread: the engine drops the task (and frees its slot) at its next step."""
         self.is_cancelled = True
+
+    def report_progress(self, processed: int) -> None:
+        """Engine thread: a ProgressEvent, if the request asked for them, while the prompt is computed."""
+        if self.params.return_progress and not self.generated:
+            st = self.stats
+            is_started = processed > st.n_cached and st.t_start > 0  # the first report comes before any decode
+            elapsed_ms = (time.monotonic() - st.t_start) * 1e3 if is_started else 0.0
+            total = len(self.prompt)
+            self.emit(ProgressEvent(total, st.n_cached, min(processed, total), elapsed_ms))
 
     def tokens(self) -> list[int]:
         """What the slot must hold in its KV cache before the next token can be sampled."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -88,7 +89,9 @@ _NO_HUB = "omni-worker does not download models (there is no model hub here): pa
 def serve(
     model: str | None = typer.Option(None, "--model", "-m", help="GGUF file or HF model directory"),
     backend: str = typer.Option("auto", "--backend", help="auto | llama_cpp | torch"),
-    alias: str | None = typer.Option(None, "--alias", "-a", help="model id reported by the API"),
+    alias: str | None = typer.Option(
+        None, "--alias", "-a", help="model id reported by the API; comma-separated aliases: the first, sorted, is the id"
+    ),
     tags: str | None = typer.Option(None, "--tags", help="comma-separated model tags (reported in /v1/models)"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port"),
@@ -142,7 +145,10 @@ def serve(
     # -- HTTP server --
     api_key: str | None = typer.Option(None, "--api-key", help="comma-separated keys; /health stays public"),
     api_key_file: str | None = typer.Option(None, "--api-key-file", help="a file of keys, one per line"),
-    cors_origins: str | None = typer.Option(None, "--cors-origins", help="comma-separated origins, or *"),
+    cors_origins: str = typer.Option(
+        "*", "--cors-origins",
+        help="* (any Origin is echoed back, as llama-server), localhost, or comma-separated origins",
+    ),
     slots: bool = typer.Option(True, "--slots/--no-slots", help="GET /slots (501 with --no-slots)"),
     metrics_on: bool = typer.Option(False, "--metrics", help="GET /metrics (Prometheus); 501 without it"),
     sleep_idle_seconds: float = typer.Option(
@@ -156,6 +162,19 @@ def serve(
     hf_file: str | None = typer.Option(None, "--hf-file", "-hff", hidden=True),
     model_url: str | None = typer.Option(None, "--model-url", "-mu", hidden=True),
     parent_pid: int | None = typer.Option(None, "--parent-pid", help="exit when this process is gone"),
+    http_impl: str = typer.Option(
+        "auto", "--http",
+        help="uvicorn's HTTP implementation: auto (httptools, the fastest), httptools, or h11 (slower; the only "
+             "one that sends header names as cased by us, e.g. Process-Start-Time-Unix, as llama-server does)",
+    ),
+    props: bool = typer.Option(False, "--props", help="POST /props (it changes nothing, as in llama-server); 501 without"),
+    slot_save_path: str | None = typer.Option(
+        None, "--slot-save-path", help="directory for POST /slots/{id}?action=save|restore (501 without it)"
+    ),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", "--log-verbose",
+        help="every chat completion carries llama-server's `__verbose` object (the prompt as the model saw it)",
+    ),
 ) -> None:
     """Serve one model with continuous batching over N slots (llama-server's flags, same names)."""
     _setup_logging()
@@ -170,6 +189,10 @@ def serve(
             "omni-worker does not shift context: a request stops with finish_reason length when its slot is full "
             "(leave it out or pass --no-context-shift)", param_hint="--context-shift",
         )
+    if http_impl not in ("auto", "httptools", "h11"):
+        raise typer.BadParameter(f"{http_impl!r} is not one of auto, httptools, h11", param_hint="--http")
+    if slot_save_path is not None and not os.path.isdir(slot_save_path):
+        raise typer.BadParameter(f"{slot_save_path!r} is not a directory", param_hint="--slot-save-path")
     if chat_template and chat_template_file:
         raise typer.BadParameter("give --chat-template or --chat-template-file, not both", param_hint="--chat-template-file")
     if not jinja:
@@ -228,19 +251,23 @@ def serve(
         on_load_failed,
         cache_ram_mib=cache_ram,
     )
+    aliases = tuple(sorted(set(_split(alias))))  # llama-server keeps them in a std::set
     state = WorkerState(
-        engine, metrics, alias or _default_model_id(model), model, kind, reasoning_format=reasoning_format,
-        defaults=defaults, tags=_split(tags), is_slots_on=slots, is_metrics_on=metrics_on,
+        engine, metrics, aliases[0] if aliases else _default_model_id(model), model, kind,
+        reasoning_format=reasoning_format, defaults=defaults, tags=_split(tags), aliases=aliases,
+        is_slots_on=slots, is_metrics_on=metrics_on, is_verbose=verbose, is_props_on=props,
+        slot_save_path=slot_save_path,
     )
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.server.app import build_app
 
     config = uvicorn.Config(
-        build_app(state, api_keys=api_keys, cors_origins=_split(cors_origins)),
+        build_app(state, api_keys=api_keys, cors_origins=cors_origins),
         host=host,
         port=port,
         uds=uds,
         log_level="warning",
+        http=http_impl,
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=1,
@@ -252,13 +279,33 @@ def serve(
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid, server), name="parent-watch", daemon=True).start()
     log.info("omni-worker: model %s (backend %s), %d slots, listening on %s", model, kind, parallel, uds or f"{host}:{port}")
-    server.run()
+    hosts = _split(host)
+    if uds is None and len(hosts) > 1:  # llama-server's --host a,b: one listening socket per address
+        try:
+            sockets = [_listen(h, port) for h in hosts]
+        except OSError as e:
+            log.error("cannot listen on %s port %d: %s", host, port, e)
+            os._exit(1)
+        server.run(sockets=sockets)
+    else:
+        server.run()
     engine.stop(timeout=1.0)
     log.info("exit %d", exit_code)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.set_inheritable(True)
+    return sock
 
 
 def _split(value: str | None) -> tuple[str, ...]:

@@ -258,7 +258,9 @@ def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, 
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray], f16: bool) -> None:
+def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray], f16: bool,
+               fim: dict[str, int] | None = None) -> None:
+    """`fim`: {"pre"|"suf"|"mid"|...: token id} written as tokenizer.ggml.fim_*_token_id (FIM variant only)."""
     import gguf
 
     tokens, merges = _vocab_and_merges(tok)
@@ -291,6 +293,8 @@ def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, n
     w.add_add_bos_token(False)
     w.add_add_eos_token(False)
     w.add_chat_template(CHATML_TEMPLATE)
+    for kind, token in (fim or {}).items():
+        w.add_uint32(f"tokenizer.ggml.fim_{kind}_token_id", token)
 
     def put(name: str, arr: np.ndarray) -> None:
         is_matrix = arr.ndim == 2
@@ -340,6 +344,19 @@ def ensure_model(out: Path, size: str = "tiny", force: bool = False) -> ModelPat
     write_gguf(paths.gguf_f16, spec, tok, weights, f16=True)
     stamp.write_text(expected)
     return paths
+
+
+def write_fim_variant(path: Path, size: str = "tiny") -> dict[str, int]:
+    """The `size` model as an F32 GGUF whose metadata names FIM prefix/suffix/middle tokens (for
+    /infill): the vocabulary's last three tokens, ordinary ones (the tiny models have no FIM
+    tokens, and adding some to their vocabulary would change every tokenization). The usual
+    models are untouched. Returns the ids it named."""
+    spec = SPECS[size]
+    tok = train_tokenizer(spec)
+    n = tok.get_vocab_size()
+    fim = {"pre": n - 3, "suf": n - 2, "mid": n - 1}
+    write_gguf(path, spec, tok, make_weights(spec, n), f16=False, fim=fim)
+    return fim
 
 
 def main(argv: list[str] | None = None) -> None:
