@@ -219,3 +219,6 @@ def test_llama_cpp_readme_preset_serves(router_factory: Factory) -> None:
     args = r.models()["ggml-org/MY-MODEL-GGUF:Q8_0"]["status"]["args"]
     assert args[args.index("--ctx-size") + 1] == "4096" and args[args.index("--chat-template") + 1] == "chatml"
     assert "--jinja" in args and args[args.index("--cache-ram") + 1] == "0"
+    with r.client(timeout=60) as c:  # llama-server's token count, routed by the body's model
+        body = {"model": "custom_model", "messages": [{"role": "user", "content": "Hello world"}]}
+        assert c.post("/chat/completions/input_tokens", json=body).json()["input_tokens"] > 2
