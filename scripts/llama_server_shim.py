@@ -32,7 +32,7 @@ defaulted    no -np: llama-server's "auto" is 4 slots sharing one KV cache, so t
 model        -m/--model -hf/-hfr/--hf-repo -hff/--hf-file -mu/--model-url --offline:
              dropped; --model OMNI_SHIM_MODEL instead (also in llama-server mode)
 passed       omni-worker takes these as llama-server does (flag and value unchanged): --jinja
-             --no-jinja --metrics --slots --no-slots --props --context-shift (omni-worker refuses it)
+             --no-jinja --metrics --slots --no-slots --props --ui-mcp-proxy --context-shift (refused)
              --no-context-shift -s/--seed -n/--predict/--n-predict --temp/--temperature
              --api-key --tags --sleep-idle-seconds --cors-origins --slot-save-path
              -v/--verbose/--log-verbose (responses carry `__verbose`)
@@ -88,7 +88,7 @@ IGNORED_SWITCHES = {
 IGNORED_FLAGS = {"-lv", "--verbosity", "--log-verbosity"}
 PASSED_SWITCHES = {
     "--jinja", "--no-jinja", "--metrics", "--slots", "--no-slots", "--context-shift", "--no-context-shift",
-    "-v", "--verbose", "--log-verbose", "--props",
+    "-v", "--verbose", "--log-verbose", "--props", "--ui-mcp-proxy", "--no-ui-mcp-proxy",
 }
 PASSED_FLAGS = {
     "-s", "--seed", "-n", "--predict", "--n-predict", "--temp", "--temperature", "--api-key", "--tags",

@@ -322,3 +322,37 @@ def test_prompt_that_no_valid_pieces_add_up_to_does_not_hang(tiny_models: ModelP
         ids = post(u, "/tokenize", {"content": "This is a test " * 20}).json()["tokens"][:70]
         out = native(u, prompt=ids, n_predict=2)
         assert out["tokens_evaluated"] == 70 and out["tokens_predicted"] == 2
+
+
+def test_cors_proxy_forwards_only_the_named_headers(tiny_models: ModelPaths, url: str) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from threading import Thread
+
+    seen: dict[str, str] = {}
+
+    class Capture(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.update({k.lower(): v for k, v in self.headers.items()})
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"ok")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    target = ThreadingHTTPServer(("127.0.0.1", 0), Capture)
+    Thread(target=target.serve_forever, daemon=True).start()
+    try:
+        proxy = f"/cors-proxy?url=http://127.0.0.1:{target.server_port}/x"
+        assert httpx.get(url + proxy, timeout=10).status_code == 403  # off by default
+        with serve("-m", str(tiny_models.gguf_f32), "-c", "256", "-np", "1", "--ui-mcp-proxy", "--api-key", "k") as u:
+            r = httpx.get(u + proxy, timeout=10, headers={
+                "Authorization": "Bearer k", "Cookie": "s=1", "X-Llama-Server-Proxy-Header-Authorization": "Bearer t",
+                "x-llama-server-proxy-header-accept": "application/json"})
+            assert r.status_code == 200 and r.text == "ok"
+            assert seen["authorization"] == "Bearer t" and seen["accept"] == "application/json" and "cookie" not in seen
+            assert httpx.get(u + "/cors-proxy?url=file:///etc/passwd", headers={"X-Api-Key": "k"},
+                             timeout=10).status_code == 400
+    finally:
+        target.shutdown()
+        target.server_close()

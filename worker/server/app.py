@@ -32,6 +32,7 @@ from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.metrics import CONTENT_TYPE
 from worker.engine.sampling_params import SamplingParams
 from worker.errors import APIError, api_error_handler, error_body, http_exception_handler, parse_model
+from worker.server.cors_proxy import cors_proxy
 from worker.server.generation import Generation
 from worker.server.infill import InfillParts, infill_prompt
 from worker.server.native_format import NativeInfo, NativeResults, collect_native, stream_native
@@ -623,6 +624,10 @@ async def slot_action(request: Request) -> Response:
                          "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}})
 
 
+async def cors_proxy_route(request: Request) -> Response:
+    return await cors_proxy(request, is_enabled=_state(request).is_cors_proxy_on)
+
+
 async def set_props(request: Request) -> Response:
     """llama-server's POST /props: 501 unless started with --props; with it, `{"success": true}`
     and nothing changes (llama-server's own handler updates no property either)."""
@@ -772,6 +777,7 @@ def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origin
         Route("/slots", slots, methods=["GET"]),
         Route("/slots/{id_slot}", slot_action, methods=["POST"]),
         Route("/props", set_props, methods=["POST"]),
+        Route("/cors-proxy", cors_proxy_route, methods=["GET", "POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/apply-template", apply_template, methods=["POST"]),

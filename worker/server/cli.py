@@ -167,6 +167,10 @@ def serve(
         help="uvicorn's HTTP implementation: auto (httptools, the fastest), httptools, or h11 (slower; the only "
              "one that sends header names as cased by us, e.g. Process-Start-Time-Unix, as llama-server does)",
     ),
+    ui_mcp_proxy: bool = typer.Option(
+        False, "--ui-mcp-proxy/--no-ui-mcp-proxy",
+        help="/cors-proxy?url= for a web UI's MCP client (experimental, as llama-server's: never with untrusted clients)",
+    ),
     props: bool = typer.Option(False, "--props", help="POST /props (it changes nothing, as in llama-server); 501 without"),
     slot_save_path: str | None = typer.Option(
         None, "--slot-save-path", help="directory for POST /slots/{id}?action=save|restore (501 without it)"
@@ -256,7 +260,7 @@ def serve(
         engine, metrics, aliases[0] if aliases else _default_model_id(model), model, kind,
         reasoning_format=reasoning_format, defaults=defaults, tags=_split(tags), aliases=aliases,
         is_slots_on=slots, is_metrics_on=metrics_on, is_verbose=verbose, is_props_on=props,
-        slot_save_path=slot_save_path,
+        slot_save_path=slot_save_path, is_cors_proxy_on=ui_mcp_proxy,
     )
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.server.app import build_app
