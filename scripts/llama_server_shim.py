@@ -34,13 +34,13 @@ model        -m/--model -hf/-hfr/--hf-repo -hff/--hf-file -mu/--model-url --offl
 passed       omni-worker takes these as llama-server does (flag and value unchanged): --jinja
              --no-jinja --metrics --slots --no-slots --props --ui-mcp-proxy --context-shift (refused)
              --no-context-shift -s/--seed -n/--predict/--n-predict --temp/--temperature
-             --api-key --tags --sleep-idle-seconds --cors-origins --slot-save-path
+             --api-key --tags --sleep-idle-seconds --cors-origins --slot-save-path -rea/--reasoning
              -v/--verbose/--log-verbose (responses carry `__verbose`)
 ignored      no effect on what omni-worker does: -cb/--cont-batching (always on),
              --no-ui/--no-webui (the worker serves no web UI),
              -lv/--verbosity/--log-verbosity, --no-mmproj/--no-mmproj-auto (text only)
 refused      everything else: exit 2 naming the flag, so a test that needs it fails loudly
-             instead of passing by accident. Among them --reasoning, --embedding, --reranking,
+             instead of passing by accident. Among them --embedding, --reranking,
              --pooling, --lora, --model-draft/--spec-*, --grp-attn-n/-w,
              --no-cache-idle-slots, --swa-full, --mmproj-url, --media-path,
              --models-dir/--models-max/--models-preset (router mode), --tools, --mcp-servers-*,
@@ -92,7 +92,7 @@ PASSED_SWITCHES = {
 }
 PASSED_FLAGS = {
     "-s", "--seed", "-n", "--predict", "--n-predict", "--temp", "--temperature", "--api-key", "--tags",
-    "--sleep-idle-seconds", "--cors-origins", "--slot-save-path",
+    "--sleep-idle-seconds", "--cors-origins", "--slot-save-path", "-rea", "--reasoning",
 }
 REASONS = {  # refused flags whose reason is worth more than "no equivalent"
     "--embedding": "omni-worker serves no embeddings", "--embeddings": "omni-worker serves no embeddings",

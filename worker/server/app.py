@@ -184,7 +184,8 @@ def _render_chat(
         dicts[-1]["content"] = text_of_last + _CONTINUE_MARK
         add_generation_prompt = False
     try:
-        text = state.template.render(dicts, add_generation_prompt=add_generation_prompt, tools=tools, **(kwargs or {}))
+        text = state.template.render(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     **{**state.template_kwargs, **(kwargs or {})})
     except ChatTemplateError as e:
         raise APIError(f"chat template error: {e}", param="messages") from None
     if continue_final:

@@ -131,6 +131,10 @@ def serve(
         "auto", "--reasoning-format",
         help="auto | deepseek | deepseek-legacy | none: where <think> text goes (a request's reasoning_format wins)",
     ),
+    reasoning: str = typer.Option(
+        "auto", "--reasoning", "-rea",
+        help="on | off | auto: the chat template's enable_thinking (a request's chat_template_kwargs win); auto: the template's default",
+    ),
     # -- sampling defaults (a request's own fields win; GET /props reports these) --
     n_predict: int = typer.Option(-1, "--n-predict", "--predict", "-n", help="default and cap of max_tokens (-1: none)"),
     temperature: float = typer.Option(0.8, "--temp", "--temperature", min=0.0),
@@ -193,6 +197,8 @@ def serve(
             "omni-worker does not shift context: a request stops with finish_reason length when its slot is full "
             "(leave it out or pass --no-context-shift)", param_hint="--context-shift",
         )
+    if reasoning not in ("on", "off", "auto"):
+        raise typer.BadParameter(f"{reasoning!r} is not one of on, off, auto", param_hint="--reasoning")
     if http_impl not in ("auto", "httptools", "h11"):
         raise typer.BadParameter(f"{http_impl!r} is not one of auto, httptools, h11", param_hint="--http")
     if slot_save_path is not None and not os.path.isdir(slot_save_path):
@@ -261,6 +267,7 @@ def serve(
         reasoning_format=reasoning_format, defaults=defaults, tags=_split(tags), aliases=aliases,
         is_slots_on=slots, is_metrics_on=metrics_on, is_verbose=verbose, is_props_on=props,
         slot_save_path=slot_save_path, is_cors_proxy_on=ui_mcp_proxy,
+        template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
     )
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.server.app import build_app
