@@ -365,3 +365,20 @@ def test_reasoning_off_sets_enable_thinking_a_request_overrides(tiny_models: Mod
         assert post(u, "/apply-template", {"messages": msgs}).json()["prompt"] == "[think=False]hi"
         body = {"messages": msgs, "chat_template_kwargs": {"enable_thinking": True}}
         assert post(u, "/apply-template", body).json()["prompt"] == "[think=True]hi"
+
+
+@pytest.mark.parametrize("backend", ["llama_cpp", "torch"])
+def test_post_sampling_probs(tiny_models: ModelPaths, backend: str) -> None:
+    model = tiny_models.gguf_f32 if backend == "llama_cpp" else tiny_models.hf_dir
+    with serve("-m", str(model), "--backend", backend, "-c", "256", "-np", "1") as u:
+        body = {"prompt": "the quick brown", "n_probs": 10, "n_predict": 5, "temperature": 1.0, "top_k": 5}
+        out = native(u, **body, post_sampling_probs=True)
+        for tok in out["completion_probabilities"]:  # type: ignore[attr-defined]
+            top = tok["top_probs"]
+            assert 0 < tok["prob"] <= 1 and 0 < len(top) <= 5  # top_k 5 leaves at most 5 candidates
+            assert all(0 < p["prob"] <= 1 for p in top) and sum(p["prob"] for p in top) == pytest.approx(1.0, abs=1e-4)
+            assert tok["id"] in [p["id"] for p in top]
+        greedy = native(u, **{**body, "temperature": 0}, post_sampling_probs=True)["completion_probabilities"]
+        assert all(t["prob"] == 1.0 for t in greedy)  # type: ignore[attr-defined]
+        plain = native(u, **body)["completion_probabilities"][0]  # type: ignore[index]
+        assert "logprob" in plain and "top_logprobs" in plain

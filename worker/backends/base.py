@@ -123,6 +123,10 @@ class Sample:
     token: int
     logprob: float | None = None  # log-softmax of the raw logits, when params.logprobs
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # params.post_sampling_probs: the chosen token's probability after the sampler chain (top-k, top-p,
+    # min-p, temperature), and the most likely of that distribution's candidates (at most top_logprobs)
+    prob: float | None = None
+    top_probs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

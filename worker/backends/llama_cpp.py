@@ -54,6 +54,7 @@ Progress = Callable[[str, float], None]
 # Flash attention on the CPU switches to its tiled kernel at this many rows of one sequence.
 FA_TILE_ROWS = 64
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+_MAX_POST_PROBS = 64  # post-sampling candidates kept (a request asks for 20 at most)
 
 KV_TYPES: dict[str, int] = {
     "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30,
@@ -517,20 +518,28 @@ class LlamaCppBackend:
             logprobs: np.ndarray | None = None
             if p.logprobs:
                 logprobs = _log_softmax(row if row is not None else self._logits_row(idx))
-            if row is None:  # a row of the last llama_decode: the sampler reads it in place
+            post: list[tuple[int, float]] | None = [] if p.logprobs and p.post_sampling_probs else None
+            if row is None and post is None:  # a row of the last llama_decode: the sampler reads it in place
                 if item.mask is not None:
                     self._logits_row(idx)[~item.mask] = -np.inf
                 token = int(_sampler_sample(item.sampler, self._ctx, idx))
             else:
-                token = self._sample_row(item.sampler, row, item.mask)
+                source = row if row is not None else self._logits_row(idx).copy()
+                token = self._sample_row(item.sampler, source, item.mask, post)
             if logprobs is None:
                 out.append(Sample(token))
-            else:
+            elif post is None:
                 out.append(Sample(token, float(logprobs[token]), _top(logprobs, p.top_logprobs)))
+            else:
+                chosen = next((q for t, q in post if t == token), 1.0 if p.is_greedy else 0.0)
+                out.append(Sample(token, float(logprobs[token]), _top(logprobs, p.top_logprobs), chosen,
+                                  post[: p.top_logprobs] if not p.is_greedy else [(token, 1.0)]))
         return out
 
-    def _sample_row(self, sampler: Any, row: np.ndarray, mask: np.ndarray | None) -> int:
-        """What llama_sampler_sample does, for a logits row held outside the context."""
+    def _sample_row(self, sampler: Any, row: np.ndarray, mask: np.ndarray | None,
+                    post: list[tuple[int, float]] | None = None) -> int:
+        """What llama_sampler_sample does, for a logits row held outside the context. `post`: filled
+        with the candidates the chain left and their probabilities, most likely first (p > 0)."""
         data = self._token_data
         data["id"] = self._vocab_ids
         data["logit"] = row
@@ -542,6 +551,11 @@ class LlamaCppBackend:
         )
         _sampler_apply(sampler, ctypes.byref(arr))
         token = int(arr.data[arr.selected].id)
+        if post is not None:
+            left = np.ctypeslib.as_array(ctypes.cast(arr.data, ctypes.POINTER(ctypes.c_uint8)),
+                                         shape=(arr.size * _TOKEN_DATA.itemsize,)).view(_TOKEN_DATA)
+            order = np.argsort(-left["p"], kind="stable")[:_MAX_POST_PROBS]
+            post.extend((int(left["id"][i]), float(left["p"][i])) for i in order if left["p"][i] > 0)
         _sampler_accept(sampler, token)
         return token
 

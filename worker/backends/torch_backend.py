@@ -335,7 +335,7 @@ class TorchBackend:
                 for it in items
             ])
         drawn = sample_rows(x, [it.sampler for it in items], params, [it.mask for it in items])
-        return [Sample(d.token, d.logprob, d.top_logprobs) for d in drawn]
+        return [Sample(d.token, d.logprob, d.top_logprobs, d.prob, d.top_probs) for d in drawn]
 
     # -- lifecycle ------------------------------------------------------------------------------
 

@@ -411,7 +411,7 @@ class Engine:
             self._finish(slot, "stop", None)
             return
         text, stop_word = task.output.push(backend.token_to_piece(token))
-        task.emit(TokenEvent(text, token, sample.logprob, sample.top_logprobs))
+        task.emit(TokenEvent(text, token, sample.logprob, sample.top_logprobs, sample.prob, sample.top_probs))
         if stop_word is not None:
             self._finish(slot, "stop", stop_word)
         elif grammar is not None and grammar.is_complete:  # nothing but end-of-generation may follow

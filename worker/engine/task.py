@@ -56,6 +56,8 @@ class TokenEvent:
     token: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    prob: float | None = None  # post-sampling probability (params.post_sampling_probs)
+    top_probs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

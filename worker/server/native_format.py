@@ -38,9 +38,18 @@ def _token(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace")
 
 
-def token_probs(info: NativeInfo, ev: TokenEvent) -> dict[str, Any]:
-    """One entry of `completion_probabilities` (llama-server's pre-sampling log-probabilities)."""
+def token_probs(info: NativeInfo, ev: TokenEvent, post_sampling: bool = False) -> dict[str, Any]:
+    """One entry of `completion_probabilities`: llama-server's pre-sampling log-probabilities, or
+    with `post_sampling_probs` the probabilities the sampler chain left (`prob`, `top_probs`)."""
     piece = info.piece(ev.token)
+    if post_sampling:
+        return {
+            "id": ev.token, "token": _token(piece), "bytes": list(piece), "prob": ev.prob,
+            "top_probs": [
+                {"id": t, "token": _token(p), "bytes": list(p), "prob": q}
+                for t, p, q in ((t, info.piece(t), q) for t, q in ev.top_probs)
+            ],
+        }
     return {
         "id": ev.token,
         "token": _token(piece),
@@ -100,7 +109,7 @@ class NativeResults:
             "tokens_evaluated": len(self.gen.prompt_of(index)),
         }
         if self.gen.params.logprobs:
-            probs = token_probs(self.info, ev)
+            probs = token_probs(self.info, ev, self.gen.params.post_sampling_probs)
             c.probs.append(probs)
             out["completion_probabilities"] = [probs]
         return out

@@ -93,6 +93,7 @@ class _SamplingRequest(OpenAIBaseModel):
     id_slot: int = -1
     verbose: bool = False  # llama-server: add `__verbose` (the prompt as the model saw it) to the response
     return_progress: bool = False  # llama-server: stream `prompt_progress` while the prompt is computed
+    post_sampling_probs: bool = False  # llama-server: n_probs as probabilities after the sampler chain
     timings_per_token: bool = False  # llama-server: progress (and final) chunks carry `timings`
     nvext: NvExt | None = None
     user: str | None = None
@@ -157,6 +158,7 @@ class _SamplingRequest(OpenAIBaseModel):
             cache_prompt=self.cache_prompt,
             id_slot=self.id_slot,
             return_progress=self.return_progress and self.stream,  # progress only ever goes out in a stream
+            post_sampling_probs=self.post_sampling_probs,
         )
 
 
