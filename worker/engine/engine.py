@@ -308,9 +308,6 @@ class Engine:
         """Engine thread, idle: forget a slot's KV (action=erase); the tokens it held."""
         return self._require_scheduler().erase_slot(slot_id)
 
-    def n_idle_slots(self) -> int:
-        return self.n_slots - self._require_scheduler().n_busy()
-
     def slots_info(self) -> list[dict[str, Any]]:
         n_ctx = self._require_backend().n_ctx_seq
         out = []
@@ -417,8 +414,8 @@ class Engine:
         elif grammar is not None and grammar.is_complete:  # nothing but end-of-generation may follow
             self._finish(slot, "stop", None)
         elif (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens) or len(slot.cache) + 1 >= backend.n_ctx_seq:
-            # The context is full once prompt + generated tokens fill it (llama-server's n_past + 1 >= n_ctx):
-            # the last token is never decoded, so it needs no cell.
+            # Full once prompt + generated tokens fill the slot, as llama-server counts (n_past + 1 >= n_ctx);
+            # the last token would need no cell, but a full slot then holds exactly n_ctx tokens there too.
             self._finish(slot, "length", None)
         else:
             slot.feed = [token]
