@@ -29,7 +29,7 @@ from worker.testing.tiny_models import ModelPaths
 
 BACKENDS = ("llama_cpp", "torch")
 N_SLOTS = 4
-COMMON = ["--parallel", str(N_SLOTS), "--ctx-size", "1024", "--ubatch-size", "128", "--threads", "1"]  # 256 cells a slot
+COMMON = ["--parallel", str(N_SLOTS), "--ctx-size", "1024", "--threads", "1"]  # 256 cells a slot
 TEXTS = ["Hello world, the quick brown fox", "router worker slot batch", "café naïve 東京 🙂", "a",
          "def f(x):\n    return x + 1\n"]
 DOCS = ["the model token router", "hello world yes no maybe", "SELECT id, name FROM users WHERE id = 7;",
@@ -52,8 +52,8 @@ def _start(backend: str, models: ModelPaths, *flags: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def embed(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> Iterator[str]:
-    """An embedding worker, mean pooling."""
-    yield from _start(request.param, tiny_models, "--embedding", "--pooling", "mean")
+    """An embedding worker, mean pooling; its ubatch (512, 510 on llama.cpp) is above its 256 cells a slot."""
+    yield from _start(request.param, tiny_models, "--embedding", "--pooling", "mean", "--ubatch-size", "512")
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -130,6 +130,15 @@ def test_token_inputs_as_openai_allows(embed: str) -> None:
     assert np.array_equal(_vectors(embed, [TEXTS[0], ids[1]]), text_vectors[:2])  # mixed
 
 
+def test_object_inputs_as_llama_server_takes(embed: str) -> None:
+    hello = _vectors(embed, "hello world")
+    parts = {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
+    assert np.array_equal(_vectors(embed, parts), hello)
+    assert np.array_equal(_vectors(embed, ["a", {"prompt_string": "hello world"}, parts])[1:], np.vstack([hello, hello]))
+    r = _post(embed, "/v1/embeddings", {"input": {"content": [{"type": "image_url", "image_url": {"url": "x"}}]}})
+    assert r.status_code == 400 and "not supported by this model" in r.json()["error"]["message"]
+
+
 def test_same_vector_alone_or_batched(embed: str) -> None:
     """Determinism: an input's vector does not depend on what shares its engine step."""
     alone = _vectors(embed, TEXTS[0], embd_normalize=-1)[0]
@@ -192,13 +201,22 @@ def test_separate_requests_share_an_engine_step(backend: str, tiny_models: Model
 
 
 def test_gguf_and_hf_twins_agree(tiny_models: ModelPaths) -> None:
-    """Normalized embeddings of the F32 GGUF and the HF folder agree to 1e-4, every pooling."""
+    """Normalized embeddings of the F32 GGUF and the HF folder agree to 1e-4, every pooling; with
+    last pooling an input longer than the ubatch goes in pieces (as llama-server's can_split)."""
     require_backend("torch")
+    long_input = [(7 * i) % 1000 + 3 for i in range(200)]
     for pooling in ("mean", "last", "cls"):
         out = []
         for backend in BACKENDS:
-            for url in _start(backend, tiny_models, "--embedding", "--pooling", pooling):
-                out.append(_vectors(url, TEXTS))
+            for url in _start(backend, tiny_models, "--embedding", "--pooling", pooling, "--ubatch-size", "128"):
+                inputs: list[object] = [*TEXTS, long_input] if pooling == "last" else list(TEXTS)
+                steps = _metric(url, "llamacpp:n_decode_total")
+                out.append(_vectors(url, inputs))
+                if pooling == "last":
+                    assert _metric(url, "llamacpp:n_decode_total") - steps >= 2  # the long one took 2 steps
+                    r = _post(url, "/v1/embeddings", {"input": [5] * 256})
+                    assert r.status_code == 400
+                    assert "exceeds the available context size (256 tokens)" in r.json()["error"]["message"]
         diff = float(np.abs(out[0] - out[1]).max())
         print(f"pooling {pooling}: GGUF vs HF max abs diff {diff:.3g}")
         assert diff < 1e-4
@@ -221,11 +239,12 @@ def test_pooling_none_gives_token_vectors(tiny_models: ModelPaths) -> None:
         ({"input": ["a", ""]}, 400, "Input content cannot be empty"),
         ({}, 400, '"input" or "content" must be provided'),
         ({"input": [5] * 300}, 400, "is larger than the max context size (256 tokens)"),
-        ({"input": [5] * 200}, 500, "too large to process. increase the physical batch size"),
+        ({"input": [5] * 600}, 500, "too large to process. increase the physical batch size"),
         ({"input": "a", "dimensions": 32}, 400, "dimensions is not supported"),
         ({"input": "a", "encoding_format": "int8"}, 400, "Can be either float or base64"),
         ({"input": [1, 99999]}, 400, "out of range"),
         ({"input": [{"type": "image_url"}]}, 400, "each input must be"),
+        ({"input": [True, False]}, 400, "each input must be"),
     ],
 )
 def test_bad_requests(embed: str, body: dict[str, object], status: int, needle: str) -> None:

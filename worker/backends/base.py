@@ -34,8 +34,10 @@ OpenAI reports them.
 Embedding models (`pooling` not None, llama-server's `--embedding`): `decode` keeps, for every
 entry that asks for logits, the final-normed hidden states of its sequence pooled as `pooling`
 says, read with `embedding(n)` (the n-th such entry of the last decode), and nothing is sampled.
-The entry must hold the whole prompt (mean/cls/none read every row of it): the scheduler plans
-embedding prompts as one piece. Pooling as llama.cpp's: none = every row, mean, cls = the first
+With mean, cls or none pooling the entry must hold the whole prompt (they read every row of it)
+and the scheduler plans such prompts as one piece; last and (causal) rank read the last row of
+the last piece, so those prompts go in pieces like any other (`pools_in_pieces`, llama-server's
+`can_split`). Pooling as llama.cpp's: none = every row, mean, cls = the first
 row, last = the last row, rank = the last row (causal models) through the classifier head when
 the model has one; without a head (a llama-family GGUF) llama.cpp's score is that row's first
 element, and the torch backend computes exactly that.
@@ -171,6 +173,7 @@ class Backend(Protocol):
     supports_seq_state: bool  # seq_state_get/set work (the engine then keeps a prompt cache)
     recipe: RowRecipe
     pooling: Pooling | None  # an embedding model (see module doc); None: a generating one
+    pools_in_pieces: bool  # its pooling reads the last row only (last, causal rank): prompts may be cut
 
     @property
     def meta(self) -> ModelMeta: ...

@@ -198,6 +198,7 @@ class LlamaCppBackend:
         self._embedding = embedding
         self._req_pooling = pooling
         self.pooling: Pooling | None = None  # set once the context tells which pooling it runs
+        self.pools_in_pieces = False
         self._embeddings: list[np.ndarray] = []  # per logits entry of the last decode (embedding models)
         self._path = model_path
         self._req_n_ctx = n_ctx
@@ -302,6 +303,8 @@ class LlamaCppBackend:
             names = {v: k for k, v in POOLING_TYPES.items()}
             self.pooling = names[int(ll.llama_pooling_type(ctx))]  # type: ignore[assignment]
             rank = self.pooling == "rank"
+            causal = bool(ll.llama_get_causal_attn(ctx))
+            self.pools_in_pieces = self.pooling == "last" or (rank and causal)
             self._n_embd_out = int(ll.llama_model_n_cls_out(self._model) if rank else ll.llama_model_n_embd_out(self._model))
         log.info("context: %d cells, %d per sequence, flash attention %s", self.n_ctx, self.n_ctx_seq, self.flash_attn)
         self._progress("warming up", 1.0)

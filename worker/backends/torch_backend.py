@@ -125,6 +125,7 @@ class TorchBackend:
             raise ValueError(f"pooling: {pooling!r} is not one of {', '.join(POOLINGS)}")
         self.pooling: Pooling | None = (pooling or default_pooling(self._path)) if embedding else None
         self._embeddings: list[np.ndarray] = []  # per logits entry of the last decode (embedding models)
+        self.pools_in_pieces = self.pooling in ("last", "rank")  # a causal model: the last row is final
         self._grammar_lock = threading.Lock()
         self._grammar_tok: Any = None  # llguidance's view of the vocabulary, made at first use
         if n_slots < 1:

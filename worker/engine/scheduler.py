@@ -25,8 +25,9 @@ burst of chat turns starts generating together; longer ones are cut to a per-ste
 (`PrefillBudget`) that keeps the generating slots' inter-token latency bounded.
 
 Embedding tasks (an embedding model) are stateless, as in llama-server: no prefix reuse (they
-come with `cache_prompt` off) and their prompt goes in one piece, whole, in a step with room
-for it (pooling reads every row of one pass); the HTTP layer refuses prompts over `n_ubatch`.
+come with `cache_prompt` off). With a pooling that reads every row (mean, cls, none) a prompt
+goes in one piece, whole, in a step with room for it, and the HTTP layer refuses prompts over
+`n_ubatch`; with last or rank (`Backend.pools_in_pieces`) it is cut like any prompt.
 
 Overload. When every slot is busy and requests wait, the staging sequence (the backend's last
 one) prefills the oldest waiting prompt, its first token is sent at once, and its KV is parked
@@ -394,10 +395,11 @@ class Scheduler:
                 plan.from_saved.append(s)
                 continue
             assert s.task is not None
-            is_short = len(s.task.prompt) <= SHORT_PROMPT or s.task.is_embedding
+            whole = s.task.is_embedding and not self._backend.pools_in_pieces
+            is_short = len(s.task.prompt) <= SHORT_PROMPT or whole
             room = cap - used - short_used
             limit = min(room, self._backend.n_ubatch - short_used) if is_short else min(room, budget - used)
-            n = self._piece(s, limit) if not s.task.is_embedding else len(s.feed) if len(s.feed) <= limit else 0
+            n = self._piece(s, limit) if not whole else len(s.feed) if len(s.feed) <= limit else 0
             if self._backend.kv_unified and n > free:
                 while free < n and self._evict_idle_cache():
                     free = self._kv_free() - sum(len(e.tokens) for _, e in plan.entries)

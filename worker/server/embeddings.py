@@ -46,8 +46,8 @@ GENERATION_PATHS = frozenset({
 
 
 class EmbeddingRequest(OpenAIBaseModel):
-    input: str | list[Any] | None = None
-    content: str | list[Any] | None = None  # llama-server's native field (the answer is then native)
+    input: Any = None  # a string, ids, a mixed list, an object or a list of those (see _input_prompts)
+    content: Any = None  # llama-server's native field (the answer is then native)
     model: str | None = None
     encoding_format: str = "float"
     dimensions: int | None = None
@@ -116,44 +116,75 @@ def _not_enabled(what: str, flag: str) -> APIError:
 
 
 def _check_input(tokens: list[int], backend: Backend) -> None:
-    """llama-server's checks for an input that must be evaluated in one ubatch."""
+    """llama-server's checks: an input pooled over all its rows (mean, cls, none) is evaluated in
+    one ubatch; one read at its last row (last, causal rank) may go in pieces, like a prompt."""
     n = len(tokens)
     if n == 0:
         raise APIError("Input content cannot be empty", param="input")
-    if n > backend.n_ctx_seq:
-        raise APIError(
-            f"input ({n} tokens) is larger than the max context size ({backend.n_ctx_seq} tokens). skipping",
-            type="exceed_context_size_error", extra={"n_prompt_tokens": n, "n_ctx": backend.n_ctx_seq},
-        )
+    if backend.pools_in_pieces:
+        if n >= backend.n_ctx_seq:
+            raise APIError(
+                f"request ({n} tokens) exceeds the available context size ({backend.n_ctx_seq} tokens), "
+                "try increasing it",
+                type="exceed_context_size_error", extra={"n_prompt_tokens": n, "n_ctx": backend.n_ctx_seq},
+            )
+        return
     if n > backend.n_ubatch:
         raise APIError(
             f"input ({n} tokens) is too large to process. increase the physical batch size "
             f"(current batch size: {backend.n_ubatch})", status_code=500, type="server_error",
         )
+    if n > backend.n_ctx_seq:
+        raise APIError(
+            f"input ({n} tokens) is larger than the max context size ({backend.n_ctx_seq} tokens). skipping",
+            type="exceed_context_size_error", extra={"n_prompt_tokens": n, "n_ctx": backend.n_ctx_seq},
+        )
+
+
+_BAD_INPUT = ("each input must be a string, a list of token ids, a list of both, "
+              '{"prompt_string": ...} or {"content": [text parts]}')
 
 
 async def _input_prompts(backend: Backend, value: Any) -> list[list[int]]:
-    """As llama-server's tokenize_input_prompts: a string, or an array holding a number, is one
-    input (text and ids mixed); any other array is a list of inputs, each a string or an array."""
-    if isinstance(value, str) or (isinstance(value, list) and any(isinstance(x, int) for x in value)):
+    """As llama-server's tokenize_input_prompts: a string, an array holding a number (text and
+    ids mixed) or an object is one input; any other array is a list of inputs."""
+    if not isinstance(value, list) or any(_is_id(x) for x in value):
         items: list[Any] = [value]
-    elif isinstance(value, list):
-        items = value
     else:
-        raise APIError('"input" must be a string, a list of token ids, or a list of those', param="input")
+        items = value
     if not items:
         raise APIError('"input" must not be empty', param="input")
     prompts = []
     for i, item in enumerate(items):
-        param = f"input[{i}]" if len(items) > 1 else "input"
-        if isinstance(item, list) and not all(isinstance(x, str | int) and not isinstance(x, bool) for x in item):
-            raise APIError("each input must be a string, a list of token ids, or a list of both", param=param)
-        if not isinstance(item, str | list):
-            raise APIError("each input must be a string, a list of token ids, or a list of both", param=param)
-        prompts.append(await _native_tokens(backend, item, param))
+        prompts.append(await _one_input(backend, item, f"input[{i}]" if len(items) > 1 else "input"))
     for tokens in prompts:
         _check_input(tokens, backend)
     return prompts
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+async def _one_input(backend: Backend, item: Any, param: str) -> list[int]:
+    """llama-server's tokenize_input_subprompt, plus OpenAI content arrays (text parts only)."""
+    if isinstance(item, dict):
+        if "content" in item:
+            parts = item["content"]
+            if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+                raise APIError('"content" must be an array of content parts', param=param)
+            kinds = {p.get("type", "text") for p in parts} - {"text"}
+            if kinds:
+                raise APIError(f"content part type {sorted(kinds)[0]!r} is not supported by this model (text only)",
+                               param=param, type="not_supported_error")
+            text = "".join(str(p.get("text", "")) for p in parts)
+            return await _native_tokens(backend, text, param)
+        if "multimodal_data" in item:
+            raise APIError("Multimodal data provided, but model does not support multimodal requests.", param=param)
+        item = item.get("prompt_string")
+    if isinstance(item, str) or (isinstance(item, list) and all(isinstance(x, str) or _is_id(x) for x in item)):
+        return await _native_tokens(backend, item, param)
+    raise APIError(_BAD_INPUT, param=param)
 
 
 # --------------------------------------------------------------------------- embeddings
