@@ -5,7 +5,10 @@ and its HF twin (torch, float32). With random weights nothing is semantic, so th
 exact ones: the twins agree, the OpenAI SDK's float and base64 answers agree, a rerank score is
 the rank-pooled output of the prompt llama-server builds (read back through /embedding on the
 same worker), an input's vector does not depend on what was batched with it, and N inputs of one
-request take fewer engine steps than N.
+request take fewer engine steps than N. Rerank runs on two models: the tiny llama (no classifier
+head: llama.cpp's score is the last row's first element) and the tiny Qwen3-Reranker look-alike
+(a yes/no classifier head: in the GGUF as llama.cpp's converter writes it, from the LM head in
+the HF folder).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tests.util import run_worker, wait_until
 from tests.worker.conftest import EXACT_GGUF_ARGS, require_backend
 from worker.server.cli import main as worker_main
 from worker.testing.tiny_models import ModelPaths
+from worker.text.rerank import QWEN3_RERANK_TEMPLATE
 
 BACKENDS = ("llama_cpp", "torch")
 N_SLOTS = 4
@@ -56,9 +60,17 @@ def embed(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> Iterator[s
     yield from _start(request.param, tiny_models, "--embedding", "--pooling", "mean", "--ubatch-size", "512")
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
-def reranker(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> Iterator[str]:
-    yield from _start(request.param, tiny_models, "--reranking")
+RERANKERS = [(b, m) for m in ("llama", "qwen3-reranker") for b in BACKENDS]
+
+
+@pytest.fixture(scope="module", params=RERANKERS, ids=[f"{b}-{m}" for b, m in RERANKERS])
+def reranker(request: pytest.FixtureRequest, tiny_models: ModelPaths, tiny_reranker: ModelPaths) -> Iterator[str]:
+    backend, kind = request.param
+    yield from _start(backend, tiny_models if kind == "llama" else tiny_reranker, "--reranking")
+
+
+def _is_qwen3_reranker(url: str) -> bool:
+    return "reranker" in httpx.get(url + "/props", timeout=10).json()["model_path"]
 
 
 def _post(url: str, path: str, body: object) -> httpx.Response:
@@ -308,22 +320,31 @@ def _scores(url: str, **extra: object) -> list[float]:
 
 
 def test_rerank_scores_are_the_rank_pooled_prompt(reranker: str) -> None:
-    """Each score is the rank-pooled output of llama-server's rerank prompt (query then document,
-    no special tokens for this vocabulary), read back through /embedding, un-normalized."""
+    """Each score is the rank-pooled output of llama-server's rerank prompt (the model's rerank
+    template; else query then document, no special tokens for this vocabulary), read back
+    through /embedding, un-normalized: one number, or P(yes), P(no) with a classifier head."""
     r = _post(reranker, "/v1/rerank", {"model": "m", "query": QUERY, "documents": DOCS})
     body = r.json()
     assert body["object"] == "list" and body["model"] == "m"
     results = body["results"]
     assert sorted(x["index"] for x in results) == list(range(len(DOCS)))
     assert [x["relevance_score"] for x in results] == sorted((x["relevance_score"] for x in results), reverse=True)
+    is_qwen = _is_qwen3_reranker(reranker)
     q = _post(reranker, "/tokenize", {"content": QUERY, "parse_special": False}).json()["tokens"]
     n_tokens = 0
     for x in results:
-        d = _post(reranker, "/tokenize", {"content": DOCS[x["index"]], "parse_special": False}).json()["tokens"]
-        n_tokens += len(q) + len(d)
-        direct = _post(reranker, "/embedding", {"content": q + d, "embd_normalize": -1}).json()[0]["embedding"]
-        assert len(direct) == 1 and len(direct[0]) == 1
+        doc = DOCS[x["index"]]
+        if is_qwen:
+            text = QWEN3_RERANK_TEMPLATE.replace("{query}", QUERY).replace("{document}", doc)
+            prompt = _post(reranker, "/tokenize", {"content": text, "parse_special": True}).json()["tokens"]
+        else:
+            prompt = q + _post(reranker, "/tokenize", {"content": doc, "parse_special": False}).json()["tokens"]
+        n_tokens += len(prompt)
+        direct = _post(reranker, "/embedding", {"content": prompt, "embd_normalize": -1}).json()[0]["embedding"]
+        assert len(direct) == 1 and len(direct[0]) == (2 if is_qwen else 1)
         assert direct[0][0] == pytest.approx(x["relevance_score"], abs=1e-6)
+        if is_qwen:
+            assert 0.0 < x["relevance_score"] < 1.0 and sum(direct[0]) == pytest.approx(1.0, abs=1e-6)
     assert body["usage"] == {"prompt_tokens": n_tokens, "total_tokens": n_tokens}
 
 
@@ -352,12 +373,13 @@ def test_rerank_bad_requests(reranker: str, body: dict[str, object]) -> None:
     assert r.status_code == 400 and "error" in r.json()
 
 
-def test_rerank_gguf_and_hf_twins_agree(tiny_models: ModelPaths) -> None:
+@pytest.mark.parametrize("kind", ["llama", "qwen3-reranker"])
+def test_rerank_gguf_and_hf_twins_agree(kind: str, tiny_models: ModelPaths, tiny_reranker: ModelPaths) -> None:
     require_backend("torch")
     out = []
     for backend in BACKENDS:
-        for url in _start(backend, tiny_models, "--reranking"):
+        for url in _start(backend, tiny_models if kind == "llama" else tiny_reranker, "--reranking"):
             out.append(np.array(_scores(url)))
     diff = float(np.abs(out[0] - out[1]).max())
-    print(f"rerank scores: GGUF vs HF max abs diff {diff:.3g}")
+    print(f"rerank scores ({kind}): GGUF vs HF max abs diff {diff:.3g}; scores {np.round(out[0], 4).tolist()}")
     assert diff < 1e-4

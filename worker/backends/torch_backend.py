@@ -36,7 +36,10 @@ final-normed hidden state (`Model.hidden_states`) instead of logits, and pools e
 asks for logits as llama.cpp does (worker/backends/base.py). The default pooling is the
 sentence-transformers folder's (1_Pooling/config.json), else none, as llama.cpp's default for a
 llama-family GGUF. Pooling reads rows of one forward pass only, so on the exact CPU path an
-embedding does not depend on what else was batched.
+embedding does not depend on what else was batched. Rank pooling on a Qwen3-Reranker
+(worker/text/rerank.py) is its classifier as llama.cpp runs the converted GGUF: the LM head's
+"yes" and "no" logits of the last row, softmaxed; on any other model it is llama.cpp's rank
+without a head (the last row's first element).
 """
 
 from __future__ import annotations
@@ -64,9 +67,10 @@ from worker.backends.base import (
     SampleItem,
 )
 from worker.engine.sampling_params import SamplingParams
+from worker.text.rerank import QWEN3_RERANK_TEMPLATE, RERANK_LABELS, is_qwen3_reranker
 from worker.torch_model.config import ModelConfig, load_config
 from worker.torch_model.kv_cache import MAX_MASK_SEQS, KVCache
-from worker.torch_model.model import Model
+from worker.torch_model.model import Model, linear
 from worker.torch_model.sampler import SamplerState, new_state, sample_rows
 from worker.torch_model.tokenizer import HFTokenizer
 from worker.torch_model.weights import checkpoint_files, iter_tensors, tensor_names
@@ -126,6 +130,9 @@ class TorchBackend:
         self.pooling: Pooling | None = (pooling or default_pooling(self._path)) if embedding else None
         self._embeddings: list[np.ndarray] = []  # per logits entry of the last decode (embedding models)
         self.pools_in_pieces = self.pooling in ("last", "rank")  # a causal model: the last row is final
+        self._labels: list[int] | None = None  # a Qwen3-Reranker's "yes" and "no" token ids
+        if self.pooling == "rank" and is_qwen3_reranker(self._path):
+            self._labels = [self.tokenizer.token_id(t) for t in RERANK_LABELS]
         self._grammar_lock = threading.Lock()
         self._grammar_tok: Any = None  # llguidance's view of the vocabulary, made at first use
         if n_slots < 1:
@@ -176,6 +183,7 @@ class TorchBackend:
             eos_token_id=self.tokenizer.eos_token_id,
             add_bos=self.tokenizer.add_bos,
             chat_template=self.tokenizer.chat_template,
+            rerank_template=QWEN3_RERANK_TEMPLATE if self._labels is not None else None,
         )
         log.info(
             "torch backend: %s on %s/%s, %d params, n_ctx=%d (%d per sequence, unified=%s), n_seq_max=%d, "
@@ -336,6 +344,9 @@ class TorchBackend:
             out = rows[:1]
         elif self.pooling == "last":
             out = rows[-1:]
+        elif self.pooling == "rank" and self._labels is not None:  # a Qwen3-Reranker: P(yes), P(no)
+            logits = linear(rows[-1:], self._require_model().w["lm_head"]).float()
+            out = torch.softmax(logits[:, self._labels], dim=-1)
         elif self.pooling == "rank":  # causal, no classifier head: llama.cpp's score is the first element
             out = rows[-1:, :1]
         else:
