@@ -504,7 +504,8 @@ class Scheduler:
                 slot.task.stats.n_evaluated += n
                 n_rows += n
             if entry.logits:
-                if is_prompt and slot.task is not None and not slot.task.is_embedding:  # the prompt ends here: keep its logits for a later identical prompt
+                is_sampled = slot.task is not None and not slot.task.is_embedding
+                if is_prompt and is_sampled:  # the prompt ends here: keep its logits for a later identical prompt
                     slot.logits, slot.n_logits = self._backend.logits_row(len(to_sample)), len(slot.cache)
                 to_sample.append(slot)
         if n_rows:
