@@ -35,7 +35,10 @@ embeddings with the pooling asked for (or the model's own), every row is an outp
 requires it), and after each llama_decode the pooled vector of every entry that asked for
 logits is copied out (`llama_get_embeddings_seq`; per row with pooling none). llama.cpp pools
 per ubatch, so a sequence's rows must all be in one ubatch: pieces share a llama_decode only
-when they are of equal length (its `split_equal` then keeps each whole) and fit one ubatch.
+when they are of equal length (its `split_equal` then keeps each whole) and fit one ubatch, and
+never with mean pooling (`_keeps_whole`); a one-token input has a call of its own. So every
+embedding is bitwise the same alone or batched (measured: 1e-7 apart otherwise), at the price
+of more, smaller llama_decode calls in a step.
 """
 
 from __future__ import annotations
@@ -471,12 +474,19 @@ class LlamaCppBackend:
                 last.append(e)
             else:
                 calls.append([e])
-        if rows:
+        if rows and self._embedding:  # one-token inputs: the one-row kernel always, alone or not
+            calls.extend([r] for r in rows)
+        elif rows:
             calls.append(rows)
         return calls
 
     def _keeps_whole(self, pieces: list[BatchEntry]) -> bool:
-        """Embedding models: llama.cpp's split keeps every piece in one ubatch (it pools per ubatch)."""
+        """Embedding models: llama.cpp's split keeps every piece in one ubatch (it pools per ubatch).
+        Mean pooling never groups: llama.cpp pools by a matmul over all the ubatch's rows, whose
+        sums round differently with the row count (1e-7, measured), and an embedding must not
+        depend on what else was batched."""
+        if self.pooling == "mean":
+            return False
         n = len(pieces[0].tokens)
         return all(len(e.tokens) == n for e in pieces) and n * len(pieces) <= self.n_ubatch
 
