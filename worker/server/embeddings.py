@@ -3,7 +3,7 @@
 Routes: OpenAI's `/v1/embeddings`; llama-server's native `/embedding` and `/embeddings` (a list
 of `{"index", "embedding": [[...]]}`: one vector, or one per token with pooling none); and
 `/rerank` with its aliases `/v1/rerank`, `/reranking`, `/v1/reranking` (Jina's request and
-response, TEI's when the body has `texts`).
+response, with `top_n` and `return_documents`; TEI's when the body has `texts`, with `return_text`).
 
 Every input becomes one engine task (`Task.is_embedding`): the engine evaluates its prompt in one
 piece, batched with whatever else is in the step, and emits its pooled vector; nothing is
