@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 Backend = Literal["auto", "llama_cpp", "torch", "cmd", "remote"]
 BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "cmd", "remote")
+POOLINGS: tuple[str, ...] = ("none", "mean", "cls", "last", "rank")  # worker --pooling
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
 _INLINE_COMMENT = re.compile(r"\s+[;#].*$")  # `c = 2048 ; comment` (unquoted values only)
 
@@ -44,6 +45,9 @@ class ModelPreset:
     cache_ram: int | None = None  # MiB of host-RAM prompt cache (worker --cache-ram)
     kv_unified: bool | None = None  # one KV cache for all slots (worker --kv-unified)
     flash_attn: str | None = None  # auto | on | off (worker --flash-attn)
+    embedding: bool | None = None  # an embedding model (worker --embedding)
+    pooling: str | None = None  # none | mean | cls | last | rank (worker --pooling)
+    reranking: bool | None = None  # a reranker (worker --reranking)
     load_on_startup: bool = False
     stop_timeout: float = 10.0
     load_timeout: float = 300.0
@@ -134,6 +138,13 @@ def _flash_attn(raw: str) -> str:
     return s
 
 
+def _pooling(raw: str) -> str:
+    s = str(raw).strip().lower()
+    if s not in POOLINGS:
+        raise ValueError(f"expected one of {', '.join(POOLINGS)}")
+    return s
+
+
 def _upstream(raw: str) -> str:
     s = str(raw).strip().rstrip("/")
     if not re.match(r"^https?://[^/\s]+", s):
@@ -155,6 +166,9 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "cache-ram": ("cache_ram", _int(-1)),
     "kv-unified": ("kv_unified", _bool),
     "flash-attn": ("flash_attn", _flash_attn),
+    "embedding": ("embedding", _bool),
+    "pooling": ("pooling", _pooling),
+    "reranking": ("reranking", _bool),
     "load-on-startup": ("load_on_startup", _bool),
     "stop-timeout": ("stop_timeout", _float(0, strict=True)),
     "load-timeout": ("load_timeout", _float(0, strict=True)),
@@ -165,7 +179,8 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
           "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
-          "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn"}
+          "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn", "embeddings": "embedding",
+          "rerank": "reranking"}
 VALID_KEYS = ", ".join(sorted(_KEYS))
 
 

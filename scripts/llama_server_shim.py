@@ -30,13 +30,13 @@ model        -m/--model -hf/-hfr/--hf-repo -hff/--hf-file -mu/--model-url --offl
 passed       omni-worker takes these as llama-server does (flag and value unchanged): --jinja
              --no-jinja --metrics --slots --no-slots --context-shift (omni-worker refuses it)
              --no-context-shift -s/--seed -n/--predict/--n-predict --temp/--temperature
-             --api-key --tags --sleep-idle-seconds --cors-origins
+             --api-key --tags --sleep-idle-seconds --cors-origins --embedding/--embeddings
+             --rerank/--reranking --pooling
 ignored      no effect on what omni-worker does: -cb/--cont-batching (always on),
              --no-ui/--no-webui (the worker serves no web UI), -v/--verbose/--log-verbose,
              -lv/--verbosity/--log-verbosity, --no-mmproj/--no-mmproj-auto (text only)
 refused      everything else: exit 2 naming the flag, so a test that needs it fails loudly
-             instead of passing by accident. Among them --reasoning, --embedding, --reranking,
-             --pooling, --lora, --model-draft/--spec-*, --slot-save-path, --grp-attn-n/-w,
+             instead of passing by accident. Among them --reasoning, --lora, --model-draft/--spec-*, --slot-save-path, --grp-attn-n/-w,
              --no-cache-idle-slots, --swa-full, --mmproj-url, --media-path,
              --models-dir/--models-max/--models-preset (router mode), --tools, --mcp-servers-*,
              --backend_sampling.
@@ -81,14 +81,15 @@ IGNORED_SWITCHES = {
     "--no-mmproj-auto",
 }
 IGNORED_FLAGS = {"-lv", "--verbosity", "--log-verbosity"}
-PASSED_SWITCHES = {"--jinja", "--no-jinja", "--metrics", "--slots", "--no-slots", "--context-shift", "--no-context-shift"}
+PASSED_SWITCHES = {
+    "--jinja", "--no-jinja", "--metrics", "--slots", "--no-slots", "--context-shift", "--no-context-shift",
+    "--embedding", "--embeddings", "--rerank", "--reranking",
+}
 PASSED_FLAGS = {
     "-s", "--seed", "-n", "--predict", "--n-predict", "--temp", "--temperature", "--api-key", "--tags",
-    "--sleep-idle-seconds", "--cors-origins",
+    "--sleep-idle-seconds", "--cors-origins", "--pooling",
 }
 REASONS = {  # refused flags whose reason is worth more than "no equivalent"
-    "--embedding": "omni-worker serves no embeddings", "--embeddings": "omni-worker serves no embeddings",
-    "--reranking": "omni-worker serves no reranking", "--rerank": "omni-worker serves no reranking",
     "--lora": "omni-worker loads no LoRA adapters", "--model-draft": "no speculative decoding",
     "--slot-save-path": "omni-worker cannot save slots to disk",
 }

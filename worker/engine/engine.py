@@ -65,7 +65,7 @@ from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import PromptCache
 from worker.engine.scheduler import Plan, Scheduler
 from worker.engine.slot import Slot
-from worker.engine.task import ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
+from worker.engine.task import EmbeddingEvent, ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
 
 log = logging.getLogger("worker.engine.engine")
 
@@ -149,6 +149,15 @@ class Engine:
             task.emit(ErrorEvent("worker is shutting down", 503, "unavailable_error"))
             return
         self._inbox.put(task)
+
+    def submit_many(self, tasks: list[Task]) -> None:
+        """Submit tasks that the engine must see together (one request's inputs: one step admits
+        as many of them as there are free slots, instead of whichever arrived before it woke)."""
+        if self._stopping:
+            for t in tasks:
+                t.emit(ErrorEvent("worker is shutting down", 503, "unavailable_error"))
+            return
+        self._inbox.put(list(tasks))
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `fn` on the engine thread between two steps."""
@@ -250,6 +259,9 @@ class Engine:
                     self._deferred = item
                 else:
                     self._run_command(item)
+            elif isinstance(item, list):
+                for task in item:
+                    self._enqueue(task)
             else:
                 self._enqueue(item)
 
@@ -341,6 +353,10 @@ class Engine:
                 scheduler.on_no_kv_space(plan)
                 return
             to_sample = scheduler.commit(plan, (time.perf_counter() - t0) * 1e3)
+        if backend.pooling is not None:  # an embedding model: an evaluated prompt is a finished task
+            for i, slot in enumerate(to_sample):
+                self._finish_embedding(slot, backend.embedding(i))
+            return
         slots = to_sample + plan.from_saved
         if slots:
             tasks = [s.task for s in slots if s.task is not None]
@@ -427,6 +443,22 @@ class Engine:
             task.id, slot.id, reason, st.n_prompt, st.n_cached, st.prompt_ms, st.n_decoded, st.predicted_ms, tps,
         )
 
+    def _finish_embedding(self, slot: Slot, vectors: Any) -> None:
+        task = slot.release()
+        assert task is not None
+        if task.on_embedding is None:  # the HTTP layer refuses generation on an embedding model
+            self._free_sampler(task)
+            task.emit(ErrorEvent("an embedding model does not generate", 501, "not_supported_error"))
+            return
+        st = task.stats
+        st.t_first_token = st.t_end = time.monotonic()
+        self._free_sampler(task)
+        task.on_embedding(EmbeddingEvent(vectors, st))
+        m = self._metrics
+        m.prompt_tokens.inc(st.n_evaluated)
+        m.prompt_seconds.inc(st.prompt_ms / 1e3)
+        m.embeddings.inc()
+
     def _fail(self, slot: Slot, message: str) -> None:
         task = slot.release()
         assert task is not None
@@ -449,6 +481,8 @@ class Engine:
                 break
             if isinstance(item, Task):
                 tasks.append(item)
+            elif isinstance(item, list):
+                tasks.extend(item)
             elif isinstance(item, _Command):
                 item.future.set_exception(RuntimeError(message))
         if self._deferred is not None:

@@ -26,6 +26,7 @@ class WorkerMetrics:
         self.n_decode = Counter("llamacpp:n_decode", "llama_decode() calls", registry=r)
         self.n_preempted = Counter("omni:preemptions", "Requests preempted for KV space", registry=r)
         self.requests = Counter("omni:requests", "Generation tasks finished", ["reason"], registry=r)
+        self.embeddings = Counter("omni:embeddings", "Embedding and rerank inputs evaluated", registry=r)
         self.busy_slots = Gauge("llamacpp:n_busy_slots_per_decode", "Busy slots", registry=r)
         self.requests_processing = Gauge("llamacpp:requests_processing", "Tasks in a slot", registry=r)
         self.requests_deferred = Gauge("llamacpp:requests_deferred", "Tasks waiting for a slot", registry=r)

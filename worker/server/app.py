@@ -488,6 +488,9 @@ class _RequireAPIKey:
 
 
 def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = ()) -> ASGIApp:
+    from worker.server.embeddings import RefuseGeneration
+    from worker.server.embeddings import routes as embedding_routes  # it imports this module's helpers
+
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
@@ -507,6 +510,7 @@ def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origin
         Route("/sleep", sleep, methods=["POST"]),
         Route("/wake", wake, methods=["POST"]),
         *profiling.routes(state.model_id),
+        *embedding_routes(),
     ]
     app = Starlette(
         routes=routes,
@@ -518,6 +522,8 @@ def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origin
     )
     app.state.worker = state
     outer: ASGIApp = profiling.RequestContext(app)  # X-Request-Id for the profiling events
+    if state.is_embedding:
+        outer = RefuseGeneration(outer)
     if cors_origins:
         outer = CORSMiddleware(outer, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
                                allow_headers=["*"])

@@ -33,4 +33,6 @@ class WorkerState:
     tags: tuple[str, ...] = ()  # --tags: informational, reported in /v1/models
     is_slots_on: bool = True  # GET /slots (--slots / --no-slots)
     is_metrics_on: bool = True  # GET /metrics (omni-worker --metrics; the CLI's default is off)
+    is_embedding: bool = False  # --embedding: embeddings/rerank only (worker/server/embeddings.py)
+    embd_normalize: int = 2  # requests' default embd_normalize (llama-server's: Euclidean)
     created: int = field(default_factory=lambda: int(time.time()))
