@@ -280,7 +280,8 @@ class ModelHandle:
         self.num_in_flight -= 1
         self.last_used = time.monotonic()
         if self.num_in_flight == 0 and not self.preset.is_remote:
-            self._commands.put_nowait(_Poke())  # idle timers; a drain or a reload waits for this
+            if self.phase is Phase.DRAINING or self._ttl() > 0 or self._unload_after() > 0:
+                self._commands.put_nowait(_Poke())  # idle timers start now; a reload restart waits for this
             if self.deps.slots.queued:
                 self.deps.slots.poke()  # an idle model may now be evicted for a queued one
 
@@ -478,7 +479,7 @@ class ModelHandle:
         # DRAINING, stopping: served once undrained, or loaded again after the exit.
 
     def _on_load(self) -> None:
-        if self.phase in (Phase.UNLOADED, Phase.FAILED, Phase.SLEEPING):
+        if self.phase in (Phase.UNLOADED, Phase.FAILED, Phase.FALLING_ASLEEP, Phase.SLEEPING):
             # A waiter nobody awaits: it keeps a queued load from being dropped as abandoned.
             intent: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             intent.add_done_callback(self._on_load_intent_done)
