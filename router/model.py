@@ -7,8 +7,8 @@ memory). Public operations (`ensure_ready`, `load`, `sleep`, `unload`, `evict`, 
 "start or not" is made inside the owner, so concurrent requests for a loading model join its
 waiter list and the worker is spawned once. Long effects (ask for a slot, spawn, readiness,
 sleep, wake, stop, exit watch, memory samples) run as tasks that only report back with a
-message tagged with the attempt (or process) they belong to; a stale message is ignored. The
-phases and their transition table: `router.state.Phase`.
+message (`router.messages`) tagged with the attempt (or process) they belong to; a stale
+message is ignored. The phases and their transition table: `router.state.Phase`.
 
 Hot path: `can_admit()` / `admit()` are synchronous, so on a READY model a request is admitted
 without a round trip through the owner; nothing can interleave between the two calls (no
@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from router import messages as msg
 from router.admission import Slots, SlotsFull
 from router.effects import Effects, Process
 from router.estimate import Estimate, MemoryBook
@@ -74,129 +75,6 @@ class ModelDeps:
     waiting: Waiting = field(default_factory=Waiting)
     idle: IdleDefaults = field(default_factory=IdleDefaults)
     created: int = 0
-
-
-# --------------------------------------------------------------------------- commands (callers)
-
-
-@dataclass
-class _EnsureReady:
-    reply: asyncio.Future[str]
-
-
-@dataclass
-class _Load:
-    """Load (or wake) with no request waiting: load-on-startup, `POST /models/load`, a queue-full request."""
-
-
-@dataclass
-class _Sleep:
-    reply: asyncio.Future[bool]
-
-
-@dataclass
-class _Unload:
-    reply: asyncio.Future[bool]
-
-
-@dataclass
-class _Evict:
-    reply: asyncio.Future[bool]
-
-
-@dataclass
-class _Drain:
-    is_on: bool
-    reply: asyncio.Future[bool]
-
-
-@dataclass
-class _Reconfigure:
-    """A preset reload changed this model (`preset`) or removed it (None)."""
-
-    preset: ModelPreset | None
-
-
-@dataclass
-class _Sync:
-    reply: asyncio.Future[bool]
-
-
-@dataclass
-class _Poke:
-    """Something changed (a waiter left, the last request finished, an idle timer fired): re-examine."""
-
-
-# --------------------------------------------------------------------------- messages (effects)
-
-
-@dataclass
-class _Estimated:
-    attempt: int
-    need: Estimate
-
-
-@dataclass
-class _Granted:
-    attempt: int
-
-
-@dataclass
-class _Refused:
-    """No slot can ever be had (pinned models, or the budget): not a failure of the model."""
-
-    attempt: int
-    reason: str
-
-
-@dataclass
-class _Spawned:
-    attempt: int
-    proc: Process
-    base_url: str
-    argv: list[str]
-
-
-@dataclass
-class _Progress:
-    attempt: int
-    progress: dict[str, Any]
-
-
-@dataclass
-class _Ready:
-    attempt: int
-    can_sleep: bool | None  # None: a wake (what the load found still holds)
-    info: dict[str, Any] | None
-
-
-@dataclass
-class _LoadFailed:
-    attempt: int
-    error: str
-
-
-@dataclass
-class _SleepDone:
-    attempt: int
-    ok: bool
-
-
-@dataclass
-class _Exited:
-    proc: Process
-    code: int
-
-
-@dataclass
-class _Measured:
-    proc: Process
-    memory: TreeMemory
-
-
-_Command = (_EnsureReady | _Load | _Sleep | _Unload | _Evict | _Drain | _Reconfigure | _Sync | _Poke | _Estimated | _Granted
-            | _Refused
-            | _Spawned | _Progress | _Ready | _LoadFailed | _SleepDone | _Exited | _Measured)
 
 
 @dataclass(frozen=True)
@@ -247,7 +125,7 @@ class ModelHandle:
     _attempt: int = 0  # tags effect messages: one per queue, wake or sleep
     _waiters: list[asyncio.Future[str]] = field(default_factory=list)
     _stop_waiters: list[asyncio.Future[bool]] = field(default_factory=list)
-    _commands: asyncio.Queue[_Command] = field(default_factory=asyncio.Queue)
+    _commands: asyncio.Queue[msg.Command] = field(default_factory=asyncio.Queue)
     _effect: asyncio.Task[Any] | None = None
     _task: asyncio.Task[None] | None = None
     _watcher: asyncio.Task[None] | None = None
@@ -281,7 +159,7 @@ class ModelHandle:
         self.last_used = time.monotonic()
         if self.num_in_flight == 0 and not self.preset.is_remote:
             if self.phase is Phase.DRAINING or self._ttl() > 0 or self._unload_after() > 0:
-                self._commands.put_nowait(_Poke())  # idle timers start now; a reload restart waits for this
+                self._commands.put_nowait(msg.Poke())  # idle timers start now; a reload restart waits for this
             if self.deps.slots.queued:
                 self.deps.slots.poke()  # an idle model may now be evicted for a queued one
 
@@ -312,7 +190,7 @@ class ModelHandle:
             raise _unavailable("too many queued requests, retry later", retry_after=1)
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(self._on_waiter_done)
-        self._post(_EnsureReady(fut))
+        self._post(msg.EnsureReady(fut))
         waiting.num_waiting += 1
         try:
             return await fut
@@ -325,41 +203,41 @@ class ModelHandle:
 
     def load(self) -> None:
         """Start loading (or waking) without waiting and without taking a place in the queue."""
-        self._commands.put_nowait(_Load())
+        self._commands.put_nowait(msg.Load())
 
     async def sleep(self) -> bool:
-        return await self._ask(_Sleep)
+        return await self._ask(msg.Sleep)
 
     async def unload(self) -> bool:
-        return await self._ask(_Unload)
+        return await self._ask(msg.Unload)
 
     async def evict(self) -> bool:
-        return await self._ask(_Evict)
+        return await self._ask(msg.Evict)
 
     async def drain(self, is_on: bool) -> bool:
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._post(_Drain(is_on, fut))
+        self._post(msg.Drain(is_on, fut))
         return await fut
 
     def reconfigure(self, preset: ModelPreset | None) -> None:
         """A reload changed this model's preset (or removed it: None); applied once it is idle."""
-        self._commands.put_nowait(_Reconfigure(preset))
+        self._commands.put_nowait(msg.Reconfigure(preset))
 
     async def settled(self) -> None:
         """Return once the owner has handled every command and message sent before this call."""
-        await self._ask(_Sync)
+        await self._ask(msg.Sync)
 
-    async def _ask(self, kind: type[_Sleep] | type[_Unload] | type[_Evict] | type[_Sync]) -> bool:
+    async def _ask(self, kind: type[msg.Sleep] | type[msg.Unload] | type[msg.Evict] | type[msg.Sync]) -> bool:
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._post(kind(fut))
         return await fut
 
     def _on_waiter_done(self, fut: asyncio.Future[str]) -> None:
         if fut.cancelled():
-            self._commands.put_nowait(_Poke())
+            self._commands.put_nowait(msg.Poke())
 
-    def _post(self, msg: _Command) -> None:
-        self._commands.put_nowait(msg)
+    def _post(self, message: msg.Command) -> None:
+        self._commands.put_nowait(message)
         if self.is_removed:
             self._answer_after_removal()
 
@@ -376,7 +254,7 @@ class ModelHandle:
             try:
                 cmd = await asyncio.wait_for(self._commands.get(), self._idle_timeout())
             except TimeoutError:
-                cmd = _Poke()
+                cmd = msg.Poke()
             try:
                 self._handle(cmd)
             except Exception:  # a bug here must not kill the owner and wedge the model
@@ -388,54 +266,54 @@ class ModelHandle:
         before) gets an answer, never a wait."""
         while not self._commands.empty():
             match self._commands.get_nowait():
-                case _EnsureReady(reply) if not reply.done():
+                case msg.EnsureReady(reply) if not reply.done():
                     reply.set_exception(_removed(f"model {self.name!r} was removed from the presets"))
-                case _Sleep(reply) | _Unload(reply) | _Evict(reply) | _Drain(_, reply):
+                case msg.Sleep(reply) | msg.Unload(reply) | msg.Evict(reply) | msg.Drain(_, reply):
                     _reply(reply, False)
-                case _Sync(reply):
+                case msg.Sync(reply):
                     _reply(reply, True)
 
-    def _handle(self, cmd: _Command) -> None:
+    def _handle(self, cmd: msg.Command) -> None:
         match cmd:
-            case _EnsureReady(reply):
+            case msg.EnsureReady(reply):
                 self._on_ensure_ready(reply)
-            case _Load():
+            case msg.Load():
                 self._on_load()
-            case _Sleep(reply):
+            case msg.Sleep(reply):
                 _reply(reply, self._on_sleep())
-            case _Unload(reply):
+            case msg.Unload(reply):
                 self._on_unload(reply)
-            case _Evict(reply):
+            case msg.Evict(reply):
                 _reply(reply, self._on_evict())
-            case _Drain(is_on, reply):
+            case msg.Drain(is_on, reply):
                 self._on_drain(is_on)
                 _reply(reply, True)
-            case _Reconfigure(preset):
+            case msg.Reconfigure(preset):
                 self._on_reconfigure(preset)
-            case _Sync(reply):
+            case msg.Sync(reply):
                 _reply(reply, True)
-            case _Poke():
+            case msg.Poke():
                 self._on_poke()
-            case _Estimated(attempt, need) if attempt == self._attempt:
+            case msg.Estimated(attempt, need) if attempt == self._attempt:
                 self._on_estimated(need)
-            case _Granted(attempt) if attempt == self._attempt:
+            case msg.Granted(attempt) if attempt == self._attempt:
                 self._on_granted()
-            case _Refused(attempt, reason) if attempt == self._attempt:
+            case msg.Refused(attempt, reason) if attempt == self._attempt:
                 self._on_refused(reason)
-            case _Spawned(attempt, proc, base_url, argv):
+            case msg.Spawned(attempt, proc, base_url, argv):
                 self._on_spawned(attempt, proc, base_url, argv)
-            case _Progress(attempt, progress) if attempt == self._attempt:
+            case msg.Progress(attempt, progress) if attempt == self._attempt:
                 if self.phase in (Phase.STARTING, Phase.WAKING):
                     self._set(self.phase, {**progress, "phase": str(progress.get("phase", "loading"))})
-            case _Ready(attempt, can_sleep, info) if attempt == self._attempt:
+            case msg.Ready(attempt, can_sleep, info) if attempt == self._attempt:
                 self._on_ready(can_sleep, info)
-            case _LoadFailed(attempt, error) if attempt == self._attempt:
+            case msg.LoadFailed(attempt, error) if attempt == self._attempt:
                 self._on_load_failed(error)
-            case _SleepDone(attempt, ok) if attempt == self._attempt:
+            case msg.SleepDone(attempt, ok) if attempt == self._attempt:
                 self._on_sleep_done(ok)
-            case _Exited(proc, code):
+            case msg.Exited(proc, code):
                 self._on_exited(proc, code)
-            case _Measured(proc, memory):
+            case msg.Measured(proc, memory):
                 self._on_measured(proc, memory)
 
     def _set(self, phase: Phase, progress: dict[str, Any] | None = None) -> None:
@@ -498,7 +376,7 @@ class ModelHandle:
         self._effect = asyncio.create_task(self._estimate(self._attempt), name=f"estimate:{self.name}")
 
     async def _estimate(self, attempt: int) -> None:
-        self._post(_Estimated(attempt, await asyncio.to_thread(self.deps.book.estimate, self.preset)))
+        self._post(msg.Estimated(attempt, await asyncio.to_thread(self.deps.book.estimate, self.preset)))
 
     def _on_estimated(self, need: Estimate) -> None:
         if self.phase is not Phase.QUEUED:
@@ -511,9 +389,9 @@ class ModelHandle:
         try:
             await self.deps.slots.acquire(self, need)
         except SlotsFull as e:
-            self._post(_Refused(attempt, str(e)))
+            self._post(msg.Refused(attempt, str(e)))
             return
-        self._post(_Granted(attempt))
+        self._post(msg.Granted(attempt))
 
     def _on_granted(self) -> None:
         if self.phase is not Phase.QUEUED:
@@ -525,9 +403,9 @@ class ModelHandle:
         try:
             proc, base_url, argv = await self.deps.effects.spawn(self.preset)
         except Exception as e:  # OSError from the spawn, or a surprise: never stay SPAWNING
-            self._post(_LoadFailed(attempt, str(e)))
+            self._post(msg.LoadFailed(attempt, str(e)))
             return
-        self._post(_Spawned(attempt, proc, base_url, argv))
+        self._post(msg.Spawned(attempt, proc, base_url, argv))
 
     def _on_refused(self, reason: str) -> None:
         if self.phase is not Phase.QUEUED:
@@ -556,12 +434,12 @@ class ModelHandle:
         effects = self.deps.effects
         try:
             can_sleep = await effects.wait_ready(proc, base_url, self.preset.load_timeout,
-                                                 lambda p: self._post(_Progress(attempt, p)))
+                                                 lambda p: self._post(msg.Progress(attempt, p)))
             info = await effects.info(base_url)
         except Exception as e:  # LoadError, or a surprise: never stay STARTING
-            self._post(_LoadFailed(attempt, str(e)))
+            self._post(msg.LoadFailed(attempt, str(e)))
             return
-        self._post(_Ready(attempt, can_sleep, info))
+        self._post(msg.Ready(attempt, can_sleep, info))
 
     def _on_ready(self, can_sleep: bool | None, info: dict[str, Any] | None) -> None:
         if self.phase not in (Phase.STARTING, Phase.WAKING):
@@ -569,6 +447,7 @@ class ModelHandle:
         if can_sleep is not None:
             self.can_sleep, self.info = can_sleep, info
             self.ready_since = time.monotonic()
+            self._learn_peak()
         self.last_used = time.monotonic()
         if self._pending is not None:  # a reload changed it while it loaded: restart, its requests wait
             self._begin_stop()
@@ -612,11 +491,11 @@ class ModelHandle:
         try:
             await effects.wake(base_url, self.preset.load_timeout)
             await effects.wait_ready(proc, base_url, self.preset.load_timeout,
-                                     lambda p: self._post(_Progress(attempt, p)))
+                                     lambda p: self._post(msg.Progress(attempt, p)))
         except Exception as e:  # LoadError, httpx.HTTPError, or a surprise: never stay WAKING
-            self._post(_LoadFailed(attempt, f"wake failed: {e!r}"))
+            self._post(msg.LoadFailed(attempt, f"wake failed: {e!r}"))
             return
-        self._post(_Ready(attempt, None, None))
+        self._post(msg.Ready(attempt, None, None))
 
     def _on_sleep(self) -> bool:
         if self.phase is not Phase.READY or self.num_in_flight or self.preset.is_remote:
@@ -635,7 +514,7 @@ class ModelHandle:
 
     async def _sleep(self, attempt: int) -> None:
         assert self.base_url is not None
-        self._post(_SleepDone(attempt, await self.deps.effects.sleep(self.base_url)))
+        self._post(msg.SleepDone(attempt, await self.deps.effects.sleep(self.base_url)))
 
     def _on_sleep_done(self, ok: bool) -> None:
         if self.phase is not Phase.FALLING_ASLEEP:
@@ -770,27 +649,32 @@ class ModelHandle:
             code = await proc.wait()
         finally:
             sampler.cancel()
-        self._post(_Exited(proc, code))
+        self._post(msg.Exited(proc, code))
 
     async def _sample_memory(self, proc: Process) -> None:
         """Report the process tree's memory, often while loading, then now and then."""
         async for memory in self.deps.effects.samples(
                 proc, lambda: SAMPLE_LOADING_S if self.phase.is_loading else SAMPLE_RUNNING_S):
-            self._post(_Measured(proc, memory))
+            self._post(msg.Measured(proc, memory))
 
     def _on_measured(self, proc: Process, memory: TreeMemory) -> None:
         if proc is not self.process:
             return
         self.memory = memory
-        if self.phase in (Phase.READY, Phase.DRAINING):  # awake: the peak is the next load's estimate
-            peak = self._peak
-            if peak is None or memory.uss_bytes > peak.uss_bytes or (memory.vram_bytes or 0) > (peak.vram_bytes or 0):
-                self._peak = peak = TreeMemory(max(memory.rss_bytes, peak.rss_bytes if peak else 0),
-                                               max(memory.uss_bytes, peak.uss_bytes if peak else 0),
-                                               max(memory.vram_bytes or 0, (peak.vram_bytes or 0) if peak else 0))
-                self.deps.book.learn(self.preset, peak.uss_bytes, peak.vram_bytes)
+        peak = self._peak
+        if peak is None or memory.uss_bytes > peak.uss_bytes or (memory.vram_bytes or 0) > (peak.vram_bytes or 0):
+            self._peak = TreeMemory(max(memory.rss_bytes, peak.rss_bytes if peak else 0),
+                                    max(memory.uss_bytes, peak.uss_bytes if peak else 0),
+                                    max(memory.vram_bytes or 0, (peak.vram_bytes or 0) if peak else 0))
+            if self.phase.is_up or self.phase is Phase.WAKING:
+                self._learn_peak()
         if self.deps.slots.queued:
             self.deps.slots.poke()  # less memory (asleep) may make room
+
+    def _learn_peak(self) -> None:
+        """The largest sample of a run that loaded (loading samples included) is the next estimate."""
+        if self._peak is not None:
+            self.deps.book.learn(self.preset, self._peak.uss_bytes, self._peak.vram_bytes)
 
     def _on_exited(self, proc: Process, code: int) -> None:
         if proc is not self.process:

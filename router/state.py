@@ -22,53 +22,54 @@ class ModelState(StrEnum):
 
 class Phase(StrEnum):
     """Lifecycle of one model. Only the model's owner task (`router.model.ModelHandle`) writes it;
-    effects (acquire a slot, spawn, readiness, sleep, wake, stop, exit, memory samples) report
-    back with messages (`_Granted`, `_Refused`, `_Spawned`, `_Progress`, `_Ready`, `_LoadFailed`,
-    `_SleepDone`, `_Exited`, `_Measured`).
+    effects (estimate, acquire a slot, spawn, readiness, sleep, wake, stop, exit, memory samples)
+    report back with messages (`router.messages`: `Estimated`, `Granted`, `Refused`, `Spawned`,
+    `Progress`, `Ready`, `LoadFailed`, `SleepDone`, `Exited`, `Measured`).
 
-        from                 event                                   to
-        UNLOADED|FAILED      ensure_ready / load (FAILED: after      QUEUED      (asks Slots: a slot
-                               its backoff)                                       and room in the budgets)
-        QUEUED               _Estimated (the need, from a thread)    QUEUED      (waits in Slots' FIFO)
-        QUEUED               _Granted                                SPAWNING
-        QUEUED               _Refused (can never fit)                UNLOADED    (waiters: 503 with figures)
-        QUEUED               unload / every waiter left              UNLOADED
-        QUEUED               preset changed (reload)                 QUEUED      (again, with the new need)
-        SPAWNING             _Spawned                                STARTING
-        SPAWNING             _LoadFailed (spawn error)               FAILED
-        SPAWNING             unload                                  SPAWNING_THEN_STOP (a process may
+        from                    event                                  to
+        UNLOADED|FAILED         ensure_ready / load (FAILED: once its  QUEUED     (asks Slots for a slot
+                                  backoff is over)                                and room in the budgets)
+        QUEUED                  Estimated (the need, from a thread)    QUEUED     (waits in Slots' FIFO)
+        QUEUED                  Granted                                SPAWNING
+        QUEUED                  Refused (can never fit)                UNLOADED   (waiters: 503 with figures)
+        QUEUED                  unload / every waiter left             UNLOADED
+        QUEUED                  preset changed (reload)                QUEUED     (again, with the new need)
+        SPAWNING                Spawned                                STARTING
+        SPAWNING                LoadFailed (spawn error)               FAILED
+        SPAWNING                unload                                 SPAWNING_THEN_STOP (a process may
                                                                                   be on its way: never orphan it)
-        SPAWNING_THEN_STOP   _Spawned                                STOPPING
-        SPAWNING_THEN_STOP   _LoadFailed                             UNLOADED
-        STARTING             _Progress                               STARTING    (progress shown)
-        STARTING             _Ready                                  READY       (DRAINING if a reload
-                                                                                  changed its preset)
-        STARTING|WAKING      _LoadFailed (timeout, /health 500)      STOPPING_AFTER_FAILURE
-        STARTING|WAKING      unload                                  STOPPING
-        READY                drain (Slots: a queued model waits)     DRAINING
-        READY                preset changed or removed (reload)      DRAINING
-        DRAINING             drain off (queue empty, no reload)      READY       (waiters admitted)
-        DRAINING             last request done, reload pending       STOPPING
-        FALLING_ASLEEP|SLEEPING  preset changed or removed (reload)  STOPPING
-        UNLOADED|FAILED      preset changed (reload)                 UNLOADED    (new preset at once)
-        a phase without a process, a removal pending                 (owner ends; late askers get a 404)
-        READY                idle for ttl (worker can sleep)         FALLING_ASLEEP (POST /sleep)
-        READY                idle for ttl (server without sleep)     STOPPING    (e.g. a `cmd` llama-server)
-        READY                idle for unload-after (no ttl)          STOPPING
-        FALLING_ASLEEP       _SleepDone ok                           SLEEPING    (WAKING if requests came)
-        FALLING_ASLEEP       _SleepDone failed                       STOPPING
-        SLEEPING             ensure_ready / load                     WAKING      (POST /wake)
-        SLEEPING             idle for unload-after                   STOPPING
-        WAKING               _Ready                                  READY
+        SPAWNING_THEN_STOP      Spawned                                STOPPING
+        SPAWNING_THEN_STOP      LoadFailed                             UNLOADED
+        STARTING|WAKING         Progress                               (same)     (progress shown)
+        STARTING                Ready                                  READY      (STOPPING if a reload
+                                                                                  changed it: requests wait)
+        STARTING|WAKING         LoadFailed (timeout, /health 500)      STOPPING_AFTER_FAILURE
+        STARTING|WAKING         unload                                 STOPPING
+        READY                   drain (Slots: a queued model waits)    DRAINING
+        READY                   preset changed or removed (reload)     DRAINING
+        DRAINING                drain off (queue empty, no reload)     READY      (waiters admitted)
+        DRAINING                last request done, reload pending      STOPPING
+        FALLING_ASLEEP|SLEEPING preset changed or removed (reload)     STOPPING
+        UNLOADED|FAILED         preset changed (reload)                UNLOADED   (new preset at once)
+        without a process       removed (reload)                       the owner ends (late askers: 404)
+        READY                   idle for ttl (worker can sleep)        FALLING_ASLEEP (POST /sleep)
+        READY                   idle for ttl (server without sleep)    STOPPING   (e.g. a `cmd` llama-server)
+        READY                   idle for unload-after (before ttl)     STOPPING
+        FALLING_ASLEEP          SleepDone ok                           SLEEPING   (WAKING if requests came)
+        FALLING_ASLEEP          SleepDone failed                       STOPPING
+        SLEEPING                ensure_ready / load                    WAKING     (POST /wake)
+        SLEEPING                idle for unload-after                  STOPPING
+        WAKING                  Ready                                  READY
         READY|DRAINING|FALLING_ASLEEP|SLEEPING
-                             unload / evict (nothing in flight)      STOPPING
-        STOPPING             _Exited                                 UNLOADED    (QUEUED if requests wait)
-        STOPPING_AFTER_FAILURE _Exited                               FAILED      (exit code + log tail kept)
-        any with a process   _Exited (unexpected)                    FAILED
+                                unload / evict (nothing in flight)     STOPPING
+        STOPPING                Exited                                 UNLOADED   (QUEUED if requests wait)
+        STOPPING_AFTER_FAILURE  Exited                                 FAILED     (exit code + log tail kept)
+        any with a process      Exited (unexpected)                    FAILED
 
     A reload that changes only router-side keys (aliases, ttl, unload-after, pin, memory,
-    timeouts) applies at once in any phase. A remote upstream is READY forever. A slot under `--models-max` is held from its grant
-    until the process is reaped: it is given back on entering a phase without a process.
+    timeouts) applies at once in any phase. A remote upstream is READY forever. A slot (and its
+    memory charge) is held from its grant until the process is reaped: it is given back on
+    entering a phase without a process.
     "Can sleep" = the server's /health reports `is_sleeping` (our worker's contract).
     """
 

@@ -463,3 +463,71 @@ async def test_the_peak_measured_while_up_is_the_next_loads_estimate() -> None:
         assert await unload is True
         assert h.card()["memory"] == {"estimated_bytes": 120 * M, "ram_bytes": None, "rss_bytes": None,
                                       "vram_bytes": None}
+
+
+@pytest.mark.asyncio
+async def test_a_reload_applies_at_once_when_unloaded_requeues_when_queued_and_restarts_a_load_or_a_sleeper() -> None:
+    """UNLOADED|FAILED, QUEUED, STARTING (-> _Ready -> STOPPING), SLEEPING (-> STOPPING) on a reload."""
+    async with rig(Limits(models_max=1)) as r:
+        a, b = r.add("a"), r.add("b")
+        a.reconfigure(replace(a.preset, ctx_size=1))
+        await a.settled()
+        assert a.phase is Phase.UNLOADED and a.preset.ctx_size == 1
+
+        await r.up(a)
+        a.admit()  # a busy: b stays queued
+        for_b = asyncio.create_task(b.ensure_ready())
+        await r.until(lambda: b.phase is Phase.QUEUED and a.phase is Phase.DRAINING)
+        b.reconfigure(replace(b.preset, ctx_size=2))
+        await b.settled()
+        assert b.phase is Phase.QUEUED and b.preset.ctx_size == 2  # queued again with the new preset
+        a.release()
+        await r.until(lambda: a.phase is Phase.STOPPING)
+        await r.stop(a)
+        await r.spawn(b)
+        assert b.phase is Phase.STARTING
+        b.reconfigure(replace(b.preset, ctx_size=3))
+        await r.fx.answer(await r.fx.next("ready"), True, b)
+        assert b.phase is Phase.STOPPING and not for_b.done()  # restarted before serving: it waits
+        await r.stop(b)
+        await r.spawn(b)
+        await r.fx.answer(await r.fx.next("ready"), True, b)
+        assert await for_b == b.base_url and b.preset.ctx_size == 3
+        b.release()
+
+        await b.sleep()
+        await r.fx.answer(await r.fx.next("sleep"), True, b)
+        b.reconfigure(replace(b.preset, ctx_size=4))
+        await b.settled()
+        assert b.phase is Phase.STOPPING
+        await r.stop(b)
+        assert b.phase is Phase.UNLOADED and b.preset.ctx_size == 4
+
+
+@pytest.mark.asyncio
+async def test_a_request_for_a_removed_model_that_looked_it_up_before_the_reload_gets_a_404_not_a_wait() -> None:
+    async with rig() as r:
+        h = r.add("a")
+        h.reconfigure(None)
+        assert h._task is not None
+        await asyncio.wait_for(h._task, 1)
+        err = await failed_with(asyncio.create_task(h.ensure_ready()), "was removed from the presets")
+        assert err.status_code == 404 and await h.unload() is False
+
+
+@pytest.mark.asyncio
+async def test_a_sleeping_model_is_evicted_for_another_when_slots_are_full() -> None:
+    """SLEEPING -> (evict) STOPPING -> UNLOADED."""
+    async with rig(Limits(models_max=1)) as r:
+        a, b = r.add("a"), r.add("b")
+        await r.up(a)
+        await a.sleep()
+        await r.fx.answer(await r.fx.next("sleep"), True, a)
+        asked = asyncio.create_task(b.ensure_ready())
+        await r.until(lambda: a.phase is Phase.STOPPING)
+        await r.stop(a)
+        await r.spawn(b)
+        await r.fx.answer(await r.fx.next("ready"), True, b)
+        await asked
+        b.release()
+        assert a.phase is Phase.UNLOADED

@@ -50,6 +50,7 @@ def long_stream(r: RouterProc, name: str) -> tuple[threading.Thread, threading.E
     def run() -> None:
         out["events"] = stream_chat(r, name, on_chunk=lambda n: started.set(), timeout=120, max_tokens=3000,
                                     ignore_eos=True)
+        out["done_at"] = time.monotonic()
 
     t = threading.Thread(target=run)
     t.start()
@@ -82,12 +83,13 @@ def test_a_ram_budget_for_two_evicts_the_lru_never_a_busy_model_and_refuses_a_mo
     assert statuses(r)["a"] == "unloaded" and statuses(r)["b"] == statuses(r)["c"] == "loaded"  # a was LRU
     assert len(r.workers()) == 2
 
-    # b is the least recently used but busy mid-stream: loading a evicts c instead.
+    # b mid-stream, then c used: b is the least recently used, but busy, so loading a evicts c.
     t, _, out = long_stream(r, "b")
-    assert ask(r, "a") == 200
+    assert ask(r, "c") == 200 and ask(r, "a") == 200
+    answered_at = time.monotonic()
     assert statuses(r)["b"] == "loaded" and statuses(r)["c"] == "unloaded"
     t.join(120)
-    assert completed(out)
+    assert completed(out) and answered_at < out["done_at"]  # b was still streaming when a loaded
 
     t0 = time.monotonic()
     with r.client(timeout=60) as c:
