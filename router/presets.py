@@ -54,6 +54,8 @@ class ModelPreset:
     cmd: str | None = None
     upstream: str | None = None
     ttl: float | None = None  # idle seconds before sleep; None = router default, 0 = never
+    unload_after: float | None = None  # idle seconds before the process stops; None = router default, 0 = never
+    memory: int | None = None  # bytes the model needs (replaces the estimate)
     pin: bool = False
     source: str = ""  # where it was defined, for messages
 
@@ -145,6 +147,17 @@ def _pooling(raw: str) -> str:
     return s
 
 
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)$", re.IGNORECASE)
+
+
+def parse_size(raw: str) -> int:
+    """`512M`, `20GiB`, `1.5g`, `4096` (bytes) -> bytes; K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024."""
+    m = _SIZE_RE.match(str(raw).strip())
+    if m is None:
+        raise ValueError("expected a size like 512M, 20GiB or a number of bytes")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
+
+
 def _upstream(raw: str) -> str:
     s = str(raw).strip().rstrip("/")
     if not re.match(r"^https?://[^/\s]+", s):
@@ -175,6 +188,8 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "cmd": ("cmd", _text),
     "upstream": ("upstream", _upstream),
     "ttl": ("ttl", _float(0)),
+    "unload-after": ("unload_after", _float(0)),
+    "memory": ("memory", parse_size),
     "pin": ("pin", _bool),
 }
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",

@@ -207,6 +207,8 @@ def test_demo_presets_parse_to_the_same_models(name: str) -> None:
     (["--preset", "{bad}"], r"^omni-router: error: .*preset\.ini:3: unknown key 'colour' \(valid: .*\)"),
     (["--preset", "{good}", "--models-max", "-1"], r"^omni-router: error: Invalid value for '--models-max'.*$"),
     (["--bogus"], r"^omni-router: error: No such option: --bogus.*$"),
+    (["--preset", "{good}", "--ram-budget", "lots"],
+     r"^omni-router: error: Invalid value for --ram-budget: expected a size like 512M, 20GiB or a number of bytes$"),
     ([], r"^omni-router: error: no models: give --preset FILE and/or --models-dir DIR$"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, gguf: Path, args: list[str], message: str) -> None:
@@ -224,3 +226,12 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, gguf: Path, args: 
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert re.match(message, proc.stderr.strip()) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_memory_and_unload_after_keys(tmp_path: Path, gguf: Path) -> None:
+    ini = write(tmp_path, f"[*]\nunload-after = 600\n[a]\nmodel = {gguf}\nmemory = 1.5GiB\nttl = 60\n", ".ini")
+    (a,) = load_presets(ini)
+    assert (a.memory, a.ttl, a.unload_after) == (3 << 29, 60.0, 600.0)
+    bad = write(tmp_path, f"[models.a]\nmodel = \"{gguf}\"\nmemory = \"lots\"\n", ".toml")
+    with pytest.raises(PresetError, match=r"models\.a\.memory: invalid value 'lots' for 'memory': expected a size"):
+        load_presets(bad)
