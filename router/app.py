@@ -1,5 +1,6 @@
 """The router's HTTP surface: a thin raw-ASGI front (auth, CORS, the proxied routes) over a
-Starlette app for the router's own routes (/v1/models, /models/load|unload|sleep|sse, /props, /health).
+Starlette app for the router's own routes (/v1/models, /models/load|unload|sleep|sse, /props, /health,
+/metrics, /logs, /logs/stream, /start_profile and friends).
 
 The proxied POST routes skip Starlette entirely (hot path): read the body, pick the model
 from its `model` field with one `json.loads`, admit the request (`ensure_ready`), forward.
@@ -15,7 +16,7 @@ import contextlib
 import hmac
 import json
 import logging
-import time
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, cast
 from urllib.parse import parse_qs
 
 import httpx
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -32,9 +34,14 @@ from starlette.types import Message, Receive, Scope, Send
 
 from router.events import EventBus
 from router.form import boundary, form_field
+from router.logs import ROUTER_LOG, LogRoutes, RingHandler, log_requests
+from router.metrics import RouterMetrics
 from router.model import ModelHandle
 from router.pool import Pool
+from router.presets import PresetError
+from router.profiling import RouterProfiling
 from router.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
+from router.request_trace import REQUEST_ID_HEADER, RequestTrace, request_id
 from router.responses.routes import ResponsesRoutes
 from router.responses.service import ResponsesService
 from router.responses.store import Store
@@ -118,6 +125,10 @@ class RouterApp:
         self.api_keys = [k.encode() for k in (api_keys or [])]
         self.cors_origins = set(cors_origins or [])
         self._background: set[asyncio.Task[None]] = set()
+        self.active: dict[int, RequestTrace] = {}  # the proxied requests in progress
+        self.metrics = RouterMetrics(self.events, pool.handles, pool.client, self.active.values)
+        self.profiling = RouterProfiling(self.events, pool.handles, pool.client)
+        self.logs = LogRoutes(self._canonical_name)
         self.webui = WebUI()  # the bundled chat page (webui/), if present
         self.admin = Starlette(
             routes=[
@@ -128,8 +139,12 @@ class RouterApp:
                 Route("/models/load", self.load_model, methods=["POST"]),
                 Route("/models/unload", self.unload_model, methods=["POST"]),
                 Route("/models/sleep", self.sleep_model, methods=["POST"]),
+                Route("/models/reload", self.reload_models, methods=["POST"]),
                 Route("/models/sse", self.models_sse),
                 Route("/props", self.props),
+                Route("/metrics", self.metrics_text),
+                *self.logs.routes(),
+                *self.profiling.routes(),
                 *ResponsesRoutes(self.responses, self.resolve_model).routes(),
             ],
             exception_handlers={APIError: api_error_handler, HTTPException: http_exception_handler,
@@ -139,10 +154,24 @@ class RouterApp:
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        observers = [asyncio.create_task(self.metrics.run(), name="metrics"),
+                     asyncio.create_task(log_requests(self.events), name="request-log")]
+        log_handler = RingHandler(ROUTER_LOG)
+        logging.getLogger().addHandler(log_handler)
+        await asyncio.sleep(0)  # the observers subscribe before the first event
         await self.pool.start()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no SIGHUP
+            loop.add_signal_handler(signal.SIGHUP, self._reload_in_background)
         try:
             yield
         finally:
+            logging.getLogger().removeHandler(log_handler)
+            await self.profiling.close()
+            for t in observers:
+                t.cancel()
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(signal.SIGHUP)
             await self.responses.close()
             await self.pool.close()
             self.store.close()
@@ -301,22 +330,67 @@ class RouterApp:
         handle = self.pool.get(model)
         if handle is None:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
-        base = await handle.ensure_ready()
+        trace = self._begin_trace(request_id([]), handle, "/v1/responses")
         try:
-            req = self.pool.client.build_request("POST", base + "/v1/chat/completions", json=body)
+            async with self._open_chat(model, handle, body, trace) as chunks:
+                yield chunks
+        except APIError as e:
+            trace.status = e.status_code
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            trace.is_cancelled = True
+            raise
+        finally:
+            self._end_trace(trace)
+
+    @contextlib.asynccontextmanager
+    async def _open_chat(self, model: str, handle: ModelHandle, body: dict[str, Any],
+                         trace: RequestTrace) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        base = await self._admit(handle, trace)
+        try:
+            req = self.pool.client.build_request("POST", base + "/v1/chat/completions", json=body,
+                                                 headers={"x-request-id": trace.request_id})
             try:
                 resp = await self.pool.client.send(req, stream=True)
             except httpx.TransportError as e:
                 raise APIError(f"upstream for model {model!r} is unreachable: {e!r}", status_code=503,
                                type="unavailable_error", code=503, headers={"Retry-After": "1"}) from None
             try:
+                trace.status = resp.status_code
                 if resp.status_code != 200:
                     raise _upstream_error(resp.status_code, await resp.aread())
-                yield _sse_chunks(resp, model)
+                yield _sse_chunks(resp, model, trace)
             finally:
                 await resp.aclose()
         finally:
             handle.release()
+
+    # ---- request traces (router.request_trace): metrics, the request log and profiling read them
+
+    def _begin_trace(self, rid: str, handle: ModelHandle, route: str) -> RequestTrace:
+        trace = RequestTrace(rid, handle.name, route)
+        self.active[id(trace)] = trace
+        return trace
+
+    async def _admit(self, handle: ModelHandle, trace: RequestTrace) -> str:
+        """`handle.ensure_ready()`, marking whether (and in which model state) the request waited."""
+        is_waiting = not handle.can_admit()
+        if is_waiting:
+            trace.queued(handle.state.value)
+        base = await handle.ensure_ready()
+        if is_waiting and self.profiling.profiler.is_active:
+            try:
+                await self.profiling.joined(handle.name)  # a worker that just loaded joins the run first
+            except BaseException:
+                handle.release()  # admitted, but the client left
+                raise
+        trace.ready()
+        return base
+
+    def _end_trace(self, trace: RequestTrace) -> None:
+        del self.active[id(trace)]
+        trace.end()
+        self.events.emit("request", trace.event())
 
     async def _run_proxied(self, scope: Scope, receive: Receive, send: Send, handle: ModelHandle, method: str,
                            upstream_path: str, body: bytes, cors: list[tuple[bytes, bytes]] | None) -> None:
@@ -334,37 +408,39 @@ class RouterApp:
                     return
 
         watcher = asyncio.create_task(cancel_on_disconnect())
-        t0 = time.perf_counter()
-        status = 0
+        trace = self._begin_trace(request_id(scope["headers"]), handle, scope["path"])
+        send = trace.wrap(send)
         qs = scope.get("query_string", b"")
         target = upstream_path + ("?" + qs.decode("latin-1") if qs and method == "GET" else "")
         try:
-            base = await handle.ensure_ready()
+            base = await self._admit(handle, trace)
             try:
-                status = await self._forward_with_retry(send, handle, method, base, target, scope, body, cors)
+                trace.status = await self._forward_with_retry(send, handle, method, base, target, scope, body, cors,
+                                                              trace.request_id)
             finally:
                 handle.release()
         except APIError as e:
-            status = e.status_code
+            trace.status = e.status_code
             await self._send_error(send, e, cors)
         except Exception as e:  # a bug: answer with the envelope if nothing was sent yet
+            trace.status = 500
             log.exception("proxying to model %s failed", handle.name)
             with contextlib.suppress(Exception):
                 await self._send_error(send, APIError(f"internal error: {e!r}", status_code=500, type="server_error"))
         except asyncio.CancelledError:
             # The client left (the watcher cancelled us), or uvicorn's graceful shutdown ran out:
-            # either way there is nobody left to answer, and nothing to report.
+            # either way there is nobody left to answer (the trace still reports it).
+            trace.is_cancelled = True
             return
         finally:
             done = True
             watcher.cancel()
-            if self.events.wants("request"):
-                self.events.emit("request", {"model": handle.name, "path": scope["path"], "status": status,
-                                             "duration_ms": round((time.perf_counter() - t0) * 1000, 3)})
+            self._end_trace(trace)
 
     async def _forward_with_retry(self, send: Send, handle: ModelHandle, method: str, base: str, target: str,
-                                  scope: Scope, body: bytes, cors: list[tuple[bytes, bytes]] | None) -> int:
-        headers = request_headers(scope["headers"])
+                                  scope: Scope, body: bytes, cors: list[tuple[bytes, bytes]] | None,
+                                  rid: str) -> int:
+        headers = [*request_headers(scope["headers"]), (REQUEST_ID_HEADER, rid.encode())]
         for attempt in (1, 2):
             try:
                 return await forward(self.pool.upstream, self.pool.client, send, method, base, target, headers,
@@ -382,7 +458,30 @@ class RouterApp:
         return JSONResponse({"status": "ok"})
 
     async def list_models(self, request: Request) -> Response:
+        if request.query_params.get("reload", "").lower() in ("1", "true", "yes", "on"):
+            await self._reload()  # llama.cpp's `GET /models?reload=1`
         return JSONResponse({"object": "list", "data": self.pool.models()})
+
+    async def reload_models(self, request: Request) -> Response:
+        return JSONResponse({"success": True, **await self._reload()})
+
+    async def _reload(self) -> dict[str, list[str]]:
+        """Re-read the presets; a broken file changes nothing and is a 400 that says why."""
+        try:
+            return await self.pool.reload()
+        except PresetError as e:
+            log.error("preset reload rejected, running config unchanged: %s", e)
+            raise APIError(f"preset reload rejected, running config unchanged: {e}", code="invalid_preset") from None
+
+    def _reload_in_background(self) -> None:
+        """SIGHUP: reload; errors are logged (by `_reload`)."""
+        async def run() -> None:
+            with contextlib.suppress(APIError):
+                await self._reload()
+
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def get_model(self, request: Request) -> Response:
         name = request.path_params["model_id"]
@@ -434,6 +533,14 @@ class RouterApp:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
+    async def metrics_text(self, request: Request) -> Response:
+        """Prometheus text: the router's series and every running worker's (router.metrics)."""
+        return Response(await self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def _canonical_name(self, name: str) -> str | None:
+        handle = self.pool.get(name)
+        return None if handle is None else handle.name
+
     async def props(self, request: Request) -> Response:
         return JSONResponse({
             "role": "router",
@@ -466,7 +573,7 @@ def _upstream_error(status: int, raw: bytes) -> APIError:
                     code=err.get("code"), extra=extra)
 
 
-async def _sse_chunks(resp: httpx.Response, model: str) -> AsyncIterator[dict[str, Any]]:
+async def _sse_chunks(resp: httpx.Response, model: str, trace: RequestTrace) -> AsyncIterator[dict[str, Any]]:
     try:
         async for line in resp.aiter_lines():
             if not line.startswith("data:"):
@@ -474,6 +581,7 @@ async def _sse_chunks(resp: httpx.Response, model: str) -> AsyncIterator[dict[st
             data = line[5:].strip()
             if data == "[DONE]":
                 return
+            trace.chunk(data.encode())
             yield json.loads(data)
     except (httpx.TransportError, ValueError) as e:
         yield {"error": {"message": f"upstream for model {model!r} stopped mid-stream ({e!r})"}}

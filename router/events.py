@@ -2,12 +2,15 @@
 
 `EventBus.emit(event, data)` fans out to subscribers (each a bounded asyncio.Queue; a
 subscriber that falls behind loses its oldest events rather than slowing the router).
-`/models/sse` subscribes here; metrics can subscribe later.
 
 Event names follow llama.cpp's router: `status_change` when a model's status changes
 (`{"model": name, "status": {...}}`). `/models/sse` also sends one `model_status` event per
 model on connect (a snapshot). Request events are `request` (`{"model", "path", "status",
-"duration_ms"}`), built only when someone listens for them.
+"duration_ms", "request_id", "queued_ms", "ttft_ms", "prompt_tokens", "completion_tokens",
+"is_cancelled", "trace"}`; `trace` is the `router.request_trace.RequestTrace`, not JSON), one
+per proxied request when it ends. Lifecycle details for router.metrics: `load_started` (a spawn
+begins), `wake_started`, `evicted` (`{"model", "reason"}`: `lru`, `idle`).
+Subscribers: /models/sse, router.metrics, the request log (router.logs), router.profiling.
 """
 
 from __future__ import annotations

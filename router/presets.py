@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 Backend = Literal["auto", "llama_cpp", "torch", "cmd", "remote"]
 BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "cmd", "remote")
+POOLINGS: tuple[str, ...] = ("none", "mean", "cls", "last", "rank")  # worker --pooling
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
 _INLINE_COMMENT = re.compile(r"\s+[;#].*$")  # `c = 2048 ; comment` (unquoted values only)
 log = logging.getLogger("router.presets")
@@ -52,12 +53,17 @@ class ModelPreset:
     flash_attn: str | None = None  # auto | on | off (worker --flash-attn)
     jinja: bool | None = None  # worker --jinja / --no-jinja (templates are Jinja either way)
     model_draft: str | None = None  # llama-server's speculative draft model: accepted, not used
+    embedding: bool | None = None  # an embedding model (worker --embedding)
+    pooling: str | None = None  # none | mean | cls | last | rank (worker --pooling)
+    reranking: bool | None = None  # a reranker (worker --reranking)
     load_on_startup: bool = False
     stop_timeout: float = 10.0
     load_timeout: float = 300.0
     cmd: str | None = None
     upstream: str | None = None
     ttl: float | None = None  # idle seconds before sleep; None = router default, 0 = never
+    unload_after: float | None = None  # idle seconds before the process stops; None = router default, 0 = never
+    memory: int | None = None  # bytes the model needs (replaces the estimate)
     pin: bool = False
     source: str = ""  # where it was defined, for messages
 
@@ -142,6 +148,24 @@ def _flash_attn(raw: str) -> str:
     return s
 
 
+def _pooling(raw: str) -> str:
+    s = str(raw).strip().lower()
+    if s not in POOLINGS:
+        raise ValueError(f"expected one of {', '.join(POOLINGS)}")
+    return s
+
+
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)$", re.IGNORECASE)
+
+
+def parse_size(raw: str) -> int:
+    """`512M`, `20GiB`, `1.5g`, `4096` (bytes) -> bytes; K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024."""
+    m = _SIZE_RE.match(str(raw).strip())
+    if m is None:
+        raise ValueError("expected a size like 512M, 20GiB or a number of bytes")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
+
+
 def _upstream(raw: str) -> str:
     s = str(raw).strip().rstrip("/")
     if not re.match(r"^https?://[^/\s]+", s):
@@ -163,12 +187,17 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "cache-ram": ("cache_ram", _int(-1)),
     "kv-unified": ("kv_unified", _bool),
     "flash-attn": ("flash_attn", _flash_attn),
+    "embedding": ("embedding", _bool),
+    "pooling": ("pooling", _pooling),
+    "reranking": ("reranking", _bool),
     "load-on-startup": ("load_on_startup", _bool),
     "stop-timeout": ("stop_timeout", _float(0, strict=True)),
     "load-timeout": ("load_timeout", _float(0, strict=True)),
     "cmd": ("cmd", _text),
     "upstream": ("upstream", _upstream),
     "ttl": ("ttl", _float(0)),
+    "unload-after": ("unload_after", _float(0)),
+    "memory": ("memory", parse_size),
     "pin": ("pin", _bool),
     "jinja": ("jinja", _bool),
     "model-draft": ("model_draft", _text),
@@ -176,12 +205,13 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
           "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
           "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn",
+          "embeddings": "embedding", "rerank": "reranking",
           "md": "model-draft", "spec-draft-model": "model-draft"}
 # llama-server's environment names (LLAMA_ARG_X, lowered, `_` -> `-`, prefix off) of the keys above
 _ENV = {"model": "model", "alias": "alias", "ctx-size": "ctx-size", "n-parallel": "parallel", "batch": "batch-size",
         "n-gpu-layers": "n-gpu-layers", "threads": "threads", "chat-template": "chat-template",
         "cache-ram": "cache-ram", "kv-unified": "kv-unified", "flash-attn": "flash-attn", "jinja": "jinja",
-        "spec-draft-model": "model-draft"}
+        "spec-draft-model": "model-draft", "embeddings": "embedding", "pooling": "pooling", "reranking": "reranking"}
 _NEGATABLE = ("kv-unified", "jinja")  # llama-server's `--no-X` switches: `no-X = true` means X = false
 VALID_KEYS = ", ".join(sorted(_KEYS))
 

@@ -4,7 +4,8 @@
 - The child asks the kernel for SIGTERM when the router dies (PR_SET_PDEATHSIG, set in
   preexec) and our own worker also gets `--parent-pid` and watches it: no orphans, however
   the router exits.
-- stdout+stderr go to one pipe read line by line into a 50-line tail (the crash report).
+- stdout+stderr go to one pipe read line by line into a 50-line tail (the crash report) and
+  the model's log ring (router.logs: `GET /logs?model=`).
 - `stop()`: SIGTERM to the group, wait `timeout`, SIGKILL to the group, reap, then drain the
   pipe with a bound (a grandchild may still hold it open).
 """
@@ -27,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from router.logs import WORKER_LOGS
 from router.presets import ModelPreset
 
 log = logging.getLogger("omni.router.process")
@@ -60,13 +62,16 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
     for flag, value in (("--ctx-size", preset.ctx_size), ("--parallel", preset.parallel),
                         ("--batch-size", preset.batch_size), ("--n-gpu-layers", preset.n_gpu_layers),
                         ("--threads", preset.threads), ("--chat-template", preset.chat_template),
-                        ("--cache-ram", preset.cache_ram), ("--flash-attn", preset.flash_attn)):
+                        ("--cache-ram", preset.cache_ram), ("--flash-attn", preset.flash_attn),
+                        ("--pooling", preset.pooling)):
         if value is not None:
             argv += [flag, str(value)]
     if preset.kv_unified:
         argv.append("--kv-unified")
     if preset.jinja is not None:
         argv.append("--jinja" if preset.jinja else "--no-jinja")
+    argv += ["--embedding"] if preset.embedding else []
+    argv += ["--reranking"] if preset.reranking else []
     return argv
 
 
@@ -89,6 +94,7 @@ class WorkerProcess:
         self.proc = proc
         self.name = name
         self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.log = WORKER_LOGS.ring(name)  # GET /logs?model= (outlives the process)
         self._reader = asyncio.create_task(self._read_log())
 
     @classmethod
@@ -126,6 +132,7 @@ class WorkerProcess:
                 return
             text = line.decode(errors="replace").rstrip()
             self.log_tail.append(text)
+            self.log.append(text)
             log.debug("[%s] %s", self.name, text)
 
     async def wait(self) -> int:

@@ -32,7 +32,9 @@ HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
     b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",
 })
-_DROP_REQUEST = HOP_BY_HOP | {b"authorization", b"x-api-key", b"accept-encoding", b"origin", b"cookie", b"expect"}
+# x-request-id: the router sends its own (the client's if it gave one; router.request_trace)
+_DROP_REQUEST = HOP_BY_HOP | {b"authorization", b"x-api-key", b"accept-encoding", b"origin", b"cookie", b"expect",
+                              b"x-request-id"}
 _DROP_RESPONSE = HOP_BY_HOP | {b"date", b"server"}
 
 

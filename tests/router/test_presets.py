@@ -207,6 +207,8 @@ def test_demo_presets_parse_to_the_same_models(name: str) -> None:
     (["--preset", "{bad}"], r"^omni-router: error: .*preset\.ini:3: unknown key 'colour' \(valid: .*\)"),
     (["--preset", "{good}", "--models-max", "-1"], r"^omni-router: error: Invalid value for '--models-max'.*$"),
     (["--bogus"], r"^omni-router: error: No such option: --bogus.*$"),
+    (["--preset", "{good}", "--ram-budget", "lots"],
+     r"^omni-router: error: Invalid value for --ram-budget: expected a size like 512M, 20GiB or a number of bytes$"),
     ([], r"^omni-router: error: no models: give --preset FILE and/or --models-dir DIR$"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, gguf: Path, args: list[str], message: str) -> None:
@@ -304,3 +306,12 @@ def test_llama_cpp_key_errors(tmp_path: Path, gguf: Path, text: str, pattern: st
 def test_same_key_twice_the_last_wins(tmp_path: Path, gguf: Path) -> None:
     (preset,) = load_presets(write(tmp_path, f"[a]\nmodel = {gguf}\nc = 1\nc = 2\n", ".ini"))
     assert preset.ctx_size == 2
+
+
+def test_memory_and_unload_after_keys(tmp_path: Path, gguf: Path) -> None:
+    ini = write(tmp_path, f"[*]\nunload-after = 600\n[a]\nmodel = {gguf}\nmemory = 1.5GiB\nttl = 60\n", ".ini")
+    (a,) = load_presets(ini)
+    assert (a.memory, a.ttl, a.unload_after) == (3 << 29, 60.0, 600.0)
+    bad = write(tmp_path, f"[models.a]\nmodel = \"{gguf}\"\nmemory = \"lots\"\n", ".toml")
+    with pytest.raises(PresetError, match=r"models\.a\.memory: invalid value 'lots' for 'memory': expected a size"):
+        load_presets(bad)

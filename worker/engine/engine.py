@@ -65,7 +65,7 @@ from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import PromptCache
 from worker.engine.scheduler import Plan, Scheduler
 from worker.engine.slot import Slot
-from worker.engine.task import ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
+from worker.engine.task import EmbeddingEvent, ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
 
 log = logging.getLogger("worker.engine.engine")
 
@@ -149,6 +149,15 @@ class Engine:
             task.emit(ErrorEvent("worker is shutting down", 503, "unavailable_error"))
             return
         self._inbox.put(task)
+
+    def submit_many(self, tasks: list[Task]) -> None:
+        """Submit tasks that the engine must see together (one request's inputs: one step admits
+        as many of them as there are free slots, instead of whichever arrived before it woke)."""
+        if self._stopping:
+            for t in tasks:
+                t.emit(ErrorEvent("worker is shutting down", 503, "unavailable_error"))
+            return
+        self._inbox.put(list(tasks))
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `fn` on the engine thread between two steps."""
@@ -250,6 +259,9 @@ class Engine:
                     self._deferred = item
                 else:
                     self._run_command(item)
+            elif isinstance(item, list):
+                for task in item:
+                    self._enqueue(task)
             else:
                 self._enqueue(item)
 
@@ -355,6 +367,10 @@ class Engine:
                 return
             to_sample = scheduler.commit(plan, (time.perf_counter() - t0) * 1e3)
             self._metrics.n_busy_slots.inc(scheduler.n_busy())
+        if backend.pooling is not None:  # an embedding model: an evaluated prompt is a finished task
+            for i, slot in enumerate(to_sample):
+                self._finish_embedding(slot, backend.embedding(i))
+            return
         slots = to_sample + plan.from_saved
         if slots:
             tasks = [s.task for s in slots if s.task is not None]
@@ -433,12 +449,29 @@ class Engine:
         m = self._metrics
         m.on_task_done(n_evaluated=st.n_evaluated, n_cached=st.n_cached, prompt_s=st.prompt_ms / 1e3,
                        n_decoded=st.n_decoded, predicted_s=st.predicted_ms / 1e3, n_tokens=st.n_prompt + st.n_decoded)
+        m.prefix_hit_tokens.inc(st.n_cached)
         m.requests.labels(reason).inc()
         tps = st.n_decoded / (st.predicted_ms / 1e3) if st.predicted_ms > 0 else 0.0
         log.info(
             "task %d done on slot %d: %s; prompt %d tokens (%d cached) in %.1f ms; %d tokens in %.1f ms (%.1f t/s)",
             task.id, slot.id, reason, st.n_prompt, st.n_cached, st.prompt_ms, st.n_decoded, st.predicted_ms, tps,
         )
+
+    def _finish_embedding(self, slot: Slot, vectors: Any) -> None:
+        task = slot.release()
+        assert task is not None
+        if task.on_embedding is None:  # the HTTP layer refuses generation on an embedding model
+            self._free_sampler(task)
+            task.emit(ErrorEvent("an embedding model does not generate", 501, "not_supported_error"))
+            return
+        st = task.stats
+        st.t_first_token = st.t_end = time.monotonic()
+        self._free_sampler(task)
+        task.on_embedding(EmbeddingEvent(vectors, st))
+        m = self._metrics
+        m.on_task_done(n_evaluated=st.n_evaluated, n_cached=st.n_cached, prompt_s=st.prompt_ms / 1e3, n_decoded=0,
+                       predicted_s=0.0, n_tokens=st.n_prompt)
+        m.embeddings.inc()
 
     def _fail(self, slot: Slot, message: str) -> None:
         task = slot.release()
@@ -462,6 +495,8 @@ class Engine:
                 break
             if isinstance(item, Task):
                 tasks.append(item)
+            elif isinstance(item, list):
+                tasks.extend(item)
             elif isinstance(item, _Command):
                 item.future.set_exception(RuntimeError(message))
         if self._deferred is not None:
@@ -488,6 +523,7 @@ class Engine:
             m.requests_deferred.set(values[1])
         if values[2] != last[2]:
             m.kv_cells_used.set(values[2])
+            m.kv_usage_ratio.set(values[2] / max(1, self._require_backend().n_ctx))
 
 
 def _params_info(task: Task) -> dict[str, Any]:

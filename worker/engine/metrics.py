@@ -76,7 +76,12 @@ class WorkerMetrics:
         r = self.registry
         self.n_preempted = Counter("omni:preemptions", "Requests preempted for KV space", registry=r)
         self.requests = Counter("omni:requests", "Generation tasks finished", ["reason"], registry=r)
+        self.embeddings = Counter("omni:embeddings", "Embedding and rerank inputs evaluated", registry=r)
         self.kv_cells_used = Gauge("omni:kv_cache_tokens", "KV cells in use", registry=r)
+        self.kv_usage_ratio = Gauge("omni:kv_cache_usage_ratio", "KV cells in use / KV cells in all", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "omni:prefix_cache_hit_tokens", "Prompt tokens found in a slot's KV cache (not decoded again)", registry=r
+        )
         self.prompt_cache_bytes = Gauge("omni:prompt_cache_bytes", "Host RAM held by the prompt cache", registry=r)
         self.prompt_cache_entries = Gauge("omni:prompt_cache_entries", "Prompts saved in the prompt cache", registry=r)
         self.prompt_cache_restored = Counter(

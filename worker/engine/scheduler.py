@@ -24,6 +24,11 @@ Short prompts (up to `SHORT_PROMPT` tokens, a ubatch of them per step) go in at 
 burst of chat turns starts generating together; longer ones are cut to a per-step row budget
 (`PrefillBudget`) that keeps the generating slots' inter-token latency bounded.
 
+Embedding tasks (an embedding model) are stateless, as in llama-server: no prefix reuse (they
+come with `cache_prompt` off). With a pooling that reads every row (mean, cls, none) a prompt
+goes in one piece, whole, in a step with room for it, and the HTTP layer refuses prompts over
+`n_ubatch`; with last or rank (`Backend.pools_in_pieces`) it is cut like any prompt.
+
 Overload. When every slot is busy and requests wait, the staging sequence (the backend's last
 one) prefills the oldest waiting prompt, its first token is sent at once, and its KV is parked
 in the prompt cache until a slot frees; then the request continues from there.
@@ -416,10 +421,11 @@ class Scheduler:
                 plan.from_saved.append(s)
                 continue
             assert s.task is not None
-            is_short = len(s.task.prompt) <= SHORT_PROMPT
+            whole = s.task.is_embedding and not self._backend.pools_in_pieces
+            is_short = len(s.task.prompt) <= SHORT_PROMPT or whole
             room = cap - used - short_used
             limit = min(room, self._backend.n_ubatch - short_used) if is_short else min(room, budget - used)
-            n = self._piece(s, limit)
+            n = self._piece(s, limit) if not whole else len(s.feed) if len(s.feed) <= limit else 0
             if self._backend.kv_unified and n > free:
                 while free < n and self._evict_idle_cache():
                     free = self._kv_free() - sum(len(e.tokens) for _, e in plan.entries)
@@ -527,7 +533,8 @@ class Scheduler:
                 n_rows += n
                 slot.task.report_progress(len(slot.cache))
             if entry.logits:
-                if is_prompt:  # the prompt ends here: keep its logits for a later identical prompt
+                is_sampled = slot.task is not None and not slot.task.is_embedding
+                if is_prompt and is_sampled:  # the prompt ends here: keep its logits for a later identical prompt
                     slot.logits, slot.n_logits = self._backend.logits_row(len(to_sample)), len(slot.cache)
                 to_sample.append(slot)
         if n_rows:

@@ -6,6 +6,9 @@ any thread may call (a single attribute write; the engine notices it at its next
 
 Every result goes out through `emit`, called on the engine thread: one `TokenEvent` per sampled
 token, then exactly one `FinishEvent` or `ErrorEvent`. A cancelled task gets no further events.
+An embedding task (made with `on_embedding`, on an embedding model) samples nothing: once its
+prompt is evaluated it gets one `EmbeddingEvent` through `on_embedding` (or an `ErrorEvent`
+through `emit`) and is done.
 
 The task, not the slot, owns what must survive preemption: the generated tokens, the sampler
 (penalty history, RNG), the grammar's parser state, the detokenizer and the stop-string matcher. A preempted task is
@@ -75,6 +78,12 @@ class ErrorEvent:
     type: str = "server_error"
 
 
+@dataclass(slots=True)
+class EmbeddingEvent:
+    vectors: Any  # float32[rows, n] as the backend pooled it (worker/backends/base.py)
+    stats: TaskStats
+
+
 @dataclass(frozen=True, slots=True)
 class ProgressEvent:
     """Prompt processing progress (only for params.return_progress): at admission, then after
@@ -116,8 +125,12 @@ class Task:
         params: SamplingParams,
         seed: int,
         emit: Callable[[Event], None],
+        *,
+        on_embedding: Callable[[EmbeddingEvent], None] | None = None,
     ) -> None:
         self.id = next(_task_ids)
+        self.on_embedding = on_embedding  # an embedding task: done when its prompt is evaluated
+        self.is_embedding = on_embedding is not None
         self.prompt = prompt
         self.params = params
         self.seed = seed

@@ -30,6 +30,7 @@ from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.metrics import CONTENT_TYPE
 from worker.engine.sampling_params import SamplingParams
 from worker.errors import APIError, api_error_handler, error_body, http_exception_handler, parse_model
+from worker.server import profiling
 from worker.server.cors_proxy import cors_proxy
 from worker.server.generation import Generation
 from worker.server.infill import InfillParts, infill_prompt
@@ -666,6 +667,9 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origins: str = "*") -> ASGIApp:
+    from worker.server.embeddings import RefuseGeneration
+    from worker.server.embeddings import routes as embedding_routes  # it imports this module's helpers
+
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
@@ -692,6 +696,8 @@ def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origin
         Route("/metrics", metrics, methods=["GET"]),
         Route("/sleep", sleep, methods=["POST"]),
         Route("/wake", wake, methods=["POST"]),
+        *profiling.routes(state.model_id),
+        *embedding_routes(),
     ]
     app = Starlette(
         routes=routes,
@@ -702,7 +708,9 @@ def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origin
         },
     )
     app.state.worker = state
-    outer: ASGIApp = app
+    outer: ASGIApp = profiling.RequestContext(app)  # X-Request-Id for the profiling events
+    if state.is_embedding:
+        outer = RefuseGeneration(outer)
     if api_keys:
         outer = RequireAPIKey(outer, api_keys)
     return Cors(outer, cors_origins)

@@ -18,13 +18,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import cast
 
 import typer
 import uvicorn
 from typer._click.exceptions import ClickException, NoSuchOption  # typer vendors its own click
 
 from worker.backends import BackendOptions, load_backend, resolve_kind
-from worker.backends.base import Backend
+from worker.backends.base import POOLINGS, Backend, Pooling
 from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.sampling_params import SamplingParams
@@ -146,6 +147,14 @@ def serve(
     presence_penalty: float = typer.Option(0.0, "--presence-penalty"),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
     seed: int = typer.Option(-1, "--seed", "-s", help="default seed (-1: a random one per request)"),
+    # -- embedding models --
+    embedding: bool = typer.Option(
+        False, "--embedding", "--embeddings", help="an embedding model: /v1/embeddings, /embedding; no generation",
+    ),
+    pooling: str | None = typer.Option(
+        None, "--pooling", help="none | mean | cls | last | rank (default: the model's own)",
+    ),
+    rerank: bool = typer.Option(False, "--rerank", "--reranking", help="a reranker: --embedding --pooling rank, /rerank"),
     # -- HTTP server --
     api_key: str | None = typer.Option(None, "--api-key", help="comma-separated keys; /health stays public"),
     api_key_file: str | None = typer.Option(None, "--api-key-file", help="a file of keys, one per line"),
@@ -217,6 +226,23 @@ def serve(
     if reasoning_format not in REASONING_FORMATS:
         raise typer.BadParameter(f"{reasoning_format!r} is not one of {', '.join(REASONING_FORMATS)}",
                                  param_hint="--reasoning-format")
+    if pooling is not None and pooling not in POOLINGS:
+        raise typer.BadParameter(f"{pooling!r} is not one of {', '.join(POOLINGS)}", param_hint="--pooling")
+    if rerank:
+        if pooling not in (None, "rank"):
+            raise typer.BadParameter("--rerank pools with rank: leave --pooling out", param_hint="--pooling")
+        embedding, pooling = True, "rank"
+    if pooling is not None and not embedding:
+        raise typer.BadParameter("pools an embedding model's outputs: add --embedding", param_hint="--pooling")
+    if embedding:
+        # As llama-server: a prompt is pooled in one ubatch, so a batch is one ubatch; and the
+        # tasks are stateless, so there is no prompt cache to keep.
+        if batch_size > ubatch_size:
+            log.info("--embedding: batch size %d -> %d (the ubatch size)", batch_size, ubatch_size)
+            batch_size = ubatch_size
+        if batch_size < parallel:
+            raise typer.BadParameter(f"must be at least --parallel ({parallel})", param_hint="--ubatch-size")
+        cache_ram = 0
     try:
         kind = resolve_kind(backend, model)  # type: ignore[arg-type]
     except ValueError as e:
@@ -235,6 +261,8 @@ def serve(
         device=device,
         dtype=dtype,
         compile=compile,
+        embedding=embedding,
+        pooling=cast(Pooling | None, pooling),
     )
     defaults = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
@@ -265,7 +293,7 @@ def serve(
     state = WorkerState(
         engine, metrics, aliases[0] if aliases else _default_model_id(model), model, kind,
         reasoning_format=reasoning_format, defaults=defaults, tags=_split(tags), aliases=aliases,
-        is_slots_on=slots, is_metrics_on=metrics_on, is_verbose=verbose, is_props_on=props,
+        is_slots_on=slots, is_metrics_on=metrics_on, is_embedding=embedding, is_verbose=verbose, is_props_on=props,
         slot_save_path=slot_save_path, is_cors_proxy_on=ui_mcp_proxy,
         template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
     )

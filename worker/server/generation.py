@@ -30,6 +30,7 @@ from functools import partial
 from worker.engine.engine import Engine
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.task import ErrorEvent, Event, FinishEvent, Task, TokenEvent
+from worker.server.profiling import generation_trace
 
 
 class EventRelay:
@@ -113,8 +114,11 @@ class Generation:
                 self.tasks.append(Task(prompt, params, (base_seed + index) & 0xFFFFFFFF, emit))
         self._is_started = False
         self._quiet_tokens = quiet_tokens
+        self.trace = generation_trace(self.tasks)  # None unless a profiling run is active
 
     def _emit(self, index: int, event: Event) -> None:  # engine thread
+        if self.trace is not None:
+            self.trace.on_event(index, event)
         if self._quiet_tokens and isinstance(event, TokenEvent):
             self._relay.push_quiet(self._queue, (index, event))
         else:
@@ -123,12 +127,16 @@ class Generation:
     def start(self) -> None:
         if not self._is_started:
             self._is_started = True
+            if self.trace is not None:
+                self.trace.on_start()
             for t in self.tasks:
                 self._engine.submit(t)
 
     def cancel(self) -> None:
         for t in self.tasks:
             t.cancel()
+        if self.trace is not None:
+            self.trace.on_cancel()
 
     def prompt_of(self, index: int) -> list[int]:
         return self.prompts[index // self.params.n]

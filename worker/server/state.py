@@ -40,6 +40,8 @@ class WorkerState:
     is_props_on: bool = False  # --props: POST /props answers (501 without it, as llama-server)
     slot_save_path: str | None = None  # --slot-save-path: POST /slots/{id}?action=save|restore
     is_verbose: bool = False  # --verbose: every response carries `__verbose`, as llama-server's
+    is_embedding: bool = False  # --embedding: embeddings/rerank only (worker/server/embeddings.py)
+    embd_normalize: int = 2  # requests' default embd_normalize (llama-server's: Euclidean)
     created: int = field(default_factory=lambda: int(time.time()))
     _eog_ids: tuple[int, ...] | None = None
 

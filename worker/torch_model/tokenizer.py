@@ -129,6 +129,13 @@ class HFTokenizer:
 
         return FimTokens(*(find(kind) for kind in ("pre", "suf", "mid", "rep", "sep")))
 
+    def token_id(self, token: str) -> int:
+        """The id of a vocabulary entry (as transformers' convert_tokens_to_ids); KeyError if none."""
+        tid = self._tok.token_to_id(token)
+        if tid is None:
+            raise KeyError(f"{token!r} is not in the vocabulary")
+        return int(tid)
+
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         tok = self._tok if parse_special else self._tok_literal
         ids: list[int] = tok.encode(text, add_special_tokens=False).ids
