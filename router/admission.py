@@ -1,15 +1,19 @@
-"""Admission under `--models-max`: who holds a slot, who waits (FIFO), whom to evict or drain.
+"""Admission: who holds a slot and memory, who waits (FIFO), whom to evict or drain.
 
-A model holds a slot from its spawn until its process is reaped. A model that needs a slot
-joins a FIFO (one entry per model, however many requests wait for it). One task, `Slots.run`,
-asks the pure policy (`router.eviction.choose_victim`) what to do for the head of the queue:
-admit; evict the LRU idle model (a command to its owner, which refuses if a request slipped in
-meanwhile); drain the LRU busy model (it finishes its in-flight requests but admits no new
-ones, which wait for it to come back; undone when the queue empties); or wait until something
-changes (a release, a request finishing, a load finishing); or, when pinned models hold every
-slot, refuse the load at once (`SlotsFull`: the requests get a 503 saying why; the model is
-not marked failed). Running requests are never aborted to make room. Slots are given back by
-the model's owner alone, when it is left without a process (`ModelHandle._set`).
+A model holds a slot from its grant until its process is reaped, and is charged the memory it
+uses (or is expected to use) against `--ram-budget` / `--vram-budget`. A model that needs a
+slot joins a FIFO (one entry per model, however many requests wait for it) with its `Need`.
+One task, `Slots.run`, asks the pure policy (`router.eviction.choose_victim`) what to do for
+the head of the queue: admit; evict the LRU idle model (a command to its owner, which refuses
+if a request slipped in meanwhile); drain the LRU busy model (it finishes its in-flight
+requests but admits no new ones; undone when the queue empties); wait until something changes
+(a release, a request finishing, a load finishing, a new memory sample); or, when nothing can
+ever make room, refuse the load at once (`SlotsFull`, with the figures; the model is not marked
+failed). Running requests are never aborted to make room.
+
+Slots knows its holders only through the small `Occupant` protocol; whether one drains is the
+occupant's own state (`Occupancy`), not tracked here. `release` is called by the occupant's
+owner alone, when it is left without a process.
 """
 
 from __future__ import annotations
@@ -17,42 +21,54 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from router.eviction import Admit, Drain, Evict, Full, choose_victim
-
-if TYPE_CHECKING:
-    from router.model import ModelHandle
+from router.eviction import Admit, Drain, Evict, Full, Limits, Need, Occupancy, choose_victim
 
 log = logging.getLogger("omni.router.admission")
 
 
 class SlotsFull(Exception):
-    """No slot can ever be freed for this model (pinned models hold them all)."""
+    """No eviction can ever make room for this model (the message says why, with figures)."""
 
 
-@dataclass
+class Occupant(Protocol):
+    """What Slots needs of a model: a snapshot, and two commands to its owner."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def is_draining(self) -> bool: ...
+
+    def occupancy(self) -> Occupancy: ...
+
+    async def evict(self) -> bool: ...
+
+    async def drain(self, is_on: bool) -> bool: ...
+
+
+@dataclass(eq=False)
 class _SlotRequest:
-    name: str
+    occupant: Occupant
+    need: Need
     granted: asyncio.Future[None]
 
 
 class Slots:
-    """`--models-max` bookkeeping: who holds a slot, who waits (FIFO), whom to evict."""
+    """`--models-max` and memory budget bookkeeping."""
 
-    def __init__(self, models_max: int, handles: Mapping[str, ModelHandle]) -> None:
-        self.models_max = models_max
-        self.holders: set[str] = set()
-        self.draining: set[str] = set()
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.holders: list[Occupant] = []
         self._queue: deque[_SlotRequest] = deque()
         self._changed = asyncio.Event()
-        self._handles = handles
 
-    async def acquire(self, name: str) -> None:
+    async def acquire(self, occupant: Occupant, need: Need) -> None:
+        """Wait for a slot and room in the budgets; `SlotsFull` if there never will be."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append(_SlotRequest(name, fut))
+        self._queue.append(_SlotRequest(occupant, need, fut))
         self.poke()
         try:
             await fut
@@ -60,10 +76,10 @@ class Slots:
             self.poke()  # a slot granted just as we were cancelled is released by the owner
             raise
 
-    def release(self, name: str) -> None:
-        """Called by the model's owner only, whenever it is left without a process."""
-        self.holders.discard(name)
-        self.draining.discard(name)
+    def release(self, occupant: Occupant) -> None:
+        """Called by the occupant's owner only, whenever it is left without a process. Idempotent."""
+        if occupant in self.holders:
+            self.holders.remove(occupant)
         self.poke()
 
     def poke(self) -> None:
@@ -71,7 +87,7 @@ class Slots:
 
     @property
     def queued(self) -> list[str]:
-        return [r.name for r in self._queue if not r.granted.done()]
+        return [r.occupant.name for r in self._queue if not r.granted.done()]
 
     async def run(self) -> None:
         while True:
@@ -91,26 +107,23 @@ class Slots:
             if head.granted.done():  # its load was cancelled
                 self._queue.popleft()
                 continue
-            occupants = [self._handles[n].occupant() for n in sorted(self.holders)]
-            decision = choose_victim(occupants, self.models_max)
+            holders = list(self.holders)
+            by_name = {h.name: h for h in holders}
+            decision = choose_victim([h.occupancy() for h in holders], head.need, self.limits)
             if isinstance(decision, Admit):
                 self._queue.popleft()
-                self.holders.add(head.name)
+                self.holders.append(head.occupant)
                 head.granted.set_result(None)
             elif isinstance(decision, Evict):
                 # The victim's owner re-checks (a request may have been admitted since the
                 # snapshot); either way the next decision sees its new state.
                 if decision.victim in refused:
                     return  # wait for the next change rather than spin
-                if await self._handles[decision.victim].evict():
-                    self.draining.discard(decision.victim)
-                else:
+                if not await by_name[decision.victim].evict():
                     refused.add(decision.victim)
             elif isinstance(decision, Drain):
-                if decision.victim not in self.draining:
-                    self.draining.add(decision.victim)
-                    await self._handles[decision.victim].drain(True)
-                return  # its last release() pokes us
+                await by_name[decision.victim].drain(True)
+                return  # its last release pokes us
             elif isinstance(decision, Full):
                 self._queue.popleft()
                 head.granted.set_exception(SlotsFull(decision.reason))
@@ -120,5 +133,6 @@ class Slots:
 
     async def _undrain(self) -> None:
         """Nobody waits any more: models drained for the queue admit requests again."""
-        while self.draining:
-            await self._handles[self.draining.pop()].drain(False)
+        for h in list(self.holders):
+            if h.is_draining:
+                await h.drain(False)

@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import json
 import logging
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from router.metrics import RouterMetrics
 from router.model import ModelHandle
 from router.openapi import openapi_document
 from router.pool import Pool
+from router.presets import PresetError
 from router.profiling import RouterProfiling
 from router.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
 from router.request_trace import REQUEST_ID_HEADER, RequestTrace, request_id
@@ -82,6 +84,10 @@ PROXY_POST: dict[str, str] = {
     "/detokenize": "/detokenize",
     "/apply-template": "/apply-template",
     "/infill": "/infill",
+    "/chat/completions/input_tokens": "/chat/completions/input_tokens",  # token counts (llama-server's)
+    "/v1/chat/completions/input_tokens": "/v1/chat/completions/input_tokens",
+    "/v1/responses/input_tokens": "/v1/responses/input_tokens",
+    "/v1/messages/count_tokens": "/v1/messages/count_tokens",
 }
 # GET routes proxied when `?model=` is given (without it, /props is the router's own)
 PROXY_GET: dict[str, str] = {"/props": "/props", "/slots": "/slots", "/metrics": "/metrics"}
@@ -136,6 +142,7 @@ class RouterApp:
                 Route("/models/load", self.load_model, methods=["POST"]),
                 Route("/models/unload", self.unload_model, methods=["POST"]),
                 Route("/models/sleep", self.sleep_model, methods=["POST"]),
+                Route("/models/reload", self.reload_models, methods=["POST"]),
                 Route("/models/sse", self.models_sse),
                 Route("/props", self.props),
                 Route("/metrics", self.metrics_text),
@@ -157,6 +164,9 @@ class RouterApp:
         logging.getLogger().addHandler(log_handler)
         await asyncio.sleep(0)  # the observers subscribe before the first event
         await self.pool.start()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no SIGHUP
+            loop.add_signal_handler(signal.SIGHUP, self._reload_in_background)
         try:
             yield
         finally:
@@ -164,6 +174,8 @@ class RouterApp:
             await self.profiling.close()
             for t in observers:
                 t.cancel()
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(signal.SIGHUP)
             await self.responses.close()
             await self.pool.close()
             self.store.close()
@@ -485,7 +497,30 @@ class RouterApp:
         return JSONResponse({"status": "ok"})
 
     async def list_models(self, request: Request) -> Response:
+        if request.query_params.get("reload", "").lower() in ("1", "true", "yes", "on"):
+            await self._reload()  # llama.cpp's `GET /models?reload=1`
         return JSONResponse({"object": "list", "data": self.pool.models()})
+
+    async def reload_models(self, request: Request) -> Response:
+        return JSONResponse({"success": True, **await self._reload()})
+
+    async def _reload(self) -> dict[str, list[str]]:
+        """Re-read the presets; a broken file changes nothing and is a 400 that says why."""
+        try:
+            return await self.pool.reload()
+        except PresetError as e:
+            log.error("preset reload rejected, running config unchanged: %s", e)
+            raise APIError(f"preset reload rejected, running config unchanged: {e}", code="invalid_preset") from None
+
+    def _reload_in_background(self) -> None:
+        """SIGHUP: reload; errors are logged (by `_reload`)."""
+        async def run() -> None:
+            with contextlib.suppress(APIError):
+                await self._reload()
+
+        task = asyncio.create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def get_model(self, request: Request) -> Response:
         name = request.path_params["model_id"]

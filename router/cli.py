@@ -47,6 +47,12 @@ def serve(
     models_max: Annotated[int, typer.Option(min=0, help="models loaded at once (0 = unlimited)")] = 4,
     models_autoload: Annotated[bool, typer.Option("--models-autoload/--no-models-autoload")] = True,
     sleep_idle_seconds: Annotated[float, typer.Option(min=0, help="idle seconds before a worker sleeps (0 = never)")] = 0.0,
+    unload_idle_seconds: Annotated[float, typer.Option(min=0, help="idle seconds before a worker (awake or asleep) "
+                                                       "is stopped (0 = never)")] = 0.0,
+    ram_budget: Annotated[str, typer.Option(help="host RAM the workers may use: SIZE (512M, 20GiB), 0 = no limit, "
+                                            "auto = total less 10% (at least 1 GiB)")] = "auto",
+    vram_budget: Annotated[str, typer.Option(help="GPU memory the workers may use: SIZE, 0 = no limit, "
+                                             "auto = total less 10% (no limit without a GPU)")] = "auto",
     max_queue: Annotated[int, typer.Option(min=0, help="requests allowed to wait for a model")] = 256,
     api_key: Annotated[list[str], typer.Option(help="required bearer key (repeatable)")] = [],  # noqa: B006
     cors_origin: Annotated[list[str], typer.Option(help="allowed CORS origin (repeatable, * for any)")] = [],  # noqa: B006
@@ -66,6 +72,15 @@ def serve(
     """One OpenAI-compatible endpoint for many models."""
     overrides = {"ctx-size": ctx_size, "parallel": parallel, "n-gpu-layers": n_gpu_layers, "threads": threads}
     presets = build_presets(preset, models_dir, overrides)
+    from router.memory import budget, gpu_total_bytes, host_total_bytes
+
+    budgets = []
+    for flag, raw, total in (("--ram-budget", ram_budget, host_total_bytes), ("--vram-budget", vram_budget,
+                                                                             gpu_total_bytes)):
+        try:
+            budgets.append(budget(raw, total() if raw.strip().lower() == "auto" else None))
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint=flag) from None
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise typer.BadParameter("expected one of debug, info, warning, error", param_hint="--log-level")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -77,10 +92,11 @@ def serve(
     from router.pool import Pool, PoolConfig
 
     config = PoolConfig(models_max=models_max, max_queue=max_queue, sleep_idle_seconds=sleep_idle_seconds,
+                        unload_idle_seconds=unload_idle_seconds, ram_budget=budgets[0], vram_budget=budgets[1],
                         autoload=models_autoload)
     responses = ResponsesConfig(data_dir or default_data_dir(), responses_max_entries, responses_ttl)
-    app = RouterApp(Pool(presets, config), api_keys=api_key, cors_origins=cors_origin, responses=responses,
-                    max_body_size=max_body_size)
+    pool = Pool(presets, config, source=lambda: build_presets(preset, models_dir, overrides))
+    app = RouterApp(pool, api_keys=api_key, cors_origins=cors_origin, responses=responses, max_body_size=max_body_size)
     uvicorn.run(app, host=host, port=port, loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"),
                 log_level=log_level.lower(), access_log=False, timeout_keep_alive=75, lifespan="on",
                 proxy_headers=False, server_header=False, date_header=False, timeout_graceful_shutdown=3)

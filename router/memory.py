@@ -1,16 +1,26 @@
-"""Host memory of one worker: the process tree's RSS and USS, read with psutil.
+"""Memory of one worker: the process tree's RSS and USS (psutil) and its VRAM (NVML or nvidia-smi).
 
-Effects only, and blocking (USS reads /proc/PID/smaps_rollup): callers run `tree_memory` in a
-thread. USS, the memory unique to the tree, is what stopping the worker gives back; RSS also
-counts shared pages (libraries, page cache of mmapped weights) and so overstates it.
+Effects only, and blocking (USS reads /proc/PID/smaps_rollup; nvidia-smi is a subprocess):
+callers run `tree_memory` in a thread. USS, the memory unique to the tree, is what stopping the
+worker gives back; RSS also counts shared pages (libraries, page cache of mmapped weights) and
+so overstates it. VRAM is the sum over the tree's pids of what the driver reports per process;
+None where there is no NVIDIA GPU (no `pynvml` module and no `nvidia-smi`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import logging
+import shutil
+import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
+
+log = logging.getLogger("omni.router.memory")
 
 SAMPLE_LOADING_S = 0.25  # while loading, memory grows quickly: sample often
 SAMPLE_RUNNING_S = 2.0
@@ -20,10 +30,11 @@ SAMPLE_RUNNING_S = 2.0
 class TreeMemory:
     rss_bytes: int
     uss_bytes: int
+    vram_bytes: int | None = None  # None: no GPU to ask
 
 
 def tree_memory(pid: int) -> TreeMemory | None:
-    """RSS and USS summed over `pid` and its descendants; None if `pid` is gone."""
+    """RSS and USS summed over `pid` and its descendants, and their VRAM; None if `pid` is gone."""
     try:
         root = psutil.Process(pid)
         procs = [root, *root.children(recursive=True)]
@@ -35,4 +46,80 @@ def tree_memory(pid: int) -> TreeMemory | None:
             info = p.memory_full_info()
             rss += info.rss
             uss += info.uss
-    return TreeMemory(rss, uss)
+    vram = gpu_memory_by_pid()
+    return TreeMemory(rss, uss, None if vram is None else sum(vram.get(p.pid, 0) for p in procs))
+
+
+@functools.cache
+def _nvml() -> Any | None:
+    try:
+        nvml = importlib.import_module("pynvml")
+        nvml.nvmlInit()
+        return nvml
+    except Exception:  # not installed, or no driver
+        return None
+
+
+def has_gpu() -> bool:
+    return _nvml() is not None or shutil.which("nvidia-smi") is not None
+
+
+def gpu_memory_by_pid() -> dict[int, int] | None:
+    """Bytes of VRAM used per pid on every NVIDIA GPU; None when there is none to ask."""
+    nvml = _nvml()
+    if nvml is not None:
+        out: dict[int, int] = {}
+        with contextlib.suppress(Exception):
+            for i in range(nvml.nvmlDeviceGetCount()):
+                for proc in nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(i)):
+                    out[proc.pid] = out.get(proc.pid, 0) + int(proc.usedGpuMemory or 0)
+        return out
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        text = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found: dict[int, int] = {}
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            pid, mib = (s.strip() for s in line.split(","))
+            found[int(pid)] = found.get(int(pid), 0) + int(mib) * (1 << 20)
+    return found
+
+
+def gpu_total_bytes() -> int | None:
+    """Total VRAM of all NVIDIA GPUs, or None."""
+    nvml = _nvml()
+    if nvml is not None:
+        with contextlib.suppress(Exception):
+            return sum(int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).total)
+                       for i in range(nvml.nvmlDeviceGetCount()))
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return None
+    try:
+        text = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=5, check=True).stdout
+        return sum(int(s.strip()) for s in text.splitlines() if s.strip()) * (1 << 20)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def host_total_bytes() -> int:
+    return int(psutil.virtual_memory().total)
+
+
+BUDGET_MARGIN = 0.10  # `auto` leaves this share of the total (at least 1 GiB) to everything else
+
+
+def budget(raw: str, total: int | None) -> int:
+    """`--ram-budget` / `--vram-budget`: a size (`512M`, `20GiB`), `0` (no limit) or `auto`
+    (the total less a margin; no limit where there is no total, e.g. no GPU)."""
+    from router.presets import parse_size
+
+    if raw.strip().lower() == "auto":
+        return 0 if not total else max(0, total - max(int(total * BUDGET_MARGIN), 1 << 30))
+    return parse_size(raw)

@@ -1,47 +1,48 @@
 """One model's lifecycle: a single owner task per model (`ModelHandle`).
 
-Single-writer lifecycle (llama-swap's lesson): each `ModelHandle` has one owner task that is
-the only writer of its `state`. Public operations (`ensure_ready`, `sleep`, `unload`, `evict`,
-`drain`) put a command with a reply future on the owner's queue; the decision "start or not" is
-made inside the owner, so concurrent requests for a loading model simply join its waiter list
-and the worker is spawned once. Long effects (spawn + readiness, wake, sleep, stop) run as
-effect tasks started by the owner; they report back with a message, and only the owner changes
-state. Transitions: `router.state.ModelState`.
+Single-writer lifecycle (llama-swap's lesson): each `ModelHandle` has one owner task, the only
+writer of its `phase` and of everything that goes with it (process, base URL, progress,
+memory). Public operations (`ensure_ready`, `load`, `sleep`, `unload`, `evict`, `drain`,
+`reconfigure`) put a command on the owner's queue, most with a reply future; the decision
+"start or not" is made inside the owner, so concurrent requests for a loading model join its
+waiter list and the worker is spawned once. Long effects (ask for a slot, spawn, readiness,
+sleep, wake, stop, exit watch, memory samples) run as tasks that only report back with a
+message (`router.messages`) tagged with the attempt (or process) they belong to; a stale
+message is ignored. The phases and their transition table: `router.state.Phase`.
 
 Hot path: `can_admit()` / `admit()` are synchronous, so on a READY model a request is admitted
 without a round trip through the owner; nothing can interleave between the two calls (no
 await), and the owner leaves READY synchronously before any effect that needs the model idle.
-`num_in_flight` and `last_used` are counters written by `admit()` / `release()`.
+`num_in_flight` and `last_used` are counters written by `admit()` / `release()`; the release
+that leaves a model idle pokes its owner (idle timers, a drain that waits for it).
+
+A handle depends on `ModelDeps` (admission, events, effects, the memory book, the queue
+bound, the idle defaults), never on the pool that holds it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-import httpx
-
-from router.admission import SlotsFull
-from router.eviction import Occupant
-from router.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory, tree_memory
+from router import messages as msg
+from router.admission import Slots, SlotsFull
+from router.effects import Effects, Process
+from router.estimate import Estimate, MemoryBook
+from router.events import EventBus
+from router.eviction import Need, Occupancy
+from router.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory
 from router.presets import ModelPreset
-from router.process import LoadError, WorkerProcess, free_port, wait_ready, worker_argv
-from router.state import ModelState
+from router.state import ModelState, Phase
 from worker.errors import APIError
 
-if TYPE_CHECKING:
-    from router.pool import Pool
-
 log = logging.getLogger("omni.router.model")
-PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 STABLE_AFTER_S = 60.0  # a model READY this long before crashing starts its backoff afresh
 MAX_BACKOFF_S = 30.0
+_STRAYS: set[asyncio.Task[Any]] = set()
 
 
 def backoff_delay(failures: int) -> float:
@@ -49,78 +50,38 @@ def backoff_delay(failures: int) -> float:
     return 0.0 if failures <= 1 else min(2.0 ** (failures - 2), MAX_BACKOFF_S)
 
 
-# --------------------------------------------------------------------------- commands
+@dataclass
+class Waiting:
+    """`--max-queue`: requests allowed to wait for a model, all models together."""
+
+    max_queue: int = 256
+    num_waiting: int = 0
+
+
+@dataclass(frozen=True)
+class IdleDefaults:
+    sleep_idle_seconds: float = 0.0  # per-model `ttl` overrides; 0 = never
+    unload_idle_seconds: float = 0.0  # per-model `unload-after` overrides; 0 = never
 
 
 @dataclass
-class _EnsureReady:
-    reply: asyncio.Future[str]
+class ModelDeps:
+    """The services a model's owner uses; nothing else of the pool."""
+
+    slots: Slots
+    events: EventBus
+    effects: Effects
+    book: MemoryBook
+    waiting: Waiting = field(default_factory=Waiting)
+    idle: IdleDefaults = field(default_factory=IdleDefaults)
+    created: int = 0
 
 
-@dataclass
-class _Load:
-    """Load (or wake) with no request waiting: load-on-startup, `POST /models/load`, a queue-full request."""
+@dataclass(frozen=True)
+class _Pending:
+    """A reload's change, applied once the model is idle and stopped: the new preset, or None (removed)."""
 
-
-@dataclass
-class _Sleep:
-    reply: asyncio.Future[bool]
-
-
-@dataclass
-class _Unload:
-    reply: asyncio.Future[bool]
-
-
-@dataclass
-class _Evict:
-    reply: asyncio.Future[bool]
-
-
-@dataclass
-class _Drain:
-    is_on: bool
-    reply: asyncio.Future[bool]
-
-
-@dataclass
-class _LoadDone:
-    proc: WorkerProcess | None
-    error: str | None
-    can_sleep: bool = True
-
-
-@dataclass
-class _SlotRefused:
-    """No slot can ever be had (pinned models hold them all): not a failure of the model."""
-
-    reason: str
-
-
-@dataclass
-class _SleepDone:
-    ok: bool
-
-
-@dataclass
-class _Exited:
-    proc: WorkerProcess
-    code: int
-
-
-@dataclass
-class _Measured:
-    proc: WorkerProcess
-    memory: TreeMemory
-
-
-@dataclass
-class _Poke:
-    """Something changed (a waiter left, the idle timer fired): re-examine."""
-
-
-_Command = (_EnsureReady | _Load | _Sleep | _Unload | _Evict | _Drain | _LoadDone | _SlotRefused | _SleepDone
-            | _Exited | _Measured | _Poke)
+    preset: ModelPreset | None
 
 
 def _reply(fut: asyncio.Future[bool], value: bool) -> None:
@@ -128,18 +89,27 @@ def _reply(fut: asyncio.Future[bool], value: bool) -> None:
         fut.set_result(value)
 
 
-@dataclass
+def _unavailable(message: str, retry_after: float | None = None) -> APIError:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return APIError(message, status_code=503, type="unavailable_error", code=503, headers=headers)
+
+
+def _removed(message: str) -> APIError:
+    return APIError(message, status_code=404, type="not_found_error", code="model_not_found")
+
+
+@dataclass(eq=False)
 class ModelHandle:
     preset: ModelPreset
-    pool: Pool
-    state: ModelState = ModelState.UNLOADED
+    deps: ModelDeps
+    phase: Phase = Phase.UNLOADED
     progress: dict[str, Any] | None = None
     exit_code: int | None = None
     error: str | None = None
     log_tail: list[str] = field(default_factory=list)
     info: dict[str, Any] | None = None  # the worker's own /v1/models entry
     argv: list[str] = field(default_factory=list)  # the last command line spawned
-    process: WorkerProcess | None = None
+    process: Process | None = None
     base_url: str | None = None
     num_in_flight: int = 0
     last_used: float = 0.0
@@ -147,16 +117,19 @@ class ModelHandle:
     retry_at: float = 0.0
     ready_since: float = 0.0
     memory: TreeMemory | None = None  # the worker's process tree, last sample; None without a process
+    need: Estimate | None = None  # what this run was admitted with
     can_sleep: bool = True  # the server speaks our /sleep + /wake contract (its /health has is_sleeping)
+    _peak: TreeMemory | None = None  # this run's largest sample while awake (learned for the next load)
+    _failure: str | None = None  # why we stop it (STOPPING_AFTER_FAILURE), for the FAILED message
+    _pending: _Pending | None = None
+    _attempt: int = 0  # tags effect messages: one per queue, wake or sleep
     _waiters: list[asyncio.Future[str]] = field(default_factory=list)
     _stop_waiters: list[asyncio.Future[bool]] = field(default_factory=list)
-    _commands: asyncio.Queue[_Command] = field(default_factory=asyncio.Queue)
+    _commands: asyncio.Queue[msg.Command] = field(default_factory=asyncio.Queue)
     _effect: asyncio.Task[Any] | None = None
-    _failing: str | None = None  # why we are stopping a worker that failed to come up
-    _stop_requested: bool = False  # unload arrived while spawning: stop once the load reports
-    is_draining: bool = False  # chosen to make room: finish in-flight work, admit nothing new
     _task: asyncio.Task[None] | None = None
     _watcher: asyncio.Task[None] | None = None
+    is_removed: bool = False  # a reload removed it and it has stopped: the owner has ended
 
     # ---- public, synchronous (hot path)
 
@@ -164,8 +137,16 @@ class ModelHandle:
     def name(self) -> str:
         return self.preset.name
 
+    @property
+    def state(self) -> ModelState:
+        return self.phase.status
+
+    @property
+    def is_draining(self) -> bool:
+        return self.phase is Phase.DRAINING
+
     def can_admit(self) -> bool:
-        return self.state is ModelState.READY and not self.is_draining
+        return self.phase is Phase.READY
 
     def admit(self) -> str:
         self.num_in_flight += 1
@@ -176,11 +157,26 @@ class ModelHandle:
     def release(self) -> None:
         self.num_in_flight -= 1
         self.last_used = time.monotonic()
-        if self.num_in_flight == 0 and self.pool.slots.queued:
-            self.pool.slots.poke()  # an idle model may now be evicted for a queued one
+        if self.num_in_flight == 0 and not self.preset.is_remote:
+            if self.phase is Phase.DRAINING or self._ttl() > 0 or self._unload_after() > 0:
+                self._commands.put_nowait(msg.Poke())  # idle timers start now; a reload restart waits for this
+            if self.deps.slots.queued:
+                self.deps.slots.poke()  # an idle model may now be evicted for a queued one
 
-    def occupant(self) -> Occupant:
-        return Occupant(self.name, self.state, self.num_in_flight, self.last_used, self.preset.pin)
+    def occupancy(self) -> Occupancy:
+        ram, vram = self.charge()
+        return Occupancy(self.name, self.phase.is_up, self.phase.is_stopping, self.num_in_flight, self.last_used,
+                         self.preset.pin, ram, vram)
+
+    def charge(self) -> tuple[int, int]:
+        """Bytes of RAM and VRAM charged against the budgets: the larger of what this run was
+        admitted with and what was measured; asleep, what is measured (sleep frees budget)."""
+        m = self.memory
+        ram, vram = (m.uss_bytes, m.vram_bytes or 0) if m is not None else (0, 0)
+        if self.phase is Phase.SLEEPING and m is not None:
+            return ram, vram
+        need = self.need or Estimate(0, 0, "unknown")
+        return max(need.ram_bytes, ram), max(need.vram_bytes, vram)
 
     # ---- public commands
 
@@ -188,15 +184,14 @@ class ModelHandle:
         """Return the worker's base URL with one request admitted; the caller must `release()`."""
         if self.can_admit():
             return self.admit()
-        pool = self.pool
-        if pool.num_waiting >= pool.config.max_queue:
+        waiting = self.deps.waiting
+        if waiting.num_waiting >= waiting.max_queue:
             self.load()  # the bound limits waiting requests, never loads: the retry finds it loaded
-            raise APIError("too many queued requests, retry later", status_code=503,
-                           type="unavailable_error", code=503, headers={"Retry-After": "1"})
+            raise _unavailable("too many queued requests, retry later", retry_after=1)
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(self._on_waiter_done)
-        self._commands.put_nowait(_EnsureReady(fut))
-        pool.num_waiting += 1
+        self._post(msg.EnsureReady(fut))
+        waiting.num_waiting += 1
         try:
             return await fut
         except asyncio.CancelledError:
@@ -204,142 +199,165 @@ class ModelHandle:
                 self.release()  # admitted just as the client left
             raise
         finally:
-            pool.num_waiting -= 1
+            waiting.num_waiting -= 1
 
     def load(self) -> None:
         """Start loading (or waking) without waiting and without taking a place in the queue."""
-        self._commands.put_nowait(_Load())
+        self._commands.put_nowait(msg.Load())
 
     async def sleep(self) -> bool:
-        return await self._ask(_Sleep)
+        return await self._ask(msg.Sleep)
 
     async def unload(self) -> bool:
-        return await self._ask(_Unload)
+        return await self._ask(msg.Unload)
 
     async def evict(self) -> bool:
-        return await self._ask(_Evict)
+        return await self._ask(msg.Evict)
 
     async def drain(self, is_on: bool) -> bool:
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._commands.put_nowait(_Drain(is_on, fut))
+        self._post(msg.Drain(is_on, fut))
         return await fut
 
-    async def _ask(self, kind: type[_Sleep] | type[_Unload] | type[_Evict]) -> bool:
+    def reconfigure(self, preset: ModelPreset | None) -> None:
+        """A reload changed this model's preset (or removed it: None); applied once it is idle."""
+        self._commands.put_nowait(msg.Reconfigure(preset))
+
+    async def settled(self) -> None:
+        """Return once the owner has handled every command and message sent before this call."""
+        await self._ask(msg.Sync)
+
+    async def _ask(self, kind: type[msg.Sleep] | type[msg.Unload] | type[msg.Evict] | type[msg.Sync]) -> bool:
         fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        self._commands.put_nowait(kind(fut))
+        self._post(kind(fut))
         return await fut
 
     def _on_waiter_done(self, fut: asyncio.Future[str]) -> None:
         if fut.cancelled():
-            self._commands.put_nowait(_Poke())
+            self._commands.put_nowait(msg.Poke())
+
+    def _post(self, message: msg.Command) -> None:
+        self._commands.put_nowait(message)
+        if self.is_removed:
+            self._answer_after_removal()
 
     # ---- the owner
 
     def start(self) -> None:
         if self.preset.is_remote:
             self.base_url = self.preset.upstream
-            self.state = ModelState.READY
+            self.phase = Phase.READY
         self._task = asyncio.create_task(self._run(), name=f"owner:{self.name}")
 
     async def _run(self) -> None:
-        while True:
-            timeout = self._idle_timeout()
+        while not self.is_removed:
             try:
-                cmd = await asyncio.wait_for(self._commands.get(), timeout)
+                cmd = await asyncio.wait_for(self._commands.get(), self._idle_timeout())
             except TimeoutError:
-                cmd = _Poke()
+                cmd = msg.Poke()
             try:
                 self._handle(cmd)
             except Exception:  # a bug here must not kill the owner and wedge the model
                 log.exception("model %s: error handling %r", self.name, cmd)
+        self._answer_after_removal()
 
-    def _ttl(self) -> float:
-        ttl = self.preset.ttl if self.preset.ttl is not None else self.pool.config.sleep_idle_seconds
-        return 0.0 if self.preset.is_remote else ttl
+    def _answer_after_removal(self) -> None:
+        """Removed by a reload: whoever still asks (a request that looked the model up just
+        before) gets an answer, never a wait."""
+        while not self._commands.empty():
+            match self._commands.get_nowait():
+                case msg.EnsureReady(reply) if not reply.done():
+                    reply.set_exception(_removed(f"model {self.name!r} was removed from the presets"))
+                case msg.Sleep(reply) | msg.Unload(reply) | msg.Evict(reply) | msg.Drain(_, reply):
+                    _reply(reply, False)
+                case msg.Sync(reply):
+                    _reply(reply, True)
 
-    def _idle_timeout(self) -> float | None:
-        ttl = self._ttl()
-        if ttl <= 0 or self.state is not ModelState.READY:
-            return None
-        if self.num_in_flight:
-            return min(ttl, 1.0)  # release() does not wake us; look again soon
-        return max(0.0, self.last_used + ttl - time.monotonic())
-
-    def _handle(self, cmd: _Command) -> None:
+    def _handle(self, cmd: msg.Command) -> None:
         match cmd:
-            case _EnsureReady(reply):
+            case msg.EnsureReady(reply):
                 self._on_ensure_ready(reply)
-            case _Load():
+            case msg.Load():
                 self._on_load()
-            case _Sleep(reply):
-                _reply(reply, self._begin_sleep())
-            case _Unload(reply):
+            case msg.Sleep(reply):
+                _reply(reply, self._on_sleep())
+            case msg.Unload(reply):
                 self._on_unload(reply)
-            case _Evict(reply):
+            case msg.Evict(reply):
                 _reply(reply, self._on_evict())
-            case _Drain(is_on, reply):
+            case msg.Drain(is_on, reply):
                 self._on_drain(is_on)
                 _reply(reply, True)
-            case _LoadDone(proc, error, can_sleep):
-                self._on_load_done(proc, error, can_sleep)
-            case _SlotRefused(reason):
-                self._on_slot_refused(reason)
-            case _SleepDone(ok):
-                self._on_sleep_done(ok)
-            case _Exited(proc, code):
-                self._on_exited(proc, code)
-            case _Measured(proc, memory):
-                if proc is self.process:
-                    self.memory = memory
-            case _Poke():
+            case msg.Reconfigure(preset):
+                self._on_reconfigure(preset)
+            case msg.Sync(reply):
+                _reply(reply, True)
+            case msg.Poke():
                 self._on_poke()
+            case msg.Estimated(attempt, need) if attempt == self._attempt:
+                self._on_estimated(need)
+            case msg.Granted(attempt) if attempt == self._attempt:
+                self._on_granted()
+            case msg.Refused(attempt, reason) if attempt == self._attempt:
+                self._on_refused(reason)
+            case msg.Spawned(attempt, proc, base_url, argv):
+                self._on_spawned(attempt, proc, base_url, argv)
+            case msg.Progress(attempt, progress) if attempt == self._attempt:
+                if self.phase in (Phase.STARTING, Phase.WAKING):
+                    self._set(self.phase, {**progress, "phase": str(progress.get("phase", "loading"))})
+            case msg.Ready(attempt, can_sleep, info) if attempt == self._attempt:
+                self._on_ready(can_sleep, info)
+            case msg.LoadFailed(attempt, error) if attempt == self._attempt:
+                self._on_load_failed(error)
+            case msg.SleepDone(attempt, ok) if attempt == self._attempt:
+                self._on_sleep_done(ok)
+            case msg.Exited(proc, code):
+                self._on_exited(proc, code)
+            case msg.Measured(proc, memory):
+                self._on_measured(proc, memory)
 
-    def _set(self, state: ModelState, progress: dict[str, Any] | None = None) -> None:
-        old = self.state
-        changed = state is not old or progress != self.progress
-        self.state = state
+    def _set(self, phase: Phase, progress: dict[str, Any] | None = None) -> None:
+        old, old_progress = self.phase, self.progress
+        self.phase = phase
         self.progress = progress
-        if not state.has_process:
-            # The one place a slot is given back. A slot is held from the grant until the process
-            # is gone, and every way out (reaped, spawn failed, left the queue, refused, a grant
-            # that raced a cancel) ends here, in UNLOADED or FAILED. Idempotent.
-            self.pool.slots.release(self.name)
-        if changed:
-            if self.pool.slots.queued:
-                self.pool.slots.poke()
-            if state is not old:
-                log.info("model %s: %s", self.name, state.value)
-            self.pool.events.emit("status_change", {"model": self.name, "status": self.status()})
+        if not phase.holds_slot:
+            # The one place a slot is given back: every way out (reaped, spawn failed, left the
+            # queue, refused, a grant that raced a cancel) ends in a phase without a process.
+            self.deps.slots.release(self)
+        if phase is old and progress == old_progress:
+            return
+        if self.deps.slots.queued:
+            self.deps.slots.poke()
+        if phase is not old:
+            log.info("model %s: %s", self.name, phase.value)
+        if phase.status is not old.status or progress != old_progress:
+            self.deps.events.emit("status_change", {"model": self.name, "status": self.status()})
 
-    def _set_progress(self, progress: dict[str, Any]) -> None:
-        if self.state is ModelState.LOADING:
-            self._set(ModelState.LOADING, {**progress, "phase": str(progress.get("phase", "loading"))})
+    # ---- loading
 
     def _on_ensure_ready(self, reply: asyncio.Future[str]) -> None:
         if reply.done():
             return
-        state = self.state
-        if state is ModelState.READY and not self.is_draining:
+        phase = self.phase
+        if phase is Phase.READY:
             reply.set_result(self.admit())
             return
-        if state is ModelState.FAILED and time.monotonic() < self.retry_at:
+        if phase is Phase.FAILED and time.monotonic() < self.retry_at:
             wait = self.retry_at - time.monotonic()
-            reply.set_exception(APIError(
+            reply.set_exception(_unavailable(
                 f"model {self.name!r} keeps crashing (exit code {self.exit_code}); retrying in {wait:.0f}s: "
-                f"{self.error or ''}", status_code=503, type="unavailable_error", code=503,
-                headers={"Retry-After": str(max(1, round(wait)))}))
+                f"{self.error or ''}", retry_after=wait))
             return
         self._waiters.append(reply)
-        if state in (ModelState.UNLOADED, ModelState.FAILED):
-            self._begin_load()
-        elif state is ModelState.SLEEPING and not self.is_draining:
+        if phase in (Phase.UNLOADED, Phase.FAILED):
+            self._begin_queue()
+        elif phase is Phase.SLEEPING:
             self._begin_wake()
-        # LOADING: joins the load. STOPPING: a load starts once the process is reaped.
-        # Draining: waits until the model was evicted and loads again (behind the queue).
+        # Loading phases: joins the load. FALLING_ASLEEP: wakes once the sleep is done.
+        # DRAINING, stopping: served once undrained, or loaded again after the exit.
 
     def _on_load(self) -> None:
-        state = self.state
-        if state in (ModelState.UNLOADED, ModelState.FAILED) or (state is ModelState.SLEEPING and not self.is_draining):
+        if self.phase in (Phase.UNLOADED, Phase.FAILED, Phase.FALLING_ASLEEP, Phase.SLEEPING):
             # A waiter nobody awaits: it keeps a queued load from being dropped as abandoned.
             intent: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             intent.add_done_callback(self._on_load_intent_done)
@@ -349,95 +367,104 @@ class ModelHandle:
         if not fut.cancelled() and fut.exception() is None:  # (reading it marks it retrieved)
             self.release()
 
-    def _begin_load(self) -> None:
+    def _begin_queue(self) -> None:
         self.exit_code = None
         self.error = None
         self.info = None
-        self._failing = None
-        self._stop_requested = False  # an unload that raced an earlier load ended with it
-        self._set(ModelState.LOADING, {"phase": "queued", "fraction": 0.0})
-        self._effect = asyncio.create_task(self._load(), name=f"load:{self.name}")
+        self._attempt += 1
+        self._set(Phase.QUEUED, {"phase": "queued", "fraction": 0.0})
+        self._effect = asyncio.create_task(self._estimate(self._attempt), name=f"estimate:{self.name}")
 
-    async def _load(self) -> None:
-        proc: WorkerProcess | None = None
+    async def _estimate(self, attempt: int) -> None:
+        self._post(msg.Estimated(attempt, await asyncio.to_thread(self.deps.book.estimate, self.preset)))
+
+    def _on_estimated(self, need: Estimate) -> None:
+        if self.phase is not Phase.QUEUED:
+            return
+        self.need = need  # set before the request: a holder is charged from its grant on
+        self._effect = asyncio.create_task(self._acquire(self._attempt, Need(need.ram_bytes, need.vram_bytes)),
+                                           name=f"acquire:{self.name}")
+
+    async def _acquire(self, attempt: int, need: Need) -> None:
         try:
-            try:
-                await self.pool.slots.acquire(self.name)
-            except SlotsFull as e:
-                self._commands.put_nowait(_SlotRefused(str(e)))
-                return
-            self._set_progress({"phase": "spawning", "fraction": 0.0})
-            self.pool.events.emit("load_started", {"model": self.name})
-            port = free_port(self.pool.config.host)
-            base = f"http://{self.pool.config.host}:{port}"
-            argv = worker_argv(self.preset, port, os.getpid(), self.pool.config.host)
-            self.argv = argv
-            proc = await WorkerProcess.spawn(argv, self.name, env=self._env())
-            self.process, self.base_url = proc, base
-            self._watcher = asyncio.create_task(self._watch(proc), name=f"watch:{self.name}")
-            can_sleep = await wait_ready(self.pool.client, base, proc, self.preset.load_timeout, self._set_progress)
-            self.info = await self._fetch_info(base)
-            self._commands.put_nowait(_LoadDone(proc, None, can_sleep))
-        except Exception as e:  # LoadError, OSError from the spawn, or a surprise: never stay LOADING
-            self._commands.put_nowait(_LoadDone(proc, str(e)))
+            await self.deps.slots.acquire(self, need)
+        except SlotsFull as e:
+            self._post(msg.Refused(attempt, str(e)))
+            return
+        self._post(msg.Granted(attempt))
 
-    def _env(self) -> dict[str, str] | None:
-        if self.preset.backend == "cmd":
-            return None
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
-        return env
+    def _on_granted(self) -> None:
+        if self.phase is not Phase.QUEUED:
+            return  # left the queue meanwhile: its slot was given back on the way out
+        self._set(Phase.SPAWNING, {"phase": "spawning", "fraction": 0.0})
+        self.deps.events.emit("load_started", {"model": self.name})
+        self._effect = asyncio.create_task(self._spawn(self._attempt), name=f"spawn:{self.name}")
 
-    async def _fetch_info(self, base: str) -> dict[str, Any] | None:
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-            r = await self.pool.client.get(f"{base}/v1/models", timeout=2.0)
-            data = r.json()["data"]
-            return dict(data[0]) if data else None
-        return None
-
-    async def _watch(self, proc: WorkerProcess) -> None:
-        sampler = asyncio.create_task(self._sample_memory(proc), name=f"memory:{self.name}")
+    async def _spawn(self, attempt: int) -> None:
         try:
-            code = await proc.wait()
-        finally:
-            sampler.cancel()
-        self._commands.put_nowait(_Exited(proc, code))
-
-    async def _sample_memory(self, proc: WorkerProcess) -> None:
-        """Report the process tree's memory, often while loading, then now and then."""
-        while (memory := await asyncio.to_thread(tree_memory, proc.pid)) is not None:
-            self._commands.put_nowait(_Measured(proc, memory))
-            await asyncio.sleep(SAMPLE_LOADING_S if self.state is ModelState.LOADING else SAMPLE_RUNNING_S)
-
-    def _on_load_done(self, proc: WorkerProcess | None, error: str | None, can_sleep: bool) -> None:
-        if self.state is not ModelState.LOADING or (proc is not None and proc is not self.process):
+            proc, base_url, argv = await self.deps.effects.spawn(self.preset)
+        except Exception as e:  # OSError from the spawn, or a surprise: never stay SPAWNING
+            self._post(msg.LoadFailed(attempt, str(e)))
             return
-        if self._stop_requested:
-            self._stop_requested = False
-            if self.process is not None:
-                self._begin_stop()
-            else:
-                self._set(ModelState.UNLOADED)
-                self._resolve_stop_waiters(True)
-            return
-        if error is None:
-            self.can_sleep = can_sleep
-            self._set(ModelState.READY)
-            self.ready_since = time.monotonic()
-            self.last_used = time.monotonic()
-            self._resolve_waiters()
-        elif self.process is None:  # failed before a process existed (e.g. spawn error)
-            self._fail(None, error)
-        else:  # the process exists (hung, or exiting): stop it; _on_exited finishes the job
-            self._failing = error
-            self._begin_stop()
+        self._post(msg.Spawned(attempt, proc, base_url, argv))
 
-    def _on_slot_refused(self, reason: str) -> None:
-        if self.state is not ModelState.LOADING or self.process is not None:
+    def _on_refused(self, reason: str) -> None:
+        if self.phase is not Phase.QUEUED:
             return
-        self._set(ModelState.UNLOADED)  # not FAILED: the model is fine, no backoff applies
-        self._resolve_stop_waiters(True)
+        self._set(Phase.UNLOADED)  # not FAILED: the model is fine, no backoff applies
         self._fail_waiters(f"model {self.name!r} cannot be loaded now: {reason}")
+        self._apply_pending()
+
+    def _on_spawned(self, attempt: int, proc: Process, base_url: str, argv: list[str]) -> None:
+        if attempt != self._attempt or self.phase not in (Phase.SPAWNING, Phase.SPAWNING_THEN_STOP):
+            log.error("model %s: a process nobody waits for (pid %d): stopping it", self.name, proc.pid)
+            task = asyncio.create_task(proc.stop(self.preset.stop_timeout))
+            _STRAYS.add(task)
+            task.add_done_callback(_STRAYS.discard)
+            return
+        self.process, self.base_url, self.argv = proc, base_url, argv
+        self.memory = self._peak = None
+        self._watcher = asyncio.create_task(self._watch(proc), name=f"watch:{self.name}")
+        if self.phase is Phase.SPAWNING_THEN_STOP:
+            self._begin_stop()
+            return
+        self._set(Phase.STARTING, {"phase": "starting", "fraction": 0.0})
+        self._effect = asyncio.create_task(self._start(attempt, proc, base_url), name=f"start:{self.name}")
+
+    async def _start(self, attempt: int, proc: Process, base_url: str) -> None:
+        effects = self.deps.effects
+        try:
+            can_sleep = await effects.wait_ready(proc, base_url, self.preset.load_timeout,
+                                                 lambda p: self._post(msg.Progress(attempt, p)))
+            info = await effects.info(base_url)
+        except Exception as e:  # LoadError, or a surprise: never stay STARTING
+            self._post(msg.LoadFailed(attempt, str(e)))
+            return
+        self._post(msg.Ready(attempt, can_sleep, info))
+
+    def _on_ready(self, can_sleep: bool | None, info: dict[str, Any] | None) -> None:
+        if self.phase not in (Phase.STARTING, Phase.WAKING):
+            return
+        if can_sleep is not None:
+            self.can_sleep, self.info = can_sleep, info
+            self.ready_since = time.monotonic()
+            self._learn_peak()
+        self.last_used = time.monotonic()
+        if self._pending is not None:  # a reload changed it while it loaded: restart, its requests wait
+            self._begin_stop()
+            return
+        self._set(Phase.READY)
+        self._resolve_waiters()
+
+    def _on_load_failed(self, error: str) -> None:
+        if self.phase is Phase.SPAWNING:
+            self._fail(None, error)
+        elif self.phase is Phase.SPAWNING_THEN_STOP:
+            self._set(Phase.UNLOADED)
+            self._resolve_stop_waiters(True)
+            self._apply_pending()
+        elif self.phase in (Phase.STARTING, Phase.WAKING):  # the process exists: stop it, then FAILED
+            self._begin_stop(failure=error)
 
     def _resolve_waiters(self) -> None:
         waiters, self._waiters = self._waiters, []
@@ -445,113 +472,172 @@ class ModelHandle:
             if not w.done():
                 w.set_result(self.admit())
 
-    def _fail_waiters(self, message: str, status: int = 503) -> None:
+    def _fail_waiters(self, message: str, *, is_removed: bool = False) -> None:
         waiters, self._waiters = self._waiters, []
         for w in waiters:
             if not w.done():
-                w.set_exception(APIError(message, status_code=status, type="unavailable_error", code=status))
+                w.set_exception(_removed(message) if is_removed else _unavailable(message))
+
+    # ---- sleeping and waking
 
     def _begin_wake(self) -> None:
-        self._set(ModelState.LOADING, {"phase": "waking", "fraction": 0.0})
-        self.pool.events.emit("wake_started", {"model": self.name})
-        sleeping = self._effect  # a POST /sleep may still be on its way: wake after it
-        self._effect = asyncio.create_task(self._wake(sleeping), name=f"wake:{self.name}")
+        self._attempt += 1
+        self._set(Phase.WAKING, {"phase": "waking", "fraction": 0.0})
+        self.deps.events.emit("wake_started", {"model": self.name})
+        self._effect = asyncio.create_task(self._wake(self._attempt), name=f"wake:{self.name}")
 
-    async def _wake(self, sleeping: asyncio.Task[Any] | None) -> None:
-        proc, base = self.process, self.base_url
-        assert proc is not None and base is not None
+    async def _wake(self, attempt: int) -> None:
+        proc, base_url = self.process, self.base_url
+        assert proc is not None and base_url is not None
+        effects = self.deps.effects
         try:
-            is_asleep = True
-            if sleeping is not None:
-                await asyncio.wait([sleeping])
-                is_asleep = not sleeping.cancelled() and sleeping.result() is True
-            if is_asleep:  # a /sleep that failed left the worker awake: nothing to wake
-                r = await self.pool.client.post(f"{base}/wake", timeout=self.preset.load_timeout)
-                if r.status_code >= 400:
-                    raise LoadError(f"/wake answered {r.status_code}: {r.text[:300]}")
-            await wait_ready(self.pool.client, base, proc, self.preset.load_timeout, self._set_progress)
-            self._commands.put_nowait(_LoadDone(proc, None))
-        except Exception as e:  # LoadError, httpx.HTTPError, or a surprise: never stay LOADING
-            self._commands.put_nowait(_LoadDone(proc, f"wake failed: {e!r}"))
+            await effects.wake(base_url, self.preset.load_timeout)
+            await effects.wait_ready(proc, base_url, self.preset.load_timeout,
+                                     lambda p: self._post(msg.Progress(attempt, p)))
+        except Exception as e:  # LoadError, httpx.HTTPError, or a surprise: never stay WAKING
+            self._post(msg.LoadFailed(attempt, f"wake failed: {e!r}"))
+            return
+        self._post(msg.Ready(attempt, None, None))
 
-    def _begin_sleep(self) -> bool:
-        if self.state is not ModelState.READY or self.num_in_flight or self.preset.is_remote:
+    def _on_sleep(self) -> bool:
+        if self.phase is not Phase.READY or self.num_in_flight or self.preset.is_remote:
             return False
-        if not self.can_sleep:  # e.g. a `cmd` llama-server: it has no /wake, so it is stopped
-            log.info("model %s: no sleep support, stopping instead", self.name)
-            self.pool.events.emit("evicted", {"model": self.name, "reason": "idle"})
-            self._begin_stop()
-            return True
-        self._set(ModelState.SLEEPING)
-        self._effect = asyncio.create_task(self._sleep_effect(), name=f"sleep:{self.name}")
+        self._begin_sleep()
         return True
 
-    async def _sleep_effect(self) -> bool:
-        try:
-            r = await self.pool.client.post(f"{self.base_url}/sleep", timeout=30.0)
-            ok = r.status_code < 400
-        except httpx.HTTPError:
-            ok = False
-        self._commands.put_nowait(_SleepDone(ok))
-        return ok
+    def _begin_sleep(self) -> None:
+        if not self.can_sleep:  # e.g. a `cmd` llama-server: it has no /wake, so it is stopped
+            log.info("model %s: no sleep support, stopping instead", self.name)
+            self.deps.events.emit("evicted", {"model": self.name, "reason": "idle"})
+            self._begin_stop()
+            return
+        self._attempt += 1
+        self._set(Phase.FALLING_ASLEEP)
+        self._effect = asyncio.create_task(self._sleep(self._attempt), name=f"sleep:{self.name}")
+
+    async def _sleep(self, attempt: int) -> None:
+        assert self.base_url is not None
+        self._post(msg.SleepDone(attempt, await self.deps.effects.sleep(self.base_url)))
 
     def _on_sleep_done(self, ok: bool) -> None:
-        if not ok and self.state is ModelState.SLEEPING:
+        if self.phase is not Phase.FALLING_ASLEEP:
+            return
+        if not ok:
             log.info("model %s: no /sleep (or it failed): unloading instead", self.name)
             self._begin_stop()
-
-    def _on_drain(self, is_on: bool) -> None:
-        if is_on == self.is_draining:
             return
-        self.is_draining = is_on
-        log.info("model %s: %s", self.name, "draining for a queued model" if is_on else "no longer draining")
-        if is_on or not self._waiters:
-            return
-        if self.state is ModelState.READY:
-            self._resolve_waiters()
-        elif self.state is ModelState.SLEEPING:
+        self._set(Phase.SLEEPING)
+        self._prune_waiters()
+        if self._pending is not None:
+            self._begin_stop()
+        elif self._waiters:
             self._begin_wake()
 
+    # ---- draining, eviction, unload, reload
+
+    def _on_drain(self, is_on: bool) -> None:
+        if is_on and self.phase is Phase.READY:
+            log.info("model %s: draining for a queued model", self.name)
+            self._set(Phase.DRAINING)
+        elif not is_on and self.phase is Phase.DRAINING and self._pending is None:
+            log.info("model %s: no longer draining", self.name)
+            self._set(Phase.READY)
+            self._resolve_waiters()
+
     def _on_evict(self) -> bool:
-        if self.state not in (ModelState.READY, ModelState.SLEEPING) or self.num_in_flight or self.preset.pin:
+        if not self.phase.is_up or self.num_in_flight or self.preset.pin:
             return False
         log.info("model %s: evicted (least recently used, idle)", self.name)
-        self.pool.events.emit("evicted", {"model": self.name, "reason": "lru"})
+        self.deps.events.emit("evicted", {"model": self.name, "reason": "lru"})
         self._begin_stop()
         return True
 
     def _on_unload(self, reply: asyncio.Future[bool]) -> None:
-        state = self.state
-        if state in (ModelState.UNLOADED, ModelState.FAILED) or self.preset.is_remote:
+        phase = self.phase
+        if phase in (Phase.UNLOADED, Phase.FAILED) or self.preset.is_remote:
             _reply(reply, False)
             return
         self._stop_waiters.append(reply)
-        if state is ModelState.STOPPING:
+        if phase.is_stopping or phase is Phase.SPAWNING_THEN_STOP:
             return
         self._fail_waiters(f"model {self.name!r} was unloaded")
-        if self.process is None and self._is_queued():  # no process yet: just leave the queue
+        if phase is Phase.QUEUED:  # no process yet: just leave the queue
             self._cancel_effect()
-            self._set(ModelState.UNLOADED)
+            self._set(Phase.UNLOADED)
             self._resolve_stop_waiters(True)
-        elif self.process is None:  # being spawned: cancelling now could orphan it
-            self._stop_requested = True
+        elif phase is Phase.SPAWNING:  # being spawned: cancelling now could orphan it
+            self._set(Phase.SPAWNING_THEN_STOP, self.progress)
         else:
             self._begin_stop()
 
-    def _is_queued(self) -> bool:
-        return self.state is ModelState.LOADING and bool(self.progress) and self.progress.get("phase") == "queued"  # type: ignore[union-attr]
+    def _on_reconfigure(self, preset: ModelPreset | None) -> None:
+        if preset is not None and not needs_restart(self.preset, preset):
+            self.preset = preset  # router-side keys only: nothing to restart
+            return
+        if self.preset.is_remote:  # no process: the change applies at once
+            self._pending = _Pending(preset)
+            self.base_url = None
+            self._set(Phase.UNLOADED)
+            self._apply_pending()
+            return
+        self._pending = _Pending(preset)
+        phase = self.phase
+        if phase in (Phase.UNLOADED, Phase.FAILED):
+            self._apply_pending()
+        elif phase is Phase.QUEUED:  # its need was figured with the old preset: queue again
+            self._cancel_effect()
+            self._set(Phase.UNLOADED)
+            self._apply_pending()
+        elif phase is Phase.READY:
+            self._set(Phase.DRAINING)
+            self._stop_if_drained()
+        elif phase is Phase.DRAINING:
+            self._stop_if_drained()
+        elif phase in (Phase.FALLING_ASLEEP, Phase.SLEEPING):
+            self._begin_stop()
+        # Loading: restarted once ready. Stopping: applied at the exit.
+
+    def _stop_if_drained(self) -> None:
+        if self.phase is Phase.DRAINING and self._pending is not None and not self.num_in_flight:
+            log.info("model %s: idle, restarting for the new preset", self.name)
+            self._begin_stop()
+
+    def _apply_pending(self) -> None:
+        """In a phase without a process: take the reload's change (or retire)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.preset is None:
+            self._fail_waiters(f"model {self.name!r} was removed from the presets", is_removed=True)
+            self._resolve_stop_waiters(True)
+            log.info("model %s: removed by a preset reload", self.name)
+            self.is_removed = True  # the owner loop ends after this command
+            return
+        self.preset = pending.preset
+        self.failures = 0
+        if self.preset.is_remote:
+            self.base_url = self.preset.upstream
+            self._set(Phase.READY)
+            self._resolve_waiters()
+            return
+        if self.phase is Phase.FAILED:
+            self._set(Phase.UNLOADED)
+        self.need = None
+        self._prune_waiters()
+        if self._waiters:
+            self._begin_queue()
 
     def _cancel_effect(self) -> None:
         if self._effect is not None and not self._effect.done():
             self._effect.cancel()
         self._effect = None
 
-    def _begin_stop(self) -> None:
-        self.is_draining = False
+    def _begin_stop(self, failure: str | None = None) -> None:
         self._cancel_effect()
         proc = self.process
         assert proc is not None
-        self._set(ModelState.STOPPING)
+        self._failure = failure
+        self._set(Phase.STOPPING if failure is None else Phase.STOPPING_AFTER_FAILURE)
         self._effect = asyncio.create_task(proc.stop(self.preset.stop_timeout), name=f"stop:{self.name}")
 
     def _resolve_stop_waiters(self, ok: bool) -> None:
@@ -559,26 +645,61 @@ class ModelHandle:
         for w in waiters:
             _reply(w, ok)
 
-    def _on_exited(self, proc: WorkerProcess, code: int) -> None:
+    # ---- the process
+
+    async def _watch(self, proc: Process) -> None:
+        sampler = asyncio.create_task(self._sample_memory(proc), name=f"memory:{self.name}")
+        try:
+            code = await proc.wait()
+        finally:
+            sampler.cancel()
+        self._post(msg.Exited(proc, code))
+
+    async def _sample_memory(self, proc: Process) -> None:
+        """Report the process tree's memory, often while loading, then now and then."""
+        async for memory in self.deps.effects.samples(
+                proc, lambda: SAMPLE_LOADING_S if self.phase.is_loading else SAMPLE_RUNNING_S):
+            self._post(msg.Measured(proc, memory))
+
+    def _on_measured(self, proc: Process, memory: TreeMemory) -> None:
+        if proc is not self.process:
+            return
+        self.memory = memory
+        peak = self._peak
+        if peak is None or memory.uss_bytes > peak.uss_bytes or (memory.vram_bytes or 0) > (peak.vram_bytes or 0):
+            self._peak = TreeMemory(max(memory.rss_bytes, peak.rss_bytes if peak else 0),
+                                    max(memory.uss_bytes, peak.uss_bytes if peak else 0),
+                                    max(memory.vram_bytes or 0, (peak.vram_bytes or 0) if peak else 0))
+            if self.phase.is_up or self.phase is Phase.WAKING:
+                self._learn_peak()
+        if self.deps.slots.queued:
+            self.deps.slots.poke()  # less memory (asleep) may make room
+
+    def _learn_peak(self) -> None:
+        """The largest sample of a run that loaded (loading samples included) is the next estimate."""
+        if self._peak is not None:
+            self.deps.book.learn(self.preset, self._peak.uss_bytes, self._peak.vram_bytes)
+
+    def _on_exited(self, proc: Process, code: int) -> None:
         if proc is not self.process:
             return
         self.process = None
         self.memory = None
-        self.is_draining = False
         if self.base_url is not None:
-            self.pool.upstream.forget(self.base_url)
+            self.deps.effects.forget(self.base_url)
         self.base_url = None
         self.log_tail = list(proc.log_tail)
-        expected = self.state is ModelState.STOPPING and self._failing is None
-        if expected:
+        if self.phase is Phase.STOPPING:
             self.failures = 0
-            self._set(ModelState.UNLOADED)
+            self._set(Phase.UNLOADED)
         else:
-            reason = self._failing or f"exited with code {code}"
+            reason = self._failure or f"exited with code {code}"
             self._fail(code, f"{reason}: {proc.tail_text()}")
         self._resolve_stop_waiters(True)
-        if self._waiters and self.state is ModelState.UNLOADED:
-            self._begin_load()  # requests arrived while it was stopping
+        self._apply_pending()
+        self._prune_waiters()
+        if self._waiters and self.phase is Phase.UNLOADED:
+            self._begin_queue()  # requests arrived while it was stopping
 
     def _fail(self, code: int | None, error: str) -> None:
         self._cancel_effect()
@@ -590,23 +711,58 @@ class ModelHandle:
         self.exit_code = code
         self.error = error
         self.ready_since = 0.0
-        self._failing = None
-        self._stop_requested = False
+        self._failure = None
         log.error("model %s: failed (exit code %s): %s", self.name, code, error)
-        self._set(ModelState.FAILED)
+        self._set(Phase.FAILED)
         self._fail_waiters(f"model {self.name!r} failed to load: {error}")
 
-    def _on_poke(self) -> None:
+    # ---- idle tiers
+
+    def _ttl(self) -> float:
+        ttl = self.preset.ttl if self.preset.ttl is not None else self.deps.idle.sleep_idle_seconds
+        return 0.0 if self.preset.is_remote else ttl
+
+    def _unload_after(self) -> float:
+        after = self.preset.unload_after
+        after = after if after is not None else self.deps.idle.unload_idle_seconds
+        return 0.0 if self.preset.is_remote or self.preset.pin else after
+
+    def _idle_deadline(self) -> tuple[float, str] | None:
+        """When the next idle step is due (monotonic) and what it is: "sleep" or "unload"."""
+        if self.num_in_flight or self._waiters:
+            return None
+        ttl, after = self._ttl(), self._unload_after()
+        steps = []
+        if self.phase is Phase.READY and ttl > 0:
+            steps.append((self.last_used + ttl, "sleep"))
+        if self.phase in (Phase.READY, Phase.SLEEPING) and after > 0:
+            steps.append((self.last_used + after, "unload"))
+        return min(steps) if steps else None
+
+    def _idle_timeout(self) -> float | None:
+        due = self._idle_deadline()
+        return None if due is None else max(0.0, due[0] - time.monotonic())
+
+    def _prune_waiters(self) -> None:
         self._waiters = [w for w in self._waiters if not w.done()]
-        if self._is_queued() and self.process is None and not self._waiters:
+
+    def _on_poke(self) -> None:
+        self._prune_waiters()
+        if self.phase is Phase.QUEUED and not self._waiters:
             self._cancel_effect()  # every client left while queued for a slot
-            self._set(ModelState.UNLOADED)
+            self._set(Phase.UNLOADED)
+            self._apply_pending()
             return
-        ttl = self._ttl()
-        if (ttl > 0 and self.state is ModelState.READY and not self.num_in_flight
-                and time.monotonic() - self.last_used >= ttl):
-            log.info("model %s: idle for %.0fs, sleeping", self.name, ttl)
+        self._stop_if_drained()
+        due = self._idle_deadline()
+        if due is None or time.monotonic() < due[0]:
+            return
+        if due[1] == "sleep":
+            log.info("model %s: idle for %.0fs, sleeping", self.name, self._ttl())
             self._begin_sleep()
+        else:
+            log.info("model %s: idle for %.0fs, unloading", self.name, self._unload_after())
+            self._begin_stop()
 
     # ---- views
 
@@ -614,22 +770,24 @@ class ModelHandle:
         st: dict[str, Any] = {"value": self.state.value}
         if self.argv:
             st["args"] = self.argv
-        if self.state is ModelState.FAILED:
+        if self.phase is Phase.FAILED:
             st.update(failed=True, exit_code=self.exit_code, error=self.error, log_tail=self.log_tail)
         if self.progress is not None:
             st["progress"] = self.progress
         return st
 
-    def memory_view(self) -> dict[str, int | None]:
-        """Host RAM = the worker tree's USS (what stopping it frees); no estimate or VRAM yet."""
+    def memory_view(self) -> dict[str, Any]:
+        """The estimate (RAM + VRAM) for this run, or the next; measured: the tree's USS, RSS and VRAM."""
         m = self.memory
-        return {"estimated_bytes": None, "ram_bytes": m.uss_bytes if m else None,
-                "rss_bytes": m.rss_bytes if m else None, "vram_bytes": None}
+        est = self.need if self.process is not None and self.need is not None else self.deps.book.peek(self.preset)
+        return {"estimated_bytes": est.total_bytes if est and est.source != "unknown" else None,
+                "ram_bytes": m.uss_bytes if m else None, "rss_bytes": m.rss_bytes if m else None,
+                "vram_bytes": m.vram_bytes if m else None}
 
     def card(self) -> dict[str, Any]:
         p = self.preset
         card: dict[str, Any] = {
-            "id": p.name, "object": "model", "created": self.pool.created, "owned_by": "omni-router",
+            "id": p.name, "object": "model", "created": self.deps.created, "owned_by": "omni-router",
             "aliases": list(p.aliases), "backend": p.backend, "status": self.status(),
             "in_flight": self.num_in_flight, "pinned": p.pin, "memory": self.memory_view(),
         }
@@ -640,3 +798,18 @@ class ModelHandle:
         if self.info is not None and self.state is not ModelState.UNLOADED:
             card["meta"] = self.info.get("meta", self.info)
         return card
+
+
+def settings(p: ModelPreset) -> ModelPreset:
+    """A preset without where it was written: two presets with equal settings compare equal."""
+    return replace(p, source="")
+
+
+def needs_restart(old: ModelPreset, new: ModelPreset) -> bool:
+    """Whether the worker's command line (or what it serves) differs; the router-side keys
+    (aliases, idle tiers, pin, memory, timeouts, load-on-startup) apply without a restart."""
+    def worker_side(p: ModelPreset) -> ModelPreset:
+        return replace(settings(p), aliases=(), load_on_startup=False, ttl=None, unload_after=None, pin=False,
+                       memory=None, stop_timeout=0.0, load_timeout=0.0)
+
+    return worker_side(old) != worker_side(new)

@@ -1,23 +1,34 @@
-"""The model pool: every model by name and alias, admission, the shared clients, events.
+"""The model pool: every model by name and alias, admission, the shared clients, events, reload.
 
-Each model's lifecycle is its own owner task (`router.model.ModelHandle`); `--models-max` is
-kept by `router.admission.Slots`. The pool wires them together, starts and stops them.
+Each model's lifecycle is its own owner task (`router.model.ModelHandle`), which gets the few
+services it needs (`ModelDeps`), never the pool. `--models-max` and the memory budgets are kept
+by `router.admission.Slots`. The pool wires them together, starts and stops them, and applies a
+preset reload: new models appear, removed ones finish their requests and stop, changed ones
+restart once idle.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
 from router.admission import Slots
+from router.effects import Effects, WorkerEffects
+from router.estimate import MemoryBook
 from router.events import EventBus
-from router.model import ModelHandle
-from router.presets import ModelPreset
+from router.eviction import Limits
+from router.memory import has_gpu
+from router.model import IdleDefaults, ModelDeps, ModelHandle, Waiting, needs_restart, settings
+from router.presets import ModelPreset, PresetError
 from router.upstream import UpstreamClient
+
+log = logging.getLogger("omni.router.pool")
 
 
 @dataclass
@@ -25,34 +36,49 @@ class PoolConfig:
     models_max: int = 4
     max_queue: int = 256
     sleep_idle_seconds: float = 0.0  # 0 = never (per-model `ttl` overrides)
+    unload_idle_seconds: float = 0.0  # 0 = never (per-model `unload-after` overrides)
+    ram_budget: int = 0  # bytes; 0 = no limit
+    vram_budget: int = 0
     autoload: bool = True
     host: str = "127.0.0.1"
 
 
-
 class Pool:
-    """All models by name and alias, the shared HTTP client, admission and events."""
+    """All models by name and alias, the shared HTTP clients, admission, events and reload."""
 
-    def __init__(self, presets: list[ModelPreset], config: PoolConfig, events: EventBus | None = None) -> None:
+    def __init__(self, presets: list[ModelPreset], config: PoolConfig, events: EventBus | None = None, *,
+                 source: Callable[[], list[ModelPreset]] | None = None, effects: Effects | None = None) -> None:
         self.config = config
         self.events = events or EventBus()
         self.created = int(time.time())
-        self.handles: dict[str, ModelHandle] = {}
-        self.by_name: dict[str, ModelHandle] = {}
-        self.num_waiting = 0
+        self.source = source  # re-reads the preset files and --models-dir (blocking)
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=5.0),
             limits=httpx.Limits(max_connections=1000, max_keepalive_connections=100, keepalive_expiry=30.0),
             trust_env=False,
         )
         self.upstream = UpstreamClient()  # the proxy's keep-alive connections to workers
-        self.slots = Slots(config.models_max, self.handles)
+        self.slots = Slots(Limits(config.models_max, config.ram_budget, config.vram_budget))
+        self.book = MemoryBook(has_gpu())
+        self.deps = ModelDeps(self.slots, self.events, effects or WorkerEffects(self.client, self.upstream, config.host),
+                              self.book, Waiting(config.max_queue),
+                              IdleDefaults(config.sleep_idle_seconds, config.unload_idle_seconds), self.created)
+        self.handles: dict[str, ModelHandle] = {}
+        self.by_name: dict[str, ModelHandle] = {}
+        self.retired: set[ModelHandle] = set()  # removed by a reload, finishing their requests
         for p in presets:
-            h = ModelHandle(p, self)
-            self.handles[p.name] = h
-            for n in p.names:
-                self.by_name[n] = h
+            self.handles[p.name] = ModelHandle(p, self.deps)
+        self._index()
         self._slots_task: asyncio.Task[None] | None = None
+        self._reload_lock = asyncio.Lock()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def num_waiting(self) -> int:
+        return self.deps.waiting.num_waiting
+
+    def _index(self) -> None:
+        self.by_name = {n: h for h in self.handles.values() for n in h.preset.names}
 
     def get(self, name: str) -> ModelHandle | None:
         return self.by_name.get(name)
@@ -64,20 +90,77 @@ class Pool:
         for h in self.handles.values():
             if h.preset.load_on_startup and not h.preset.is_remote:
                 h.load()
+        self._estimate_all()
+
+    def _estimate_all(self) -> None:
+        """Figure each model's estimate in the background, so /v1/models shows it before a load."""
+        presets = [h.preset for h in self.handles.values()]
+        task = asyncio.create_task(asyncio.to_thread(lambda: [self.book.estimate(p) for p in presets]))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def load(self, h: ModelHandle) -> None:
         """Start loading `h` (not bound by `--max-queue`: that limits waiting requests, not loads)."""
         h.load()
 
+    async def reload(self) -> dict[str, list[str]]:
+        """Re-read the presets; PresetError (nothing changed) if they are broken."""
+        if self.source is None:
+            raise PresetError("nothing to reload: the router was started without --preset or --models-dir")
+        async with self._reload_lock:
+            presets = await asyncio.to_thread(self.source)
+            return self.apply(presets)
+
+    def apply(self, presets: list[ModelPreset]) -> dict[str, list[str]]:
+        """Make the pool serve `presets` (already validated as a whole)."""
+        new = {p.name: p for p in presets}
+        added: list[str] = []
+        removed: list[str] = []
+        changed: list[str] = []
+        for name, h in list(self.handles.items()):
+            p = new.get(name)
+            if p is None:
+                removed.append(name)
+                del self.handles[name]
+                self.retired.add(h)
+                h.reconfigure(None)
+                if h._task is not None:
+                    h._task.add_done_callback(self._forget_retired(h))
+            elif settings(p) != settings(h.preset):
+                if needs_restart(h.preset, p):
+                    changed.append(name)
+                h.reconfigure(p)
+        for p in presets:
+            if p.name not in self.handles:
+                added.append(p.name)
+                h = self.handles[p.name] = ModelHandle(p, self.deps)
+                h.start()
+                if p.load_on_startup and not p.is_remote:
+                    h.load()
+        self.handles = {p.name: self.handles[p.name] for p in presets}  # the files' order
+        self._index_with(new)
+        self._estimate_all()
+        log.info("presets reloaded: added %s, removed %s, restarting %s", added or "none", removed or "none",
+                 changed or "none")
+        return {"added": added, "removed": removed, "changed": changed}
+
+    def _forget_retired(self, h: ModelHandle) -> Callable[[asyncio.Task[None]], None]:
+        return lambda _task: self.retired.discard(h)
+
+    def _index_with(self, presets: dict[str, ModelPreset]) -> None:
+        """Names and aliases from the new presets (a handle takes its new preset a moment later)."""
+        self.by_name = {n: self.handles[name] for name, p in presets.items() for n in p.names}
+
     async def close(self) -> None:
         """Stop every worker (concurrently, each with its stop-timeout), then the tasks."""
-        tasks = [*(h._task for h in self.handles.values() if h._task), self._slots_task]
+        handles = [*self.handles.values(), *self.retired]
+        tasks = [*(h._task for h in handles if h._task), self._slots_task, *self._background]
         for t in tasks:
             if t is not None:
                 t.cancel()
-        for h in self.handles.values():
+        for h in handles:
             h._cancel_effect()
-        procs = [(h.process, h.preset.stop_timeout) for h in self.handles.values() if h.process is not None]
+        procs = [(h.process, h.preset.stop_timeout) for h in handles if h.process is not None]
         await asyncio.gather(*(p.stop(t) for p, t in procs), return_exceptions=True)
         self.upstream.close()
         await self.client.aclose()

@@ -1,7 +1,11 @@
 """Model presets: INI (llama.cpp `--models-preset` compatible) and TOML -> validated dataclasses.
 
 INI: `[*]` holds global defaults, one `[name]` section per model, keys are llama-server option
-names without dashes (short aliases `m c np ngl t b a` accepted), `;` / `#` comments.
+names without dashes, long or short (`ctx-size` or `c`, `n-gpu-layers`, `gpu-layers` or `ngl`),
+or their environment names (`LLAMA_ARG_CTX_SIZE`), `;` / `#` comments; a file written for
+llama-server's `--models-preset` loads as it is (`version = 1`, `jinja = true`, `no-` flags, a
+key repeated in a section: the last one wins). `model-draft` is accepted and not used: there is
+no speculative decoding here, and a draft model changes speed, never output.
 TOML: `[defaults]` and `[models.NAME]` tables with the same keys (`-` or `_` both accepted).
 Precedence: router CLI overrides > model section > global defaults > built-in defaults.
 
@@ -11,6 +15,7 @@ Every error is a `PresetError` whose message names the file, the line (INI) or t
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tomllib
@@ -21,8 +26,10 @@ from typing import Any, Literal
 
 Backend = Literal["auto", "llama_cpp", "torch", "cmd", "remote"]
 BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "cmd", "remote")
+POOLINGS: tuple[str, ...] = ("none", "mean", "cls", "last", "rank")  # worker --pooling
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
 _INLINE_COMMENT = re.compile(r"\s+[;#].*$")  # `c = 2048 ; comment` (unquoted values only)
+log = logging.getLogger("router.presets")
 
 
 class PresetError(ValueError):
@@ -44,12 +51,19 @@ class ModelPreset:
     cache_ram: int | None = None  # MiB of host-RAM prompt cache (worker --cache-ram)
     kv_unified: bool | None = None  # one KV cache for all slots (worker --kv-unified)
     flash_attn: str | None = None  # auto | on | off (worker --flash-attn)
+    jinja: bool | None = None  # worker --jinja / --no-jinja (templates are Jinja either way)
+    model_draft: str | None = None  # llama-server's speculative draft model: accepted, not used
+    embedding: bool | None = None  # an embedding model (worker --embedding)
+    pooling: str | None = None  # none | mean | cls | last | rank (worker --pooling)
+    reranking: bool | None = None  # a reranker (worker --reranking)
     load_on_startup: bool = False
     stop_timeout: float = 10.0
     load_timeout: float = 300.0
     cmd: str | None = None
     upstream: str | None = None
     ttl: float | None = None  # idle seconds before sleep; None = router default, 0 = never
+    unload_after: float | None = None  # idle seconds before the process stops; None = router default, 0 = never
+    memory: int | None = None  # bytes the model needs (replaces the estimate)
     pin: bool = False
     source: str = ""  # where it was defined, for messages
 
@@ -134,6 +148,24 @@ def _flash_attn(raw: str) -> str:
     return s
 
 
+def _pooling(raw: str) -> str:
+    s = str(raw).strip().lower()
+    if s not in POOLINGS:
+        raise ValueError(f"expected one of {', '.join(POOLINGS)}")
+    return s
+
+
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)$", re.IGNORECASE)
+
+
+def parse_size(raw: str) -> int:
+    """`512M`, `20GiB`, `1.5g`, `4096` (bytes) -> bytes; K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024."""
+    m = _SIZE_RE.match(str(raw).strip())
+    if m is None:
+        raise ValueError("expected a size like 512M, 20GiB or a number of bytes")
+    return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
+
+
 def _upstream(raw: str) -> str:
     s = str(raw).strip().rstrip("/")
     if not re.match(r"^https?://[^/\s]+", s):
@@ -155,24 +187,51 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "cache-ram": ("cache_ram", _int(-1)),
     "kv-unified": ("kv_unified", _bool),
     "flash-attn": ("flash_attn", _flash_attn),
+    "embedding": ("embedding", _bool),
+    "pooling": ("pooling", _pooling),
+    "reranking": ("reranking", _bool),
     "load-on-startup": ("load_on_startup", _bool),
     "stop-timeout": ("stop_timeout", _float(0, strict=True)),
     "load-timeout": ("load_timeout", _float(0, strict=True)),
     "cmd": ("cmd", _text),
     "upstream": ("upstream", _upstream),
     "ttl": ("ttl", _float(0)),
+    "unload-after": ("unload_after", _float(0)),
+    "memory": ("memory", parse_size),
     "pin": ("pin", _bool),
+    "jinja": ("jinja", _bool),
+    "model-draft": ("model_draft", _text),
 }
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
           "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
-          "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn"}
+          "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn",
+          "embeddings": "embedding", "rerank": "reranking",
+          "md": "model-draft", "spec-draft-model": "model-draft"}
+# llama-server's environment names (LLAMA_ARG_X, lowered, `_` -> `-`, prefix off) of the keys above
+_ENV = {"model": "model", "alias": "alias", "ctx-size": "ctx-size", "n-parallel": "parallel", "batch": "batch-size",
+        "n-gpu-layers": "n-gpu-layers", "threads": "threads", "chat-template": "chat-template",
+        "cache-ram": "cache-ram", "kv-unified": "kv-unified", "flash-attn": "flash-attn", "jinja": "jinja",
+        "spec-draft-model": "model-draft", "embeddings": "embedding", "pooling": "pooling", "reranking": "reranking"}
+_NEGATABLE = ("kv-unified", "jinja")  # llama-server's `--no-X` switches: `no-X = true` means X = false
 VALID_KEYS = ", ".join(sorted(_KEYS))
 
 
+def _spelling(key: str) -> str:
+    return key.strip().lower().replace("_", "-").lstrip("-")
+
+
 def canonical_key(key: str) -> str | None:
-    k = key.strip().lower().replace("_", "-").lstrip("-")
+    k = _spelling(key)
+    if k.startswith("llama-arg-"):
+        return _ENV.get(k[len("llama-arg-"):])
     k = _SHORT.get(k, k)
     return k if k in _KEYS else None
+
+
+def _negated(key: str) -> str | None:
+    """`no-kv-unified` -> `kv-unified` (the value is then inverted), else None."""
+    k = _spelling(key)
+    return k[3:] if k.startswith("no-") and k[3:] in _NEGATABLE else None
 
 
 # --------------------------------------------------------------------------- raw sections
@@ -185,6 +244,7 @@ class _RawSection:
     name: str
     where: str
     values: dict[str, tuple[Any, str]] = field(default_factory=dict)
+    spellings: dict[str, str] = field(default_factory=dict)  # canonical key -> as written
 
 
 def _parse_ini(path: Path) -> tuple[_RawSection, list[_RawSection]]:
@@ -262,10 +322,17 @@ def _parse_toml(path: Path) -> tuple[_RawSection, list[_RawSection]]:
 
 def _put(sec: _RawSection, key: str, value: Any, where: str) -> None:
     canon = canonical_key(key)
+    if canon is None and (positive := _negated(key)) is not None:
+        try:
+            canon, value = positive, not (value if isinstance(value, bool) else _bool(value))
+        except ValueError as e:
+            raise PresetError(f"{where}: invalid value {value!r} for {key!r}: {e}") from None
     if canon is None:
-        raise PresetError(f"{where}: unknown key {key!r} (valid: {VALID_KEYS}; short: c, np, ngl, t, b, a, m, fa, kvu)")
-    if canon in sec.values:
+        raise PresetError(f"{where}: unknown key {key!r} (valid: {VALID_KEYS}; short: c, np, ngl, t, b, a, m, fa, kvu; "
+                          "or LLAMA_ARG_* names)")
+    if canon in sec.values and sec.spellings.get(canon) != key:
         raise PresetError(f"{where}: key {key!r} given twice in [{sec.name}] (first at {sec.values[canon][1]})")
+    sec.spellings[canon] = key  # the same key again: the last one wins, as in llama-server's parser
     if isinstance(value, bool):
         value = "true" if value else "false"
     elif isinstance(value, (int, float)):
@@ -300,6 +367,9 @@ def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> 
                 raise PresetError(f"{at}: invalid value {value!r} for {canon!r}: {e}") from None
             origin[fname] = at
     model = kwargs.pop("model", None)
+    if kwargs.get("model_draft"):
+        log.warning("%s: model-draft is not used (no speculative decoding here; the output is the same)",
+                    origin["model_draft"])
     preset = ModelPreset(name=name, source=where, **kwargs)
     if model is not None:
         preset = replace(preset, model=_resolve_model(model, base_dir))

@@ -62,11 +62,16 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
     for flag, value in (("--ctx-size", preset.ctx_size), ("--parallel", preset.parallel),
                         ("--batch-size", preset.batch_size), ("--n-gpu-layers", preset.n_gpu_layers),
                         ("--threads", preset.threads), ("--chat-template", preset.chat_template),
-                        ("--cache-ram", preset.cache_ram), ("--flash-attn", preset.flash_attn)):
+                        ("--cache-ram", preset.cache_ram), ("--flash-attn", preset.flash_attn),
+                        ("--pooling", preset.pooling)):
         if value is not None:
             argv += [flag, str(value)]
     if preset.kv_unified:
         argv.append("--kv-unified")
+    if preset.jinja is not None:
+        argv.append("--jinja" if preset.jinja else "--no-jinja")
+    argv += ["--embedding"] if preset.embedding else []
+    argv += ["--reranking"] if preset.reranking else []
     return argv
 
 

@@ -24,19 +24,24 @@ mapped       --port --host -a/--alias -c/--ctx-size -np/--parallel -b/--batch-si
              omni-worker takes a file, a builtin name or inline Jinja with {{ or {%; llama-server
              takes any other text as the template itself, where omni-worker fails to load)
 defaulted    no -np: llama-server's "auto" is 4 slots sharing one KV cache, so the shim adds
-             --parallel 4 --kv-unified (omni-worker's own default is 4 slots, a stream each)
+             --parallel 4 --kv-unified (omni-worker's own default is 4 slots, a stream each);
+             always --http h11: uvicorn's default HTTP implementation (httptools) lowercases
+             response header names, and the suite reads headers from a plain dict
+             (`"Process-Start-Time-Unix" in res.headers`, `res.headers["Access-Control-Allow-Origin"]`);
+             h11 sends them as llama-server does (omni-worker's own default stays the faster one)
 model        -m/--model -hf/-hfr/--hf-repo -hff/--hf-file -mu/--model-url --offline:
              dropped; --model OMNI_SHIM_MODEL instead (also in llama-server mode)
 passed       omni-worker takes these as llama-server does (flag and value unchanged): --jinja
-             --no-jinja --metrics --slots --no-slots --context-shift (omni-worker refuses it)
+             --no-jinja --metrics --slots --no-slots --props --ui-mcp-proxy --context-shift (refused)
              --no-context-shift -s/--seed -n/--predict/--n-predict --temp/--temperature
-             --api-key --tags --sleep-idle-seconds --cors-origins
+             --api-key --tags --sleep-idle-seconds --cors-origins --slot-save-path -rea/--reasoning
+             -v/--verbose/--log-verbose (responses carry `__verbose`)
+             --embedding/--embeddings --rerank/--reranking --pooling
 ignored      no effect on what omni-worker does: -cb/--cont-batching (always on),
-             --no-ui/--no-webui (the worker serves no web UI), -v/--verbose/--log-verbose,
+             --no-ui/--no-webui (the worker serves no web UI),
              -lv/--verbosity/--log-verbosity, --no-mmproj/--no-mmproj-auto (text only)
 refused      everything else: exit 2 naming the flag, so a test that needs it fails loudly
-             instead of passing by accident. Among them --reasoning, --embedding, --reranking,
-             --pooling, --lora, --model-draft/--spec-*, --slot-save-path, --grp-attn-n/-w,
+             instead of passing by accident. Among them --lora, --model-draft/--spec-*, --grp-attn-n/-w,
              --no-cache-idle-slots, --swa-full, --mmproj-url, --media-path,
              --models-dir/--models-max/--models-preset (router mode), --tools, --mcp-servers-*,
              --backend_sampling.
@@ -77,20 +82,21 @@ MAPPED_SWITCHES: dict[str, str] = {"-kvu": "--kv-unified", "--kv-unified": "--kv
 MODEL_FLAGS = {"-m", "--model", "-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"}
 MODEL_SWITCHES = {"--offline"}
 IGNORED_SWITCHES = {
-    "-cb", "--cont-batching", "--no-ui", "--no-webui", "-v", "--verbose", "--log-verbose", "--no-mmproj",
+    "-cb", "--cont-batching", "--no-ui", "--no-webui", "--no-mmproj",
     "--no-mmproj-auto",
 }
 IGNORED_FLAGS = {"-lv", "--verbosity", "--log-verbosity"}
-PASSED_SWITCHES = {"--jinja", "--no-jinja", "--metrics", "--slots", "--no-slots", "--context-shift", "--no-context-shift"}
+PASSED_SWITCHES = {
+    "--jinja", "--no-jinja", "--metrics", "--slots", "--no-slots", "--context-shift", "--no-context-shift",
+    "-v", "--verbose", "--log-verbose", "--props", "--ui-mcp-proxy", "--no-ui-mcp-proxy",
+    "--embedding", "--embeddings", "--rerank", "--reranking",
+}
 PASSED_FLAGS = {
     "-s", "--seed", "-n", "--predict", "--n-predict", "--temp", "--temperature", "--api-key", "--tags",
-    "--sleep-idle-seconds", "--cors-origins",
+    "--sleep-idle-seconds", "--cors-origins", "--slot-save-path", "-rea", "--reasoning", "--pooling",
 }
 REASONS = {  # refused flags whose reason is worth more than "no equivalent"
-    "--embedding": "omni-worker serves no embeddings", "--embeddings": "omni-worker serves no embeddings",
-    "--reranking": "omni-worker serves no reranking", "--rerank": "omni-worker serves no reranking",
     "--lora": "omni-worker loads no LoRA adapters", "--model-draft": "no speculative decoding",
-    "--slot-save-path": "omni-worker cannot save slots to disk",
 }
 TAKES_VALUE = set(MAPPED) | MODEL_FLAGS | IGNORED_FLAGS | PASSED_FLAGS
 
@@ -139,7 +145,7 @@ def to_omni_worker(argv: list[str], model: Path) -> list[str]:
             raise Refused(f"{flag}: {REASONS.get(flag, 'omni-worker has no equivalent')}")
     if not has_parallel:  # llama-server's -np auto: 4 slots, one KV cache for all
         out += ["--parallel", "4", "--kv-unified"]
-    return out
+    return [*out, "--http", "h11"]  # header names as llama-server cases them (see the module docstring)
 
 
 def to_llama_server(argv: list[str], model: Path) -> list[str]:

@@ -12,3 +12,9 @@ from worker.testing.tiny_models import ModelPaths, ensure_model
 def tiny_models() -> ModelPaths:
     """The tiny HF model and its GGUF twins under models/ (generated once, reused after)."""
     return ensure_model(ROOT / "models", "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker() -> ModelPaths:
+    """The tiny Qwen3-Reranker look-alike (HF folder and GGUF twins with a classifier head)."""
+    return ensure_model(ROOT / "models", "tiny-reranker")

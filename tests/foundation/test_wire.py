@@ -72,7 +72,7 @@ def test_completion_logprobs_is_a_count() -> None:
         ({"messages": MSG, "n": 0}, "n"),
         ({"messages": MSG, "temperature": -0.1}, "temperature"),
         ({"messages": MSG, "temperature": "hot"}, "temperature"),
-        ({"messages": MSG, "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"messages": MSG, "logit_bias": {"12": "high"}}, "logit_bias"),
         ({"messages": MSG, "stop": 5}, "stop"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),

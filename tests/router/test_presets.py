@@ -207,6 +207,8 @@ def test_demo_presets_parse_to_the_same_models(name: str) -> None:
     (["--preset", "{bad}"], r"^omni-router: error: .*preset\.ini:3: unknown key 'colour' \(valid: .*\)"),
     (["--preset", "{good}", "--models-max", "-1"], r"^omni-router: error: Invalid value for '--models-max'.*$"),
     (["--bogus"], r"^omni-router: error: No such option: --bogus.*$"),
+    (["--preset", "{good}", "--ram-budget", "lots"],
+     r"^omni-router: error: Invalid value for --ram-budget: expected a size like 512M, 20GiB or a number of bytes$"),
     ([], r"^omni-router: error: no models: give --preset FILE and/or --models-dir DIR$"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, gguf: Path, args: list[str], message: str) -> None:
@@ -224,3 +226,92 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path, gguf: Path, args: 
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert re.match(message, proc.stderr.strip()) and proc.stderr.count("\n") == 1, proc.stderr
+
+
+# llama.cpp's tools/server/README.md, "Model presets" (the example as written there), with our
+# tiny GGUF for its file paths and a `model` for the section that names a model of llama-server's
+# download cache (there is no such cache here).
+README_PRESET = """version = 1
+
+; (Optional) This section provides global settings shared across all presets.
+; If the same key is defined in a specific preset, it will override the value in this global section.
+[*]
+c = 8192
+n-gpu-layers = 8
+
+; If the key corresponds to an existing model on the server,
+; this will be used as the default config for that model
+[ggml-org/MY-MODEL-GGUF:Q8_0]
+model = {m}
+; string value
+chat-template = chatml
+; numeric value
+n-gpu-layers = 123
+; flag value (for certain flags, you need to use the "no-" prefix for negation)
+jinja = true
+; shorthand argument (for example, context size)
+c = 4096
+; environment variable name
+LLAMA_ARG_CACHE_RAM = 0
+; file paths are relative to server's CWD
+model-draft = {m}
+; but it's RECOMMENDED to use absolute path
+model-draft = {m}
+
+; If the key does NOT correspond to an existing model,
+; you need to specify at least the model path or HF repo
+[custom_model]
+model = {m}
+"""
+
+
+def test_llama_cpp_readme_preset_loads(tmp_path: Path, gguf: Path) -> None:
+    mine, custom = load_presets(write(tmp_path, README_PRESET.format(m=gguf), ".ini"))
+    assert (mine.name, mine.model, mine.ctx_size, mine.n_gpu_layers, mine.chat_template, mine.jinja, mine.cache_ram) == (
+        "ggml-org/MY-MODEL-GGUF:Q8_0", gguf, 4096, 123, "chatml", True, 0)
+    assert mine.model_draft == str(gguf)  # accepted, not used
+    assert (custom.name, custom.ctx_size, custom.n_gpu_layers, custom.jinja) == ("custom_model", 8192, 8, None)
+    argv = worker_argv(mine, 8000, 1)
+    assert "--jinja" in argv and argv[argv.index("--cache-ram") + 1] == "0" and str(gguf) in argv
+    assert argv.count(str(gguf)) == 1  # the draft model is not handed to the worker
+
+
+@pytest.mark.parametrize(("key", "value", "field", "expected"), [
+    ("ctx-size", "512", "ctx_size", 512), ("c", "512", "ctx_size", 512), ("LLAMA_ARG_CTX_SIZE", "512", "ctx_size", 512),
+    ("n-gpu-layers", "3", "n_gpu_layers", 3), ("gpu-layers", "3", "n_gpu_layers", 3), ("ngl", "3", "n_gpu_layers", 3),
+    ("LLAMA_ARG_N_GPU_LAYERS", "3", "n_gpu_layers", 3), ("parallel", "2", "parallel", 2), ("np", "2", "parallel", 2),
+    ("LLAMA_ARG_N_PARALLEL", "2", "parallel", 2), ("LLAMA_ARG_BATCH", "64", "batch_size", 64),
+    ("LLAMA_ARG_THREADS", "1", "threads", 1), ("LLAMA_ARG_FLASH_ATTN", "off", "flash_attn", "off"),
+    ("kv-unified", "true", "kv_unified", True), ("no-kv-unified", "true", "kv_unified", False),
+    ("LLAMA_ARG_KV_UNIFIED", "1", "kv_unified", True), ("jinja", "false", "jinja", False),
+    ("no-jinja", "true", "jinja", False), ("LLAMA_ARG_JINJA", "true", "jinja", True),
+    ("LLAMA_ARG_CHAT_TEMPLATE", "chatml", "chat_template", "chatml"), ("--ctx-size", "7", "ctx_size", 7),
+])
+def test_llama_cpp_key_spellings(tmp_path: Path, gguf: Path, key: str, value: str, field: str, expected: object) -> None:
+    (preset,) = load_presets(write(tmp_path, f"[a]\nmodel = {gguf}\n{key} = {value}\n", ".ini"))
+    assert getattr(preset, field) == expected
+
+
+@pytest.mark.parametrize(("text", "pattern"), [
+    ("[a]\nmodel = {m}\nLLAMA_ARG_BOGUS = 1\n", r":3: unknown key 'LLAMA_ARG_BOGUS'"),
+    ("[a]\nmodel = {m}\nno-ctx-size = 1\n", r":3: unknown key 'no-ctx-size'"),
+    ("[a]\nmodel = {m}\nno-jinja = maybe\n", r":3: invalid value 'maybe' for 'no-jinja'"),
+    ("[a]\nmodel = {m}\nc = 1\nLLAMA_ARG_CTX_SIZE = 2\n", r":4: key 'LLAMA_ARG_CTX_SIZE' given twice in \[a\]"),
+])
+def test_llama_cpp_key_errors(tmp_path: Path, gguf: Path, text: str, pattern: str) -> None:
+    with pytest.raises(PresetError, match=pattern):
+        load_presets(write(tmp_path, text.format(m=gguf), ".ini"))
+
+
+def test_same_key_twice_the_last_wins(tmp_path: Path, gguf: Path) -> None:
+    (preset,) = load_presets(write(tmp_path, f"[a]\nmodel = {gguf}\nc = 1\nc = 2\n", ".ini"))
+    assert preset.ctx_size == 2
+
+
+def test_memory_and_unload_after_keys(tmp_path: Path, gguf: Path) -> None:
+    ini = write(tmp_path, f"[*]\nunload-after = 600\n[a]\nmodel = {gguf}\nmemory = 1.5GiB\nttl = 60\n", ".ini")
+    (a,) = load_presets(ini)
+    assert (a.memory, a.ttl, a.unload_after) == (3 << 29, 60.0, 600.0)
+    bad = write(tmp_path, f"[models.a]\nmodel = \"{gguf}\"\nmemory = \"lots\"\n", ".toml")
+    with pytest.raises(PresetError, match=r"models\.a\.memory: invalid value 'lots' for 'memory': expected a size"):
+        load_presets(bad)

@@ -59,7 +59,8 @@ def test_autoload_joins_one_worker_and_the_openai_sdk_works(router_factory: Fact
     assert max_workers == 1 and len(r.workers()) == 1
     card = r.models()["tiny-gguf"]
     assert card["status"]["value"] == "loaded" and card["meta"]["backend"] == "llama_cpp"
-    assert card["status"]["args"][3:5] == ["--model", str(GGUF)]
+    flag, path = card["status"]["args"][3:5]
+    assert flag == "--model" and Path(path).resolve() == GGUF.resolve()  # (models/ may be a symlink)
 
     with r.client(timeout=60) as c:  # the other proxied routes: model from the body or ?model=
         tokens = c.post("/tokenize?model=tiny-gguf", json={"content": "hello"}).json()["tokens"]
@@ -204,3 +205,21 @@ def test_a_model_that_fails_to_load_is_failed_with_the_workers_exit_code(router_
     status = r.models()["bad"]["status"]
     assert (status["value"], status["failed"], status["exit_code"]) == ("failed", True, 1)
     assert any("bad.gguf" in line for line in status["log_tail"])
+
+
+def test_llama_cpp_readme_preset_serves(router_factory: Factory) -> None:
+    """The example preset of llama.cpp's server README (tests/router/test_presets.py) runs as written,
+    the tiny GGUF in place of its file paths: both models answer, the section's settings reach the worker."""
+    from tests.router.test_presets import README_PRESET
+
+    r = router_factory(README_PRESET.format(m=GGUF), suffix=".ini")
+    for name in ("ggml-org/MY-MODEL-GGUF:Q8_0", "custom_model"):
+        with r.client(timeout=120) as c:
+            res = c.post("/v1/chat/completions", json=chat(name, max_tokens=4))
+            assert res.status_code == 200, res.text
+    args = r.models()["ggml-org/MY-MODEL-GGUF:Q8_0"]["status"]["args"]
+    assert args[args.index("--ctx-size") + 1] == "4096" and args[args.index("--chat-template") + 1] == "chatml"
+    assert "--jinja" in args and args[args.index("--cache-ram") + 1] == "0"
+    with r.client(timeout=60) as c:  # llama-server's token count, routed by the body's model
+        body = {"model": "custom_model", "messages": [{"role": "user", "content": "Hello world"}]}
+        assert c.post("/chat/completions/input_tokens", json=body).json()["input_tokens"] > 2

@@ -114,8 +114,8 @@ def test_context_full_finishes_with_length(tiny_models: ModelPaths) -> None:
     with worker_process(tiny_models.gguf_f32, "--parallel", "2", "--ctx-size", "256") as (_, url):
         data = _complete(url, prompt=[7] * 200)
         assert data["choices"][0]["finish_reason"] == "length"
-        # The last token is sampled from the logits of the last cell; it needs no cell itself.
-        assert data["usage"]["completion_tokens"] == 256 - 200 + 1
+        # As llama-server: prompt + generated tokens fill the context (n_past + 1 >= n_ctx ends it).
+        assert data["usage"]["completion_tokens"] == 256 - 200
         # A streamed request that hits the limit ends cleanly too.
         body = {"prompt": [7] * 250, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:

@@ -65,9 +65,10 @@ def test_props_report_the_command_line_defaults(url: str) -> None:
     assert props["total_slots"] == 2 and props["model_alias"] == "tiny"
 
 
-def test_n_predict_is_the_default_and_the_cap(url: str) -> None:
+def test_n_predict_is_the_default_a_request_overrides(url: str) -> None:
+    """As llama-server (n_predict_max = the task's n_predict unless -1, else -n): no cap."""
     assert _complete(url)["usage"]["completion_tokens"] == 5  # type: ignore[index]
-    assert _complete(url, max_tokens=50)["usage"]["completion_tokens"] == 5  # type: ignore[index]
+    assert _complete(url, max_tokens=8)["usage"]["completion_tokens"] == 8  # type: ignore[index]
     assert _complete(url, n_predict=3)["usage"]["completion_tokens"] == 3  # type: ignore[index]
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from worker.backends.base import Backend
+from worker.backends.base import Backend, Pooling
 
 BackendKind = Literal["auto", "llama_cpp", "torch"]
 
@@ -32,6 +32,8 @@ class BackendOptions:
     device: str | None = None  # torch only
     dtype: str | None = None  # torch only
     compile: bool = False  # torch only: CUDA graphs / torch.compile for decode steps
+    embedding: bool = False  # an embedding model (llama-server's --embedding): pooled outputs, no sampling
+    pooling: Pooling | None = None  # with `embedding`: None = the model's own (llama-server's default)
 
 
 def resolve_kind(kind: BackendKind, model_path: str) -> Literal["llama_cpp", "torch"]:
@@ -70,6 +72,8 @@ def load_backend(
             cache_type_v=options.cache_type_v,
             flash_attn=options.flash_attn,
             progress=progress,
+            embedding=options.embedding,
+            pooling=options.pooling,
         )
     # torch's CPU allocator reads this once, at its first allocation: 2 MiB pages for large
     # tensors (weights, KV). Decode streams every weight each step; with 4 KiB pages the TLB
@@ -89,5 +93,7 @@ def load_backend(
         progress=progress,
         threads=options.threads,
         compile=options.compile,
+        embedding=options.embedding,
+        pooling=options.pooling,
     )
     return backend

@@ -30,6 +30,17 @@ forbids a token; it is applied before any other sampler.
 
 Logprobs are computed from the raw logits (log-softmax before temperature/penalties), as
 OpenAI reports them.
+
+Embedding models (`pooling` not None, llama-server's `--embedding`): `decode` keeps, for every
+entry that asks for logits, the final-normed hidden states of its sequence pooled as `pooling`
+says, read with `embedding(n)` (the n-th such entry of the last decode), and nothing is sampled.
+With mean, cls or none pooling the entry must hold the whole prompt (they read every row of it)
+and the scheduler plans such prompts as one piece; last and (causal) rank read the last row of
+the last piece, so those prompts go in pieces like any other (`pools_in_pieces`, llama-server's
+`can_split`). Pooling as llama.cpp's: none = every row, mean, cls = the first
+row, last = the last row, rank = the last row (causal models) through the classifier head when
+the model has one; without a head (a llama-family GGUF) llama.cpp's score is that row's first
+element, and the torch backend computes exactly that.
 """
 
 from __future__ import annotations
@@ -37,11 +48,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from worker.engine.sampling_params import SamplingParams
+
+Pooling = Literal["none", "mean", "cls", "last", "rank"]
+POOLINGS: tuple[Pooling, ...] = ("none", "mean", "cls", "last", "rank")
 
 
 @dataclass(slots=True)
@@ -123,6 +137,35 @@ class Sample:
     token: int
     logprob: float | None = None  # log-softmax of the raw logits, when params.logprobs
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    # params.post_sampling_probs: the chosen token's probability after the sampler chain (top-k, top-p,
+    # min-p, temperature), and the most likely of that distribution's candidates (at most top_logprobs)
+    prob: float | None = None
+    top_probs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class FimTokens:
+    """A code model's fill-in-the-middle tokens (llama.cpp's fim_pre/suf/mid/rep/sep; -1: none)."""
+
+    pre: int = -1
+    suf: int = -1
+    mid: int = -1
+    rep: int = -1  # repository name (optional)
+    sep: int = -1  # file separator (optional)
+
+    def missing(self) -> list[str]:
+        """The kinds /infill needs that the model lacks (empty: infill works)."""
+        return [kind for kind, t in (("prefix", self.pre), ("suffix", self.suf), ("middle", self.mid)) if t < 0]
+
+
+# llama.cpp's names for FIM tokens in a vocabulary without FIM metadata (llama-vocab.cpp)
+FIM_TOKEN_TEXTS: dict[str, tuple[str, ...]] = {
+    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "▁<PRE>", "<|fim▁begin|>"),
+    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>", "▁<SUF>", "<|fim▁hole|>"),
+    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>", "▁<MID>", "<|fim▁end|>"),
+    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
+    "sep": ("<|file_sep|>",),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +183,12 @@ class ModelMeta:
     eos_token_id: int
     add_bos: bool
     chat_template: str | None
+    fim: FimTokens = FimTokens()
+    # what llama-server's rerank prompt needs (format_prompt_rerank)
+    add_eos: bool = False
+    add_sep: bool = False
+    sep_token_id: int = -1
+    rerank_template: str | None = None  # the model's "rerank" chat template: {query} and {document}
 
 
 class Backend(Protocol):
@@ -153,6 +202,8 @@ class Backend(Protocol):
     n_ubatch: int  # the largest prompt piece the recipe's promise holds for
     supports_seq_state: bool  # seq_state_get/set work (the engine then keeps a prompt cache)
     recipe: RowRecipe
+    pooling: Pooling | None  # an embedding model (see module doc); None: a generating one
+    pools_in_pieces: bool  # its pooling reads the last row only (last, causal rank): prompts may be cut
 
     @property
     def meta(self) -> ModelMeta: ...
@@ -185,6 +236,11 @@ class Backend(Protocol):
         """Make `dst` hold exactly `src`'s positions [0, n) (whatever dst held is dropped).
 
         Shared without a copy where the KV layout allows (a unified pool), copied otherwise."""
+        ...
+
+    def embedding(self, index: int) -> np.ndarray:
+        """Embedding models: the pooled output of the n-th entry of the last decode that asked for
+        logits, float32[rows, n]: one row when pooled, one per prompt token with pooling none."""
         ...
 
     def logits_row(self, logits_index: int) -> np.ndarray:

@@ -29,6 +29,16 @@ Two models are loaded from the same file: a vocab-only one (a few MB, loaded fir
 through sleep) that serves tokenization from any thread, and the full one that `sleep` frees.
 The batch is one `llama_batch` whose arrays are numpy buffers allocated once (`_BatchBuffers`),
 so filling it is a handful of slice assignments per entry, not a Python loop per token.
+
+Embedding models (`embedding=True`, llama-server's `--embedding`): the context computes
+embeddings with the pooling asked for (or the model's own), every row is an output (llama.cpp
+requires it), and after each llama_decode the pooled vector of every entry that asked for
+logits is copied out (`llama_get_embeddings_seq`; per row with pooling none). llama.cpp pools
+per ubatch, so a sequence's rows must all be in one ubatch: pieces share a llama_decode only
+when they are of equal length (its `split_equal` then keeps each whole) and fit one ubatch, and
+never with mean pooling (`_keeps_whole`); a one-token input has a call of its own. So every
+embedding is bitwise the same alone or batched (measured: 1e-7 apart otherwise), at the price
+of more, smaller llama_decode calls in a step.
 """
 
 from __future__ import annotations
@@ -44,7 +54,16 @@ import llama_cpp as ll
 import llama_cpp.llama_cpp as llc
 import numpy as np
 
-from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, RowRecipe, Sample, SampleItem
+from worker.backends.base import (
+    BatchEntry,
+    DecodeStatus,
+    FimTokens,
+    ModelMeta,
+    Pooling,
+    RowRecipe,
+    Sample,
+    SampleItem,
+)
 from worker.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("worker.llama_cpp")
@@ -54,11 +73,13 @@ Progress = Callable[[str, float], None]
 # Flash attention on the CPU switches to its tiled kernel at this many rows of one sequence.
 FA_TILE_ROWS = 64
 _TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+_MAX_POST_PROBS = 64  # post-sampling candidates kept (a request asks for 20 at most)
 
 KV_TYPES: dict[str, int] = {
     "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30,
 }
 FLASH_ATTN: dict[str, int] = {"auto": -1, "off": 0, "on": 1}
+POOLING_TYPES: dict[str, int] = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 _GGML_LOG_WARN = 3
 _GGML_LOG_CONT = 5
@@ -128,8 +149,9 @@ class _BatchBuffers:
             logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
 
-    def fill(self, entries: Sequence[BatchEntry], arange: np.ndarray) -> list[int]:
-        """Write `entries`; return the batch index of every entry that wants logits."""
+    def fill(self, entries: Sequence[BatchEntry], arange: np.ndarray, all_outputs: bool = False) -> list[int]:
+        """Write `entries`; return the batch index of every entry that wants logits.
+        `all_outputs`: every row is an output (an embedding context requires it)."""
         out_rows: list[int] = []
         i = 0
         for e in entries:
@@ -142,7 +164,7 @@ class _BatchBuffers:
                 self.token[i:j] = e.tokens
                 self.pos[i:j] = arange[e.pos : e.pos + n]
             self.seq[i:j] = e.seq_id
-            self.logits[i:j] = 0
+            self.logits[i:j] = 1 if all_outputs else 0
             if e.logits:
                 self.logits[j - 1] = 1
                 out_rows.append(j - 1)
@@ -171,6 +193,8 @@ class LlamaCppBackend:
         flash_attn: str = "auto",
         kv_unified: bool = False,
         progress: Progress | None = None,
+        embedding: bool = False,
+        pooling: Pooling | None = None,
     ) -> None:
         _init_llama_backend()
         if not os.path.isfile(model_path):
@@ -182,12 +206,25 @@ class LlamaCppBackend:
             raise ValueError(f"flash_attn: {flash_attn!r} is not one of {sorted(FLASH_ATTN)}")
         if n_slots < 1:
             raise ValueError("n_slots must be at least 1")
+        if pooling is not None and pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling: {pooling!r} is not one of {', '.join(POOLING_TYPES)}")
+        self._embedding = embedding
+        self._req_pooling = pooling
+        self.pooling: Pooling | None = None  # set once the context tells which pooling it runs
+        self.pools_in_pieces = False
+        self._embeddings: list[np.ndarray] = []  # per logits entry of the last decode (embedding models)
         self._path = model_path
         self._req_n_ctx = n_ctx
         self._n_slots = n_slots
         self.n_seq_max = n_slots + 1  # the last sequence is the engine's staging one
         self.n_batch = n_batch
         self.n_ubatch = min(n_ubatch, n_batch)
+        if embedding and self.n_ubatch % self.n_seq_max:
+            # llama.cpp reserves its pooling graph for n_ubatch rows rounded up to a multiple of
+            # n_seq_max but n_ubatch outputs, and aborts (ggml_can_mul_mat) unless they agree.
+            self.n_ubatch = max(self.n_ubatch - self.n_ubatch % self.n_seq_max, self.n_seq_max)
+            self.n_batch = max(self.n_batch, self.n_ubatch) if self.n_batch > n_ubatch else self.n_ubatch
+            log.info("embeddings: ubatch size %d (a multiple of the %d sequences)", self.n_ubatch, self.n_seq_max)
         self._n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers
         self._threads = threads or _default_threads()
         self._type_k = KV_TYPES[cache_type_k]
@@ -263,6 +300,9 @@ class LlamaCppBackend:
         cp.type_v = self._type_v
         cp.kv_unified = self.kv_unified
         cp.no_perf = True
+        if self._embedding:
+            cp.embeddings = True
+            cp.pooling_type = POOLING_TYPES[self._req_pooling] if self._req_pooling is not None else -1
         ctx = ll.llama_init_from_model(self._model, cp)
         if not ctx:
             ll.llama_model_free(self._model)
@@ -272,6 +312,13 @@ class LlamaCppBackend:
         self._mem = ll.llama_get_memory(ctx)
         self.n_ctx = int(ll.llama_n_ctx(ctx))
         self.n_ctx_seq = int(ll.llama_n_ctx_seq(ctx))
+        if self._embedding:
+            names = {v: k for k, v in POOLING_TYPES.items()}
+            self.pooling = names[int(ll.llama_pooling_type(ctx))]  # type: ignore[assignment]
+            rank = self.pooling == "rank"
+            causal = bool(ll.llama_get_causal_attn(ctx))
+            self.pools_in_pieces = self.pooling == "last" or (rank and causal)
+            self._n_embd_out = int(ll.llama_model_n_cls_out(self._model) if rank else ll.llama_model_n_embd_out(self._model))
         log.info("context: %d cells, %d per sequence, flash attention %s", self.n_ctx, self.n_ctx_seq, self.flash_attn)
         self._progress("warming up", 1.0)
         self._warmup()
@@ -281,7 +328,7 @@ class LlamaCppBackend:
         bos = ll.llama_vocab_bos(self._vocab)
         tok = bos if bos >= 0 else 0
         buf = _BatchBuffers(1)
-        buf.fill([BatchEntry(seq_id=0, tokens=[tok], pos=0, logits=True)], np.arange(1, dtype=np.int32))
+        buf.fill([BatchEntry(seq_id=0, tokens=[tok], pos=0, logits=True)], np.arange(1, dtype=np.int32), self._embedding)
         ll.llama_decode(self._ctx, buf.batch)
         ll.llama_memory_clear(self._mem, True)
 
@@ -289,6 +336,7 @@ class LlamaCppBackend:
         tmpl = ll.llama_model_chat_template(self._model, None)
         bos = int(ll.llama_vocab_bos(self._vocab))
         eos = int(ll.llama_vocab_eos(self._vocab))
+        rerank = ll.llama_model_chat_template(self._model, b"rerank")
         return ModelMeta(
             path=self._path,
             n_vocab=self.n_vocab,
@@ -301,6 +349,13 @@ class LlamaCppBackend:
             eos_token_id=eos,
             add_bos=bool(ll.llama_vocab_get_add_bos(self._vocab)),
             chat_template=tmpl.decode(errors="replace") if tmpl else None,
+            fim=FimTokens(*(int(f(self._vocab)) for f in (ll.llama_vocab_fim_pre, ll.llama_vocab_fim_suf,
+                                                           ll.llama_vocab_fim_mid, ll.llama_vocab_fim_rep,
+                                                           ll.llama_vocab_fim_sep))),
+            add_eos=bool(ll.llama_vocab_get_add_eos(self._vocab)),
+            add_sep=bool(ll.llama_vocab_get_add_sep(self._vocab)),
+            sep_token_id=int(ll.llama_vocab_sep(self._vocab)),
+            rerank_template=rerank.decode(errors="replace") if rerank else None,
         )
 
     @property
@@ -370,8 +425,9 @@ class LlamaCppBackend:
         calls = self._calls(entries)
         done: list[BatchEntry] = []
         where: dict[int, tuple[np.ndarray | None, int]] = {}  # id(entry) -> logits location
+        pooled: dict[int, np.ndarray] = {}  # id(entry) -> its embedding (embedding models)
         for k, call in enumerate(calls):
-            rows = self._buf.fill(call, self._arange)
+            rows = self._buf.fill(call, self._arange, self._embedding)
             ret = ll.llama_decode(self._ctx, self._buf.batch)
             if ret != 0:
                 for e in done:  # nothing of this batch stays in the KV cache
@@ -381,11 +437,40 @@ class LlamaCppBackend:
                     return DecodeStatus.NO_KV_SPACE
                 raise RuntimeError(f"llama_decode failed with status {ret}")
             done.extend(call)
+            if self._embedding:
+                pooled.update(self._read_embeddings(call))
+                continue
             is_last = k == len(calls) - 1
             for e, row in zip((e for e in call if e.logits), rows, strict=True):
                 where[id(e)] = (None, row) if is_last else (self._logits_row(row).copy(), row)
+        if self._embedding:
+            self._embeddings = [pooled[id(e)] for e in entries if e.logits]
+            return DecodeStatus.OK
         self._outputs = [where[id(e)] for e in entries if e.logits]
         return DecodeStatus.OK
+
+    def _read_embeddings(self, call: list[BatchEntry]) -> dict[int, np.ndarray]:
+        """The outputs of the llama_decode just run (the next one overwrites them): each
+        entry's pooled vector, or with pooling none its rows' vectors."""
+        out: dict[int, np.ndarray] = {}
+        n = self._n_embd_out
+        i = 0
+        for e in call:
+            if e.logits:
+                if self.pooling == "none":
+                    rows = [np.ctypeslib.as_array(ll.llama_get_embeddings_ith(self._ctx, i + r), shape=(n,))
+                            for r in range(len(e.tokens))]
+                    out[id(e)] = np.array(rows, dtype=np.float32)
+                else:
+                    ptr = ll.llama_get_embeddings_seq(self._ctx, e.seq_id)
+                    if not ptr:
+                        raise RuntimeError(f"llama.cpp returned no embedding for sequence {e.seq_id}")
+                    out[id(e)] = np.ctypeslib.as_array(ptr, shape=(1, n)).copy()
+            i += len(e.tokens)
+        return out
+
+    def embedding(self, index: int) -> np.ndarray:
+        return self._embeddings[index]
 
     def _calls(self, entries: Sequence[BatchEntry]) -> list[list[BatchEntry]]:
         """llama_decode calls whose ubatches give every row the kernels the recipe promises:
@@ -396,13 +481,27 @@ class LlamaCppBackend:
         calls: list[list[BatchEntry]] = []
         for e in sorted((e for e in entries if len(e.tokens) > 1), key=lambda e: e.seq_id):
             last = calls[-1] if calls else None
-            if last is not None and last[-1].seq_id + 1 == e.seq_id and self._keeps_classes([*last, e]):
+            if last is not None and last[-1].seq_id + 1 == e.seq_id and self._keeps_classes([*last, e]) and (
+                not self._embedding or self._keeps_whole([*last, e])
+            ):
                 last.append(e)
             else:
                 calls.append([e])
-        if rows:
+        if rows and self._embedding:  # one-token inputs: the one-row kernel always, alone or not
+            calls.extend([r] for r in rows)
+        elif rows:
             calls.append(rows)
         return calls
+
+    def _keeps_whole(self, pieces: list[BatchEntry]) -> bool:
+        """Embedding models: llama.cpp's split keeps every piece in one ubatch (it pools per ubatch).
+        Mean pooling never groups: llama.cpp pools by a matmul over all the ubatch's rows, whose
+        sums round differently with the row count (1e-7, measured), and an embedding must not
+        depend on what else was batched."""
+        if self.pooling == "mean":
+            return False
+        n = len(pieces[0].tokens)
+        return all(len(e.tokens) == n for e in pieces) and n * len(pieces) <= self.n_ubatch
 
     def _keeps_classes(self, pieces: list[BatchEntry]) -> bool:
         """Whether llama.cpp's split of these pieces (consecutive sequences, in order) into
@@ -432,7 +531,7 @@ class LlamaCppBackend:
         return True
 
     def seq_rm(self, seq_id: int, p0: int) -> None:
-        if self._ctx is not None and not _memory_seq_rm(self._mem, seq_id, p0, -1):
+        if self._ctx is not None and self._mem and not _memory_seq_rm(self._mem, seq_id, p0, -1):
             # A partial removal can fail only for recurrent models; drop the whole sequence.
             _memory_seq_rm(self._mem, seq_id, 0, -1)
 
@@ -516,20 +615,28 @@ class LlamaCppBackend:
             logprobs: np.ndarray | None = None
             if p.logprobs:
                 logprobs = _log_softmax(row if row is not None else self._logits_row(idx))
-            if row is None:  # a row of the last llama_decode: the sampler reads it in place
+            post: list[tuple[int, float]] | None = [] if p.logprobs and p.post_sampling_probs else None
+            if row is None and post is None:  # a row of the last llama_decode: the sampler reads it in place
                 if item.mask is not None:
                     self._logits_row(idx)[~item.mask] = -np.inf
                 token = int(_sampler_sample(item.sampler, self._ctx, idx))
             else:
-                token = self._sample_row(item.sampler, row, item.mask)
+                source = row if row is not None else self._logits_row(idx).copy()
+                token = self._sample_row(item.sampler, source, item.mask, post)
             if logprobs is None:
                 out.append(Sample(token))
-            else:
+            elif post is None:
                 out.append(Sample(token, float(logprobs[token]), _top(logprobs, p.top_logprobs)))
+            else:
+                chosen = next((q for t, q in post if t == token), 1.0 if p.is_greedy else 0.0)
+                out.append(Sample(token, float(logprobs[token]), _top(logprobs, p.top_logprobs), chosen,
+                                  post[: p.top_logprobs] if not p.is_greedy else [(token, 1.0)]))
         return out
 
-    def _sample_row(self, sampler: Any, row: np.ndarray, mask: np.ndarray | None) -> int:
-        """What llama_sampler_sample does, for a logits row held outside the context."""
+    def _sample_row(self, sampler: Any, row: np.ndarray, mask: np.ndarray | None,
+                    post: list[tuple[int, float]] | None = None) -> int:
+        """What llama_sampler_sample does, for a logits row held outside the context. `post`: filled
+        with the candidates the chain left and their probabilities, most likely first (p > 0)."""
         data = self._token_data
         data["id"] = self._vocab_ids
         data["logit"] = row
@@ -541,6 +648,11 @@ class LlamaCppBackend:
         )
         _sampler_apply(sampler, ctypes.byref(arr))
         token = int(arr.data[arr.selected].id)
+        if post is not None:
+            left = np.ctypeslib.as_array(ctypes.cast(arr.data, ctypes.POINTER(ctypes.c_uint8)),
+                                         shape=(arr.size * _TOKEN_DATA.itemsize,)).view(_TOKEN_DATA)
+            order = np.argsort(-left["p"], kind="stable")[:_MAX_POST_PROBS]
+            post.extend((int(left["id"][i]), float(left["p"][i])) for i in order if left["p"][i] > 0)
         _sampler_accept(sampler, token)
         return token
 

@@ -30,11 +30,22 @@ layers run on fused C kernels (`cpu_kernels=False` or OMNI_CPU_KERNELS=0 keeps t
 Sleep: on CUDA the weights move to pinned host memory and the KV cache is freed; on CPU both
 are dropped and `wake` reloads from disk (either way the KV contents are gone). Construction
 (and wake) ends with one tiny warm-up step.
+
+Embedding models (`embedding=True`): `decode` runs the same layers, takes every row's
+final-normed hidden state (`Model.hidden_states`) instead of logits, and pools each entry that
+asks for logits as llama.cpp does (worker/backends/base.py). The default pooling is the
+sentence-transformers folder's (1_Pooling/config.json), else none, as llama.cpp's default for a
+llama-family GGUF. Pooling reads rows of one forward pass only, so on the exact CPU path an
+embedding does not depend on what else was batched. Rank pooling on a Qwen3-Reranker
+(worker/text/rerank.py) is its classifier as llama.cpp runs the converted GGUF: the LM head's
+"yes" and "no" logits of the last row, softmaxed; on any other model it is llama.cpp's rank
+without a head (the last row's first element).
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -45,11 +56,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.backends.base import BatchEntry, DecodeStatus, ModelMeta, RowRecipe, Sample, SampleItem
+from worker.backends.base import (
+    POOLINGS,
+    BatchEntry,
+    DecodeStatus,
+    ModelMeta,
+    Pooling,
+    RowRecipe,
+    Sample,
+    SampleItem,
+)
 from worker.engine.sampling_params import SamplingParams
+from worker.text.rerank import QWEN3_RERANK_TEMPLATE, RERANK_LABELS, is_qwen3_reranker
 from worker.torch_model.config import ModelConfig, load_config
 from worker.torch_model.kv_cache import MAX_MASK_SEQS, KVCache
-from worker.torch_model.model import Model
+from worker.torch_model.model import Model, linear
 from worker.torch_model.sampler import SamplerState, new_state, sample_rows
 from worker.torch_model.tokenizer import HFTokenizer
 from worker.torch_model.weights import checkpoint_files, iter_tensors, tensor_names
@@ -93,6 +114,8 @@ class TorchBackend:
         threads: int | None = None,
         prepack: bool = True,
         cpu_kernels: bool = True,
+        embedding: bool = False,
+        pooling: Pooling | None = None,
     ) -> None:
         if threads is not None and threads > 0:
             torch.set_num_threads(threads)  # one backend per worker process: global is fine
@@ -102,6 +125,14 @@ class TorchBackend:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(dtype, self.device, self.cfg)
         self.tokenizer = HFTokenizer(self._path)
+        if pooling is not None and pooling not in POOLINGS:
+            raise ValueError(f"pooling: {pooling!r} is not one of {', '.join(POOLINGS)}")
+        self.pooling: Pooling | None = (pooling or default_pooling(self._path)) if embedding else None
+        self._embeddings: list[np.ndarray] = []  # per logits entry of the last decode (embedding models)
+        self.pools_in_pieces = self.pooling in ("last", "rank")  # a causal model: the last row is final
+        self._labels: list[int] | None = None  # a Qwen3-Reranker's "yes" and "no" token ids
+        if self.pooling == "rank" and is_qwen3_reranker(self._path):
+            self._labels = [self.tokenizer.token_id(t) for t in RERANK_LABELS]
         self._grammar_lock = threading.Lock()
         self._grammar_tok: Any = None  # llguidance's view of the vocabulary, made at first use
         if n_slots < 1:
@@ -115,6 +146,9 @@ class TorchBackend:
         self.n_ubatch = n_ubatch
         self._files = checkpoint_files(self._path)
         names = tensor_names(self._files)
+        if self.pooling == "rank" and any(n.startswith(("score.", "classifier.")) for n in names):
+            raise ValueError("rank pooling through a sequence-classification head (score/classifier weights) is "
+                             "not implemented; llama.cpp's rank for a llama-family model without a head is what runs")
         self._layout = {
             "qkv_bias": any(n.endswith("self_attn.q_proj.bias") for n in names),
             "o_bias": any(n.endswith("self_attn.o_proj.bias") for n in names),
@@ -149,6 +183,8 @@ class TorchBackend:
             eos_token_id=self.tokenizer.eos_token_id,
             add_bos=self.tokenizer.add_bos,
             chat_template=self.tokenizer.chat_template,
+            fim=self.tokenizer.fim_tokens(),
+            rerank_template=QWEN3_RERANK_TEMPLATE if self._labels is not None else None,
         )
         log.info(
             "torch backend: %s on %s/%s, %d params, n_ctx=%d (%d per sequence, unified=%s), n_seq_max=%d, "
@@ -280,16 +316,47 @@ class TorchBackend:
             if self._graphs is not None:  # captured graphs point at the old RoPE tables
                 self._graphs = None
                 self._alloc_graphs()
-        if self._graphs is not None and self._graphs.can_run(n_tok, len(entries), len(rows)):
+        if self._graphs is not None and self.pooling is None and self._graphs.can_run(n_tok, len(entries), len(rows)):
             self._logits = self._graphs.run(tokens, starts, cells, seqs)
             return DecodeStatus.OK
         dev = self.device
         plan = kv.plan(seqs, starts, counts, self._group, self.cfg.sliding_window, sdpa=model.kernels is None)
+        if self.pooling is not None:
+            hidden = model.hidden_states(
+                torch.from_numpy(tokens).to(dev), plan.row_pos, torch.from_numpy(cells).to(dev), plan, kv.k, kv.v
+            )
+            ends = np.cumsum(counts)
+            self._embeddings = [
+                self._pool(hidden[end - len(e.tokens) : end]) for e, end in zip(entries, ends.tolist(), strict=True)
+                if e.logits
+            ]
+            return DecodeStatus.OK
         self._logits = model(
             torch.from_numpy(tokens).to(dev), plan.row_pos, torch.from_numpy(cells).to(dev), plan,
             torch.from_numpy(rows).to(dev), kv.k, kv.v,
         )
         return DecodeStatus.OK
+
+    def _pool(self, rows: torch.Tensor) -> np.ndarray:
+        """One entry's rows (its whole prompt, or the last piece for last/rank) pooled as llama.cpp does."""
+        if self.pooling == "mean":
+            out = rows.mean(dim=0, keepdim=True)
+        elif self.pooling == "cls":
+            out = rows[:1]
+        elif self.pooling == "last":
+            out = rows[-1:]
+        elif self.pooling == "rank" and self._labels is not None:  # a Qwen3-Reranker: P(yes), P(no)
+            logits = linear(rows[-1:], self._require_model().w["lm_head"]).float()
+            out = torch.softmax(logits[:, self._labels], dim=-1)
+        elif self.pooling == "rank":  # causal, no classifier head: llama.cpp's score is the first element
+            out = rows[-1:, :1]
+        else:
+            out = rows
+        pooled: np.ndarray = out.float().cpu().numpy().copy()
+        return pooled
+
+    def embedding(self, index: int) -> np.ndarray:
+        return self._embeddings[index]
 
     def seq_rm(self, seq_id: int, p0: int) -> None:
         if self._kv is not None:
@@ -334,7 +401,7 @@ class TorchBackend:
                 for it in items
             ])
         drawn = sample_rows(x, [it.sampler for it in items], params, [it.mask for it in items])
-        return [Sample(d.token, d.logprob, d.top_logprobs) for d in drawn]
+        return [Sample(d.token, d.logprob, d.top_logprobs, d.prob, d.top_probs) for d in drawn]
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -378,3 +445,17 @@ class TorchBackend:
         self._model = None
         self._logits = torch.empty(0)
         gc.collect()
+
+
+def default_pooling(path: Path) -> Pooling:
+    """A sentence-transformers folder's pooling (1_Pooling/config.json, as llama.cpp's converter
+    reads it), else none (llama.cpp's default for a llama-family model)."""
+    try:
+        cfg = json.loads((path / "1_Pooling" / "config.json").read_text())
+    except (OSError, ValueError):
+        return "none"
+    for key, pooling in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
+                         ("pooling_mode_lasttoken", "last")):
+        if cfg.get(key):
+            return pooling  # type: ignore[return-value]
+    return "none"

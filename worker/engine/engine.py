@@ -65,7 +65,7 @@ from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import PromptCache
 from worker.engine.scheduler import Plan, Scheduler
 from worker.engine.slot import Slot
-from worker.engine.task import ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
+from worker.engine.task import EmbeddingEvent, ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
 
 log = logging.getLogger("worker.engine.engine")
 
@@ -149,6 +149,15 @@ class Engine:
             task.emit(ErrorEvent("worker is shutting down", 503, "unavailable_error"))
             return
         self._inbox.put(task)
+
+    def submit_many(self, tasks: list[Task]) -> None:
+        """Submit tasks that the engine must see together (one request's inputs: one step admits
+        as many of them as there are free slots, instead of whichever arrived before it woke)."""
+        if self._stopping:
+            for t in tasks:
+                t.emit(ErrorEvent("worker is shutting down", 503, "unavailable_error"))
+            return
+        self._inbox.put(list(tasks))
 
     def call(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
         """Run `fn` on the engine thread between two steps."""
@@ -250,6 +259,9 @@ class Engine:
                     self._deferred = item
                 else:
                     self._run_command(item)
+            elif isinstance(item, list):
+                for task in item:
+                    self._enqueue(task)
             else:
                 self._enqueue(item)
 
@@ -292,8 +304,21 @@ class Engine:
         backend = self._require_backend()
         if backend.is_sleeping:
             t0 = time.monotonic()
+            self.last_busy = t0  # a fresh idle period: --sleep-idle-seconds counts from the wake
             backend.wake()
             log.info("awake: model reloaded in %.2f s", time.monotonic() - t0)
+
+    def slot_snapshot(self, slot_id: int) -> tuple[list[int], tuple[int, int], bytearray | None]:
+        """Engine thread, idle: what the slot holds (POST /slots/{id}?action=save)."""
+        return self._require_scheduler().slot_snapshot(slot_id)
+
+    def restore_slot(self, slot_id: int, tokens: list[int], rows: tuple[int, int], state: bytes) -> bool:
+        """Engine thread, idle: load a saved slot (action=restore); False if it did not fit."""
+        return self._require_scheduler().restore_slot(slot_id, tokens, rows, state)
+
+    def erase_slot(self, slot_id: int) -> int:
+        """Engine thread, idle: forget a slot's KV (action=erase); the tokens it held."""
+        return self._require_scheduler().erase_slot(slot_id)
 
     def slots_info(self) -> list[dict[str, Any]]:
         n_ctx = self._require_backend().n_ctx_seq
@@ -310,7 +335,7 @@ class Engine:
                     "n_prompt_tokens": len(t.prompt) if t else 0,
                     "n_decoded": t.stats.n_decoded if t else 0,
                     "is_prefill": s.is_prefill,
-                    "params": _params_info(t) if t else None,
+                    **({"params": _params_info(t)} if t else {}),  # as llama-server: an idle slot has none
                 }
             )
         return out
@@ -341,6 +366,11 @@ class Engine:
                 scheduler.on_no_kv_space(plan)
                 return
             to_sample = scheduler.commit(plan, (time.perf_counter() - t0) * 1e3)
+            self._metrics.n_busy_slots.inc(scheduler.n_busy())
+        if backend.pooling is not None:  # an embedding model: an evaluated prompt is a finished task
+            for i, slot in enumerate(to_sample):
+                self._finish_embedding(slot, backend.embedding(i))
+            return
         slots = to_sample + plan.from_saved
         if slots:
             tasks = [s.task for s in slots if s.task is not None]
@@ -394,12 +424,14 @@ class Engine:
             self._finish(slot, "stop", None)
             return
         text, stop_word = task.output.push(backend.token_to_piece(token))
-        task.emit(TokenEvent(text, token, sample.logprob, sample.top_logprobs))
+        task.emit(TokenEvent(text, token, sample.logprob, sample.top_logprobs, sample.prob, sample.top_probs))
         if stop_word is not None:
             self._finish(slot, "stop", stop_word)
         elif grammar is not None and grammar.is_complete:  # nothing but end-of-generation may follow
             self._finish(slot, "stop", None)
-        elif (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens) or len(slot.cache) >= backend.n_ctx_seq:
+        elif (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens) or len(slot.cache) + 1 >= backend.n_ctx_seq:
+            # Full once prompt + generated tokens fill the slot, as llama-server counts (n_past + 1 >= n_ctx);
+            # the last token would need no cell, but a full slot then holds exactly n_ctx tokens there too.
             self._finish(slot, "length", None)
         else:
             slot.feed = [token]
@@ -415,17 +447,31 @@ class Engine:
         self._free_sampler(task)
         task.emit(FinishEvent(reason, task.output.finish(), stop_word, st))
         m = self._metrics
-        m.prompt_tokens.inc(st.n_evaluated)
+        m.on_task_done(n_evaluated=st.n_evaluated, n_cached=st.n_cached, prompt_s=st.prompt_ms / 1e3,
+                       n_decoded=st.n_decoded, predicted_s=st.predicted_ms / 1e3, n_tokens=st.n_prompt + st.n_decoded)
         m.prefix_hit_tokens.inc(st.n_cached)
-        m.prompt_seconds.inc(st.prompt_ms / 1e3)
-        m.tokens_predicted.inc(st.n_decoded)
-        m.tokens_predicted_seconds.inc(st.predicted_ms / 1e3)
         m.requests.labels(reason).inc()
         tps = st.n_decoded / (st.predicted_ms / 1e3) if st.predicted_ms > 0 else 0.0
         log.info(
             "task %d done on slot %d: %s; prompt %d tokens (%d cached) in %.1f ms; %d tokens in %.1f ms (%.1f t/s)",
             task.id, slot.id, reason, st.n_prompt, st.n_cached, st.prompt_ms, st.n_decoded, st.predicted_ms, tps,
         )
+
+    def _finish_embedding(self, slot: Slot, vectors: Any) -> None:
+        task = slot.release()
+        assert task is not None
+        if task.on_embedding is None:  # the HTTP layer refuses generation on an embedding model
+            self._free_sampler(task)
+            task.emit(ErrorEvent("an embedding model does not generate", 501, "not_supported_error"))
+            return
+        st = task.stats
+        st.t_first_token = st.t_end = time.monotonic()
+        self._free_sampler(task)
+        task.on_embedding(EmbeddingEvent(vectors, st))
+        m = self._metrics
+        m.on_task_done(n_evaluated=st.n_evaluated, n_cached=st.n_cached, prompt_s=st.prompt_ms / 1e3, n_decoded=0,
+                       predicted_s=0.0, n_tokens=st.n_prompt)
+        m.embeddings.inc()
 
     def _fail(self, slot: Slot, message: str) -> None:
         task = slot.release()
@@ -449,6 +495,8 @@ class Engine:
                 break
             if isinstance(item, Task):
                 tasks.append(item)
+            elif isinstance(item, list):
+                tasks.extend(item)
             elif isinstance(item, _Command):
                 item.future.set_exception(RuntimeError(message))
         if self._deferred is not None:
@@ -470,7 +518,6 @@ class Engine:
         last, self._gauges = self._gauges, values
         m = self._metrics
         if values[0] != last[0]:
-            m.busy_slots.set(values[0])
             m.requests_processing.set(values[0])
         if values[1] != last[1]:
             m.requests_deferred.set(values[1])

@@ -1,36 +1,84 @@
-"""Prometheus metrics of one worker (llama-server's names, `llamacpp:` prefix).
+"""Prometheus metrics of one worker: llama-server's `llamacpp:` set, then our own `omni:` ones.
 
-Counters are bumped by the engine thread; gauges are set by it once per step. prometheus-client
-is thread-safe, and `render()` (the /metrics handler) only reads.
+The `llamacpp:` block is written the way llama-server writes it (server-task.cpp `to_metrics`):
+each name in full on its `# HELP` and `# TYPE` lines (`llamacpp:prompt_tokens_total counter`,
+not prometheus-client's `llamacpp:prompt_tokens` + `_total` sample), and its two throughput
+gauges averaged over the window between two scrapes: every render starts a new window
+(`prompt_tokens_seconds`, `predicted_tokens_seconds`; the generation rate counts decode steps,
+a request's first token costs none). The `omni:` metrics come from prometheus-client.
+
+The engine thread is the only writer; `render()` (the /metrics handler) reads, and resets the
+window under the lock.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+import threading
+import time
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+
+CONTENT_TYPE = "text/plain; version=0.0.4"  # llama-server's
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series are noise for a scrape of one process
+
+
+class Value:
+    """One `llamacpp:` number (a counter's inc, a gauge's set); the engine thread writes it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, n: float = 1.0) -> None:
+        self.value += n
+
+    def set(self, v: float) -> None:
+        self.value = v
+
+
+class _Window:
+    """Work done since the last scrape: (count, seconds) of prompt rows and of decode steps."""
+
+    __slots__ = ("decode_seconds", "decode_steps", "prompt_seconds", "prompt_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens = 0
+        self.prompt_seconds = 0.0
+        self.decode_steps = 0
+        self.decode_seconds = 0.0
+
+
+def _number(v: float) -> str:
+    return str(int(v)) if float(v).is_integer() else repr(float(v))
+
+
+def _rate(n: float, seconds: float) -> float:
+    return n / seconds if seconds > 0 else 0.0
 
 
 class WorkerMetrics:
     def __init__(self) -> None:
+        self.t_start = int(time.time())  # llama-server's Process-Start-Time-Unix header
+        self._lock = threading.Lock()
+        self._window = _Window()
+        self.prompt_tokens = Value()  # prompt tokens decoded (cached ones apart)
+        self.prompt_tokens_cached = Value()
+        self.prompt_seconds = Value()
+        self.tokens_predicted = Value()
+        self.tokens_predicted_seconds = Value()
+        self.n_decode = Value()
+        self.n_tokens_max = Value()
+        self.n_busy_slots = Value()  # summed over decodes: / n_decode is the average
+        self.requests_processing = Value()
+        self.requests_deferred = Value()
         self.registry = CollectorRegistry()
         r = self.registry
-        self.prompt_tokens = Counter("llamacpp:prompt_tokens", "Prompt tokens processed", registry=r)
-        self.prompt_seconds = Counter("llamacpp:prompt_seconds", "Prompt processing time", registry=r)
-        self.tokens_predicted = Counter("llamacpp:tokens_predicted", "Generated tokens", registry=r)
-        self.tokens_predicted_seconds = Counter(
-            "llamacpp:tokens_predicted_seconds", "Generation time", registry=r
-        )
-        self.n_decode = Counter("llamacpp:n_decode", "llama_decode() calls", registry=r)
         self.n_preempted = Counter("omni:preemptions", "Requests preempted for KV space", registry=r)
         self.requests = Counter("omni:requests", "Generation tasks finished", ["reason"], registry=r)
-        self.busy_slots = Gauge("llamacpp:n_busy_slots_per_decode", "Busy slots", registry=r)
-        self.requests_processing = Gauge("llamacpp:requests_processing", "Tasks in a slot", registry=r)
-        self.requests_deferred = Gauge("llamacpp:requests_deferred", "Tasks waiting for a slot", registry=r)
-        self.kv_cells_used = Gauge("llamacpp:kv_cache_tokens", "KV cells in use", registry=r)
-        self.kv_usage_ratio = Gauge("llamacpp:kv_cache_usage_ratio", "KV cells in use / KV cells in all", registry=r)
+        self.embeddings = Counter("omni:embeddings", "Embedding and rerank inputs evaluated", registry=r)
+        self.kv_cells_used = Gauge("omni:kv_cache_tokens", "KV cells in use", registry=r)
+        self.kv_usage_ratio = Gauge("omni:kv_cache_usage_ratio", "KV cells in use / KV cells in all", registry=r)
         self.prefix_hit_tokens = Counter(
             "omni:prefix_cache_hit_tokens", "Prompt tokens found in a slot's KV cache (not decoded again)", registry=r
         )
@@ -56,5 +104,58 @@ class WorkerMetrics:
             "omni:grammar_wait_seconds", "Time the engine waited for grammar masks after its decode", registry=r
         )
 
+    def on_task_done(self, *, n_evaluated: int, n_cached: int, prompt_s: float, n_decoded: int, predicted_s: float,
+                     n_tokens: int) -> None:
+        """A task finished (engine thread): its prompt and generation go into the totals and the window."""
+        self.prompt_tokens.inc(n_evaluated)
+        self.prompt_tokens_cached.inc(n_cached)
+        self.prompt_seconds.inc(prompt_s)
+        self.tokens_predicted.inc(n_decoded)
+        self.tokens_predicted_seconds.inc(predicted_s)
+        self.n_tokens_max.set(max(self.n_tokens_max.value, n_tokens))
+        with self._lock:
+            w = self._window
+            w.prompt_tokens += n_evaluated
+            w.prompt_seconds += prompt_s
+            w.decode_steps += max(n_decoded - 1, 0)  # the first token comes with the prompt's last batch
+            w.decode_seconds += predicted_s
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """The scrape: llama-server's block, then ours; starts a new throughput window."""
+        with self._lock:
+            w, self._window = self._window, _Window()
+        counters = [
+            ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", self.prompt_tokens),
+            ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", self.prompt_tokens_cached),
+            ("prompt_seconds_total", "Total time spent processing prompts", self.prompt_seconds),
+            ("tokens_predicted_total", "Number of generation tokens processed", self.tokens_predicted),
+            ("tokens_predicted_seconds_total", "Total time spent generating tokens", self.tokens_predicted_seconds),
+            ("n_decode_total", "Total number of llama_decode() calls", self.n_decode),
+            ("n_tokens_max", "Largest observed sequence length (prompt + generation)", self.n_tokens_max),
+        ]
+        spec = [
+            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated"),
+            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model"),
+            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps"),
+        ]
+        gauges = [
+            ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", _rate(w.prompt_tokens, w.prompt_seconds)),
+            ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
+             _rate(w.decode_steps, w.decode_seconds)),
+            ("requests_processing", "Number of requests processing", self.requests_processing.value),
+            ("requests_deferred", "Number of requests deferred", self.requests_deferred.value),
+            ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
+             self.n_busy_slots.value / max(self.n_decode.value, 1.0)),
+        ]
+        lines: list[str] = []
+
+        def add(kind: str, name: str, help: str, value: float) -> None:
+            lines.extend((f"# HELP llamacpp:{name} {help}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {_number(value)}"))
+
+        for name, help, v in counters:
+            add("counter", name, help, v.value)
+        for name, help in spec:  # no speculative decoding here
+            add("counter", name, help, 0)
+        for name, help, value in gauges:
+            add("gauge", name, help, value)
+        return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

@@ -37,6 +37,8 @@ class SamplingParams:
     n: int = 1
     cache_prompt: bool = True
     id_slot: int = -1
+    post_sampling_probs: bool = False  # with logprobs: report the sampler chain's probabilities (llama-server's)
+    return_progress: bool = False  # stream ProgressEvents while the prompt is computed
     grammar: Grammar | None = None
 
     @property

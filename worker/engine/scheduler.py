@@ -24,6 +24,11 @@ Short prompts (up to `SHORT_PROMPT` tokens, a ubatch of them per step) go in at 
 burst of chat turns starts generating together; longer ones are cut to a per-step row budget
 (`PrefillBudget`) that keeps the generating slots' inter-token latency bounded.
 
+Embedding tasks (an embedding model) are stateless, as in llama-server: no prefix reuse (they
+come with `cache_prompt` off). With a pooling that reads every row (mean, cls, none) a prompt
+goes in one piece, whole, in a step with room for it, and the HTTP layer refuses prompts over
+`n_ubatch`; with last or rank (`Backend.pools_in_pieces`) it is cut like any prompt.
+
 Overload. When every slot is busy and requests wait, the staging sequence (the backend's last
 one) prefills the oldest waiting prompt, its first token is sent at once, and its KV is parked
 in the prompt cache until a slot frees; then the request continues from there.
@@ -137,6 +142,30 @@ class Scheduler:
         if self.prompt_cache is not None:
             self.prompt_cache.clear()
             self._update_cache_gauges()
+
+    # -- slot files (engine idle) -------------------------------------------------------------------
+    def slot_snapshot(self, slot_id: int) -> tuple[list[int], tuple[int, int], bytearray | None]:
+        """What slot `slot_id` holds: (tokens, rows, KV state or None when it holds nothing)."""
+        slot = self.slots[slot_id]
+        state = self._backend.seq_state_get(slot.id) if slot.cache else None
+        return list(slot.cache), slot.rows, state
+
+    def restore_slot(self, slot_id: int, tokens: list[int], rows: tuple[int, int], state: bytes) -> bool:
+        """Load a snapshot into slot `slot_id` (whatever it held is dropped); False if it did not fit."""
+        slot = self.slots[slot_id]
+        if not tokens:
+            self.erase_slot(slot_id)
+            return True
+        entry = CachedPrompt(tuple(tokens), bytearray(state), rows)
+        return self._restore(slot, entry, 0)
+
+    def erase_slot(self, slot_id: int) -> int:
+        """Forget slot `slot_id`'s KV cache; the number of tokens it held."""
+        slot = self.slots[slot_id]
+        n = len(slot.cache)
+        self._backend.seq_rm(slot.id, 0)
+        slot.clear()
+        return n
 
     # -- before the decode ------------------------------------------------------------------------
     def reap_cancelled(self) -> list[Task]:
@@ -306,6 +335,8 @@ class Scheduler:
             task.stats.t_start = time.monotonic()
         if task.stats.n_decoded == 0:
             task.stats.n_cached = n_keep
+            if slot.source is None:
+                task.report_progress(n_keep)  # the first report: nothing computed yet
 
     def _take_source(self, slot: Slot) -> bool:
         """A slot waiting for a shared prefix: copy it once computed (True: go on computing)."""
@@ -390,10 +421,11 @@ class Scheduler:
                 plan.from_saved.append(s)
                 continue
             assert s.task is not None
-            is_short = len(s.task.prompt) <= SHORT_PROMPT
+            whole = s.task.is_embedding and not self._backend.pools_in_pieces
+            is_short = len(s.task.prompt) <= SHORT_PROMPT or whole
             room = cap - used - short_used
             limit = min(room, self._backend.n_ubatch - short_used) if is_short else min(room, budget - used)
-            n = self._piece(s, limit)
+            n = self._piece(s, limit) if not whole else len(s.feed) if len(s.feed) <= limit else 0
             if self._backend.kv_unified and n > free:
                 while free < n and self._evict_idle_cache():
                     free = self._kv_free() - sum(len(e.tokens) for _, e in plan.entries)
@@ -424,9 +456,11 @@ class Scheduler:
         end = n_prompt if not self._recipe.exact_rows else len(slot.cache) + len(slot.feed)
         # A batch smaller than the recipe's smallest piece (`--batch-size 32` with flash attention)
         # cannot keep its promise: pieces then fit the batch, and rows may differ at rounding level.
+        # So can a prompt that no number of pieces in [min_piece, max_piece] adds up to (68 rows,
+        # pieces of 64 rows at least and at most): it would wait forever.
         max_piece = min(self._backend.n_batch, self._backend.n_ubatch)
         min_piece = self._recipe.min_piece(n_prompt)
-        if min_piece > max_piece:
+        if min_piece > max_piece or -(-n_prompt // max_piece) * min_piece > n_prompt:
             min_piece = max(2, max_piece // 2) if not self._recipe.exact_rows else 1
         return piece_len(end - len(slot.cache), budget, min_piece, max_piece)
 
@@ -497,8 +531,10 @@ class Scheduler:
             if slot.is_prefill and slot.task is not None:
                 slot.task.stats.n_evaluated += n
                 n_rows += n
+                slot.task.report_progress(len(slot.cache))
             if entry.logits:
-                if is_prompt:  # the prompt ends here: keep its logits for a later identical prompt
+                is_sampled = slot.task is not None and not slot.task.is_embedding
+                if is_prompt and is_sampled:  # the prompt ends here: keep its logits for a later identical prompt
                     slot.logits, slot.n_logits = self._backend.logits_row(len(to_sample)), len(slot.cache)
                 to_sample.append(slot)
         if n_rows:

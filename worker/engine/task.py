@@ -6,6 +6,9 @@ any thread may call (a single attribute write; the engine notices it at its next
 
 Every result goes out through `emit`, called on the engine thread: one `TokenEvent` per sampled
 token, then exactly one `FinishEvent` or `ErrorEvent`. A cancelled task gets no further events.
+An embedding task (made with `on_embedding`, on an embedding model) samples nothing: once its
+prompt is evaluated it gets one `EmbeddingEvent` through `on_embedding` (or an `ErrorEvent`
+through `emit`) and is done.
 
 The task, not the slot, owns what must survive preemption: the generated tokens, the sampler
 (penalty history, RNG), the grammar's parser state, the detokenizer and the stop-string matcher. A preempted task is
@@ -56,6 +59,8 @@ class TokenEvent:
     token: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+    prob: float | None = None  # post-sampling probability (params.post_sampling_probs)
+    top_probs: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -73,7 +78,24 @@ class ErrorEvent:
     type: str = "server_error"
 
 
-Event = TokenEvent | FinishEvent | ErrorEvent
+@dataclass(slots=True)
+class EmbeddingEvent:
+    vectors: Any  # float32[rows, n] as the backend pooled it (worker/backends/base.py)
+    stats: TaskStats
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressEvent:
+    """Prompt processing progress (only for params.return_progress): at admission, then after
+    each decode that computed part of the prompt (llama-server's `prompt_progress`)."""
+
+    total: int  # prompt tokens
+    cache: int  # of them reused from the KV cache
+    processed: int  # in the KV cache now (cache included)
+    time_ms: float  # since the task was first admitted to a slot
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent | ProgressEvent
 
 
 class TextOutput:
@@ -103,8 +125,12 @@ class Task:
         params: SamplingParams,
         seed: int,
         emit: Callable[[Event], None],
+        *,
+        on_embedding: Callable[[EmbeddingEvent], None] | None = None,
     ) -> None:
         self.id = next(_task_ids)
+        self.on_embedding = on_embedding  # an embedding task: done when its prompt is evaluated
+        self.is_embedding = on_embedding is not None
         self.prompt = prompt
         self.params = params
         self.seed = seed
@@ -121,6 +147,15 @@ class Task:
     def cancel(self) -> None:
         """Any thread: the engine drops the task (and frees its slot) at its next step."""
         self.is_cancelled = True
+
+    def report_progress(self, processed: int) -> None:
+        """Engine thread: a ProgressEvent, if the request asked for them, while the prompt is computed."""
+        if self.params.return_progress and not self.generated:
+            st = self.stats
+            is_started = processed > st.n_cached and st.t_start > 0  # the first report comes before any decode
+            elapsed_ms = (time.monotonic() - st.t_start) * 1e3 if is_started else 0.0
+            total = len(self.prompt)
+            self.emit(ProgressEvent(total, st.n_cached, min(processed, total), elapsed_ms))
 
     def tokens(self) -> list[int]:
         """What the slot must hold in its KV cache before the next token can be sampled."""

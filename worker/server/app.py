@@ -10,26 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
+import json
+import os
 import time
+from pathlib import Path
 from typing import Any
 
 import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from worker.backends.base import Backend
+from worker.engine import slot_file
 from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.metrics import CONTENT_TYPE
 from worker.engine.sampling_params import SamplingParams
 from worker.errors import APIError, api_error_handler, error_body, http_exception_handler, parse_model
 from worker.server import profiling
+from worker.server.cors_proxy import cors_proxy
 from worker.server.generation import Generation
+from worker.server.infill import InfillParts, infill_prompt
+from worker.server.middleware import Cors, RequireAPIKey
 from worker.server.native_format import NativeInfo, NativeResults, collect_native, stream_native
 from worker.server.openai_format import Choices, ResponseInfo, error_payload, stream_chat, stream_completion
 from worker.server.sse import aggregated, event_stream
@@ -44,13 +49,16 @@ from worker.server.structured import (
     tool_call_lark,
 )
 from worker.server.wire import (
+    AnthropicCountTokensRequest,
     ApplyTemplateRequest,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    InfillRequest,
     NativeCompletionRequest,
     NativePrompt,
+    ResponsesInputTokensRequest,
     TokenizeRequest,
     new_id,
     now,
@@ -134,6 +142,28 @@ def _message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [m.model_dump(exclude_none=True) for m in messages]
 
 
+_CONTINUE_MARK = "\u2063omni-continue\u2063"  # cut the rendered prompt here to continue the last message
+
+
+def continues_final_message(messages: list[ChatMessage], continue_final: bool | None, add_generation_prompt: bool) -> bool:
+    """llama-server's rule (server-common.cpp): a last assistant message is continued (prefill)
+    unless continue_final_message says otherwise; two trailing assistant messages, continuing
+    while adding a generation prompt, or continuing tool calls are 400s."""
+    last = messages[-1]
+    if continue_final is None:
+        if last.role != "assistant":
+            return False
+        if len(messages) >= 2 and messages[-2].role == "assistant":
+            raise APIError("Cannot have 2 or more assistant messages at the end of the list.", param="messages")
+        return True
+    if continue_final and add_generation_prompt:
+        raise APIError("Cannot set both add_generation_prompt and continue_final_message to true.",
+                       param="continue_final_message")
+    if continue_final and last.role == "assistant" and last.tool_calls:
+        raise APIError("Cannot continue an assistant message that contains tool calls.", param="continue_final_message")
+    return continue_final and last.role == "assistant"
+
+
 def _render_chat(
     state: WorkerState,
     backend: Backend,
@@ -141,14 +171,28 @@ def _render_chat(
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool,
     kwargs: dict[str, Any] | None,
+    continue_final: bool = False,
 ) -> str:
+    """The prompt text; `continue_final`: it ends inside the last (assistant) message, whose text
+    parts are joined with blank lines, so that generation continues it."""
     assert state.template is not None
+    dicts = _message_dicts(messages)
+    if continue_final:
+        last = messages[-1]
+        text_of_last = last.content if isinstance(last.content, str) else "\n\n".join(
+            str(p.get("text", "")) for p in last.content or [])
+        dicts[-1]["content"] = text_of_last + _CONTINUE_MARK
+        add_generation_prompt = False
     try:
-        text = state.template.render(
-            _message_dicts(messages), add_generation_prompt=add_generation_prompt, tools=tools, **(kwargs or {})
-        )
+        text = state.template.render(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     **{**state.template_kwargs, **(kwargs or {})})
     except ChatTemplateError as e:
         raise APIError(f"chat template error: {e}", param="messages") from None
+    if continue_final:
+        if _CONTINUE_MARK not in text:
+            raise APIError("the chat template does not render the final assistant message: it cannot be continued",
+                           param="messages")
+        text = text[: text.index(_CONTINUE_MARK)]
     bos = backend.meta.bos_token
     if backend.meta.add_bos and bos and text.startswith(bos):
         text = text[len(bos) :]  # the tokenizer adds it again
@@ -188,7 +232,7 @@ async def chat_completions(request: Request) -> Response:
     state = _state(request)
     backend = _ready(state)
     req = parse_model(ChatCompletionRequest, await request.body())
-    params = req.to_sampling_params(state.defaults)
+    params = _sampling_params(state, backend, req)
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     constraint = output_constraint(req)
     reasoning = _reasoning_format(state, req.reasoning_format)
@@ -197,7 +241,9 @@ async def chat_completions(request: Request) -> Response:
     if nv is not None and nv.use_raw_prompt:
         text = "".join(m.text() for m in req.messages)
     else:
-        text = _render_chat(state, backend, req.messages, rendered_tools, req.add_generation_prompt, req.chat_template_kwargs)
+        cont = continues_final_message(req.messages, req.continue_final_message, req.add_generation_prompt)
+        text = _render_chat(state, backend, req.messages, rendered_tools, req.add_generation_prompt,
+                            req.chat_template_kwargs, cont)
     source = state.template.source if state.template is not None else None
     tool_format = detect_format(source)
     if constraint is not None or rendered_tools is not None:
@@ -218,16 +264,39 @@ async def chat_completions(request: Request) -> Response:
     info = _info(state, backend, req.model, "chatcmpl")
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return event_stream(gen, stream_chat(gen, info, include_usage=include_usage, chat=chat))
+        return event_stream(gen, stream_chat(gen, info, include_usage=include_usage, chat=chat,
+                                             timings_per_token=req.timings_per_token))
+
+    verbose = req.verbose or state.is_verbose
 
     async def build() -> tuple[int, Any]:
         choices = Choices(gen, info, chat=chat)
         await choices.collect()
         if choices.error is not None:
             return choices.error.status_code, error_payload(choices.error)
-        return 200, choices.chat_completion()
+        body = choices.chat_completion()
+        if verbose:
+            body["__verbose"] = _verbose(backend, text, len(tokens), body["choices"][0]["message"].get("content") or "")
+        return 200, body
 
     return aggregated(gen, build)
+
+
+def _sampling_params(state: WorkerState, backend: Backend, req: Any) -> SamplingParams:
+    """The request's SamplingParams, logit_bias text keys tokenized (no specials)."""
+    try:
+        params: SamplingParams = req.to_sampling_params(state.defaults, lambda text: backend.tokenize(text, False, False))
+    except ValueError as e:
+        raise APIError(str(e), param="logit_bias") from None
+    return params
+
+
+def _verbose(backend: Backend, prompt: str, n_prompt: int, content: str) -> dict[str, Any]:
+    """llama-server's `__verbose` (request `verbose`, or the server's --verbose): the prompt as
+    the model gets it (the rendered template, after the BOS the tokenizer adds) and the generated text."""
+    m = backend.meta
+    bos = m.bos_token if m.add_bos and m.bos_token and not prompt.startswith(m.bos_token) else ""
+    return {"prompt": bos + prompt, "content": content, "tokens_evaluated": n_prompt}
 
 
 async def _with_output_constraint(backend: Backend, req: Any, params: SamplingParams) -> SamplingParams:
@@ -243,7 +312,7 @@ async def completions(request: Request) -> Response:
     state = _state(request)
     backend = _ready(state)
     req = parse_model(CompletionRequest, await request.body())
-    params = req.to_sampling_params(state.defaults)
+    params = _sampling_params(state, backend, req)
     params = await _with_output_constraint(backend, req, params)
     prompts: list[list[int]] = []
     echo: list[str] = []
@@ -262,7 +331,8 @@ async def completions(request: Request) -> Response:
     echo_texts = echo if req.echo else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return event_stream(gen, stream_completion(gen, info, include_usage=include_usage, echo=echo_texts))
+        return event_stream(gen, stream_completion(gen, info, include_usage=include_usage, echo=echo_texts,
+                                                   timings_per_token=req.timings_per_token))
 
     async def build() -> tuple[int, Any]:
         choices = Choices(gen, info, echo=echo_texts)
@@ -274,14 +344,15 @@ async def completions(request: Request) -> Response:
     return aggregated(gen, build)
 
 
-async def _native_tokens(backend: Backend, prompt: NativePrompt, param: str) -> list[int]:
+async def _native_tokens(backend: Backend, prompt: NativePrompt, param: str, *, add_special: bool = True,
+                         parse_special: bool = True) -> list[int]:
     """llama-server's tokenize_mixed: specials for the first text part only; ids as they are."""
     if isinstance(prompt, str):
-        return await _tokenize(backend, prompt, True, True)
+        return await _tokenize(backend, prompt, add_special, parse_special)
     tokens: list[int] = []
     for i, part in enumerate(prompt):
         if isinstance(part, str):
-            tokens += await _tokenize(backend, part, i == 0, True)
+            tokens += await _tokenize(backend, part, add_special and i == 0, parse_special)
         else:
             _check_token_ids([part], backend, param)
             tokens.append(part)
@@ -293,7 +364,7 @@ async def native_completion(request: Request) -> Response:
     state = _state(request)
     backend = _ready(state)
     req = parse_model(NativeCompletionRequest, await request.body())
-    params = req.to_sampling_params(state.defaults)
+    params = _sampling_params(state, backend, req)
     params = await _with_output_constraint(backend, req, params)
     try:
         prompts = req.prompts()
@@ -304,9 +375,47 @@ async def native_completion(request: Request) -> Response:
         tokens = await _native_tokens(backend, p, f"prompt[{i}]" if len(prompts) > 1 else "prompt")
         _check_prompt(tokens, backend)
         token_prompts.append(tokens)
+    return _run_native(state, backend, req, params, token_prompts)
+
+
+async def infill(request: Request) -> Response:
+    """llama-server's /infill: fill in the middle between `input_prefix` and `input_suffix`
+    (`prompt`: the start of the middle; `input_extra`: other files), laid out with the model's
+    FIM tokens as llama-server does (worker/server/infill.py); the answer is /completion's."""
+    state = _state(request)
+    backend = _ready(state)
+    missing = backend.meta.fim.missing()
+    if missing:
+        raise APIError("Infill is not supported by this model: " + " ".join(f"{k} token is missing." for k in missing),
+                       status_code=501, type="not_supported_error", code=501)
+    req = parse_model(InfillRequest, await request.body())
+    params = _sampling_params(state, backend, req)
+    params = await _with_output_constraint(backend, req, params)
+
+    def tokenize(text: str) -> list[int]:
+        return backend.tokenize(text, False, False)
+
+    parts = InfillParts(
+        prefix=await _native_tokens(backend, req.input_prefix, "input_prefix", add_special=False, parse_special=False),
+        suffix=await _native_tokens(backend, req.input_suffix, "input_suffix", add_special=False, parse_special=False),
+        prompt=tokenize(req.prompt),
+        extra=[(c.filename, c.text) for c in req.input_extra],
+    )
+    n_predict = -1 if state.defaults.max_tokens is None else state.defaults.max_tokens
+    tokens = await anyio.to_thread.run_sync(
+        lambda: infill_prompt(backend.meta, tokenize, parts, n_batch=backend.n_batch, n_predict=n_predict,
+                              n_ctx=backend.n_ctx_seq))
+    _check_prompt(tokens, backend)
+    return _run_native(state, backend, req, params, [tokens])
+
+
+def _run_native(state: WorkerState, backend: Backend, req: NativeCompletionRequest | InfillRequest,
+                params: SamplingParams, token_prompts: list[list[int]]) -> Response:
     texts = [b"".join(backend.token_to_piece(t) for t in p).decode(errors="replace") for p in token_prompts]
     gen = Generation(state.engine, token_prompts, params, quiet_tokens=not req.stream)
-    info = NativeInfo(req.model or state.model_id, backend.token_to_piece, texts, req.return_tokens, req.stream)
+    banned = state.eog_ids(backend) if params.ignore_eos else ()  # the backends ban them: echoed as llama-server does
+    info = NativeInfo(req.model or state.model_id, backend.token_to_piece, texts, req.return_tokens, req.stream,
+                      req.timings_per_token, backend.n_ctx_seq, banned)
     results = NativeResults(gen, info)
     if req.stream:
         return event_stream(gen, stream_native(gen, results))
@@ -316,8 +425,17 @@ async def native_completion(request: Request) -> Response:
 # --------------------------------------------------------------------------- tokenizer & template
 
 
+async def _awake(state: WorkerState) -> Backend:
+    """The backend, woken first if it sleeps: as llama-server, any request but the read-only
+    ones (/health, /props, /models, /metrics, /slots) wakes the server."""
+    backend = _ready(state)
+    if backend.is_sleeping:
+        await asyncio.wrap_future(state.engine.call(state.engine.wake))
+    return backend
+
+
 async def tokenize(request: Request) -> Response:
-    backend = _ready(_state(request))
+    backend = await _awake(_state(request))
     req = parse_model(TokenizeRequest, await request.body())
     tokens = await _tokenize(backend, req.content, req.add_special, req.parse_special)
     if not req.with_pieces:
@@ -334,11 +452,37 @@ async def tokenize(request: Request) -> Response:
 
 
 async def detokenize(request: Request) -> Response:
-    backend = _ready(_state(request))
+    backend = await _awake(_state(request))
     req = parse_model(DetokenizeRequest, await request.body())
     _check_token_ids(req.tokens, backend, "tokens")
     content = b"".join(backend.token_to_piece(t) for t in req.tokens).decode(errors="replace")
     return JSONResponse({"content": content})
+
+
+async def _count_input_tokens(state: WorkerState, messages: list[ChatMessage], tools: list[Any] | None,
+                              kwargs: dict[str, Any] | None) -> Response:
+    backend = await _awake(state)
+    cont = continues_final_message(messages, None, True)
+    text = _render_chat(state, backend, messages, tools, True, kwargs, cont)
+    return JSONResponse({"input_tokens": len(await _tokenize(backend, text, True, True))})
+
+
+async def chat_input_tokens(request: Request) -> Response:
+    """llama-server's POST /chat/completions/input_tokens: the prompt's length, nothing generated."""
+    req = parse_model(ApplyTemplateRequest, await request.body())
+    return await _count_input_tokens(_state(request), req.messages, req.tools, req.chat_template_kwargs)
+
+
+async def responses_input_tokens(request: Request) -> Response:
+    """POST /v1/responses/input_tokens (OpenAI's): `input` (text or message items) and `instructions`."""
+    req = parse_model(ResponsesInputTokensRequest, await request.body())
+    return await _count_input_tokens(_state(request), req.chat_messages(), req.tools, None)
+
+
+async def messages_count_tokens(request: Request) -> Response:
+    """POST /v1/messages/count_tokens (Anthropic's): `messages` and `system`."""
+    req = parse_model(AnthropicCountTokensRequest, await request.body())
+    return await _count_input_tokens(_state(request), req.chat_messages(), req.tools, None)
 
 
 async def apply_template(request: Request) -> Response:
@@ -362,9 +506,8 @@ async def health(request: Request) -> Response:
 
 
 def _model_card(state: WorkerState) -> dict[str, Any]:
-    card: dict[str, Any] = {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "omni-router"}
-    if state.tags:
-        card["tags"] = list(state.tags)
+    card: dict[str, Any] = {"id": state.model_id, "aliases": list(state.aliases), "tags": list(state.tags),
+                            "object": "model", "created": state.created, "owned_by": "omni-router"}
     backend = state.engine.backend
     if backend is not None:
         m = backend.meta
@@ -426,14 +569,82 @@ async def slots(request: Request) -> Response:
         raise _not_enabled("slots", "--slots")
     _ready(state)
     info = await asyncio.wrap_future(state.engine.call(state.engine.slots_info))
+    if request.query_params.get("fail_on_no_slot") and not any(not s["is_processing"] for s in info):
+        raise APIError("no slot available", status_code=503, type="unavailable_error", code=503)
     return JSONResponse(info)
+
+
+async def slot_action(request: Request) -> Response:
+    """llama-server's POST /slots/{id_slot}?action=save|restore|erase (with --slot-save-path):
+    a slot's KV cache to a file in that directory and back, into any slot (worker/engine/slot_file.py).
+    Each runs once the engine is idle, as llama-server defers it while the slot is busy."""
+    state = _state(request)
+    if state.slot_save_path is None:
+        raise APIError("This server does not support slots action. Start it with `--slot-save-path`",
+                       status_code=501, type="not_supported_error", code=501)
+    await _awake(state)
+    try:
+        id_slot = int(request.path_params["id_slot"])
+    except ValueError:
+        raise APIError("Invalid slot ID", param="id_slot") from None
+    if not 0 <= id_slot < state.engine.n_slots:
+        raise APIError("Invalid slot ID", param="id_slot")
+    action = request.query_params.get("action")
+    engine = state.engine
+    if action == "erase":
+        n = await asyncio.wrap_future(engine.call_when_idle(lambda: engine.erase_slot(id_slot)))
+        return JSONResponse({"id_slot": id_slot, "n_erased": n})
+    if action not in ("save", "restore"):
+        raise APIError("Invalid action", param="action")
+    try:
+        body = json.loads(await request.body() or b"{}")
+        filename = body["filename"]
+    except (ValueError, KeyError, TypeError):
+        raise APIError("a JSON body with a filename is required", param="filename") from None
+    if not isinstance(filename, str) or not slot_file.is_valid_filename(filename):
+        raise APIError("Invalid filename", param="filename")
+    path = Path(state.slot_save_path) / filename
+    model = f"{state.backend_kind}:{os.path.realpath(state.model_path)}"
+    t0 = time.perf_counter()
+    if action == "save":
+        tokens, rows, kv = await asyncio.wrap_future(engine.call_when_idle(lambda: engine.slot_snapshot(id_slot)))
+        saved = slot_file.SlotFile(tokens, rows[0], rows[1], model, bytes(kv or b""))
+        n_written = await anyio.to_thread.run_sync(slot_file.write, path, saved)
+        return JSONResponse({"id_slot": id_slot, "filename": filename, "n_saved": len(tokens), "n_written": n_written,
+                             "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}})
+    try:
+        loaded, n_read = await anyio.to_thread.run_sync(slot_file.read, path, model)
+    except slot_file.SlotFileError as e:
+        raise APIError(str(e), param="filename") from None
+    rows = (loaded.n_prompt_rows, loaded.prompt_class)
+    if not await asyncio.wrap_future(
+        engine.call_when_idle(lambda: engine.restore_slot(id_slot, loaded.tokens, rows, loaded.state))
+    ):
+        raise APIError("Unable to restore slot, no available space in KV cache or invalid slot save file")
+    return JSONResponse({"id_slot": id_slot, "filename": filename, "n_restored": len(loaded.tokens), "n_read": n_read,
+                         "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}})
+
+
+async def cors_proxy_route(request: Request) -> Response:
+    return await cors_proxy(request, is_enabled=_state(request).is_cors_proxy_on)
+
+
+async def set_props(request: Request) -> Response:
+    """llama-server's POST /props: 501 unless started with --props; with it, `{"success": true}`
+    and nothing changes (llama-server's own handler updates no property either)."""
+    if not _state(request).is_props_on:
+        raise APIError("This server does not support changing global properties. Start it with `--props`",
+                       status_code=501, type="not_supported_error", code=501)
+    return JSONResponse({"success": True})
 
 
 async def metrics(request: Request) -> Response:
     state = _state(request)
     if not state.is_metrics_on:
         raise _not_enabled("metrics", "--metrics")
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    response = Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    response.raw_headers.append((b"Process-Start-Time-Unix", str(state.metrics.t_start).encode()))  # llama-server's casing
+    return response
 
 
 async def sleep(request: Request) -> Response:
@@ -455,58 +666,38 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(f"internal error: {exc!r}", "server_error", None, 500), status_code=500)
 
 
-_PUBLIC_PATHS = frozenset({"/health", "/v1/health"})  # as llama-server: everything else needs the key
+def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origins: str = "*") -> ASGIApp:
+    from worker.server.embeddings import RefuseGeneration
+    from worker.server.embeddings import routes as embedding_routes  # it imports this module's helpers
 
-
-class _RequireAPIKey:
-    """`--api-key`: `Authorization: Bearer KEY` or `X-Api-Key: KEY` on every route but /health
-    (llama-server's rule); keys are compared in constant time."""
-
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
-        self._app = app
-        self._keys = [k.encode() for k in keys]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _PUBLIC_PATHS or scope["method"] == "OPTIONS":
-            await self._app(scope, receive, send)
-            return
-        if self._is_authorized(dict(scope["headers"])):
-            await self._app(scope, receive, send)
-            return
-        body = APIError("Invalid API Key", status_code=401, type="authentication_error", code=401).body()
-        await JSONResponse(body, status_code=401)(scope, receive, send)
-
-    def _is_authorized(self, headers: dict[bytes, bytes]) -> bool:
-        token = headers.get(b"authorization") or headers.get(b"x-api-key") or b""
-        if token[:7].lower() == b"bearer ":
-            token = token[7:]
-        token = token.strip()
-        ok = False
-        for key in self._keys:  # no early exit: the time does not depend on which key matched
-            ok |= hmac.compare_digest(token, key)
-        return ok
-
-
-def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origins: tuple[str, ...] = ()) -> ASGIApp:
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/completion", native_completion, methods=["POST"]),  # llama-server's native shape
         Route("/completions", native_completion, methods=["POST"]),  # as llama-server: native, not OpenAI
+        Route("/infill", infill, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/v1/health", health, methods=["GET"]),
         Route("/props", props, methods=["GET"]),
         Route("/slots", slots, methods=["GET"]),
+        Route("/slots/{id_slot}", slot_action, methods=["POST"]),
+        Route("/props", set_props, methods=["POST"]),
+        Route("/cors-proxy", cors_proxy_route, methods=["GET", "POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/apply-template", apply_template, methods=["POST"]),
+        Route("/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
+        Route("/v1/chat/completions/input_tokens", chat_input_tokens, methods=["POST"]),
+        Route("/v1/responses/input_tokens", responses_input_tokens, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages_count_tokens, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/sleep", sleep, methods=["POST"]),
         Route("/wake", wake, methods=["POST"]),
         *profiling.routes(state.model_id),
+        *embedding_routes(),
     ]
     app = Starlette(
         routes=routes,
@@ -518,9 +709,8 @@ def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origin
     )
     app.state.worker = state
     outer: ASGIApp = profiling.RequestContext(app)  # X-Request-Id for the profiling events
-    if cors_origins:
-        outer = CORSMiddleware(outer, allow_origins=list(cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
-                               allow_headers=["*"])
+    if state.is_embedding:
+        outer = RefuseGeneration(outer)
     if api_keys:
-        outer = _RequireAPIKey(outer, api_keys)
-    return outer
+        outer = RequireAPIKey(outer, api_keys)
+    return Cors(outer, cors_origins)

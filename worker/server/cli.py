@@ -11,19 +11,21 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
+from typing import cast
 
 import typer
 import uvicorn
 from typer._click.exceptions import ClickException, NoSuchOption  # typer vendors its own click
 
 from worker.backends import BackendOptions, load_backend, resolve_kind
-from worker.backends.base import Backend
+from worker.backends.base import POOLINGS, Backend, Pooling
 from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.sampling_params import SamplingParams
@@ -88,7 +90,9 @@ _NO_HUB = "omni-worker does not download models (there is no model hub here): pa
 def serve(
     model: str | None = typer.Option(None, "--model", "-m", help="GGUF file or HF model directory"),
     backend: str = typer.Option("auto", "--backend", help="auto | llama_cpp | torch"),
-    alias: str | None = typer.Option(None, "--alias", "-a", help="model id reported by the API"),
+    alias: str | None = typer.Option(
+        None, "--alias", "-a", help="model id reported by the API; comma-separated aliases: the first, sorted, is the id"
+    ),
     tags: str | None = typer.Option(None, "--tags", help="comma-separated model tags (reported in /v1/models)"),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port"),
@@ -128,6 +132,10 @@ def serve(
         "auto", "--reasoning-format",
         help="auto | deepseek | deepseek-legacy | none: where <think> text goes (a request's reasoning_format wins)",
     ),
+    reasoning: str = typer.Option(
+        "auto", "--reasoning", "-rea",
+        help="on | off | auto: the chat template's enable_thinking (a request's chat_template_kwargs win); auto: the template's default",
+    ),
     # -- sampling defaults (a request's own fields win; GET /props reports these) --
     n_predict: int = typer.Option(-1, "--n-predict", "--predict", "-n", help="default and cap of max_tokens (-1: none)"),
     temperature: float = typer.Option(0.8, "--temp", "--temperature", min=0.0),
@@ -139,10 +147,21 @@ def serve(
     presence_penalty: float = typer.Option(0.0, "--presence-penalty"),
     frequency_penalty: float = typer.Option(0.0, "--frequency-penalty"),
     seed: int = typer.Option(-1, "--seed", "-s", help="default seed (-1: a random one per request)"),
+    # -- embedding models --
+    embedding: bool = typer.Option(
+        False, "--embedding", "--embeddings", help="an embedding model: /v1/embeddings, /embedding; no generation",
+    ),
+    pooling: str | None = typer.Option(
+        None, "--pooling", help="none | mean | cls | last | rank (default: the model's own)",
+    ),
+    rerank: bool = typer.Option(False, "--rerank", "--reranking", help="a reranker: --embedding --pooling rank, /rerank"),
     # -- HTTP server --
     api_key: str | None = typer.Option(None, "--api-key", help="comma-separated keys; /health stays public"),
     api_key_file: str | None = typer.Option(None, "--api-key-file", help="a file of keys, one per line"),
-    cors_origins: str | None = typer.Option(None, "--cors-origins", help="comma-separated origins, or *"),
+    cors_origins: str = typer.Option(
+        "*", "--cors-origins",
+        help="* (any Origin is echoed back, as llama-server), localhost, or comma-separated origins",
+    ),
     slots: bool = typer.Option(True, "--slots/--no-slots", help="GET /slots (501 with --no-slots)"),
     metrics_on: bool = typer.Option(False, "--metrics", help="GET /metrics (Prometheus); 501 without it"),
     sleep_idle_seconds: float = typer.Option(
@@ -156,6 +175,23 @@ def serve(
     hf_file: str | None = typer.Option(None, "--hf-file", "-hff", hidden=True),
     model_url: str | None = typer.Option(None, "--model-url", "-mu", hidden=True),
     parent_pid: int | None = typer.Option(None, "--parent-pid", help="exit when this process is gone"),
+    http_impl: str = typer.Option(
+        "auto", "--http",
+        help="uvicorn's HTTP implementation: auto (httptools, the fastest), httptools, or h11 (slower; the only "
+             "one that sends header names as cased by us, e.g. Process-Start-Time-Unix, as llama-server does)",
+    ),
+    ui_mcp_proxy: bool = typer.Option(
+        False, "--ui-mcp-proxy/--no-ui-mcp-proxy",
+        help="/cors-proxy?url= for a web UI's MCP client (experimental, as llama-server's: never with untrusted clients)",
+    ),
+    props: bool = typer.Option(False, "--props", help="POST /props (it changes nothing, as in llama-server); 501 without"),
+    slot_save_path: str | None = typer.Option(
+        None, "--slot-save-path", help="directory for POST /slots/{id}?action=save|restore (501 without it)"
+    ),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", "--log-verbose",
+        help="every chat completion carries llama-server's `__verbose` object (the prompt as the model saw it)",
+    ),
 ) -> None:
     """Serve one model with continuous batching over N slots (llama-server's flags, same names)."""
     _setup_logging()
@@ -170,6 +206,12 @@ def serve(
             "omni-worker does not shift context: a request stops with finish_reason length when its slot is full "
             "(leave it out or pass --no-context-shift)", param_hint="--context-shift",
         )
+    if reasoning not in ("on", "off", "auto"):
+        raise typer.BadParameter(f"{reasoning!r} is not one of on, off, auto", param_hint="--reasoning")
+    if http_impl not in ("auto", "httptools", "h11"):
+        raise typer.BadParameter(f"{http_impl!r} is not one of auto, httptools, h11", param_hint="--http")
+    if slot_save_path is not None and not os.path.isdir(slot_save_path):
+        raise typer.BadParameter(f"{slot_save_path!r} is not a directory", param_hint="--slot-save-path")
     if chat_template and chat_template_file:
         raise typer.BadParameter("give --chat-template or --chat-template-file, not both", param_hint="--chat-template-file")
     if not jinja:
@@ -184,6 +226,23 @@ def serve(
     if reasoning_format not in REASONING_FORMATS:
         raise typer.BadParameter(f"{reasoning_format!r} is not one of {', '.join(REASONING_FORMATS)}",
                                  param_hint="--reasoning-format")
+    if pooling is not None and pooling not in POOLINGS:
+        raise typer.BadParameter(f"{pooling!r} is not one of {', '.join(POOLINGS)}", param_hint="--pooling")
+    if rerank:
+        if pooling not in (None, "rank"):
+            raise typer.BadParameter("--rerank pools with rank: leave --pooling out", param_hint="--pooling")
+        embedding, pooling = True, "rank"
+    if pooling is not None and not embedding:
+        raise typer.BadParameter("pools an embedding model's outputs: add --embedding", param_hint="--pooling")
+    if embedding:
+        # As llama-server: a prompt is pooled in one ubatch, so a batch is one ubatch; and the
+        # tasks are stateless, so there is no prompt cache to keep.
+        if batch_size > ubatch_size:
+            log.info("--embedding: batch size %d -> %d (the ubatch size)", batch_size, ubatch_size)
+            batch_size = ubatch_size
+        if batch_size < parallel:
+            raise typer.BadParameter(f"must be at least --parallel ({parallel})", param_hint="--ubatch-size")
+        cache_ram = 0
     try:
         kind = resolve_kind(backend, model)  # type: ignore[arg-type]
     except ValueError as e:
@@ -202,6 +261,8 @@ def serve(
         device=device,
         dtype=dtype,
         compile=compile,
+        embedding=embedding,
+        pooling=cast(Pooling | None, pooling),
     )
     defaults = SamplingParams(
         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
@@ -228,19 +289,24 @@ def serve(
         on_load_failed,
         cache_ram_mib=cache_ram,
     )
+    aliases = tuple(sorted(set(_split(alias))))  # llama-server keeps them in a std::set
     state = WorkerState(
-        engine, metrics, alias or _default_model_id(model), model, kind, reasoning_format=reasoning_format,
-        defaults=defaults, tags=_split(tags), is_slots_on=slots, is_metrics_on=metrics_on,
+        engine, metrics, aliases[0] if aliases else _default_model_id(model), model, kind,
+        reasoning_format=reasoning_format, defaults=defaults, tags=_split(tags), aliases=aliases,
+        is_slots_on=slots, is_metrics_on=metrics_on, is_embedding=embedding, is_verbose=verbose, is_props_on=props,
+        slot_save_path=slot_save_path, is_cors_proxy_on=ui_mcp_proxy,
+        template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
     )
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.server.app import build_app
 
     config = uvicorn.Config(
-        build_app(state, api_keys=api_keys, cors_origins=_split(cors_origins)),
+        build_app(state, api_keys=api_keys, cors_origins=cors_origins),
         host=host,
         port=port,
         uds=uds,
         log_level="warning",
+        http=http_impl,
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=1,
@@ -252,13 +318,33 @@ def serve(
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid, server), name="parent-watch", daemon=True).start()
     log.info("omni-worker: model %s (backend %s), %d slots, listening on %s", model, kind, parallel, uds or f"{host}:{port}")
-    server.run()
+    hosts = _split(host)
+    if uds is None and len(hosts) > 1:  # llama-server's --host a,b: one listening socket per address
+        try:
+            sockets = [_listen(h, port) for h in hosts]
+        except OSError as e:
+            log.error("cannot listen on %s port %d: %s", host, port, e)
+            os._exit(1)
+        server.run(sockets=sockets)
+    else:
+        server.run()
     engine.stop(timeout=1.0)
     log.info("exit %d", exit_code)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if family == socket.AF_INET6:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    sock.bind((host.strip("[]"), port))
+    sock.set_inheritable(True)
+    return sock
 
 
 def _split(value: str | None) -> tuple[str, ...]:

@@ -11,14 +11,15 @@ text went out in the partials). A body is one object, or an array for several pr
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from worker.engine.sampling_params import SamplingParams
-from worker.engine.task import FinishEvent, TokenEvent
+from worker.engine.task import ErrorEvent, FinishEvent, ProgressEvent, TokenEvent
 from worker.server.generation import Generation
-from worker.server.openai_format import TokenText, error_payload, sse, timings
+from worker.server.openai_format import TokenText, error_payload, progress, sse, timings
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,15 +29,27 @@ class NativeInfo:
     prompts: list[str]  # each prompt as text (the final object's `prompt`)
     return_tokens: bool
     is_stream: bool
+    timings_per_token: bool = False
+    n_ctx: int = 0  # a slot's context: a generation that filled it is `truncated`
+    banned: tuple[int, ...] = ()  # ignore_eos: the end-of-generation tokens, never sampled (bias -inf)
 
 
 def _token(piece: bytes) -> str:
     return piece.decode("utf-8", errors="replace")
 
 
-def token_probs(info: NativeInfo, ev: TokenEvent) -> dict[str, Any]:
-    """One entry of `completion_probabilities` (llama-server's pre-sampling log-probabilities)."""
+def token_probs(info: NativeInfo, ev: TokenEvent, post_sampling: bool = False) -> dict[str, Any]:
+    """One entry of `completion_probabilities`: llama-server's pre-sampling log-probabilities, or
+    with `post_sampling_probs` the probabilities the sampler chain left (`prob`, `top_probs`)."""
     piece = info.piece(ev.token)
+    if post_sampling:
+        return {
+            "id": ev.token, "token": _token(piece), "bytes": list(piece), "prob": ev.prob,
+            "top_probs": [
+                {"id": t, "token": _token(p), "bytes": list(p), "prob": q}
+                for t, p, q in ((t, info.piece(t), q) for t, q in ev.top_probs)
+            ],
+        }
     return {
         "id": ev.token,
         "token": _token(piece),
@@ -49,14 +62,17 @@ def token_probs(info: NativeInfo, ev: TokenEvent) -> dict[str, Any]:
     }
 
 
-def generation_settings(p: SamplingParams, *, is_stream: bool) -> dict[str, Any]:
+def generation_settings(p: SamplingParams, *, is_stream: bool, banned: tuple[int, ...] = ()) -> dict[str, Any]:
     n_predict = -1 if p.max_tokens is None else p.max_tokens
+    bias = {**dict.fromkeys(banned, -math.inf), **p.logit_bias}
     return {
         "seed": -1 if p.seed is None else p.seed, "temperature": p.temperature, "top_k": p.top_k,
         "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n, "repeat_penalty": p.repeat_penalty,
         "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty, "stop": list(p.stop),
         "max_tokens": n_predict, "n_predict": n_predict, "ignore_eos": p.ignore_eos, "stream": is_stream,
-        "logit_bias": [{"token": t, "bias": b} for t, b in p.logit_bias.items()], "n_probs": p.top_logprobs,
+        # -inf (never) is null, as llama-server writes it
+        "logit_bias": [{"token": t, "bias": b if math.isfinite(b) else None} for t, b in bias.items()],
+        "n_probs": p.top_logprobs,
     }
 
 
@@ -80,7 +96,7 @@ class NativeResults:
         self.gen = gen
         self.info = info
         self._choices = [_Choice() for _ in gen.tasks]
-        self._settings = generation_settings(gen.params, is_stream=info.is_stream)
+        self._settings = generation_settings(gen.params, is_stream=info.is_stream, banned=info.banned)
 
     def partial(self, index: int, ev: TokenEvent) -> dict[str, Any]:
         """The streamed object for one token (also recorded for the final object)."""
@@ -93,7 +109,7 @@ class NativeResults:
             "tokens_evaluated": len(self.gen.prompt_of(index)),
         }
         if self.gen.params.logprobs:
-            probs = token_probs(self.info, ev)
+            probs = token_probs(self.info, ev, self.gen.params.post_sampling_probs)
             c.probs.append(probs)
             out["completion_probabilities"] = [probs]
         return out
@@ -115,7 +131,7 @@ class NativeResults:
             "generation_settings": self._settings,
             "prompt": self.info.prompts[index // self.gen.params.n],
             "has_new_line": "\n" in content,
-            "truncated": False,
+            "truncated": ev.reason == "length" and ev.stats.n_prompt + ev.stats.n_decoded >= self.info.n_ctx > 0,
             "stop_type": _stop_type(ev),
             "stopping_word": ev.stop_word or "",
             "tokens_cached": ev.stats.n_prompt + ev.stats.n_decoded,
@@ -136,6 +152,10 @@ async def stream_native(gen: Generation, results: NativeResults) -> AsyncIterato
                 yield sse({"index": index, "content": ev.text, "tokens": [], "stop": False,
                            "id_slot": gen.params.id_slot})
             yield sse(results.final(index, ev))
+        elif isinstance(ev, ProgressEvent):
+            yield sse({"index": index, "content": "", "tokens": [], "stop": False, "id_slot": gen.params.id_slot,
+                       "tokens_predicted": 0, "tokens_evaluated": ev.total,
+                       **progress(ev, results.info.timings_per_token)})
         else:
             gen.cancel()
             yield sse(error_payload(ev))
@@ -150,7 +170,7 @@ async def collect_native(gen: Generation, results: NativeResults) -> tuple[int, 
             results.partial(index, ev)
         elif isinstance(ev, FinishEvent):
             finals[index] = results.final(index, ev)
-        else:
+        elif isinstance(ev, ErrorEvent):
             gen.cancel()
             return ev.status_code, error_payload(ev)
     objs = [finals[i] for i in sorted(finals)]

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.engine.task import ErrorEvent, FinishEvent, TaskStats, TokenEvent
+from worker.engine.task import ErrorEvent, FinishEvent, ProgressEvent, TaskStats, TokenEvent
 from worker.errors import error_body
 from worker.server.generation import Generation
 from worker.text.chat_output import (
@@ -75,9 +75,26 @@ def timings(stats: TaskStats) -> dict[str, Any]:
         "prompt_per_second": pn * 1e3 / pms if pms > 0 else 0.0,
         "predicted_n": gn,
         "predicted_ms": gms,
-        "predicted_per_token_ms": gms / gn if gn else 0.0,
-        "predicted_per_second": gn * 1e3 / gms if gms > 0 else 0.0,
+        # as llama-server: over the decode steps, n - 1 (the first token comes with the prompt)
+        "predicted_per_token_ms": gms / (gn - 1) if gn > 1 else 0.0,
+        "predicted_per_second": (gn - 1) * 1e3 / gms if gn > 1 and gms > 0 else 0.0,
     }
+
+
+def progress(ev: ProgressEvent, with_timings: bool) -> dict[str, Any]:
+    """llama-server's `prompt_progress` (and, with timings_per_token, the timings so far)."""
+    out: dict[str, Any] = {
+        "prompt_progress": {"total": ev.total, "cache": ev.cache, "processed": ev.processed, "time_ms": ev.time_ms}
+    }
+    if with_timings:
+        n = ev.processed - ev.cache
+        out["timings"] = {
+            "cache_n": ev.cache, "prompt_n": n, "prompt_ms": ev.time_ms,
+            "prompt_per_token_ms": ev.time_ms / n if n else 0.0,
+            "prompt_per_second": n * 1e3 / ev.time_ms if ev.time_ms > 0 else 0.0,
+            "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0,
+        }
+    return out
 
 
 def usage(gen: Generation, finishes: dict[int, FinishEvent], n_reasoning: int | None = None) -> dict[str, Any]:
@@ -221,7 +238,7 @@ class Choices:
                 c.finish = ev
                 if self.parses is not None:
                     self.parses[index].finish(ev.text)
-            else:
+            elif isinstance(ev, ErrorEvent):
                 self.error = ev
                 self.gen.cancel()
                 return
@@ -282,7 +299,8 @@ class Choices:
 
 
 async def stream_chat(
-    gen: Generation, info: ResponseInfo, *, include_usage: bool, chat: ChatOutputConfig | None = None
+    gen: Generation, info: ResponseInfo, *, include_usage: bool, chat: ChatOutputConfig | None = None,
+    timings_per_token: bool = False,
 ) -> AsyncIterator[bytes]:
     """`chat`: split reasoning and tool calls out of the text (`delta.reasoning_content`,
     `delta.tool_calls`: index, id and name first, then argument fragments)."""
@@ -315,7 +333,7 @@ async def stream_chat(
 
     parses = [ChatParse(chat) for _ in gen.tasks] if chat is not None else None
     for i in range(len(gen.tasks)):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        yield chunk(i, {"role": "assistant", "content": None})  # as llama-server and OpenAI: no text yet
     finishes: dict[int, FinishEvent] = {}
     async for index, ev in gen.events():
         if isinstance(ev, TokenEvent):
@@ -339,18 +357,23 @@ async def stream_chat(
                 yield text_chunk(index, ev.text)
             yield sse({**head, "choices": [{"index": index, "delta": {}, "finish_reason": reason}],
                        "timings": timings(ev.stats)})
+        elif isinstance(ev, ProgressEvent):  # as llama-server: a role delta carrying the progress
+            choice = {"index": index, "delta": {"role": "assistant", "content": None}, "finish_reason": None}
+            yield sse({**head, "choices": [choice], **progress(ev, timings_per_token)})
         else:
             gen.cancel()
             yield sse(error_payload(ev))
             return
     if include_usage:
         n_reasoning = sum(p.n_reasoning for p in parses) if parses is not None else 0
-        yield sse({**head, "choices": [], "usage": usage(gen, finishes, n_reasoning)})
+        first = finishes.get(0)
+        yield sse({**head, "choices": [], "usage": usage(gen, finishes, n_reasoning),
+                   **({"timings": timings(first.stats)} if first is not None else {})})
     yield SSE_DONE
 
 
 async def stream_completion(
-    gen: Generation, info: ResponseInfo, *, include_usage: bool, echo: list[str] | None
+    gen: Generation, info: ResponseInfo, *, include_usage: bool, echo: list[str] | None, timings_per_token: bool = False
 ) -> AsyncIterator[bytes]:
     want_lp = gen.params.logprobs
     head = {"id": info.id, "object": "text_completion", "created": info.created, "model": info.model}
@@ -381,6 +404,8 @@ async def stream_completion(
         elif isinstance(ev, FinishEvent):
             finishes[index] = ev
             yield chunk(index, ev.text, ev.reason, timings=timings(ev.stats))
+        elif isinstance(ev, ProgressEvent):
+            yield chunk(index, "", **progress(ev, timings_per_token))
         else:
             gen.cancel()
             yield sse(error_payload(ev))

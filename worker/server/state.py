@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from worker.engine.engine import Engine
 from worker.engine.metrics import WorkerMetrics
@@ -17,6 +17,7 @@ from worker.engine.sampling_params import SamplingParams
 REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
 
 if TYPE_CHECKING:
+    from worker.backends.base import Backend
     from worker.text.chat_template import ChatTemplate
 
 
@@ -31,6 +32,21 @@ class WorkerState:
     reasoning_format: str = "auto"  # the default of requests' reasoning_format
     defaults: SamplingParams = field(default_factory=SamplingParams)  # --temp, -n, ...: what requests omit
     tags: tuple[str, ...] = ()  # --tags: informational, reported in /v1/models
+    aliases: tuple[str, ...] = ()  # -a a,b: every name the model answers to (model_id is the first, sorted)
     is_slots_on: bool = True  # GET /slots (--slots / --no-slots)
     is_metrics_on: bool = True  # GET /metrics (omni-worker --metrics; the CLI's default is off)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # --reasoning on|off: enable_thinking (a request's win)
+    is_cors_proxy_on: bool = False  # --ui-mcp-proxy: GET/POST /cors-proxy (403 without it, as llama-server)
+    is_props_on: bool = False  # --props: POST /props answers (501 without it, as llama-server)
+    slot_save_path: str | None = None  # --slot-save-path: POST /slots/{id}?action=save|restore
+    is_verbose: bool = False  # --verbose: every response carries `__verbose`, as llama-server's
+    is_embedding: bool = False  # --embedding: embeddings/rerank only (worker/server/embeddings.py)
+    embd_normalize: int = 2  # requests' default embd_normalize (llama-server's: Euclidean)
     created: int = field(default_factory=lambda: int(time.time()))
+    _eog_ids: tuple[int, ...] | None = None
+
+    def eog_ids(self, backend: Backend) -> tuple[int, ...]:
+        """The model's end-of-generation tokens (found once, over the vocabulary)."""
+        if self._eog_ids is None:
+            self._eog_ids = tuple(t for t in range(backend.meta.n_vocab) if backend.is_eog(t))
+        return self._eog_ids

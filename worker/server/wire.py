@@ -9,8 +9,10 @@ Errors are `worker.errors.APIError` (the envelope shared with the router).
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -18,6 +20,27 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from worker.engine.sampling_params import SamplingParams
 
 # --------------------------------------------------------------------------- requests
+
+
+Tokenize = Callable[[str], list[int]]  # text -> token ids, no specials (a logit_bias string key)
+
+
+def resolve_logit_bias(raw: dict[str, float | bool | None] | list[list[Any]] | None,
+                       tokenize: Tokenize | None) -> dict[int, float]:
+    """{token id: bias} from OpenAI's or llama-server's logit_bias; false/null is -inf (never).
+    A key that is not a number is text: every one of its tokens gets the bias."""
+    pairs: list[tuple[int | str, Any]] = list(raw.items()) if isinstance(raw, dict) else [(p[0], p[1]) for p in raw or []]
+    out: dict[int, float] = {}
+    for key, bias in pairs:
+        value = -math.inf if bias is None or bias is False else float(bias)
+        if isinstance(key, int) or (isinstance(key, str) and key.lstrip("-").isdigit()):
+            out[int(key)] = value
+        elif tokenize is None:
+            raise ValueError(f"logit_bias key {key!r} is not a token id")
+        else:
+            for t in tokenize(str(key)):
+                out[t] = value
+    return out
 
 
 class OpenAIBaseModel(BaseModel):
@@ -60,12 +83,18 @@ class _SamplingRequest(OpenAIBaseModel):
     repeat_penalty: float | None = Field(default=None, gt=0)
     repetition_penalty: float | None = Field(default=None, gt=0)
     repeat_last_n: int | None = Field(default=None, ge=-1)
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's {token id: bias}, or llama-server's forms: a string key (its tokens all get the bias),
+    # [[token or string, bias], ...], and a bias of false or null for "never" (resolve_logit_bias).
+    logit_bias: dict[str, float | bool | None] | list[list[Any]] | None = None
     n_probs: int | None = Field(default=None, ge=0, le=20)
     ignore_eos: bool | None = None
     greedy_sampling: bool | None = None
     cache_prompt: bool = True
     id_slot: int = -1
+    verbose: bool = False  # llama-server: add `__verbose` (the prompt as the model saw it) to the response
+    return_progress: bool = False  # llama-server: stream `prompt_progress` while the prompt is computed
+    post_sampling_probs: bool = False  # llama-server: n_probs as probabilities after the sampler chain
+    timings_per_token: bool = False  # llama-server: progress (and final) chunks carry `timings`
     nvext: NvExt | None = None
     user: str | None = None
     # Constrained output (worker/server/structured.py): at most one of these.
@@ -82,28 +111,25 @@ class _SamplingRequest(OpenAIBaseModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v is not None:
-            for key in v:
-                try:
-                    int(key)
-                except ValueError:
-                    raise ValueError(f"logit_bias key {key!r} is not a token id") from None
+    def _bias_pairs(cls, v: Any) -> Any:
+        if isinstance(v, list):
+            for pair in v:
+                if len(pair) != 2 or not isinstance(pair[0], int | str) or not isinstance(pair[1], int | float | None):
+                    raise ValueError("logit_bias entries must be [token id or string, bias or false]")
         return v
 
     def _max_new_tokens(self, default: int | None) -> int | None:
-        """max_tokens, else n_predict (-1: unlimited), else the server's `-n`; `-n` also caps it
-        (as llama-server's n_predict caps a slot)."""
+        """max_tokens, else n_predict (-1: unlimited), else the server's `-n` (llama-server's
+        n_predict_max: the request's own value wins)."""
         if self.max_tokens is not None:
-            n: int | None = self.max_tokens
-        elif self.n_predict is not None:
-            n = self.n_predict if self.n_predict >= 0 else None
-        else:
-            n = default
-        return n if default is None or (n is not None and n <= default) else default
+            return self.max_tokens
+        if self.n_predict is not None:
+            return self.n_predict if self.n_predict >= 0 else None
+        return default
 
     def _common_params(
-        self, defaults: SamplingParams | None, *, logprobs: bool, top_logprobs: int, max_tokens: int | None
+        self, defaults: SamplingParams | None, *, logprobs: bool, top_logprobs: int, max_tokens: int | None,
+        tokenize: Tokenize | None,
     ) -> SamplingParams:
         """`defaults`: the server's (omni-worker --temp, --top-k, ..., -n, --seed); a field the
         request leaves out takes its value from there."""
@@ -122,7 +148,7 @@ class _SamplingRequest(OpenAIBaseModel):
             presence_penalty=d.presence_penalty if self.presence_penalty is None else self.presence_penalty,
             frequency_penalty=d.frequency_penalty if self.frequency_penalty is None else self.frequency_penalty,
             seed=d.seed if self.seed is None or self.seed < 0 else self.seed,
-            logit_bias={int(k): float(b) for k, b in (self.logit_bias or {}).items()},
+            logit_bias=resolve_logit_bias(self.logit_bias, tokenize),
             max_tokens=max_tokens,
             stop=tuple(s for s in stop if s),
             ignore_eos=bool(self.ignore_eos or nv.ignore_eos),
@@ -131,6 +157,8 @@ class _SamplingRequest(OpenAIBaseModel):
             n=self.n,
             cache_prompt=self.cache_prompt,
             id_slot=self.id_slot,
+            return_progress=self.return_progress and self.stream,  # progress only ever goes out in a stream
+            post_sampling_probs=self.post_sampling_probs,
         )
 
 
@@ -165,16 +193,18 @@ class ChatCompletionRequest(_SamplingRequest):
     reasoning_format: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool | None = None  # vLLM's; None: llama-server's prefill rule (a last assistant message)
 
-    def to_sampling_params(self, defaults: SamplingParams | None = None) -> SamplingParams:
+    def to_sampling_params(self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None) -> SamplingParams:
         d = defaults or SamplingParams()
         max_tokens: int | None
         if self.max_completion_tokens is not None:
-            max_tokens = self.max_completion_tokens if d.max_tokens is None else min(self.max_completion_tokens, d.max_tokens)
+            max_tokens = self.max_completion_tokens
         else:
             max_tokens = self._max_new_tokens(d.max_tokens)
         top = self.top_logprobs if self.top_logprobs is not None else (self.n_probs or 0)
-        return self._common_params(d, logprobs=self.logprobs or bool(self.n_probs), top_logprobs=top, max_tokens=max_tokens)
+        return self._common_params(d, logprobs=self.logprobs or bool(self.n_probs), top_logprobs=top,
+                                   max_tokens=max_tokens, tokenize=tokenize)
 
 
 def _non_empty(v: Any) -> Any:
@@ -208,12 +238,13 @@ class CompletionRequest(_SamplingRequest):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self, defaults: SamplingParams | None = None) -> SamplingParams:
+    def to_sampling_params(self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None) -> SamplingParams:
         n_lp = self.logprobs if self.logprobs is not None else (self.n_probs or 0)
         use_lp = self.logprobs is not None or bool(self.n_probs)
         d = defaults or SamplingParams()
         # Like llama-server (not OpenAI's 16): no max_tokens means until EOS or the context is full.
-        return self._common_params(d, logprobs=use_lp, top_logprobs=n_lp, max_tokens=self._max_new_tokens(d.max_tokens))
+        return self._common_params(d, logprobs=use_lp, top_logprobs=n_lp, max_tokens=self._max_new_tokens(d.max_tokens),
+                                   tokenize=tokenize)
 
 
 NativePrompt = str | list[int] | list[str | int]  # one prompt: text, token ids, or both mixed
@@ -224,34 +255,77 @@ def _is_prompt_part(x: object) -> bool:
     return isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool))
 
 
+def _json_prompt(obj: dict[str, Any]) -> str:
+    """llama-server's JSON prompt object: its `prompt_string`; `multimodal_data` needs a vision model."""
+    if obj.get("multimodal_data"):
+        raise ValueError("multimodal_data is not supported: this model takes text only")
+    text = obj.get("prompt_string")
+    if not isinstance(text, str):
+        raise ValueError("a JSON prompt needs a prompt_string")
+    return text
+
+
 class NativeCompletionRequest(_SamplingRequest):
     """llama-server's native /completion: `prompt` is text, token ids, text and ids mixed (one
     prompt), or a list of those (several prompts); `n_probs` top log-probabilities per token."""
 
-    prompt: str | list[Any]
+    prompt: str | list[Any] | dict[str, Any]
     return_tokens: bool = False
 
     _prompt_not_empty = field_validator("prompt")(_non_empty)
 
     def prompts(self) -> list[NativePrompt]:
-        """As llama-server's tokenize_input_prompts: a list holding any number is one prompt."""
+        """As llama-server's tokenize_input_prompts: a list holding any number is one prompt; a
+        JSON object `{"prompt_string": ..., "multimodal_data": [...]}` is one (text only here)."""
         p = self.prompt
+        if isinstance(p, dict):
+            return [_json_prompt(p)]
         if isinstance(p, str):
             return [p]
         if any(_is_prompt_part(x) and not isinstance(x, str) for x in p):
             if not all(_is_prompt_part(x) for x in p):  # e.g. [[1], 2]: not one prompt, not several
                 raise ValueError("a prompt with token ids holds only token ids and strings")
             return [p]
+        out: list[NativePrompt] = []
         for x in p:
             is_mixed = isinstance(x, list) and all(_is_prompt_part(y) for y in x)
-            if not (isinstance(x, str) or is_mixed):
-                raise ValueError("each prompt must be a string, a list of token ids, or a list of both")
-        return list(p)
+            if isinstance(x, dict):
+                out.append(_json_prompt(x))
+            elif isinstance(x, str) or is_mixed:
+                out.append(x)
+            else:
+                raise ValueError("each prompt must be a string, a list of token ids, a list of both, or a JSON prompt")
+        return out
 
-    def to_sampling_params(self, defaults: SamplingParams | None = None) -> SamplingParams:
+    def to_sampling_params(self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None) -> SamplingParams:
         d = defaults or SamplingParams()
         n = self.n_probs or 0
-        return self._common_params(d, logprobs=n > 0, top_logprobs=n, max_tokens=self._max_new_tokens(d.max_tokens))
+        return self._common_params(d, logprobs=n > 0, top_logprobs=n, max_tokens=self._max_new_tokens(d.max_tokens),
+                                   tokenize=tokenize)
+
+
+class InfillChunk(OpenAIBaseModel):
+    """One other file for /infill's context."""
+
+    text: str
+    filename: str = "tmp"
+
+
+class InfillRequest(_SamplingRequest):
+    """llama-server's /infill: the code before and after the gap, the start of the middle
+    (`prompt`), other files (`input_extra`); sampling fields as /completion's."""
+
+    input_prefix: str | list[str | int]
+    input_suffix: str | list[str | int]
+    input_extra: list[InfillChunk] = Field(default_factory=list)
+    prompt: str = ""
+    return_tokens: bool = False
+
+    def to_sampling_params(self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None) -> SamplingParams:
+        d = defaults or SamplingParams()
+        n = self.n_probs or 0
+        return self._common_params(d, logprobs=n > 0, top_logprobs=n, max_tokens=self._max_new_tokens(d.max_tokens),
+                                   tokenize=tokenize)
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -273,6 +347,33 @@ class ApplyTemplateRequest(OpenAIBaseModel):
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     model: str | None = None
+
+
+class ResponsesInputTokensRequest(OpenAIBaseModel):
+    """OpenAI's /v1/responses/input_tokens: what a Responses request would feed the model."""
+
+    input: str | list[ChatMessage] = Field(min_length=1)
+    instructions: str | None = None
+    tools: list[Any] | None = None
+    model: str | None = None
+
+    def chat_messages(self) -> list[ChatMessage]:
+        items = [ChatMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+        system = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        return system + items
+
+
+class AnthropicCountTokensRequest(OpenAIBaseModel):
+    """Anthropic's /v1/messages/count_tokens: `messages` with `system` apart."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    system: str | list[ContentPart] | None = None
+    tools: list[Any] | None = None
+    model: str | None = None
+
+    def chat_messages(self) -> list[ChatMessage]:
+        system = [ChatMessage(role="system", content=self.system)] if self.system else []
+        return system + self.messages
 
 
 # --------------------------------------------------------------------------- responses

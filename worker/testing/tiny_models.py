@@ -17,7 +17,13 @@ llama.cpp applies RoPE to interleaved pairs while HF Llama rotates halves, so Q 
 permuted on the way into GGUF (`_permute_qk`). Everything is derived from `seed`, so running
 the factory twice writes identical files.
 
-Usage:  python -m worker.testing.tiny_models --out models --size tiny|small|all
+`tiny-reranker` is a Qwen3-Reranker look-alike (Qwen3: per-head q/k RMSNorm, NEOX RoPE, so no
+permutation): the HF folder is a plain Qwen3ForCausalLM named like one (what llama.cpp's
+converter looks for), and its GGUF twins are what that converter writes for a Qwen3-Reranker:
+pooling type rank, classifier labels yes/no, a `cls.output` head made of the LM head's "yes"
+and "no" rows (and no `output.weight`), and the reranker's "rerank" chat template.
+
+Usage:  python -m worker.testing.tiny_models --out models --size tiny|small|tiny-reranker|all
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import json
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from worker.text.rerank import QWEN3_RERANK_TEMPLATE
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -61,6 +69,8 @@ class ModelSpec:
     seed: int
     rms_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # repr=False: the stamp of the llama specs (their repr) stays what it was, no regeneration
+    arch: str = field(default="llama", repr=False)  # "llama" or "qwen3" (a Qwen3-Reranker look-alike)
 
     @property
     def head_dim(self) -> int:
@@ -72,6 +82,9 @@ SPECS = {
     "tiny": ModelSpec("tiny-llama", 1024, 64, 2, 4, 2, 192, 4096, tie_embeddings=False, seed=1234),
     # ~135 MB in F16: benchmarks. Tied embeddings exercise the "no output.weight" GGUF path.
     "small": ModelSpec("small-llama", 8192, 768, 12, 12, 4, 1536, 8192, tie_embeddings=True, seed=4321),
+    # ~1 MB: rerank tests (a classifier head on both backends).
+    "tiny-reranker": ModelSpec("tiny-qwen3-reranker", 1024, 64, 2, 4, 2, 192, 4096, tie_embeddings=False, seed=2468,
+                               arch="qwen3"),
 }
 
 
@@ -137,7 +150,10 @@ def train_tokenizer(spec: ModelSpec) -> Tokenizer:
         show_progress=False,
     )
     n_lines = 4000 if spec.vocab_size <= 2048 else 40000
-    tok.train_from_iterator(_corpus(spec.seed, n_lines), trainer=trainer)
+    corpus = _corpus(spec.seed, n_lines)
+    if spec.arch == "qwen3":  # the reranker's labels are the tokens "yes" and "no"
+        corpus += ["yes", "no"] * 200
+    tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 
 
@@ -188,6 +204,9 @@ def make_weights(spec: ModelSpec, n_vocab: int) -> dict[str, np.ndarray]:
         w[p + "mlp.gate_proj.weight"] = lin(spec.intermediate, h)
         w[p + "mlp.up_proj.weight"] = lin(spec.intermediate, h)
         w[p + "mlp.down_proj.weight"] = lin(h, spec.intermediate)
+        if spec.arch == "qwen3":
+            w[p + "self_attn.q_norm.weight"] = norm(spec.head_dim)
+            w[p + "self_attn.k_norm.weight"] = norm(spec.head_dim)
     w["model.norm.weight"] = norm(h)
     if not spec.tie_embeddings:
         w["lm_head.weight"] = lin(n_vocab, h) * np.float32(3.0)
@@ -209,9 +228,10 @@ def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, 
     out_dir.mkdir(parents=True, exist_ok=True)
     n_vocab = tok.get_vocab_size()
     ids = _special_ids(tok)
+    is_qwen3 = spec.arch == "qwen3"
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen3ForCausalLM" if is_qwen3 else "LlamaForCausalLM"],
+        "model_type": spec.arch,
         "vocab_size": n_vocab,
         "hidden_size": spec.hidden,
         "intermediate_size": spec.intermediate,
@@ -251,6 +271,9 @@ def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, 
         },
     }
     gen_config = {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
+    if is_qwen3:
+        config["use_sliding_window"] = False
+        (out_dir / "README.md").write_text("# Qwen3-Reranker (tiny, random weights, for tests)\n")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
     (out_dir / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
@@ -258,7 +281,9 @@ def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, 
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray], f16: bool) -> None:
+def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray], f16: bool,
+               fim: dict[str, int] | None = None) -> None:
+    """`fim`: {"pre"|"suf"|"mid"|...: token id} written as tokenizer.ggml.fim_*_token_id (FIM variant only)."""
     import gguf
 
     tokens, merges = _vocab_and_merges(tok)
@@ -267,7 +292,8 @@ def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, n
         gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens
     ]
     tmp = path.with_suffix(".gguf.tmp")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    is_qwen3 = spec.arch == "qwen3"
+    w = gguf.GGUFWriter(str(tmp), spec.arch)
     w.add_name(spec.name)
     w.add_context_length(spec.max_positions)
     w.add_embedding_length(spec.hidden)
@@ -290,7 +316,15 @@ def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, n
     w.add_pad_token_id(ids[PAD])
     w.add_add_bos_token(False)
     w.add_add_eos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    if is_qwen3:  # as llama.cpp's converter writes a Qwen3-Reranker
+        w.add_pooling_type(gguf.PoolingType.RANK)
+        w.add_classifier_output_labels(["yes", "no"])
+        w.add_chat_template([{"name": "default", "template": CHATML_TEMPLATE},
+                             {"name": "rerank", "template": QWEN3_RERANK_TEMPLATE}])
+    else:
+        w.add_chat_template(CHATML_TEMPLATE)
+    for kind, token in (fim or {}).items():
+        w.add_uint32(f"tokenizer.ggml.fim_{kind}_token_id", token)
 
     def put(name: str, arr: np.ndarray) -> None:
         is_matrix = arr.ndim == 2
@@ -300,8 +334,12 @@ def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, n
     for i in range(spec.layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         put(b + "attn_norm.weight", weights[p + "input_layernorm.weight"])
-        put(b + "attn_q.weight", _permute_qk(weights[p + "self_attn.q_proj.weight"], spec.heads))
-        put(b + "attn_k.weight", _permute_qk(weights[p + "self_attn.k_proj.weight"], spec.kv_heads))
+        q, k = weights[p + "self_attn.q_proj.weight"], weights[p + "self_attn.k_proj.weight"]
+        put(b + "attn_q.weight", q if is_qwen3 else _permute_qk(q, spec.heads))  # qwen3: NEOX RoPE, HF's layout
+        put(b + "attn_k.weight", k if is_qwen3 else _permute_qk(k, spec.kv_heads))
+        if is_qwen3:
+            put(b + "attn_q_norm.weight", weights[p + "self_attn.q_norm.weight"])
+            put(b + "attn_k_norm.weight", weights[p + "self_attn.k_norm.weight"])
         put(b + "attn_v.weight", weights[p + "self_attn.v_proj.weight"])
         put(b + "attn_output.weight", weights[p + "self_attn.o_proj.weight"])
         put(b + "ffn_norm.weight", weights[p + "post_attention_layernorm.weight"])
@@ -309,7 +347,10 @@ def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, n
         put(b + "ffn_up.weight", weights[p + "mlp.up_proj.weight"])
         put(b + "ffn_down.weight", weights[p + "mlp.down_proj.weight"])
     put("output_norm.weight", weights["model.norm.weight"])
-    if not spec.tie_embeddings:
+    if is_qwen3:  # the converter's cls.output: the LM head's "yes" and "no" rows, and no output.weight
+        head = weights["model.embed_tokens.weight" if spec.tie_embeddings else "lm_head.weight"]
+        put("cls.output.weight", np.stack([head[tok.token_to_id("yes")], head[tok.token_to_id("no")]]))
+    elif not spec.tie_embeddings:
         put("output.weight", weights["lm_head.weight"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -340,6 +381,19 @@ def ensure_model(out: Path, size: str = "tiny", force: bool = False) -> ModelPat
     write_gguf(paths.gguf_f16, spec, tok, weights, f16=True)
     stamp.write_text(expected)
     return paths
+
+
+def write_fim_variant(path: Path, size: str = "tiny") -> dict[str, int]:
+    """The `size` model as an F32 GGUF whose metadata names FIM prefix/suffix/middle tokens (for
+    /infill): the vocabulary's last three tokens, ordinary ones (the tiny models have no FIM
+    tokens, and adding some to their vocabulary would change every tokenization). The usual
+    models are untouched. Returns the ids it named."""
+    spec = SPECS[size]
+    tok = train_tokenizer(spec)
+    n = tok.get_vocab_size()
+    fim = {"pre": n - 3, "suf": n - 2, "mid": n - 1}
+    write_gguf(path, spec, tok, make_weights(spec, n), f16=False, fim=fim)
+    return fim
 
 
 def main(argv: list[str] | None = None) -> None:

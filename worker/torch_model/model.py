@@ -360,6 +360,19 @@ class Model(nn.Module):
         v_cache: Tensor,
     ) -> Tensor:
         """tokens, positions, cells: [T]; plan: see kv_cache; returns float32 logits of logit_rows [R, V]."""
+        x = self._final_norm(self._trunk(tokens, positions, cells, plan, k_cache, v_cache)[logit_rows])
+        return linear(x, self.w["lm_head"]).float()
+
+    @torch.inference_mode()
+    def hidden_states(
+        self, tokens: Tensor, positions: Tensor, cells: Tensor, plan: AttnPlan, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        """Every row's final-normed hidden state [T, H] (what llama.cpp's embeddings pool)."""
+        return self._final_norm(self._trunk(tokens, positions, cells, plan, k_cache, v_cache))
+
+    def _trunk(
+        self, tokens: Tensor, positions: Tensor, cells: Tensor, plan: AttnPlan, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
         x = F.embedding(tokens, self.embed)
         kern = self.kernels
         if kern is not None:
@@ -368,14 +381,17 @@ class Model(nn.Module):
                 x = cast(Layer, layer).forward_fused(
                     x, positions, cells, plan, k_cache[i], v_cache[i], self.cos, self.sin, kern, nt
                 )
-            x = kern.rms_norm(x[logit_rows], self.norm, self.cfg.rms_norm_eps, nt)
-            return linear(x, self.w["lm_head"]).float()
+            return x
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, k_cache[i], v_cache[i], cells, plan)
-        x = rms_norm(x[logit_rows], self.norm, self.cfg.rms_norm_eps)
-        return linear(x, self.w["lm_head"]).float()
+        return x
+
+    def _final_norm(self, x: Tensor) -> Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.norm, self.cfg.rms_norm_eps, torch.get_num_threads())
+        return rms_norm(x, self.norm, self.cfg.rms_norm_eps)
 
     # -- loading -------------------------------------------------------------------------
 

@@ -49,11 +49,13 @@ def new_state(params: SamplingParams, seed: int, n_ctx: int, eog: Iterable[int] 
     return SamplerState(params=params, generator=gen, history=deque(maxlen=max(window, 1)), bias=bias)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Drawn:
     token: int
     logprob: float | None
     top_logprobs: list[tuple[int, float]]
+    prob: float | None = None  # params.post_sampling_probs: after top_k/top_p/min_p/temperature
+    top_probs: list[tuple[int, float]] = field(default_factory=list)
 
 
 def _apply_masks(x: Tensor, masks: Sequence[np.ndarray | None]) -> None:
@@ -113,8 +115,9 @@ def _apply_penalties(x: Tensor, states: Sequence[SamplerState], params: Sequence
     x[r, t] = v
 
 
-def _draw(x: Tensor, states: Sequence[SamplerState], params: Sequence[SamplingParams]) -> Tensor:
-    """top_k -> top_p -> min_p -> temperature -> one draw per row; returns token ids [S]."""
+def _draw(x: Tensor, states: Sequence[SamplerState], params: Sequence[SamplingParams]) -> tuple[Tensor, Tensor, Tensor]:
+    """top_k -> top_p -> min_p -> temperature -> one draw per row; returns (token ids [S], the final
+    probabilities [S, K] of the candidates [S, K], most likely first)."""
     n_vocab = x.shape[1]
     dev = x.device
     top_k = [p.top_k if 0 < p.top_k < n_vocab else n_vocab for p in params]
@@ -141,7 +144,7 @@ def _draw(x: Tensor, states: Sequence[SamplerState], params: Sequence[SamplingPa
     cdf = torch.cumsum(probs, dim=-1)
     u = torch.cat([torch.rand(1, generator=s.generator) for s in states]).to(device=dev, dtype=cdf.dtype)
     choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_max(k_max - 1)
-    return idx.gather(1, choice).squeeze(1)
+    return idx.gather(1, choice).squeeze(1), probs, idx
 
 
 def sample_rows(
@@ -161,10 +164,15 @@ def sample_rows(
 
     tokens = x.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    post: dict[int, list[tuple[int, float]]] = {}
     if sampled:
         sel = torch.tensor(sampled, device=x.device)
-        drawn = _draw(x[sel], [states[i] for i in sampled], [params[i] for i in sampled])
+        drawn, probs, idx = _draw(x[sel], [states[i] for i in sampled], [params[i] for i in sampled])
         tokens = tokens.index_copy(0, sel, drawn)
+        for j, i in enumerate(sampled):
+            if params[i].logprobs and params[i].post_sampling_probs:
+                pairs = zip(idx[j].tolist(), probs[j].tolist(), strict=True)
+                post[i] = [(t, q) for t, q in pairs if q > 0]
     token_list: list[int] = tokens.tolist()
 
     logprob: list[float | None] = [None] * n_rows
@@ -184,4 +192,10 @@ def sample_rows(
 
     for s, tok in zip(states, token_list, strict=True):
         s.accept((tok,))
-    return [Drawn(token_list[i], logprob[i], tops[i]) for i in range(n_rows)]
+    out = [Drawn(token_list[i], logprob[i], tops[i]) for i in range(n_rows)]
+    for i, p in enumerate(params):
+        if p.logprobs and p.post_sampling_probs:
+            top = post.get(i, [(token_list[i], 1.0)])  # greedy: all the mass on the argmax
+            out[i].prob = next((q for t, q in top if t == token_list[i]), 0.0)
+            out[i].top_probs = top[: p.top_logprobs]
+    return out

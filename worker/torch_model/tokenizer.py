@@ -17,6 +17,8 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from worker.backends.base import FIM_TOKEN_TEXTS, FimTokens
+
 # Turn-end tokens llama.cpp also treats as end-of-generation when the vocabulary has them.
 _EOG_TEXTS = (
     "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<|end|>",
@@ -118,6 +120,21 @@ class HFTokenizer:
                 eog.add(tid)
         self.eog_ids = frozenset(eog)
         self._pieces: dict[int, bytes] = {}
+
+    def fim_tokens(self) -> FimTokens:
+        """Fill-in-the-middle tokens found by their usual names (as llama.cpp does for a GGUF without them)."""
+        def find(kind: str) -> int:
+            ids = (self._tok.token_to_id(text) for text in FIM_TOKEN_TEXTS[kind])
+            return next((i for i in ids if i is not None), -1)
+
+        return FimTokens(*(find(kind) for kind in ("pre", "suf", "mid", "rep", "sep")))
+
+    def token_id(self, token: str) -> int:
+        """The id of a vocabulary entry (as transformers' convert_tokens_to_ids); KeyError if none."""
+        tid = self._tok.token_to_id(token)
+        if tid is None:
+            raise KeyError(f"{token!r} is not in the vocabulary")
+        return int(tid)
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         tok = self._tok if parse_special else self._tok_literal

@@ -1,0 +1,112 @@
+"""What a model's owner asks of the outside world: spawn a worker, wait until it is ready, put it
+to sleep, wake it, read its card, measure it, forget its connections. Effects only; no state.
+
+`ModelHandle` gets one `Effects` object; tests pass a fake with the same methods (in-process,
+driven step by step). `Process` is what the owner needs of a running worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from router.memory import TreeMemory, tree_memory
+from router.presets import ModelPreset
+from router.process import LoadError, WorkerProcess, free_port, wait_ready, worker_argv
+from router.upstream import UpstreamClient
+
+PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class Process(Protocol):
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def log_tail(self) -> Sequence[str]: ...
+
+    async def wait(self) -> int: ...
+
+    async def stop(self, timeout: float) -> int: ...
+
+    def tail_text(self, lines: int = 5) -> str: ...
+
+
+class Effects(Protocol):
+    async def spawn(self, preset: ModelPreset) -> tuple[Process, str, list[str]]: ...
+
+    async def wait_ready(self, proc: Process, base_url: str, timeout: float,
+                         on_progress: Callable[[dict[str, Any]], None]) -> bool: ...
+
+    async def info(self, base_url: str) -> dict[str, Any] | None: ...
+
+    async def sleep(self, base_url: str) -> bool: ...
+
+    async def wake(self, base_url: str, timeout: float) -> None: ...
+
+    def samples(self, proc: Process, interval: Callable[[], float]) -> AsyncIterator[TreeMemory]: ...
+
+    def forget(self, base_url: str) -> None: ...
+
+
+class WorkerEffects:
+    """The real effects: subprocesses, and HTTP to them with the pool's shared clients."""
+
+    def __init__(self, client: httpx.AsyncClient, upstream: UpstreamClient, host: str) -> None:
+        self.client = client
+        self.upstream = upstream
+        self.host = host
+
+    async def spawn(self, preset: ModelPreset) -> tuple[Process, str, list[str]]:
+        port = free_port(self.host)
+        argv = worker_argv(preset, port, os.getpid(), self.host)
+        proc = await WorkerProcess.spawn(argv, preset.name, env=_env(preset))
+        return proc, f"http://{self.host}:{port}", argv
+
+    async def wait_ready(self, proc: Process, base_url: str, timeout: float,
+                         on_progress: Callable[[dict[str, Any]], None]) -> bool:
+        assert isinstance(proc, WorkerProcess)
+        return await wait_ready(self.client, base_url, proc, timeout, on_progress)
+
+    async def info(self, base_url: str) -> dict[str, Any] | None:
+        """The worker's own /v1/models entry, if it has one."""
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            r = await self.client.get(f"{base_url}/v1/models", timeout=2.0)
+            data = r.json()["data"]
+            return dict(data[0]) if data else None
+        return None
+
+    async def sleep(self, base_url: str) -> bool:
+        try:
+            r = await self.client.post(f"{base_url}/sleep", timeout=30.0)
+            return r.status_code < 400
+        except httpx.HTTPError:
+            return False
+
+    async def wake(self, base_url: str, timeout: float) -> None:
+        r = await self.client.post(f"{base_url}/wake", timeout=timeout)
+        if r.status_code >= 400:
+            raise LoadError(f"/wake answered {r.status_code}: {r.text[:300]}")
+
+    async def samples(self, proc: Process, interval: Callable[[], float]) -> AsyncIterator[TreeMemory]:
+        """The tree's memory now, then every `interval()` seconds, until the process is gone."""
+        while (memory := await asyncio.to_thread(tree_memory, proc.pid)) is not None:
+            yield memory
+            await asyncio.sleep(interval())
+
+    def forget(self, base_url: str) -> None:
+        self.upstream.forget(base_url)
+
+
+def _env(preset: ModelPreset) -> dict[str, str] | None:
+    if preset.backend == "cmd":
+        return None
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
+    return env

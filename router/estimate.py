@@ -1,0 +1,175 @@
+"""How much memory a model will need before it is loaded, and what we learned from measuring it.
+
+Estimate = weights (the GGUF file, or the Hugging Face folder's *.safetensors / *.bin)
+  + KV cache for `ctx-size` cells in all (every slot; K and V each n_layers * n_kv_heads *
+    head_dim values per cell, in the cache type: f16 for llama.cpp, the model's dtype for torch)
+  + `cache-ram` when the preset sets it (the prompt cache's bound; unset, it fills with use)
+  + a per-backend overhead (the worker's Python runtime and libraries, measured on the tiny models).
+With a GPU, llama.cpp's offloaded share (all layers unless `n-gpu-layers` says fewer) and all of
+a torch model count as VRAM, plus a CUDA context. A preset's `memory = SIZE` replaces the
+estimate. Once a model has run, the peak it was measured at (tree USS, VRAM) replaces the
+computed figure for the next load of the same preset (kept in memory only).
+
+Blocking (reads file headers): call `MemoryBook.estimate` in a thread; `peek` never blocks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from router.presets import ModelPreset
+
+log = logging.getLogger("omni.router.estimate")
+
+MIB = 1 << 20
+OVERHEAD_BYTES = {"llama_cpp": 96 * MIB, "torch": 384 * MIB}  # measured: ~65 and ~300 MiB USS idle
+GPU_CONTEXT_BYTES = 512 * MIB
+DEFAULT_CTX = 4096  # the worker's --ctx-size default
+CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
+                    "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
+TORCH_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    ram_bytes: int
+    vram_bytes: int
+    source: str  # "preset" (memory = SIZE), "measured" (the last run's peak), "computed", "unknown"
+
+    @property
+    def total_bytes(self) -> int:
+        return self.ram_bytes + self.vram_bytes
+
+
+@dataclass(frozen=True)
+class Shape:
+    n_layers: int
+    n_kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    n_ctx_train: int
+    dtype_bytes: float = 2.0  # KV element size when the backend uses the model's dtype
+
+
+def gguf_shape(path: Path) -> Shape | None:
+    from gguf import GGUFReader  # imported here: numpy + gguf only when a GGUF is estimated
+
+    try:
+        fields = GGUFReader(path).fields
+        arch = str(fields["general.architecture"].contents())
+
+        def num(key: str, default: int | None = None) -> int:
+            f = fields.get(f"{arch}.{key}")
+            if f is None:
+                if default is None:
+                    raise KeyError(key)
+                return default
+            value = f.contents()
+            return int(max(value) if isinstance(value, list) else value)  # per-layer arrays: the largest
+
+        n_heads = num("attention.head_count")
+        head_dim = num("embedding_length") // max(1, n_heads)
+        return Shape(num("block_count"), num("attention.head_count_kv", n_heads),
+                     num("attention.key_length", head_dim), num("attention.value_length", head_dim),
+                     num("context_length", DEFAULT_CTX))
+    except Exception as e:  # not a GGUF we can read: the load will say why
+        log.debug("%s: no GGUF shape: %r", path, e)
+        return None
+
+
+def hf_shape(folder: Path) -> Shape | None:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        n_heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_heads)
+        dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
+        return Shape(int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads") or n_heads), head_dim, head_dim,
+                     int(cfg.get("max_position_embeddings") or DEFAULT_CTX), TORCH_DTYPE_BYTES.get(dtype, 2))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.debug("%s: no HF shape: %r", folder, e)
+        return None
+
+
+def weights_bytes(model: Path) -> int:
+    if model.is_file():
+        return model.stat().st_size
+    total = 0
+    with contextlib.suppress(OSError):
+        for pattern in ("*.safetensors", "*.bin", "*.gguf"):
+            total += sum(f.stat().st_size for f in model.glob(pattern))
+            if total:
+                break
+    return total
+
+
+def kv_bytes(shape: Shape, cells: int, k_bytes: float, v_bytes: float) -> int:
+    per_cell = shape.n_layers * shape.n_kv_heads * (shape.head_dim_k * k_bytes + shape.head_dim_v * v_bytes)
+    return int(cells * per_cell)
+
+
+def compute(p: ModelPreset, has_gpu: bool) -> Estimate:
+    """The figure from the files and the preset, before anything was measured."""
+    if p.memory is not None:
+        return Estimate(p.memory, 0, "preset")
+    if p.is_remote or p.model is None or not p.model.exists():
+        return Estimate(0, 0, "unknown")
+    weights = weights_bytes(p.model)
+    if p.backend == "cmd":  # someone else's server: only its weights are known
+        return Estimate(weights, 0, "computed")
+    is_gguf = p.model.is_file()
+    backend = p.backend if p.backend != "auto" else ("llama_cpp" if is_gguf else "torch")
+    shape = gguf_shape(p.model) if is_gguf else hf_shape(p.model)
+    kv = 0
+    if shape is not None:
+        cells = p.ctx_size if p.ctx_size else (DEFAULT_CTX if p.ctx_size is None else shape.n_ctx_train)
+        if backend == "llama_cpp":
+            k = CACHE_TYPE_BYTES.get(str(getattr(p, "cache_type_k", None) or "f16"), 2.0)
+            v = CACHE_TYPE_BYTES.get(str(getattr(p, "cache_type_v", None) or "f16"), 2.0)
+        else:
+            k = v = shape.dtype_bytes
+        kv = kv_bytes(shape, cells, k, v)
+    cache = p.cache_ram * MIB if p.cache_ram and p.cache_ram > 0 else 0
+    ram = OVERHEAD_BYTES.get(backend, 0) + cache
+    on_gpu = 0.0
+    if has_gpu and p.n_gpu_layers != 0:
+        n_layers = shape.n_layers if shape is not None else 0
+        layers = p.n_gpu_layers
+        on_gpu = 1.0 if layers is None or layers < 0 or layers > n_layers else layers / max(1, n_layers + 1)
+    vram = int(on_gpu * (weights + kv))
+    ram += weights + kv - vram
+    return Estimate(ram, vram + (GPU_CONTEXT_BYTES if vram else 0), "computed")
+
+
+def _key(p: ModelPreset) -> ModelPreset:
+    return replace(p, source="")  # the same settings, wherever they were written
+
+
+class MemoryBook:
+    """Estimates per preset, computed once, replaced by the peak measured on the last run."""
+
+    def __init__(self, has_gpu: bool) -> None:
+        self.has_gpu = has_gpu
+        self._computed: dict[ModelPreset, Estimate] = {}
+        self._learned: dict[ModelPreset, Estimate] = {}
+
+    def estimate(self, p: ModelPreset) -> Estimate:
+        """Blocking the first time for a preset (reads the model's header)."""
+        k = _key(p)
+        if k not in self._computed:
+            self._computed[k] = compute(p, self.has_gpu)
+        return self.peek(p) or self._computed[k]
+
+    def peek(self, p: ModelPreset) -> Estimate | None:
+        k = _key(p)
+        if p.memory is None and k in self._learned:
+            return self._learned[k]
+        return self._computed.get(k)
+
+    def learn(self, p: ModelPreset, ram_bytes: int, vram_bytes: int | None) -> None:
+        """The peak of the current run so far (the owner keeps the peak; the last run wins)."""
+        self._learned[_key(p)] = Estimate(ram_bytes, vram_bytes or 0, "measured")

@@ -1,0 +1,136 @@
+"""What a model's owner (`router.model.ModelHandle`) receives on its one queue: commands from
+callers (most carry a reply future) and reports from the effect tasks it started. Reports of a
+load, wake or sleep carry the attempt they belong to, and the owner ignores a stale one."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from router.effects import Process
+from router.estimate import Estimate
+from router.memory import TreeMemory
+from router.presets import ModelPreset
+
+# --------------------------------------------------------------------------- commands (callers)
+
+
+@dataclass
+class EnsureReady:
+    reply: asyncio.Future[str]
+
+
+@dataclass
+class Load:
+    """Load (or wake) with no request waiting: load-on-startup, `POST /models/load`, a queue-full request."""
+
+
+@dataclass
+class Sleep:
+    reply: asyncio.Future[bool]
+
+
+@dataclass
+class Unload:
+    reply: asyncio.Future[bool]
+
+
+@dataclass
+class Evict:
+    reply: asyncio.Future[bool]
+
+
+@dataclass
+class Drain:
+    is_on: bool
+    reply: asyncio.Future[bool]
+
+
+@dataclass
+class Reconfigure:
+    """A preset reload changed this model (`preset`) or removed it (None)."""
+
+    preset: ModelPreset | None
+
+
+@dataclass
+class Sync:
+    reply: asyncio.Future[bool]
+
+
+@dataclass
+class Poke:
+    """Something changed (a waiter left, the last request finished, an idle timer fired): re-examine."""
+
+
+# --------------------------------------------------------------------------- messages (effects)
+
+
+@dataclass
+class Estimated:
+    attempt: int
+    need: Estimate
+
+
+@dataclass
+class Granted:
+    attempt: int
+
+
+@dataclass
+class Refused:
+    """No slot can ever be had (pinned models, or the budget): not a failure of the model."""
+
+    attempt: int
+    reason: str
+
+
+@dataclass
+class Spawned:
+    attempt: int
+    proc: Process
+    base_url: str
+    argv: list[str]
+
+
+@dataclass
+class Progress:
+    attempt: int
+    progress: dict[str, Any]
+
+
+@dataclass
+class Ready:
+    attempt: int
+    can_sleep: bool | None  # None: a wake (what the load found still holds)
+    info: dict[str, Any] | None
+
+
+@dataclass
+class LoadFailed:
+    attempt: int
+    error: str
+
+
+@dataclass
+class SleepDone:
+    attempt: int
+    ok: bool
+
+
+@dataclass
+class Exited:
+    proc: Process
+    code: int
+
+
+@dataclass
+class Measured:
+    proc: Process
+    memory: TreeMemory
+
+
+Command = (EnsureReady | Load | Sleep | Unload | Evict | Drain | Reconfigure | Sync | Poke | Estimated | Granted
+            | Refused
+            | Spawned | Progress | Ready | LoadFailed | SleepDone | Exited | Measured)
