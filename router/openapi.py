@@ -71,7 +71,9 @@ def _operation(method: str, path: str, model_names: list[str], schemas: dict[str
         "operationId": f"{method.lower()} {path}",
         "responses": {"200": {"description": "success", "content": OK_CONTENT},
                       "204": {"description": "no content"}, "304": {"description": "not modified"},
-                      "4XX": error, "5XX": error},
+                      "4XX": error, "501": {**error, "description": "the model or server lacks the feature "
+                                            "(llama-server's not_supported_error: no --embedding, no FIM tokens...)"},
+                      "5XX": error},
     }
     params = [p[1:-1] for p in path.split("/") if p.startswith("{")]
     op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]

@@ -74,7 +74,7 @@ CASES: list[tuple[str, str, Any, int]] = [
     ("responses-unknown-previous", "/v1/responses", {"model": "tiny", "input": "hi", "previous_response_id": "resp_x"}, 404),
     ("conversation-items-wrong-type", "/v1/conversations", {"items": 5}, 400),
     ("profile-bad-body", "/start_profile", {"event_dir": 5}, 400),
-    ("embeddings-on-a-chat-model", "/v1/embeddings", {"model": "tiny", "input": "x"}, 404),
+    ("embeddings-on-a-chat-model", "/v1/embeddings", {"model": "tiny", "input": "x"}, 501),  # llama-server: not_supported_error
 ]
 
 
