@@ -74,13 +74,8 @@ def gpu_memory_by_pid() -> dict[int, int] | None:
                 for proc in nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(i)):
                     out[proc.pid] = out.get(proc.pid, 0) + int(proc.usedGpuMemory or 0)
         return out
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        text = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=5, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
+    text = _nvidia_smi("--query-compute-apps=pid,used_memory")
+    if text is None:
         return None
     found: dict[int, int] = {}
     for line in text.splitlines():
@@ -97,14 +92,22 @@ def gpu_total_bytes() -> int | None:
         with contextlib.suppress(Exception):
             return sum(int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).total)
                        for i in range(nvml.nvmlDeviceGetCount()))
+    text = _nvidia_smi("--query-gpu=memory.total")
+    try:
+        return None if text is None else sum(int(s.strip()) for s in text.splitlines() if s.strip()) * (1 << 20)
+    except ValueError:
+        return None
+
+
+def _nvidia_smi(query: str) -> str | None:
+    """`nvidia-smi QUERY` as bare CSV (no header, no units), or None where it is absent or fails."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
     try:
-        text = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=5, check=True).stdout
-        return sum(int(s.strip()) for s in text.splitlines() if s.strip()) * (1 << 20)
-    except (OSError, subprocess.SubprocessError, ValueError):
+        return subprocess.run([smi, query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                              timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
         return None
 
 

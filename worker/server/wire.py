@@ -265,7 +265,17 @@ def _json_prompt(obj: dict[str, Any]) -> str:
     return text
 
 
-class NativeCompletionRequest(_SamplingRequest):
+class _NativeSamplingRequest(_SamplingRequest):
+    """llama-server's native endpoints: `n_probs` top log-probabilities per token."""
+
+    def to_sampling_params(self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None) -> SamplingParams:
+        d = defaults or SamplingParams()
+        n = self.n_probs or 0
+        return self._common_params(d, logprobs=n > 0, top_logprobs=n, max_tokens=self._max_new_tokens(d.max_tokens),
+                                   tokenize=tokenize)
+
+
+class NativeCompletionRequest(_NativeSamplingRequest):
     """llama-server's native /completion: `prompt` is text, token ids, text and ids mixed (one
     prompt), or a list of those (several prompts); `n_probs` top log-probabilities per token."""
 
@@ -297,12 +307,6 @@ class NativeCompletionRequest(_SamplingRequest):
                 raise ValueError("each prompt must be a string, a list of token ids, a list of both, or a JSON prompt")
         return out
 
-    def to_sampling_params(self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None) -> SamplingParams:
-        d = defaults or SamplingParams()
-        n = self.n_probs or 0
-        return self._common_params(d, logprobs=n > 0, top_logprobs=n, max_tokens=self._max_new_tokens(d.max_tokens),
-                                   tokenize=tokenize)
-
 
 class InfillChunk(OpenAIBaseModel):
     """One other file for /infill's context."""
@@ -311,7 +315,7 @@ class InfillChunk(OpenAIBaseModel):
     filename: str = "tmp"
 
 
-class InfillRequest(_SamplingRequest):
+class InfillRequest(_NativeSamplingRequest):
     """llama-server's /infill: the code before and after the gap, the start of the middle
     (`prompt`), other files (`input_extra`); sampling fields as /completion's."""
 
@@ -320,12 +324,6 @@ class InfillRequest(_SamplingRequest):
     input_extra: list[InfillChunk] = Field(default_factory=list)
     prompt: str = ""
     return_tokens: bool = False
-
-    def to_sampling_params(self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None) -> SamplingParams:
-        d = defaults or SamplingParams()
-        n = self.n_probs or 0
-        return self._common_params(d, logprobs=n > 0, top_logprobs=n, max_tokens=self._max_new_tokens(d.max_tokens),
-                                   tokenize=tokenize)
 
 
 class TokenizeRequest(OpenAIBaseModel):
