@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import json
 import logging
+import re
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ PROXY_POST: dict[str, str] = {
 }
 # GET routes proxied when `?model=` is given (without it, /props is the router's own)
 PROXY_GET: dict[str, str] = {"/props": "/props", "/slots": "/slots", "/metrics": "/metrics"}
+_SLOT_ACTION = re.compile(r"^/slots/[^/]+$")  # POST /slots/{id}?action=save|restore|erase&model=
 PUBLIC_PATHS = frozenset({"/health", "/", "/index.html", "/favicon.ico"})
 PUBLIC_PREFIXES = ("/static/", "/webui/", "/assets/")
 SSE_KEEPALIVE_S = 15.0
@@ -206,6 +208,10 @@ class RouterApp:
         if method == "POST" and path in PROXY_POST:
             await self._proxy_body(scope, receive, send, PROXY_POST[path], cors)
             return
+        if method == "POST" and _SLOT_ACTION.match(path):  # llama-server's slot files, routed by ?model=
+            query = scope.get("query_string", b"").decode("latin-1")
+            await self._proxy_body(scope, receive, send, f"{path}?{query}", cors)
+            return
         if method == "GET" and path in PROXY_GET and b"model=" in scope.get("query_string", b""):
             await self._proxy_get(scope, receive, send, PROXY_GET[path], cors)
             return
@@ -225,6 +231,7 @@ class RouterApp:
             table["POST", path] = None
         for path in PROXY_GET:
             table["GET", path] = None
+        table["POST", "/slots/{id_slot}"] = None
         for route in self.admin.routes:
             if isinstance(route, Route):
                 path = route.path.replace(":path}", "}")

@@ -56,6 +56,7 @@ class ModelPreset:
     embedding: bool | None = None  # an embedding model (worker --embedding)
     pooling: str | None = None  # none | mean | cls | last | rank (worker --pooling)
     reranking: bool | None = None  # a reranker (worker --reranking)
+    slot_save_path: str | None = None  # folder for POST /slots/{id}?action=save|restore (worker --slot-save-path)
     load_on_startup: bool = False
     stop_timeout: float = 10.0
     load_timeout: float = 300.0
@@ -190,6 +191,7 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "embedding": ("embedding", _bool),
     "pooling": ("pooling", _pooling),
     "reranking": ("reranking", _bool),
+    "slot-save-path": ("slot_save_path", _text),
     "load-on-startup": ("load_on_startup", _bool),
     "stop-timeout": ("stop_timeout", _float(0, strict=True)),
     "load-timeout": ("load_timeout", _float(0, strict=True)),
@@ -211,7 +213,8 @@ _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "b
 _ENV = {"model": "model", "alias": "alias", "ctx-size": "ctx-size", "n-parallel": "parallel", "batch": "batch-size",
         "n-gpu-layers": "n-gpu-layers", "threads": "threads", "chat-template": "chat-template",
         "cache-ram": "cache-ram", "kv-unified": "kv-unified", "flash-attn": "flash-attn", "jinja": "jinja",
-        "spec-draft-model": "model-draft", "embeddings": "embedding", "pooling": "pooling", "reranking": "reranking"}
+        "spec-draft-model": "model-draft", "embeddings": "embedding", "pooling": "pooling", "reranking": "reranking",
+        "slot-save-path": "slot-save-path"}
 _NEGATABLE = ("kv-unified", "jinja")  # llama-server's `--no-X` switches: `no-X = true` means X = false
 VALID_KEYS = ", ".join(sorted(_KEYS))
 

@@ -223,3 +223,20 @@ def test_llama_cpp_readme_preset_serves(router_factory: Factory) -> None:
     with r.client(timeout=60) as c:  # llama-server's token count, routed by the body's model
         body = {"model": "custom_model", "messages": [{"role": "user", "content": "Hello world"}]}
         assert c.post("/chat/completions/input_tokens", json=body).json()["input_tokens"] > 2
+
+
+def test_slot_files_through_the_router(router_factory: Factory, tmp_path: Path) -> None:
+    """`slot-save-path` in a preset, and llama-server's `POST /slots/{id}?action=` routed by `?model=`."""
+    r = router_factory(f'[models.tiny]\nmodel = "{GGUF}"\nctx-size = 512\nparallel = 1\nthreads = 1\n'
+                       f'slot-save-path = "{tmp_path}"\n')
+    with r.client(timeout=60) as c:
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "hello there", "max_tokens": 2}).status_code == 200
+        saved = c.post("/slots/0", params={"action": "save", "model": "tiny"}, json={"filename": "s0.bin"})
+        assert saved.status_code == 200 and saved.json()["n_saved"] > 0, saved.text
+        assert (tmp_path / "s0.bin").exists()
+        restored = c.post("/slots/0?action=restore&model=tiny", json={"filename": "s0.bin"})
+        assert restored.status_code == 200 and restored.json()["n_restored"] == saved.json()["n_saved"]
+        assert c.post("/slots/0?action=erase&model=tiny", json={}).status_code == 200
+        bad = c.post("/slots/0?action=save&model=tiny", json={"filename": "../x.bin"})
+        assert bad.status_code == 400 and "error" in bad.json()
+        assert c.post("/slots/0?action=save&model=nope", json={"filename": "a"}).status_code == 404
