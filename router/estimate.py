@@ -27,7 +27,11 @@ log = logging.getLogger("omni.router.estimate")
 
 MIB = 1 << 20
 OVERHEAD_BYTES = {"llama_cpp": 96 * MIB, "torch": 384 * MIB}  # measured: ~65 and ~300 MiB USS idle
-GPU_CONTEXT_BYTES = 512 * MIB
+# On a GPU: the CUDA context and library workspaces in VRAM, and the CUDA libraries in the
+# worker's host memory. torch measured on an H100 (tiny model, ctx 1024): 720 MiB of VRAM, and
+# 1.31 GiB tree USS against ~0.3 GiB on the CPU. llama.cpp's CUDA build is not measured yet.
+GPU_CONTEXT_BYTES = {"llama_cpp": 512 * MIB, "torch": 720 * MIB}
+GPU_HOST_BYTES = {"torch": 1024 * MIB}
 DEFAULT_CTX = 4096  # the worker's --ctx-size default
 CACHE_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q5_1": 24 / 32, "q5_0": 22 / 32,
                     "q4_1": 20 / 32, "q4_0": 18 / 32, "iq4_nl": 18 / 32}
@@ -142,7 +146,9 @@ def compute(p: ModelPreset, has_gpu: bool) -> Estimate:
         on_gpu = 1.0 if layers is None or layers < 0 or layers > n_layers else layers / max(1, n_layers + 1)
     vram = int(on_gpu * (weights + kv))
     ram += weights + kv - vram
-    return Estimate(ram, vram + (GPU_CONTEXT_BYTES if vram else 0), "computed")
+    if not vram:
+        return Estimate(ram, 0, "computed")
+    return Estimate(ram + GPU_HOST_BYTES.get(backend, 0), vram + GPU_CONTEXT_BYTES.get(backend, 512 * MIB), "computed")
 
 
 def _key(p: ModelPreset) -> ModelPreset:
