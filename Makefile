@@ -1,7 +1,7 @@
 # One command to run the demo, one to run the tests. Both set everything up on a fresh clone.
 #   make run    install, generate the demo models, serve presets/demo.toml on 127.0.0.1:8080
 #   make test   install (with test extras), generate the test models, lint, type-check, test
-#   make soak   the long reliability runs (-m soak): 500 streams on real workers, full schemathesis
+#   make soak   the long runs (-m soak): 500 streams on real workers, full schemathesis, llama.cpp's embedding tests
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -55,7 +55,7 @@ test: setup-test models lint
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 soak: setup-test models
-	$(VENV)/bin/pytest tests/reliability -m soak -s $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests/reliability tests/yardstick -m soak -s $(PYTEST_ARGS)
 
 bench: setup-test models
 	$(PY) -m worker.testing.tiny_models --out models --size small

@@ -23,7 +23,6 @@ Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 GGUF16 = ROOT / "models" / "tiny-llama-f16.gguf"
 HF = ROOT / "models" / "tiny-llama"
-SMALL = ROOT / "models" / "small-llama-f16.gguf"  # slow enough (~100 tokens/s here) to watch a stream
 KEY = "obs-key"
 
 pytestmark = pytest.mark.skipif(not (GGUF.exists() and GGUF16.exists()), reason="tiny models not generated (make models)")
@@ -226,7 +225,7 @@ def test_metrics_count_sleeps_wakes_and_a_failed_load(router_factory: Factory, t
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a model" * 100)
     r = router_factory(PRESET + f'\n[models.bad]\nmodel = "{junk}"\nbackend = "llama_cpp"\n'
-                       + f'\n[models.s]\nmodel = "{SMALL}"\nbackend = "llama_cpp"\n')
+                       + f'\n[models.s]\nmodel = "{GGUF}"\nbackend = "llama_cpp"\nctx-size = 8192\nparallel = 1\n')
     complete(r, "b", 2)
     assert httpx.post(f"{r.base}/models/sleep", json={"model": "b"}, timeout=10).status_code == 200
     r.wait_status("b", "sleeping")
@@ -239,7 +238,7 @@ def test_metrics_count_sleeps_wakes_and_a_failed_load(router_factory: Factory, t
 
     def stream_s() -> None:  # a long stream to look at the gauges while it runs
         with httpx.stream("POST", f"{r.base}/v1/completions", timeout=60,
-                          json={"model": "s", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}) as s:
+                          json={"model": "s", "prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True}) as s:
             for line in s.iter_lines():
                 if line.startswith("data: "):
                     first_chunk.set()

@@ -24,7 +24,7 @@ import pytest
 from tests.util import ROOT
 from worker.testing.tiny_models import ModelPaths
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.soak  # ~2.5 min: `make soak` runs it, not `make test`
 
 HARNESS = ROOT / "scripts" / "llama_server_suite.py"
 EXIT_UNAVAILABLE = 3  # llama_server_suite.EXIT_UNAVAILABLE
