@@ -209,8 +209,9 @@ class RouterApp:
             await self._proxy_body(scope, receive, send, PROXY_POST[path], cors)
             return
         if method == "POST" and _SLOT_ACTION.match(path):  # llama-server's slot files, routed by ?model=
+            raw = (scope.get("raw_path") or path.encode()).decode("latin-1")  # still percent-encoded
             query = scope.get("query_string", b"").decode("latin-1")
-            await self._proxy_body(scope, receive, send, f"{path}?{query}", cors)
+            await self._proxy_body(scope, receive, send, f"{raw}?{query}", cors)
             return
         if method == "GET" and path in PROXY_GET and b"model=" in scope.get("query_string", b""):
             await self._proxy_get(scope, receive, send, PROXY_GET[path], cors)

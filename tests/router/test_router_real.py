@@ -240,3 +240,5 @@ def test_slot_files_through_the_router(router_factory: Factory, tmp_path: Path) 
         bad = c.post("/slots/0?action=save&model=tiny", json={"filename": "../x.bin"})
         assert bad.status_code == 400 and "error" in bad.json()
         assert c.post("/slots/0?action=save&model=nope", json={"filename": "a"}).status_code == 404
+        odd = c.post("/slots/%C2%96m?action=save&model=tiny", json={"filename": "a"})  # forwarded still encoded
+        assert odd.status_code == 400 and odd.headers["content-type"].startswith("application/json"), odd.text
