@@ -30,10 +30,10 @@ LLAMA_SERVER_FLAGS = [
 
 
 @contextlib.contextmanager
-def _serve(*args: str) -> Iterator[str]:
+def serve(*args: str, host: str = "127.0.0.1") -> Iterator[str]:
     """`python -m worker.server.cli ARGS` exactly as given (no --metrics added)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "worker.server.cli", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "worker.server.cli", "--port", str(port), "--host", host, *args]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
@@ -46,7 +46,7 @@ def _serve(*args: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def url(tiny_models: ModelPaths) -> Iterator[str]:
-    with _serve("-m", str(tiny_models.gguf_f32), *LLAMA_SERVER_FLAGS) as u:
+    with serve("-m", str(tiny_models.gguf_f32), *LLAMA_SERVER_FLAGS) as u:
         yield u
 
 

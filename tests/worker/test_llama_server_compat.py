@@ -8,12 +8,9 @@ Real worker processes on the tiny GGUF (and a FIM variant of it, written by the 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import socket
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,22 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.util import ROOT, free_port, stop_process, wait_healthy, wait_until
+from tests.util import wait_until
+from tests.worker.test_llama_server_cli import serve
 from worker.testing.tiny_models import ModelPaths, write_fim_variant
-
-
-@contextlib.contextmanager
-def serve(*args: str, host: str = "127.0.0.1") -> Iterator[str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "worker.server.cli", "--port", str(port), "--host", host, *args]
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(proc, url, 60)
-            yield url
-        finally:
-            stop_process(proc)
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +140,8 @@ def test_slot_restore_refuses_a_file_of_another_model(url: str, save_dir: Path) 
 
 def test_slot_actions_and_props_are_501_without_their_flags(tiny_models: ModelPaths, url: str) -> None:
     assert post(url, "/props", {}).json() == {"success": True}
+    refused = post(url, "/props", {"n_ctx": 4})  # nothing is settable: refused, not ignored
+    assert refused.status_code == 400 and "n_ctx" in refused.json()["error"]["message"]
     with serve("-m", str(tiny_models.gguf_f32), "-c", "256", "-np", "1") as plain:
         for path in ("/slots/0?action=save", "/props"):
             r = post(plain, path, {"filename": "x.bin"})

@@ -29,7 +29,14 @@ from worker.engine import slot_file
 from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.metrics import CONTENT_TYPE
 from worker.engine.sampling_params import SamplingParams
-from worker.errors import APIError, api_error_handler, error_body, http_exception_handler, parse_model
+from worker.errors import (
+    APIError,
+    api_error_handler,
+    error_body,
+    http_exception_handler,
+    parse_json,
+    parse_model,
+)
 from worker.server import profiling
 from worker.server.cors_proxy import cors_proxy
 from worker.server.generation import Generation
@@ -630,11 +637,19 @@ async def cors_proxy_route(request: Request) -> Response:
 
 
 async def set_props(request: Request) -> Response:
-    """llama-server's POST /props: 501 unless started with --props; with it, `{"success": true}`
-    and nothing changes (llama-server's own handler updates no property either)."""
+    """llama-server's POST /props: 501 unless started with --props. llama-server's own handler
+    answers success and changes nothing; here no property is settable either, so an empty object
+    is a success and a body that asks to change something is a 400 naming the keys (never
+    accepted and ignored)."""
     if not _state(request).is_props_on:
         raise APIError("This server does not support changing global properties. Start it with `--props`",
                        status_code=501, type="not_supported_error", code=501)
+    body = parse_json(await request.body())
+    if not isinstance(body, dict):
+        raise APIError("Request body must be a JSON object")
+    if body:
+        raise APIError(f"no server property can be changed at run time (asked: {', '.join(sorted(body))}); "
+                       "restart omni-worker with other flags", param=next(iter(sorted(body))))
     return JSONResponse({"success": True})
 
 
