@@ -93,3 +93,9 @@ def run_worker(model: str | Path, *args: str, timeout: float = 60.0) -> Iterator
     finally:
         stop_process(proc)
         log.close()
+
+
+def preset_defaults(ctx_size: int) -> str:
+    """The `[defaults]` section the real-worker router tests share: a small context, 2 slots, one
+    thread each (2 cores here), a quick stop."""
+    return f"[defaults]\nctx-size = {ctx_size}\nparallel = 2\nthreads = 1\nstop-timeout = 5\n"

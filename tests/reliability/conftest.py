@@ -12,18 +12,13 @@ from pathlib import Path
 import pytest
 
 from tests.router.conftest import PY, RouterProc, router_factory
-from tests.util import ROOT, free_port, stop_process, wait_healthy
+from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_healthy
 
 __all__ = ["GGUF", "TINY_PRESET", "router_factory", "serve_router"]
 
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 TINY_PRESET = f"""
-[defaults]
-ctx-size = 256
-parallel = 2
-threads = 1
-stop-timeout = 5
-
+{preset_defaults(256)}
 [models.tiny]
 model = "{GGUF}"
 backend = "llama_cpp"

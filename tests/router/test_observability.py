@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.router.conftest import RouterProc, chat, fake_model
-from tests.util import ROOT, wait_until
+from tests.util import ROOT, preset_defaults, wait_until
 
 Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
@@ -28,12 +28,7 @@ KEY = "obs-key"
 pytestmark = pytest.mark.skipif(not (GGUF.exists() and GGUF16.exists()), reason="tiny models not generated (make models)")
 
 PRESET = f"""
-[defaults]
-ctx-size = 512
-parallel = 2
-threads = 1
-stop-timeout = 5
-
+{preset_defaults(512)}
 [models.a]
 model = "{GGUF}"
 backend = "llama_cpp"

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.router.conftest import PY, fake_cmd
-from tests.util import ROOT, free_port, stop_process, wait_healthy, wait_until
+from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_healthy, wait_until
 
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
@@ -34,12 +34,7 @@ def preset(event_log: Path) -> str:
     slow = fake_cmd("--model", "slow", "--tokens", "400", "--token-delay", "0.02", "--event-log", str(event_log))
     crash = fake_cmd("--model", "crash", "--tokens", "50", "--crash-after", "3")
     return f"""
-[defaults]
-ctx-size = 1024
-parallel = 2
-threads = 1
-stop-timeout = 5
-
+{preset_defaults(1024)}
 [models.tiny]
 model = "{GGUF}"
 backend = "llama_cpp"

@@ -11,7 +11,7 @@ import pytest
 
 from router.presets import PresetError, load_presets
 from tests.router.conftest import RouterProc
-from tests.util import ROOT
+from tests.util import ROOT, preset_defaults
 
 Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
@@ -21,12 +21,7 @@ pytestmark = pytest.mark.skipif(not (GGUF.exists() and (HF / "config.json").exis
                                 reason="tiny models not generated (make models)")
 
 PRESET = f"""
-[defaults]
-ctx-size = 1024
-parallel = 2
-threads = 1
-stop-timeout = 5
-
+{preset_defaults(1024)}
 [models.embed-gguf]
 model = "{GGUF}"
 backend = "llama_cpp"

@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from tests.router.conftest import RouterProc, chat, kill_router_and_expect_no_workers, stream_chat
-from tests.util import ROOT, wait_until
+from tests.util import ROOT, preset_defaults, wait_until
 
 Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
@@ -26,12 +26,7 @@ pytestmark = pytest.mark.skipif(not (GGUF.exists() and (HF / "config.json").exis
                                 reason="tiny models not generated (make models)")
 
 PRESET = f"""
-[defaults]
-ctx-size = 1024
-parallel = 2
-threads = 1
-stop-timeout = 5
-
+{preset_defaults(1024)}
 [models.tiny-gguf]
 model = "{GGUF}"
 backend = "llama_cpp"

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.util import ROOT, free_port, stop_process, wait_healthy
+from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_healthy
 
 CHROMIUM = os.environ.get("OMNI_CHROMIUM", "/usr/bin/chromium")
 if not os.access(CHROMIUM, os.X_OK):
@@ -68,12 +68,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     broken.write_bytes(b"this is not a GGUF file\n" * 4)
     preset = tmp / "preset.toml"
     preset.write_text(f"""
-[defaults]
-ctx-size = 1024
-parallel = 2
-threads = 1
-stop-timeout = 5
-
+{preset_defaults(1024)}
 [models.tiny]
 model = "{GGUF}"
 backend = "llama_cpp"
