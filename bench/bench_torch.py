@@ -228,7 +228,7 @@ def bench_gpu(args: argparse.Namespace) -> None:
 
     from worker.backends.base import BatchEntry, SampleItem
     from worker.backends.torch_backend import TorchBackend
-    from worker.engine.sampling_params import SamplingParams
+    from worker.protocol.sampling import SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         write_random_llama(Path(tmp))

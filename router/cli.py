@@ -1,5 +1,5 @@
 """`omni-router --preset FILE ...`: parse arguments and presets, then serve with uvicorn.
-`omni-router profile-report DIR`: summarize a profiling run (router.profile_report).
+`omni-router profile-report DIR`: summarize a profiling run (router.observability.profile_report).
 
 Bad arguments or a bad preset: one line on stderr (`omni-router: error: ...`) and exit 2.
 """
@@ -72,7 +72,7 @@ def serve(
     """One OpenAI-compatible endpoint for many models."""
     overrides = {"ctx-size": ctx_size, "parallel": parallel, "n-gpu-layers": n_gpu_layers, "threads": threads}
     presets = build_presets(preset, models_dir, overrides)
-    from router.memory import budget, gpu_total_bytes, host_total_bytes
+    from router.lifecycle.memory import budget, gpu_total_bytes, host_total_bytes
 
     budgets = []
     for flag, raw, total in (("--ram-budget", ram_budget, host_total_bytes), ("--vram-budget", vram_budget,
@@ -88,8 +88,8 @@ def serve(
 
     import uvicorn
 
-    from router.app import ResponsesConfig, RouterApp
-    from router.pool import Pool, PoolConfig
+    from router.http.app import ResponsesConfig, RouterApp
+    from router.lifecycle.pool import Pool, PoolConfig
 
     config = PoolConfig(models_max=models_max, max_queue=max_queue, sleep_idle_seconds=sleep_idle_seconds,
                         unload_idle_seconds=unload_idle_seconds, ram_budget=budgets[0], vram_budget=budgets[1],
@@ -112,8 +112,8 @@ def profile_report(
     timelines: Annotated[bool, typer.Option("--timelines/--no-timelines", help="one timeline per request")] = True,
 ) -> None:
     """Per-request timelines and a per-stage summary of `/start_profile` events."""
-    from router.profile_report import load_events, write_report
-    from router.profile_report import timelines as build_timelines
+    from router.observability.profile_report import load_events, write_report
+    from router.observability.profile_report import timelines as build_timelines
 
     if not directory.is_dir():
         raise typer.BadParameter(f"{directory} is not a directory", param_hint="DIR")

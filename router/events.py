@@ -7,10 +7,10 @@ Event names follow llama.cpp's router: `status_change` when a model's status cha
 (`{"model": name, "status": {...}}`). `/models/sse` also sends one `model_status` event per
 model on connect (a snapshot). Request events are `request` (`{"model", "path", "status",
 "duration_ms", "request_id", "queued_ms", "ttft_ms", "prompt_tokens", "completion_tokens",
-"is_cancelled", "trace"}`; `trace` is the `router.request_trace.RequestTrace`, not JSON), one
-per proxied request when it ends. Lifecycle details for router.metrics: `load_started` (a spawn
+"is_cancelled", "trace"}`; `trace` is the `router.observability.request_trace.RequestTrace`, not JSON), one
+per proxied request when it ends. Lifecycle details for router.observability.metrics: `load_started` (a spawn
 begins), `wake_started`, `evicted` (`{"model", "reason"}`: `lru`, `idle`).
-Subscribers: /models/sse, router.metrics, the request log (router.logs), router.profiling.
+Subscribers: /models/sse, router.observability.metrics, the request log (router.observability.logs), router.observability.profiling.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from starlette.types import Scope
 from router.responses.service import ResponsesService
 from router.responses.store import page
 from router.responses.wire import AddItems, CreateConversation, CreateResponse
-from worker.errors import APIError, parse_model
+from worker.protocol.errors import APIError, parse_model
 
 PREFIXES = ("/v1", "", "/v3")
 ResolveModel = Callable[[str | None, Scope], str]  # 404 / 400 for a model the router cannot serve

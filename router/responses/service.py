@@ -35,7 +35,7 @@ from router.responses.wire import (
     parse_items,
     with_id,
 )
-from worker.errors import APIError
+from worker.protocol.errors import APIError
 
 log = logging.getLogger("omni.router.responses")
 

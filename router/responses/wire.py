@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from worker.errors import APIError, parse_model
+from worker.protocol.errors import APIError, parse_model
 
 MAX_METADATA = 16
 

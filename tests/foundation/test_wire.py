@@ -12,9 +12,9 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from worker.engine.sampling_params import SamplingParams
-from worker.errors import APIError, api_error_handler, http_exception_handler, parse_model
-from worker.server.wire import ChatCompletionRequest, CompletionRequest
+from worker.protocol.errors import APIError, api_error_handler, http_exception_handler, parse_model
+from worker.protocol.sampling import SamplingParams
+from worker.protocol.wire import ChatCompletionRequest, CompletionRequest
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.memory import TreeMemory
-from router.model import ModelHandle
+from router.lifecycle.memory import TreeMemory
+from router.lifecycle.model import ModelHandle
 from router.presets import ModelPreset
 
 _pids = itertools.count(10_000)

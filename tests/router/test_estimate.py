@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from router.estimate import OVERHEAD_BYTES, MemoryBook, compute
-from router.memory import budget
+from router.lifecycle.estimate import OVERHEAD_BYTES, MemoryBook, compute
+from router.lifecycle.memory import budget
 from router.presets import ModelPreset, parse_size
 from tests.util import ROOT
 

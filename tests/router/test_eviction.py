@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from router.eviction import Admit, Decision, Drain, Evict, Full, Limits, Need, Occupancy, Wait, choose_victim
-from router.model import backoff_delay
+from router.lifecycle.eviction import (
+    Admit,
+    Decision,
+    Drain,
+    Evict,
+    Full,
+    Limits,
+    Need,
+    Occupancy,
+    Wait,
+    choose_victim,
+)
+from router.lifecycle.model import backoff_delay
 
 UP, LOADING, STOPPING = "up", "loading", "stopping"
 M = 1 << 20

@@ -1,4 +1,4 @@
-"""The model owner and `Slots`, in process, through every row of `router.state.Phase`'s table.
+"""The model owner and `Slots`, in process, through every row of `router.lifecycle.state.Phase`'s table.
 
 The effects (spawn, readiness, sleep, wake, stop, memory samples) are `FakeEffects`: each is a
 call the test answers, and `answer` returns once the owner has handled the result, so every
@@ -16,17 +16,17 @@ from typing import Any
 
 import pytest
 
-from router.admission import Slots
-from router.estimate import MemoryBook
 from router.events import EventBus
-from router.eviction import Limits
-from router.memory import TreeMemory
-from router.model import IdleDefaults, ModelDeps, ModelHandle, Waiting
+from router.lifecycle.admission import Slots
+from router.lifecycle.estimate import MemoryBook
+from router.lifecycle.eviction import Limits
+from router.lifecycle.memory import TreeMemory
+from router.lifecycle.model import IdleDefaults, ModelDeps, ModelHandle, Waiting
+from router.lifecycle.process import LoadError
+from router.lifecycle.state import Phase
 from router.presets import ModelPreset
-from router.process import LoadError
-from router.state import Phase
 from tests.router.fake_effects import FakeEffects, FakeProc
-from worker.errors import APIError
+from worker.protocol.errors import APIError
 
 M = 1 << 20
 

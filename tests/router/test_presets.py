@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from router.lifecycle.process import worker_argv
 from router.presets import ModelPreset, PresetError, load_presets, merge, scan_models_dir
-from router.process import worker_argv
 
 
 @pytest.fixture

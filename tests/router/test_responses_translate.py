@@ -13,7 +13,7 @@ from router.responses.builder import ResponseBuilder
 from router.responses.store import ChainBroken, Store, page
 from router.responses.translate import chat_body, chat_messages, drop_oldest
 from router.responses.wire import CreateResponse, parse_items
-from worker.errors import APIError
+from worker.protocol.errors import APIError
 
 
 def _messages(items: list[dict[str, Any]], instructions: str | None = None) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from router.estimate import compute
+from router.lifecycle.estimate import compute
 from router.presets import ModelPreset
 from tests.router.conftest import RouterProc, chat, stream_chat
 from tests.util import ROOT, wait_until

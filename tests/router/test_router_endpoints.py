@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from router.form import boundary, form_field
+from router.http.form import boundary, form_field
 from tests.router.conftest import fake_model
 from tests.util import ROOT, free_port, stop_process, wait_healthy
 

@@ -235,8 +235,10 @@ def test_api_key_cors_and_error_envelopes(router_factory: Factory) -> None:
         pre = c.options("/v1/chat/completions", headers={"Origin": "http://ui.example",
                                                           "Access-Control-Request-Method": "POST",
                                                           "Access-Control-Request-Headers": "authorization"})
-        assert pre.status_code == 204 and pre.headers["access-control-allow-origin"] == "http://ui.example"
-        assert pre.headers["access-control-allow-headers"] == "authorization"
+        # llama-server's preflight (the worker's rules, worker/protocol/front.py): 200, the origin echoed
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://ui.example"
+        assert pre.headers["access-control-allow-headers"] == "*"
+        assert pre.headers["access-control-allow-credentials"] == "true"
         other = c.options("/v1/models", headers={"Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in other.headers
 

@@ -20,7 +20,7 @@ from tests.torch_backend.conftest import HFModel
 from tests.torch_backend.test_model import new_backend, random_tokens
 from worker.backends.base import BatchEntry, DecodeStatus, RowRecipe, SampleItem
 from worker.backends.torch_backend import TorchBackend
-from worker.engine.sampling_params import SamplingParams
+from worker.protocol.sampling import SamplingParams
 from worker.testing.tiny_models import ModelPaths
 
 N_NEW = 10  # the prompt's row, then 9 decode steps

@@ -209,7 +209,7 @@ def test_no_kv_space_writes_nothing(tiny_models: ModelPaths) -> None:
 def greedy(backend: TorchBackend, prompts: list[list[int]], n_new: int) -> list[list[int]]:
     """Greedy for all prompts at once (sequences 0..n-1, cleared first): one prefill, then decode steps."""
     from worker.backends.base import SampleItem
-    from worker.engine.sampling_params import SamplingParams
+    from worker.protocol.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0)
     for i in range(len(prompts)):

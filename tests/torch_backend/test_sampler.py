@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engine.sampling_params import SamplingParams
+from worker.protocol.sampling import SamplingParams
 from worker.torch_model.sampler import new_state, sample_rows
 
 V = 50

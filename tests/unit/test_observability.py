@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from router.logs import LogRing, request_line
-from router.profile_report import load_events, summary, timelines, write_report
-from router.request_trace import RequestTrace, request_id
-from worker.server.profile_log import Profiler, ProfileRun
+from router.log_ring import LogRing
+from router.observability.logs import request_line
+from router.observability.profile_report import load_events, summary, timelines, write_report
+from router.observability.request_trace import RequestTrace, request_id
+from worker.protocol.profile_log import Profiler, ProfileRun
 
 
 def _run(trace: RequestTrace, chunks: list[bytes]) -> None:
@@ -129,8 +130,8 @@ def test_log_ring_history_then_live_lines() -> None:
 
 
 def test_generation_trace_events_per_task(tmp_path: Path) -> None:
-    from worker.engine.sampling_params import SamplingParams
     from worker.engine.task import FinishEvent, Task, TokenEvent
+    from worker.protocol.sampling import SamplingParams
     from worker.server.profiling import GenerationTrace
 
     p = Profiler("worker-m")

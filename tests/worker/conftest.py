@@ -22,7 +22,8 @@ import pytest
 
 from tests.util import ROOT, free_port, run_worker, stop_process
 from tests.util import wait_healthy as wait_until_healthy
-from worker.server.wire import ChatCompletion, ChatCompletionChunk, Completion, ModelList, OpenAIBaseModel
+from tests.worker.wire_models import ChatCompletion, ChatCompletionChunk, Completion, ModelList
+from worker.protocol.wire import OpenAIBaseModel
 from worker.testing.tiny_models import ModelPaths
 
 N_SLOTS = 4

@@ -13,7 +13,7 @@ from tests.util import wait_until
 from worker.backends.base import Backend
 from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
-from worker.server.app import build_app
+from worker.server.routes import build_app
 from worker.server.state import WorkerState
 
 

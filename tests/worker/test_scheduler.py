@@ -18,9 +18,9 @@ import pytest
 from worker.backends.base import Backend, BatchEntry, RowRecipe
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import PromptCache
-from worker.engine.sampling_params import SamplingParams
 from worker.engine.scheduler import SHORT_PROMPT, Plan, Scheduler
 from worker.engine.task import Task
+from worker.protocol.sampling import SamplingParams
 from worker.testing.tiny_models import ModelPaths
 
 FA_ON = RowRecipe(short_prompt=64)  # llama.cpp with flash attention

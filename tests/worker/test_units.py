@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from worker.engine.policy import common_prefix_len, kv_victims, pick_slot, youngest
-from worker.engine.sampling_params import SamplingParams
 from worker.engine.slot import Slot
 from worker.engine.task import Task, TextOutput
+from worker.protocol.sampling import SamplingParams
 from worker.testing.tiny_models import ModelPaths
 from worker.text.detok import IncrementalDetokenizer
 

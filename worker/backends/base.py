@@ -52,7 +52,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
-from worker.engine.sampling_params import SamplingParams
+from worker.protocol.sampling import SamplingParams
 
 Pooling = Literal["none", "mean", "cls", "last", "rank"]
 POOLINGS: tuple[Pooling, ...] = ("none", "mean", "cls", "last", "rank")

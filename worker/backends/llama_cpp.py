@@ -64,7 +64,7 @@ from worker.backends.base import (
     Sample,
     SampleItem,
 )
-from worker.engine.sampling_params import SamplingParams
+from worker.protocol.sampling import SamplingParams
 
 log = logging.getLogger("worker.llama_cpp")
 

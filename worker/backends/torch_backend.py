@@ -66,7 +66,7 @@ from worker.backends.base import (
     Sample,
     SampleItem,
 )
-from worker.engine.sampling_params import SamplingParams
+from worker.protocol.sampling import SamplingParams
 from worker.text.rerank import QWEN3_RERANK_TEMPLATE, RERANK_LABELS, is_qwen3_reranker
 from worker.torch_model.config import ModelConfig, load_config
 from worker.torch_model.kv_cache import MAX_MASK_SEQS, KVCache

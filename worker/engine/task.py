@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from worker.engine.sampling_params import SamplingParams
+from worker.protocol.sampling import SamplingParams
 from worker.text.detok import IncrementalDetokenizer
 from worker.text.stop_strings import StopMatcher
 

@@ -28,7 +28,7 @@ from worker.backends import BackendOptions, load_backend, resolve_kind
 from worker.backends.base import POOLINGS, Backend, Pooling
 from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
-from worker.engine.sampling_params import SamplingParams
+from worker.protocol.sampling import SamplingParams
 from worker.server.state import REASONING_FORMATS, WorkerState
 
 log = logging.getLogger("worker")
@@ -298,7 +298,7 @@ def serve(
         template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
     )
     engine.start()  # the model loads while the HTTP stack is imported
-    from worker.server.app import build_app
+    from worker.server.routes import build_app
 
     config = uvicorn.Config(
         build_app(state, api_keys=api_keys, cors_origins=cors_origins),

@@ -15,7 +15,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
-from worker.errors import APIError
+from worker.protocol.errors import APIError
 
 PREFIX = "x-llama-server-proxy-header-"
 _TIMEOUT_S = 600.0  # llama-server's read/write timeouts

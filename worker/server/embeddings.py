@@ -31,12 +31,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worker.backends.base import Backend
 from worker.engine.engine import Engine
-from worker.engine.sampling_params import SamplingParams
 from worker.engine.task import EmbeddingEvent, ErrorEvent, Event, Task
-from worker.errors import APIError, ErrorType, parse_json, parse_model
-from worker.server.app import _native_tokens, _ready, _state
+from worker.protocol.errors import APIError, ErrorType, parse_json, parse_model
+from worker.protocol.sampling import SamplingParams
+from worker.protocol.wire import OpenAIBaseModel
+from worker.server.context import native_tokens, ready_backend, worker_state
 from worker.server.generation import _relay
-from worker.server.wire import OpenAIBaseModel
 
 _PARAMS = SamplingParams(temperature=0.0, cache_prompt=False)  # stateless: no prefix reuse
 GENERATION_PATHS = frozenset({
@@ -178,12 +178,12 @@ async def _one_input(backend: Backend, item: Any, param: str) -> list[int]:
                 raise APIError(f"content part type {sorted(kinds)[0]!r} is not supported by this model (text only)",
                                param=param, type="not_supported_error")
             text = "".join(str(p.get("text", "")) for p in parts)
-            return await _native_tokens(backend, text, param)
+            return await native_tokens(backend, text, param)
         if "multimodal_data" in item:
             raise APIError("Multimodal data provided, but model does not support multimodal requests.", param=param)
         item = item.get("prompt_string")
     if isinstance(item, str) or (isinstance(item, list) and all(isinstance(x, str) or _is_id(x) for x in item)):
-        return await _native_tokens(backend, item, param)
+        return await native_tokens(backend, item, param)
     raise APIError(_BAD_INPUT, param=param)
 
 
@@ -199,10 +199,10 @@ async def embeddings_native(request: Request) -> Response:
 
 
 async def _embeddings(request: Request, *, is_oai: bool) -> Response:
-    state = _state(request)
+    state = worker_state(request)
     if not state.is_embedding:
         raise _not_enabled("embeddings", "--embeddings")
-    backend = _ready(state)
+    backend = ready_backend(state)
     req = parse_model(EmbeddingRequest, await request.body())
     if is_oai and backend.pooling == "none":
         raise APIError("Pooling type 'none' is not OAI compatible. Please use a different pooling type")
@@ -260,10 +260,10 @@ def rerank_prompt(backend: Backend, query: str, document: str) -> list[int]:
 
 
 async def rerank(request: Request) -> Response:
-    state = _state(request)
+    state = worker_state(request)
     if not state.is_embedding:
         raise _not_enabled("reranking", "--reranking")
-    backend = _ready(state)
+    backend = ready_backend(state)
     if backend.pooling != "rank":
         raise _not_enabled("reranking", "--reranking")
     body = parse_json(await request.body())

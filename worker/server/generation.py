@@ -28,8 +28,8 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 from worker.engine.engine import Engine
-from worker.engine.sampling_params import SamplingParams
 from worker.engine.task import ErrorEvent, Event, FinishEvent, Task, TokenEvent
+from worker.protocol.sampling import SamplingParams
 from worker.server.profiling import generation_trace
 
 

@@ -16,10 +16,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.engine.sampling_params import SamplingParams
+from starlette.responses import Response
+
+from worker.backends.base import Backend
 from worker.engine.task import ErrorEvent, FinishEvent, ProgressEvent, TokenEvent
+from worker.protocol.sampling import SamplingParams
+from worker.protocol.wire import InfillRequest, NativeCompletionRequest
 from worker.server.generation import Generation
 from worker.server.openai_format import TokenText, error_payload, progress, sse, timings
+from worker.server.sse import aggregated, event_stream
+from worker.server.state import WorkerState
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,3 +181,17 @@ async def collect_native(gen: Generation, results: NativeResults) -> tuple[int, 
             return ev.status_code, error_payload(ev)
     objs = [finals[i] for i in sorted(finals)]
     return 200, objs[0] if len(objs) == 1 else objs
+
+
+def run_native(state: WorkerState, backend: Backend, req: NativeCompletionRequest | InfillRequest,
+               params: SamplingParams, token_prompts: list[list[int]]) -> Response:
+    """Run a native /completion or /infill request: streamed, or aggregated into one body."""
+    texts = [b"".join(backend.token_to_piece(t) for t in p).decode(errors="replace") for p in token_prompts]
+    gen = Generation(state.engine, token_prompts, params, quiet_tokens=not req.stream)
+    banned = state.eog_ids(backend) if params.ignore_eos else ()  # the backends ban them: echoed as llama-server does
+    info = NativeInfo(req.model or state.model_id, backend.token_to_piece, texts, req.return_tokens, req.stream,
+                      req.timings_per_token, backend.n_ctx_seq, banned)
+    results = NativeResults(gen, info)
+    if req.stream:
+        return event_stream(gen, stream_native(gen, results))
+    return aggregated(gen, lambda: collect_native(gen, results))

@@ -1,7 +1,7 @@
 """Engine events -> OpenAI chat / completion objects (streamed chunks or one aggregated body).
 
 Internally every request streams; a non-streaming response is the fold of the same events
-(`Choices`). Objects are plain dicts shaped like the models in worker/server/wire.py (built per token,
+(`Choices`). Objects are plain dicts shaped like the models in worker/protocol/wire.py (built per token,
 so no pydantic on this path). `timings` is llama-server's; `usage` is OpenAI's.
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.engine.task import ErrorEvent, FinishEvent, ProgressEvent, TaskStats, TokenEvent
-from worker.errors import error_body
+from worker.protocol.errors import error_body
 from worker.server.generation import Generation
 from worker.text.chat_output import (
     ChatOutputConfig,

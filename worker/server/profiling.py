@@ -1,5 +1,5 @@
 """Request-level profiling (SGLang-Omni's `/start_profile` / `/stop_profile`): the contract,
-which the router's endpoints (router/profiling.py) follow too, and the worker's side.
+which the router's endpoints (router/observability/profiling.py) follow too, and the worker's side.
 
     POST /start_profile          {"run_id", "event_dir", "trace_path_template", "enable_torch",
                                   "token_interval"}: append request events to
@@ -20,7 +20,7 @@ One JSON object a line: `ts` (wall clock, seconds), `event`, `request_id` (the r
     tokens         every `token_interval` generated tokens (`n`)
     finished       with reason and counts; or `error`, or `cancelled`
 
-Engine-thread events are written from the engine thread (worker/server/profile_log.py: one
+Engine-thread events are written from the engine thread (worker/protocol/profile_log.py: one
 `json.dumps` and a line write under a lock), and nothing is written when no run is active (one
 attribute read per generation). With `enable_torch` on the torch backend, `torch.profiler`
 runs on the engine thread (started and stopped there) and its Chrome trace goes to
@@ -40,8 +40,8 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from worker.engine.task import ErrorEvent, Event, FinishEvent, Task, TokenEvent
-from worker.errors import APIError
-from worker.server.profile_log import SAFE_NAME, Profiler, ProfileRun, parse_start, parse_stop, wall
+from worker.protocol.errors import APIError
+from worker.protocol.profile_log import SAFE_NAME, Profiler, ProfileRun, parse_start, parse_stop, wall
 
 if TYPE_CHECKING:
     from worker.server.state import WorkerState

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from worker.engine.engine import Engine
 from worker.engine.metrics import WorkerMetrics
-from worker.engine.sampling_params import SamplingParams
+from worker.protocol.sampling import SamplingParams
 
 REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from worker.backends.base import Backend
 from worker.engine.grammar import Grammar, GrammarError, compile_grammar, json_schema_lark
-from worker.errors import APIError
+from worker.protocol.errors import APIError
 from worker.text.tool_calls import ToolFormat
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from worker.engine.sampling_params import SamplingParams
+from worker.protocol.sampling import SamplingParams
 
 
 @dataclass(slots=True)

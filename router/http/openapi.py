@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from router.responses.wire import AddItems, CreateConversation, CreateResponse
-from worker.server.wire import (
+from worker.protocol.wire import (
     ApplyTemplateRequest,
     ChatCompletionRequest,
     CompletionRequest,

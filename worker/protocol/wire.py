@@ -1,10 +1,12 @@
-"""The worker's OpenAI wire types: request and response models (no torch, no llama_cpp here).
+"""The request types of the API the worker serves and the router proxies (no torch, no llama_cpp here).
 
 Pydantic lives at the edge only: a request body is parsed into one of the request models
 below, converts itself into the engine's plain `SamplingParams` with `to_sampling_params()`,
-and nothing but plain types travels inward. Response models carry `Literal` object names.
+and nothing but plain types travels inward. The router builds its OpenAPI document from these
+models, so they are a public contract: a change here changes the router's schema. (The response
+shapes, which only the tests parse, are in tests/worker/wire_models.py.)
 
-Errors are `worker.errors.APIError` (the envelope shared with the router).
+Errors are `worker.protocol.errors.APIError` (the envelope shared with the router).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from worker.engine.sampling_params import SamplingParams
+from worker.protocol.sampling import SamplingParams
 
 # --------------------------------------------------------------------------- requests
 
@@ -385,125 +387,3 @@ def new_id(prefix: str) -> str:
 
 def now() -> int:
     return int(time.time())
-
-
-class Usage(OpenAIBaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: dict[str, int] | None = None
-
-
-class Timings(OpenAIBaseModel):
-    """llama-server's `timings` object."""
-
-    cache_n: int = 0
-    prompt_n: int = 0
-    prompt_ms: float = 0.0
-    prompt_per_token_ms: float = 0.0
-    prompt_per_second: float = 0.0
-    predicted_n: int = 0
-    predicted_ms: float = 0.0
-    predicted_per_token_ms: float = 0.0
-    predicted_per_second: float = 0.0
-
-
-class TopLogprob(OpenAIBaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChoiceLogprobs(OpenAIBaseModel):
-    content: list[TokenLogprob] | None = None
-
-
-class ResponseMessage(OpenAIBaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    reasoning_content: str | None = None
-
-
-class ChatChoice(OpenAIBaseModel):
-    index: int
-    message: ResponseMessage
-    finish_reason: FinishReason | None
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletion(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-    timings: Timings | None = None
-
-
-class DeltaMessage(OpenAIBaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    reasoning_content: str | None = None
-
-
-class ChatChunkChoice(OpenAIBaseModel):
-    index: int
-    delta: DeltaMessage
-    finish_reason: FinishReason | None = None
-    logprobs: ChoiceLogprobs | None = None
-
-
-class ChatCompletionChunk(OpenAIBaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    timings: Timings | None = None
-
-
-class CompletionLogprobs(OpenAIBaseModel):
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class CompletionChoice(OpenAIBaseModel):
-    index: int
-    text: str
-    finish_reason: FinishReason | None
-    logprobs: CompletionLogprobs | None = None
-
-
-class Completion(OpenAIBaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    timings: Timings | None = None
-
-
-class ModelCard(OpenAIBaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "omni-router"
-
-
-class ModelList(OpenAIBaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)

@@ -1,8 +1,8 @@
 """The model pool: every model by name and alias, admission, the shared clients, events, reload.
 
-Each model's lifecycle is its own owner task (`router.model.ModelHandle`), which gets the few
+Each model's lifecycle is its own owner task (`router.lifecycle.model.ModelHandle`), which gets the few
 services it needs (`ModelDeps`), never the pool. `--models-max` and the memory budgets are kept
-by `router.admission.Slots`. The pool wires them together, starts and stops them, and applies a
+by `router.lifecycle.admission.Slots`. The pool wires them together, starts and stops them, and applies a
 preset reload: new models appear, removed ones finish their requests and stop, changed ones
 restart once idle.
 """
@@ -18,13 +18,13 @@ from typing import Any
 
 import httpx
 
-from router.admission import Slots
-from router.effects import Effects, WorkerEffects
-from router.estimate import MemoryBook
 from router.events import EventBus
-from router.eviction import Limits
-from router.memory import has_gpu
-from router.model import IdleDefaults, ModelDeps, ModelHandle, Waiting, needs_restart, settings
+from router.lifecycle.admission import Slots
+from router.lifecycle.effects import Effects, WorkerEffects
+from router.lifecycle.estimate import MemoryBook
+from router.lifecycle.eviction import Limits
+from router.lifecycle.memory import has_gpu
+from router.lifecycle.model import IdleDefaults, ModelDeps, ModelHandle, Waiting, needs_restart, settings
 from router.presets import ModelPreset, PresetError
 from router.upstream import UpstreamClient
 

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from worker.errors import parse_model
+from worker.protocol.errors import parse_model
 
 DEFAULT_TRACE_TEMPLATE = "{event_dir}/trace_{component}_{pid}.json"
 SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")

@@ -26,13 +26,13 @@ import httpx
 from starlette.types import Send
 
 from router.upstream import UpstreamClient, UpstreamError
-from worker.errors import error_body
+from worker.protocol.errors import error_body
 
 HOP_BY_HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
     b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",
 })
-# x-request-id: the router sends its own (the client's if it gave one; router.request_trace)
+# x-request-id: the router sends its own (the client's if it gave one; router.observability.request_trace)
 _DROP_REQUEST = HOP_BY_HOP | {b"authorization", b"x-api-key", b"accept-encoding", b"origin", b"cookie", b"expect",
                               b"x-request-id"}
 _DROP_RESPONSE = HOP_BY_HOP | {b"date", b"server"}
@@ -54,10 +54,8 @@ def request_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]
     return [(k, v) for k, v in raw if k.lower() not in _DROP_REQUEST]
 
 
-def _response_headers(raw: list[tuple[bytes, bytes]], extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    out = [(k, v) for k, v in raw if k.lower() not in _DROP_RESPONSE]
-    out.extend(extra)
-    return out
+def _response_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    return [(k, v) for k, v in raw if k.lower() not in _DROP_RESPONSE]
 
 
 def _is_sse(headers: list[tuple[bytes, bytes]]) -> bool:
@@ -91,17 +89,16 @@ async def forward(
     body: bytes,
     *,
     model: str,
-    cors: list[tuple[bytes, bytes]] | None = None,
 ) -> int:
     """Proxy one request; returns the upstream status. Raises UpstreamUnavailable before headers."""
     if FORCE_HTTPX or not base_url.startswith("http://"):
-        return await _forward_httpx(client, send, method, base_url + target, headers, body, model=model, cors=cors)
+        return await _forward_httpx(client, send, method, base_url + target, headers, body, model=model)
     try:
         conn = await upstream.request(base_url, method, target, headers, body)
     except UpstreamError as e:
         raise UpstreamUnavailable(f"worker for model {model!r} is unreachable: {e}", retryable=e.retryable) from None
     try:
-        hdrs = _response_headers(conn.headers, cors or [])
+        hdrs = _response_headers(conn.headers)
         is_sse = _is_sse(conn.headers)
         if not is_sse and _has_length(conn.headers):
             try:
@@ -133,8 +130,7 @@ async def forward(
 
 
 async def _forward_httpx(client: httpx.AsyncClient, send: Send, method: str, url: str,
-                         headers: list[tuple[bytes, bytes]], body: bytes, *, model: str,
-                         cors: list[tuple[bytes, bytes]] | None) -> int:
+                         headers: list[tuple[bytes, bytes]], body: bytes, *, model: str) -> int:
     """The same for https upstreams (remote servers), through httpx."""
     req = client.build_request(method, url, headers=headers, content=body)
     try:
@@ -142,7 +138,7 @@ async def _forward_httpx(client: httpx.AsyncClient, send: Send, method: str, url
     except httpx.TransportError as e:
         raise UpstreamUnavailable(f"upstream for model {model!r} is unreachable: {e!r}") from None
     try:
-        hdrs = _response_headers(resp.headers.raw, cors or [])
+        hdrs = _response_headers(resp.headers.raw)
         await send({"type": "http.response.start", "status": resp.status_code, "headers": hdrs})
         try:
             async for chunk in resp.aiter_raw():

@@ -1,4 +1,4 @@
-"""What a model's owner (`router.model.ModelHandle`) receives on its one queue: commands from
+"""What a model's owner (`router.lifecycle.model.ModelHandle`) receives on its one queue: commands from
 callers (most carry a reply future) and reports from the effect tasks it started. Reports of a
 load, wake or sleep carry the attempt they belong to, and the owner ignores a stale one."""
 
@@ -8,9 +8,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from router.effects import Process
-from router.estimate import Estimate
-from router.memory import TreeMemory
+from router.lifecycle.effects import Process
+from router.lifecycle.estimate import Estimate
+from router.lifecycle.memory import TreeMemory
 from router.presets import ModelPreset
 
 # --------------------------------------------------------------------------- commands (callers)

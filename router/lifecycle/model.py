@@ -7,8 +7,8 @@ memory). Public operations (`ensure_ready`, `load`, `sleep`, `unload`, `evict`, 
 "start or not" is made inside the owner, so concurrent requests for a loading model join its
 waiter list and the worker is spawned once. Long effects (ask for a slot, spawn, readiness,
 sleep, wake, stop, exit watch, memory samples) run as tasks that only report back with a
-message (`router.messages`) tagged with the attempt (or process) they belong to; a stale
-message is ignored. The phases and their transition table: `router.state.Phase`.
+message (`router.lifecycle.messages`) tagged with the attempt (or process) they belong to; a stale
+message is ignored. The phases and their transition table: `router.lifecycle.state.Phase`.
 
 Hot path: `can_admit()` / `admit()` are synchronous, so on a READY model a request is admitted
 without a round trip through the owner; nothing can interleave between the two calls (no
@@ -28,16 +28,16 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from router import messages as msg
-from router.admission import Slots, SlotsFull
-from router.effects import Effects, Process
-from router.estimate import Estimate, MemoryBook
 from router.events import EventBus
-from router.eviction import Need, Occupancy
-from router.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory
+from router.lifecycle import messages as msg
+from router.lifecycle.admission import Slots, SlotsFull
+from router.lifecycle.effects import Effects, Process
+from router.lifecycle.estimate import Estimate, MemoryBook
+from router.lifecycle.eviction import Need, Occupancy
+from router.lifecycle.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory
+from router.lifecycle.state import ModelState, Phase
 from router.presets import ModelPreset
-from router.state import ModelState, Phase
-from worker.errors import APIError
+from worker.protocol.errors import APIError
 
 log = logging.getLogger("omni.router.model")
 STABLE_AFTER_S = 60.0  # a model READY this long before crashing starts its backoff afresh

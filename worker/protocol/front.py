@@ -1,7 +1,11 @@
-"""The worker's two outer ASGI layers, llama-server's rules: the API key, then CORS around it.
+"""The two outer ASGI layers of both servers, router and worker, with llama-server's rules:
+the API key, then CORS around it. One implementation, so the two processes cannot drift apart.
 
 `Cors` is outermost: an OPTIONS preflight is answered before the key is checked (browsers send
 none), and a 401 still carries the CORS header, as llama-server's pre-routing handler does.
+The only difference between the two servers is configuration: which paths are public, and
+which origins are allowed (the worker's default is llama-server's `*`; the router's CORS is off
+unless `--cors-origin` is given, and "off" means no CORS header at all, on a preflight too).
 """
 
 from __future__ import annotations
@@ -12,21 +16,27 @@ from urllib.parse import urlsplit
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from worker.errors import APIError
+from worker.protocol.errors import APIError
 
-_PUBLIC_PATHS = frozenset({"/health", "/v1/health"})  # as llama-server: everything else needs the key
+WORKER_PUBLIC_PATHS = frozenset({"/health", "/v1/health"})  # as llama-server: everything else needs the key
 
 
 class RequireAPIKey:
-    """`--api-key`: `Authorization: Bearer KEY` or `X-Api-Key: KEY` on every route but /health
-    (llama-server's rule); keys are compared in constant time."""
+    """`--api-key`: `Authorization: Bearer KEY` or `X-Api-Key: KEY` on every route but the public
+    ones (the worker's: /health, llama-server's rule); keys are compared in constant time."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], *,
+                 public_paths: frozenset[str] = WORKER_PUBLIC_PATHS, public_prefixes: tuple[str, ...] = ()) -> None:
         self._app = app
         self._keys = [k.encode() for k in keys]
+        self._public_paths = public_paths
+        self._public_prefixes = public_prefixes
+
+    def _is_public(self, path: str) -> bool:
+        return path in self._public_paths or (bool(self._public_prefixes) and path.startswith(self._public_prefixes))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _PUBLIC_PATHS or scope["method"] == "OPTIONS":
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or self._is_public(scope["path"]):
             await self._app(scope, receive, send)
             return
         if self._is_authorized(dict(scope["headers"])):
@@ -68,8 +78,8 @@ class Cors:
     preflight answered here with 200, before the API key is checked (browsers send none).
 
     `origins`: `*` (llama-server's default, with credentials: the Origin is echoed back),
-    `localhost` (only http(s)://localhost, 127.0.0.1 or [::1] on any port), or a comma-separated
-    list of exact origins."""
+    `localhost` (only http(s)://localhost, 127.0.0.1 or [::1] on any port), a comma-separated
+    list of exact origins, or empty: CORS off (no header at all; a preflight is a bare 200)."""
 
     def __init__(self, app: ASGIApp, origins: str) -> None:
         self._app = app
@@ -93,9 +103,9 @@ class Cors:
         allowed = self.allow_origin(origin)
         extra = [(b"Access-Control-Allow-Origin", allowed.encode("latin-1"))] if allowed else []
         if scope["method"] == "OPTIONS":
+            cors = [*extra, *_CORS_PREFLIGHT_HEADERS] if self._origins else []
             await send({"type": "http.response.start", "status": 200,
-                        "headers": [*extra, *_CORS_PREFLIGHT_HEADERS, (b"content-type", b"text/html"),
-                                    (b"content-length", b"0")]})
+                        "headers": [*cors, (b"content-type", b"text/html"), (b"content-length", b"0")]})
             await send({"type": "http.response.body", "body": b""})
             return
         if not extra:

@@ -24,13 +24,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from router.events import Event, EventBus
-from router.state import ModelState
-from worker.errors import APIError
-from worker.server.profile_log import Profiler, ProfileRun, parse_start, parse_stop
+from router.lifecycle.state import ModelState
+from worker.protocol.errors import APIError
+from worker.protocol.profile_log import Profiler, ProfileRun, parse_start, parse_stop
 
 if TYPE_CHECKING:
-    from router.model import ModelHandle
-    from router.request_trace import RequestTrace
+    from router.lifecycle.model import ModelHandle
+    from router.observability.request_trace import RequestTrace
 
 log = logging.getLogger("omni.router.profiling")
 WORKER_TIMEOUT_S = 10.0

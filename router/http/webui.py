@@ -20,7 +20,7 @@ from pathlib import Path
 
 from starlette.types import Receive, Scope, Send
 
-WEBUI_DIR = Path(__file__).resolve().parent.parent / "webui"
+WEBUI_DIR = Path(__file__).resolve().parents[2] / "webui"
 INDEX_PATHS = frozenset({"/", "/index.html"})
 PREFIXES = {"/static/": "static", "/assets/": "assets"}
 VERSIONED = re.compile(r"[-.](\d+\.\d+\.\d+|[0-9a-f]{8,})[-.]")

@@ -1,12 +1,22 @@
-"""The engine's own sampling parameters: a plain frozen dataclass, built by the wire types."""
+"""The engine's own sampling parameters: a plain frozen dataclass, built by the wire types.
+
+A leaf value type: the wire types build it, the engine, backends and sampler read it. The
+compiled grammar it may carry is typed by what the engine asks of it (`CompiledGrammar`), so
+this module imports nothing of the worker's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from worker.engine.grammar import Grammar
+    import llguidance
+
+
+class CompiledGrammar(Protocol):
+    """A compiled constraint (worker/engine/grammar.py's `Grammar`): one fresh matcher per task."""
+
+    def matcher(self) -> llguidance.LLMatcher: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +49,7 @@ class SamplingParams:
     id_slot: int = -1
     post_sampling_probs: bool = False  # with logprobs: report the sampler chain's probabilities (llama-server's)
     return_progress: bool = False  # stream ProgressEvents while the prompt is computed
-    grammar: Grammar | None = None
+    grammar: CompiledGrammar | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -3,7 +3,7 @@
 A model holds a slot from its grant until its process is reaped, and is charged the memory it
 uses (or is expected to use) against `--ram-budget` / `--vram-budget`. A model that needs a
 slot joins a FIFO (one entry per model, however many requests wait for it) with its `Need`.
-One task, `Slots.run`, asks the pure policy (`router.eviction.choose_victim`) what to do for
+One task, `Slots.run`, asks the pure policy (`router.lifecycle.eviction.choose_victim`) what to do for
 the head of the queue: admit; evict the LRU idle model (a command to its owner, which refuses
 if a request slipped in meanwhile); drain the LRU busy model (it finishes its in-flight
 requests but admits no new ones; undone when the queue empties); wait until something changes
@@ -24,7 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.eviction import Admit, Drain, Evict, Full, Limits, Need, Occupancy, choose_victim
+from router.lifecycle.eviction import Admit, Drain, Evict, Full, Limits, Need, Occupancy, choose_victim
 
 log = logging.getLogger("omni.router.admission")
 

@@ -21,9 +21,9 @@ class ModelState(StrEnum):
 
 
 class Phase(StrEnum):
-    """Lifecycle of one model. Only the model's owner task (`router.model.ModelHandle`) writes it;
+    """Lifecycle of one model. Only the model's owner task (`router.lifecycle.model.ModelHandle`) writes it;
     effects (estimate, acquire a slot, spawn, readiness, sleep, wake, stop, exit, memory samples)
-    report back with messages (`router.messages`: `Estimated`, `Granted`, `Refused`, `Spawned`,
+    report back with messages (`router.lifecycle.messages`: `Estimated`, `Granted`, `Refused`, `Spawned`,
     `Progress`, `Ready`, `LoadFailed`, `SleepDone`, `Exited`, `Measured`).
 
         from                    event                                  to

@@ -16,12 +16,12 @@ from typing import Any, Protocol
 
 import httpx
 
-from router.memory import TreeMemory, tree_memory
+from router.lifecycle.memory import TreeMemory, tree_memory
+from router.lifecycle.process import LoadError, WorkerProcess, free_port, wait_ready, worker_argv
 from router.presets import ModelPreset
-from router.process import LoadError, WorkerProcess, free_port, wait_ready, worker_argv
 from router.upstream import UpstreamClient
 
-PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class Process(Protocol):

@@ -5,7 +5,7 @@
   preexec) and our own worker also gets `--parent-pid` and watches it: no orphans, however
   the router exits.
 - stdout+stderr go to one pipe read line by line into a 50-line tail (the crash report) and
-  the model's log ring (router.logs: `GET /logs?model=`).
+  the model's log ring (router.observability.logs: `GET /logs?model=`).
 - `stop()`: SIGTERM to the group, wait `timeout`, SIGKILL to the group, reap, then drain the
   pipe with a bound (a grandchild may still hold it open).
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from router.logs import WORKER_LOGS
+from router.log_ring import WORKER_LOGS
 from router.presets import ModelPreset
 
 log = logging.getLogger("omni.router.process")

@@ -31,11 +31,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from router.events import Event, EventBus
-from router.state import ModelState
+from router.lifecycle.state import ModelState
 
 if TYPE_CHECKING:
-    from router.model import ModelHandle
-    from router.request_trace import RequestTrace
+    from router.lifecycle.model import ModelHandle
+    from router.observability.request_trace import RequestTrace
 
 log = logging.getLogger("omni.router.metrics")
 disable_created_metrics()  # type: ignore[no-untyped-call]  # *_created series are noise here

@@ -1,0 +1,157 @@
+"""The router's own routes (Starlette): /health, /v1/models, /models/load|unload|sleep|reload,
+/models/sse, /props, /metrics and /openapi.json. The log, profiling and Responses routes are
+added beside them by their own modules (router.http.app wires them)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from router.http.forwarding import Forwarder
+from router.http.openapi import openapi_document
+from router.lifecycle.model import ModelHandle
+from router.lifecycle.pool import Pool
+from router.observability.metrics import RouterMetrics
+from router.presets import PresetError
+from worker.protocol.errors import APIError, not_found
+
+log = logging.getLogger("omni.router.app")
+SSE_KEEPALIVE_S = 15.0
+
+
+class AdminRoutes:
+    def __init__(self, pool: Pool, forwarder: Forwarder, metrics: RouterMetrics,
+                 route_table: Callable[[], list[tuple[str, str]]]) -> None:
+        self.pool = pool
+        self._forwarder = forwarder
+        self._metrics = metrics
+        self._route_table = route_table
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/health", self.health),
+            Route("/v1/models", self.list_models),
+            Route("/models", self.list_models),
+            Route("/v1/models/{model_id:path}", self.get_model),
+            Route("/models/load", self.load_model, methods=["POST"]),
+            Route("/models/unload", self.unload_model, methods=["POST"]),
+            Route("/models/sleep", self.sleep_model, methods=["POST"]),
+            Route("/models/reload", self.reload_models, methods=["POST"]),
+            Route("/models/sse", self.models_sse),
+            Route("/props", self.props),
+            Route("/metrics", self.metrics_text),
+            Route("/openapi.json", self.openapi),
+        ]
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def list_models(self, request: Request) -> Response:
+        if request.query_params.get("reload", "").lower() in ("1", "true", "yes", "on"):
+            await self.reload()  # llama.cpp's `GET /models?reload=1`
+        return JSONResponse({"object": "list", "data": self.pool.models()})
+
+    async def reload_models(self, request: Request) -> Response:
+        return JSONResponse({"success": True, **await self.reload()})
+
+    async def reload(self) -> dict[str, list[str]]:
+        """Re-read the presets; a broken file changes nothing and is a 400 that says why."""
+        try:
+            return await self.pool.reload()
+        except PresetError as e:
+            log.error("preset reload rejected, running config unchanged: %s", e)
+            raise APIError(f"preset reload rejected, running config unchanged: {e}", code="invalid_preset") from None
+
+    def reload_in_background(self) -> None:
+        """SIGHUP: reload; errors are logged (by `reload`)."""
+        async def run() -> None:
+            with contextlib.suppress(APIError):
+                await self.reload()
+
+        self._spawn(run())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def get_model(self, request: Request) -> Response:
+        name = request.path_params["model_id"]
+        handle = self.pool.get(name)
+        if handle is None:
+            raise not_found(f"model {name!r} not found")
+        return JSONResponse(handle.card())
+
+    async def _handle_from_body(self, request: Request) -> ModelHandle:
+        body = await request.body()
+        name = self._forwarder.model_from_body(body)
+        handle = self.pool.get(name)
+        if handle is None:
+            raise not_found(f"model {name!r} not found")
+        return handle
+
+    async def load_model(self, request: Request) -> Response:
+        handle = await self._handle_from_body(request)
+        self._spawn(self.pool.load(handle))
+        return JSONResponse({"success": True})
+
+    async def unload_model(self, request: Request) -> Response:
+        handle = await self._handle_from_body(request)
+        if not await handle.unload():
+            raise APIError(f"model {handle.name!r} is not loaded", param="model", code="model_not_loaded")
+        return JSONResponse({"success": True})
+
+    async def sleep_model(self, request: Request) -> Response:
+        handle = await self._handle_from_body(request)
+        if not await handle.sleep():
+            raise APIError(f"model {handle.name!r} is not loaded and idle", param="model", code="model_not_loaded")
+        return JSONResponse({"success": True})
+
+    async def models_sse(self, request: Request) -> Response:
+        events = self.pool.events
+
+        async def stream() -> AsyncIterator[bytes]:
+            async with events.subscribe(frozenset({"status_change"})) as queue:
+                for h in self.pool.handles.values():
+                    yield _sse("model_status", {"model": h.name, "status": h.status()})
+                while True:
+                    try:
+                        event, data = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_S)
+                    except TimeoutError:
+                        yield b": keep-alive\n\n"
+                        continue
+                    yield _sse(event, data)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+
+    async def openapi(self, request: Request) -> Response:
+        """An OpenAPI 3.1 document of every route (router.http.openapi), built from the route table."""
+        return JSONResponse(openapi_document(self._route_table(), list(self.pool.handles)))
+
+    async def metrics_text(self, request: Request) -> Response:
+        """Prometheus text: the router's series and every running worker's (router.observability.metrics)."""
+        return Response(await self._metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def props(self, request: Request) -> Response:
+        return JSONResponse({
+            "role": "router",
+            "build_info": "omni-router",
+            "models": [h.card() for h in self.pool.handles.values()],
+            "models_max": self.pool.config.models_max,
+            "models_autoload": self.pool.config.autoload,
+        })
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()

@@ -1,0 +1,152 @@
+"""The router's ASGI application: wiring only. Its layers, outside in:
+
+    Cors -> RequireAPIKey        worker.protocol.front (the same rules as the worker's)
+    Front                        router.http.front: body limit, dispatch
+      proxied routes             router.http.forwarding (raw ASGI, the hot path)
+      web UI files               router.http.webui
+      the router's own routes    Starlette: router.http.admin, the log and profiling routes
+                                 (router.observability), the Responses API (router.responses)
+
+The Responses API reaches a model through `ChatBridge.open_chat` (router.responses.bridge), the
+same admission and request tracing (router.observability.requests) as a proxied request.
+API keys are compared in constant time against every configured key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from router.http.admin import AdminRoutes
+from router.http.forwarding import Forwarder
+from router.http.front import (
+    DEFAULT_MAX_BODY_SIZE,
+    PROXY_GET,
+    PROXY_POST,
+    PUBLIC_PATHS,
+    PUBLIC_PREFIXES,
+    Front,
+)
+from router.http.webui import WebUI
+from router.lifecycle.pool import Pool
+from router.log_ring import ROUTER_LOG, RingHandler
+from router.observability.logs import LogRoutes, log_requests
+from router.observability.metrics import RouterMetrics
+from router.observability.profiling import RouterProfiling
+from router.observability.requests import ActiveRequests
+from router.responses.bridge import ChatBridge
+from router.responses.routes import ResponsesRoutes
+from router.responses.service import ResponsesService
+from router.responses.store import Store
+from worker.protocol.errors import APIError, api_error_handler, http_exception_handler
+from worker.protocol.front import Cors, RequireAPIKey
+
+__all__ = ["PROXY_GET", "PROXY_POST", "ResponsesConfig", "RouterApp"]
+
+log = logging.getLogger("omni.router.app")
+
+
+@dataclass
+class ResponsesConfig:
+    """The Responses API's store: `max_entries` 0 turns it off."""
+
+    data_dir: Path | None = None
+    max_entries: int = 0
+    ttl_s: float = 30 * 24 * 3600.0
+
+
+class RouterApp:
+    """The ASGI application served by `omni-router`."""
+
+    def __init__(self, pool: Pool, *, api_keys: list[str] | None = None, cors_origins: list[str] | None = None,
+                 responses: ResponsesConfig | None = None, max_body_size: int = DEFAULT_MAX_BODY_SIZE) -> None:
+        self.pool = pool
+        rc = responses or ResponsesConfig()
+        data_dir = rc.data_dir or Path(".")
+        self.events = pool.events
+        self.profiling = RouterProfiling(self.events, pool.handles, pool.client, data_dir)
+        self.requests = ActiveRequests(self.events, self.profiling)
+        self.forwarder = Forwarder(pool, self.requests)
+        self.store = Store(data_dir / "responses.sqlite3", max_entries=rc.max_entries, ttl_s=rc.ttl_s)
+        self.responses = ResponsesService(self.store, ChatBridge(pool, self.requests).open_chat)
+        self.metrics = RouterMetrics(self.events, pool.handles, pool.client, self.requests.active.values)
+        self.logs = LogRoutes(self._canonical_name)
+        self.webui = WebUI()  # the bundled chat page (webui/), if present
+        self.admin_routes = AdminRoutes(pool, self.forwarder, self.metrics, self.route_table)
+        self.admin = Starlette(
+            routes=[
+                *self.admin_routes.routes(),
+                *self.logs.routes(),
+                *self.profiling.routes(),
+                *ResponsesRoutes(self.responses, self.forwarder.resolve_model).routes(),
+            ],
+            exception_handlers={APIError: api_error_handler, HTTPException: http_exception_handler,
+                                500: api_error_handler},
+            lifespan=self._lifespan,
+        )
+        inner: ASGIApp = Front(self.forwarder, self.webui, self.admin, max_body_size)
+        if api_keys:
+            inner = RequireAPIKey(inner, tuple(api_keys), public_paths=PUBLIC_PATHS, public_prefixes=PUBLIC_PREFIXES)
+        origins = cors_origins or []
+        self._asgi = Cors(inner, "*" if "*" in origins else ",".join(origins))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._asgi(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        observers = [asyncio.create_task(self.metrics.run(), name="metrics"),
+                     asyncio.create_task(log_requests(self.events), name="request-log")]
+        log_handler = RingHandler(ROUTER_LOG)
+        logging.getLogger().addHandler(log_handler)
+        await asyncio.sleep(0)  # the observers subscribe before the first event
+        await self.pool.start()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no SIGHUP
+            loop.add_signal_handler(signal.SIGHUP, self.admin_routes.reload_in_background)
+        try:
+            yield
+        finally:
+            logging.getLogger().removeHandler(log_handler)
+            await self.profiling.close()
+            for t in observers:
+                t.cancel()
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(signal.SIGHUP)
+            await self.responses.close()
+            await self.pool.close()
+            self.store.close()
+
+    def route_table(self) -> list[tuple[str, str]]:
+        """Every (method, path) this app serves, path parameters as `{name}`: the proxied
+        routes, the router's own (Starlette) routes and the web UI's files. /openapi.json and
+        the security tests are built from it, so a new route is documented and tested as is."""
+        table: dict[tuple[str, str], None] = {}
+        for path in PROXY_POST:
+            table["POST", path] = None
+        for path in PROXY_GET:
+            table["GET", path] = None
+        table["POST", "/slots/{id_slot}"] = None
+        for route in self.admin.routes:
+            if isinstance(route, Route):
+                path = route.path.replace(":path}", "}")
+                for method in sorted((route.methods or {"GET"}) - {"HEAD"}):
+                    table[method, path] = None
+        if self.webui.enabled:
+            for path in ("/", "/index.html", "/favicon.ico", "/static/{file}", "/assets/{file}"):
+                table["GET", path] = None
+        return list(table)
+
+    def _canonical_name(self, name: str) -> str | None:
+        handle = self.pool.get(name)
+        return None if handle is None else handle.name

@@ -1,0 +1,104 @@
+"""The Responses API's way to a model: one chat-completions stream through the router's own
+admission, as if a client had sent it (autoload, queue, `--models-max`, request traces).
+
+`ChatBridge.open_chat` is what `ResponsesService` is given; the translated request goes to
+the worker's `/v1/chat/completions` over the pool's httpx client, and its SSE chunks come back
+parsed. Leaving the context closes the upstream stream (the worker cancels the request) and
+releases the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import httpx
+
+from router.lifecycle.model import ModelHandle
+from router.lifecycle.pool import Pool
+from router.observability.request_trace import RequestTrace, request_id
+from router.observability.requests import ActiveRequests
+from worker.protocol.errors import APIError, ErrorType, not_found
+
+
+class ChatBridge:
+    def __init__(self, pool: Pool, requests: ActiveRequests) -> None:
+        self._pool = pool
+        self._requests = requests
+
+    @contextlib.asynccontextmanager
+    async def open_chat(self, model: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Admit one chat-completions stream for `model` and yield its parsed SSE chunks.
+
+        An upstream error status comes out as its own `APIError`; a cut stream as a final
+        `{"error"}` chunk.
+        """
+        handle = self._pool.get(model)
+        if handle is None:
+            raise not_found(f"model {model!r} not found (see GET /v1/models)")
+        trace = self._requests.begin(request_id([]), handle, "/v1/responses")
+        try:
+            async with self._open_chat(model, handle, body, trace) as chunks:
+                yield chunks
+        except APIError as e:
+            trace.status = e.status_code
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            trace.is_cancelled = True
+            raise
+        finally:
+            self._requests.end(trace)
+
+    @contextlib.asynccontextmanager
+    async def _open_chat(self, model: str, handle: ModelHandle, body: dict[str, Any],
+                         trace: RequestTrace) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        base = await self._requests.admit(handle, trace)
+        client = self._pool.client
+        try:
+            req = client.build_request("POST", base + "/v1/chat/completions", json=body,
+                                       headers={"x-request-id": trace.request_id})
+            try:
+                resp = await client.send(req, stream=True)
+            except httpx.TransportError as e:
+                raise APIError(f"upstream for model {model!r} is unreachable: {e!r}", status_code=503,
+                               type="unavailable_error", code=503, headers={"Retry-After": "1"}) from None
+            try:
+                trace.status = resp.status_code
+                if resp.status_code != 200:
+                    raise upstream_error(resp.status_code, await resp.aread())
+                yield _sse_chunks(resp, model, trace)
+            finally:
+                await resp.aclose()
+        finally:
+            handle.release()
+
+
+def upstream_error(status: int, raw: bytes) -> APIError:
+    """An upstream's error answer, as the same envelope (a non-JSON body becomes the message)."""
+    try:
+        err = json.loads(raw)["error"]
+        if not isinstance(err, dict):
+            err = {"message": str(err)}
+    except (ValueError, KeyError, TypeError):
+        err = {"message": raw.decode(errors="replace")[:500] or f"upstream status {status}"}
+    extra = {k: v for k, v in err.items() if k not in ("message", "type", "param", "code")}
+    kind = cast(ErrorType, err.get("type") or ("invalid_request_error" if status < 500 else "server_error"))
+    return APIError(str(err.get("message", "")), status_code=status, type=kind, param=err.get("param"),
+                    code=err.get("code"), extra=extra)
+
+
+async def _sse_chunks(resp: httpx.Response, model: str, trace: RequestTrace) -> AsyncIterator[dict[str, Any]]:
+    try:
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            trace.chunk(data.encode())
+            yield json.loads(data)
+    except (httpx.TransportError, ValueError) as e:
+        yield {"error": {"message": f"upstream for model {model!r} stopped mid-stream ({e!r})"}}

@@ -1,0 +1,100 @@
+"""What every handler needs first: the worker state, a ready (or awake) backend, and the
+request's text as checked token ids. Shared by the handler modules (app, embeddings)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio.to_thread
+from starlette.requests import Request
+
+from worker.backends.base import Backend
+from worker.protocol.errors import APIError
+from worker.protocol.wire import NativePrompt
+from worker.server.state import WorkerState
+
+_LONG_TEXT = 8192  # characters: above this, tokenize off the event loop
+
+
+def worker_state(request: Request) -> WorkerState:
+    state: WorkerState = request.app.state.worker
+    return state
+
+
+def loading_error(state: WorkerState) -> APIError | None:
+    st = state.engine.status
+    if st.error is not None:
+        return APIError(f"Model failed to load: {st.error}", status_code=500, type="server_error", code=500)
+    if not st.is_ready:
+        return APIError(
+            "Loading model",
+            status_code=503,
+            type="unavailable_error",
+            code=503,
+            extra={"progress": {"phase": st.phase, "fraction": round(st.fraction, 4)}},
+        )
+    return None
+
+
+def ready_backend(state: WorkerState) -> Backend:
+    err = loading_error(state)
+    if err is not None:
+        raise err
+    backend = state.engine.backend
+    assert backend is not None
+    return backend
+
+
+async def tokenize_text(backend: Backend, text: str, add_special: bool, parse_special: bool) -> list[int]:
+    if len(text) > _LONG_TEXT:
+        return await anyio.to_thread.run_sync(backend.tokenize, text, add_special, parse_special)
+    return backend.tokenize(text, add_special, parse_special)
+
+
+def check_prompt(tokens: list[int], backend: Backend) -> None:
+    if not tokens:
+        raise APIError("The prompt is empty (no tokens)", param="prompt")
+    if len(tokens) >= backend.n_ctx_seq:
+        raise APIError(
+            f"the request exceeds the available context size ({len(tokens)} prompt tokens, n_ctx {backend.n_ctx_seq}); "
+            "try increasing --ctx-size",
+            type="exceed_context_size_error",
+            extra={"n_prompt_tokens": len(tokens), "n_ctx": backend.n_ctx_seq},
+        )
+
+
+def check_token_ids(tokens: list[int], backend: Backend, param: str) -> None:
+    n_vocab = backend.meta.n_vocab
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise APIError(f"token id {bad} is out of range [0, {n_vocab})", param=param)
+
+
+async def native_tokens(backend: Backend, prompt: NativePrompt, param: str, *, add_special: bool = True,
+                         parse_special: bool = True) -> list[int]:
+    """llama-server's tokenize_mixed: specials for the first text part only; ids as they are."""
+    if isinstance(prompt, str):
+        return await tokenize_text(backend, prompt, add_special, parse_special)
+    tokens: list[int] = []
+    for i, part in enumerate(prompt):
+        if isinstance(part, str):
+            tokens += await tokenize_text(backend, part, add_special and i == 0, parse_special)
+        else:
+            check_token_ids([part], backend, param)
+            tokens.append(part)
+    return tokens
+
+
+async def awake_backend(state: WorkerState) -> Backend:
+    """The backend, woken first if it sleeps: as llama-server, any request but the read-only
+    ones (/health, /props, /models, /metrics, /slots) wakes the server."""
+    backend = ready_backend(state)
+    if backend.is_sleeping:
+        await asyncio.wrap_future(state.engine.call(state.engine.wake))
+    return backend
+
+
+def not_enabled(endpoint: str, flag: str) -> APIError:
+    """llama-server's answer for an endpoint its command line left off."""
+    return APIError(f"This server does not support {endpoint} endpoint. Start it with `{flag}`",
+                    status_code=501, type="not_supported_error", code=501)

@@ -1,0 +1,211 @@
+"""Request preparation: from a parsed request to what the engine runs.
+
+`prepare_chat` is the chat route's whole preparation (sampling params, tools, output
+constraint, reasoning format, template rendering, grammar, output parsing, tokens); the other
+helpers are the pieces the completion, native and token-count routes share with it. Nothing
+here touches the engine; grammar compilation and long tokenizations run off the event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import anyio.to_thread
+
+from worker.backends.base import Backend
+from worker.engine.grammar import Grammar, compile_grammar
+from worker.protocol.errors import APIError
+from worker.protocol.sampling import SamplingParams
+from worker.protocol.wire import ChatCompletionRequest, ChatMessage, new_id, now
+from worker.server.context import check_prompt, tokenize_text
+from worker.server.openai_format import ResponseInfo
+from worker.server.state import REASONING_FORMATS, WorkerState
+from worker.server.structured import (
+    Constraint,
+    ToolSet,
+    check_tool_schemas,
+    check_tools,
+    compile_constraint,
+    output_constraint,
+    tool_call_lark,
+)
+from worker.text.chat_output import ChatOutputConfig
+from worker.text.chat_template import ChatTemplateError
+from worker.text.reasoning import detect_markers, starts_in_reasoning
+from worker.text.tool_calls import ToolFormat, detect_format
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat request made ready for the engine: the rendered prompt and its tokens, the sampling
+    params (with the grammar), and how to parse the output (None: plain text)."""
+
+    text: str
+    tokens: list[int]
+    params: SamplingParams
+    chat: ChatOutputConfig | None
+
+
+async def prepare_chat(state: WorkerState, backend: Backend, req: ChatCompletionRequest) -> PreparedChat:
+    params = sampling_params(state, backend, req)
+    tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    constraint = output_constraint(req)
+    reasoning = reasoning_format(state, req.reasoning_format)
+    rendered_tools = tools.tools if tools is not None and tools.is_active else None
+    nv = req.nvext
+    if nv is not None and nv.use_raw_prompt:
+        text = "".join(m.text() for m in req.messages)
+    else:
+        cont = continues_final_message(req.messages, req.continue_final_message, req.add_generation_prompt)
+        text = render_chat(state, backend, req.messages, rendered_tools, req.add_generation_prompt,
+                           req.chat_template_kwargs, cont)
+    source = state.template.source if state.template is not None else None
+    tool_format = detect_format(source)
+    if constraint is not None or rendered_tools is not None:
+        grammar = await anyio.to_thread.run_sync(_chat_grammar, backend, tools, tool_format, constraint)
+        params = dataclasses.replace(params, grammar=grammar)
+    markers = detect_markers(source) if reasoning != "none" else None
+    output = ChatOutputConfig(
+        tool_format=tool_format if rendered_tools is not None else None,
+        parallel_tool_calls=req.parallel_tool_calls,
+        reasoning=markers,
+        starts_in_reasoning=markers is not None and starts_in_reasoning(text, markers),
+        legacy_reasoning=reasoning == "deepseek-legacy",
+    )
+    chat = output if output.tool_format is not None or output.reasoning is not None else None
+    tokens = await tokenize_text(backend, text, True, True)
+    check_prompt(tokens, backend)
+    return PreparedChat(text, tokens, params, chat)
+
+
+def response_info(state: WorkerState, backend: Backend, model: str | None, prefix: str) -> ResponseInfo:
+    return ResponseInfo(new_id(prefix), now(), model or state.model_id, backend.token_to_piece)
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    for m in messages:
+        if isinstance(m.content, list):
+            for part in m.content:
+                kind = part.get("type")
+                if kind not in ("text", "input_text"):
+                    raise APIError(
+                        f"content part type {kind!r} is not supported by this model (text only)",
+                        param="messages",
+                        type="not_supported_error",
+                    )
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
+_CONTINUE_MARK = "\u2063omni-continue\u2063"  # cut the rendered prompt here to continue the last message
+
+
+def continues_final_message(messages: list[ChatMessage], continue_final: bool | None, add_generation_prompt: bool) -> bool:
+    """llama-server's rule (server-common.cpp): a last assistant message is continued (prefill)
+    unless continue_final_message says otherwise; two trailing assistant messages, continuing
+    while adding a generation prompt, or continuing tool calls are 400s."""
+    last = messages[-1]
+    if continue_final is None:
+        if last.role != "assistant":
+            return False
+        if len(messages) >= 2 and messages[-2].role == "assistant":
+            raise APIError("Cannot have 2 or more assistant messages at the end of the list.", param="messages")
+        return True
+    if continue_final and add_generation_prompt:
+        raise APIError("Cannot set both add_generation_prompt and continue_final_message to true.",
+                       param="continue_final_message")
+    if continue_final and last.role == "assistant" and last.tool_calls:
+        raise APIError("Cannot continue an assistant message that contains tool calls.", param="continue_final_message")
+    return continue_final and last.role == "assistant"
+
+
+def render_chat(
+    state: WorkerState,
+    backend: Backend,
+    messages: list[ChatMessage],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+    kwargs: dict[str, Any] | None,
+    continue_final: bool = False,
+) -> str:
+    """The prompt text; `continue_final`: it ends inside the last (assistant) message, whose text
+    parts are joined with blank lines, so that generation continues it."""
+    assert state.template is not None
+    dicts = message_dicts(messages)
+    if continue_final:
+        last = messages[-1]
+        text_of_last = last.content if isinstance(last.content, str) else "\n\n".join(
+            str(p.get("text", "")) for p in last.content or [])
+        dicts[-1]["content"] = text_of_last + _CONTINUE_MARK
+        add_generation_prompt = False
+    try:
+        text = state.template.render(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     **{**state.template_kwargs, **(kwargs or {})})
+    except ChatTemplateError as e:
+        raise APIError(f"chat template error: {e}", param="messages") from None
+    if continue_final:
+        if _CONTINUE_MARK not in text:
+            raise APIError("the chat template does not render the final assistant message: it cannot be continued",
+                           param="messages")
+        text = text[: text.index(_CONTINUE_MARK)]
+    bos = backend.meta.bos_token
+    if backend.meta.add_bos and bos and text.startswith(bos):
+        text = text[len(bos) :]  # the tokenizer adds it again
+    return text
+
+
+def _chat_grammar(backend: Backend, tools: ToolSet | None, fmt: ToolFormat, c: Constraint | None) -> Grammar | None:
+    """The chat request's one grammar: a forced tool call, a JSON answer or a call (tool_choice
+    auto with a JSON schema), or the output constraint alone. Blocking: run it in a thread."""
+    if tools is None or not tools.is_active:
+        return compile_constraint(backend, c) if c is not None else None
+    check_tool_schemas(backend, tools)
+    if not tools.choice.is_forced and c is None:
+        return None  # free text, parsed for calls afterwards
+    if c is not None and (tools.choice.is_forced or c.kind != "json_schema"):
+        raise APIError(f"{c.param} cannot be combined with tool_choice {tools.choice.mode!r}", param=c.param)
+    lark = tool_call_lark(backend, fmt, tools, c)
+    return compile_grammar(backend.grammar_tokenizer(), "lark", lark)
+
+
+def reasoning_format(state: WorkerState, value: str | None) -> str:
+    fmt = value or state.reasoning_format
+    if fmt not in REASONING_FORMATS:
+        raise APIError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}, not {fmt!r}",
+                       param="reasoning_format")
+    return fmt
+
+
+def sampling_params(state: WorkerState, backend: Backend, req: Any) -> SamplingParams:
+    """The request's SamplingParams, logit_bias text keys tokenized (no specials)."""
+    try:
+        params: SamplingParams = req.to_sampling_params(state.defaults, lambda text: backend.tokenize(text, False, False))
+    except ValueError as e:
+        raise APIError(str(e), param="logit_bias") from None
+    return params
+
+
+def verbose_payload(backend: Backend, prompt: str, n_prompt: int, content: str) -> dict[str, Any]:
+    """llama-server's `__verbose` (request `verbose`, or the server's --verbose): the prompt as
+    the model gets it (the rendered template, after the BOS the tokenizer adds) and the generated text."""
+    m = backend.meta
+    bos = m.bos_token if m.add_bos and m.bos_token and not prompt.startswith(m.bos_token) else ""
+    return {"prompt": bos + prompt, "content": content, "tokens_evaluated": n_prompt}
+
+
+async def with_output_constraint(backend: Backend, req: Any, params: SamplingParams) -> SamplingParams:
+    """`params` with the grammar of the request's response_format / json_schema / grammar, if any."""
+    constraint = output_constraint(req)
+    if constraint is None:
+        return params
+    grammar = await anyio.to_thread.run_sync(compile_constraint, backend, constraint)
+    return dataclasses.replace(params, grammar=grammar)
+
+
+async def count_input_tokens(state: WorkerState, backend: Backend, messages: list[ChatMessage],
+                             tools: list[Any] | None, kwargs: dict[str, Any] | None) -> int:
+    """The prompt length a chat request with these messages would have (nothing generated)."""
+    cont = continues_final_message(messages, None, True)
+    text = render_chat(state, backend, messages, tools, True, kwargs, cont)
+    return len(await tokenize_text(backend, text, True, True))

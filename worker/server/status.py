@@ -1,0 +1,54 @@
+"""The bodies of the worker's status routes: its model card (/v1/models) and the
+/props document, as llama-server writes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from worker.backends.base import Backend
+from worker.protocol.sampling import SamplingParams
+from worker.server.state import WorkerState
+
+
+def model_card(state: WorkerState) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": state.model_id, "aliases": list(state.aliases), "tags": list(state.tags),
+                            "object": "model", "created": state.created, "owned_by": "omni-router"}
+    backend = state.engine.backend
+    if backend is not None:
+        m = backend.meta
+        card["meta"] = {
+            "n_vocab": m.n_vocab,
+            "n_ctx_train": m.n_ctx_train,
+            "n_ctx": backend.n_ctx_seq,
+            "n_params": m.n_params,
+            "size": m.size_bytes,
+            "backend": state.backend_kind,
+        }
+    return card
+
+
+def _default_params(d: SamplingParams) -> dict[str, Any]:
+    n_predict = -1 if d.max_tokens is None else d.max_tokens
+    return {
+        "temperature": d.temperature, "top_k": d.top_k, "top_p": d.top_p, "min_p": d.min_p,
+        "repeat_penalty": d.repeat_penalty, "repeat_last_n": d.repeat_last_n,
+        "presence_penalty": d.presence_penalty, "frequency_penalty": d.frequency_penalty,
+        "seed": -1 if d.seed is None else d.seed, "n_predict": n_predict, "max_tokens": n_predict,
+    }
+
+
+def props(state: WorkerState, backend: Backend) -> dict[str, Any]:
+    m = backend.meta
+    return {
+        "default_generation_settings": {"n_ctx": backend.n_ctx_seq, "params": _default_params(state.defaults)},
+        "total_slots": state.engine.n_slots,
+        "model_alias": state.model_id,
+        "model_path": state.model_path,
+        "backend": state.backend_kind,
+        "chat_template": state.template.source if state.template else m.chat_template,
+        "bos_token": m.bos_token,
+        "eos_token": m.eos_token,
+        "is_sleeping": backend.is_sleeping,
+        "modalities": {"vision": False, "audio": False},
+        "build_info": "omni-worker",
+    }
