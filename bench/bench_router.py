@@ -35,7 +35,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.util import free_port, wait_until  # noqa: E402
+from tests.util import free_port, wait_until  # noqa: E402  # after the sys.path insert above
 
 GGUF_A = ROOT / "models" / "tiny-llama-f32.gguf"
 GGUF_B = ROOT / "models" / "tiny-llama-f16.gguf"
@@ -69,7 +69,7 @@ class Router:
     def __init__(self, preset: Path, *args: str, env_extra: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115  # the child's output; lives as long as the benchmark process
         env = {**os.environ, "PYTHONPATH": str(ROOT), **(env_extra or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "router.cli", "--preset", str(preset), "--port",
                                       str(self.port), "--log-level", "warning", *args],

@@ -52,7 +52,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.util import free_port, stop_process, wait_until  # noqa: E402
+from tests.util import free_port, stop_process, wait_until  # noqa: E402  # after the sys.path insert above
 
 WORDS = ["the", "model", "router", "worker", "slot", "batch", "stream", "server", "request", "cache", "prompt", "context", "memory", "thread", "engine", "sample", "logits", "kernel", "tensor", "layer", "weight", "python", "llama", "vector", "queue", "event", "health", "sleep", "wake", "load"]
 

@@ -40,7 +40,7 @@ def build_presets(preset: list[Path], models_dir: Path | None, overrides: dict[s
 
 @cli.command()
 def serve(
-    preset: Annotated[list[Path], typer.Option("--preset", "--models-preset", help="INI or TOML preset file (repeatable)")] = [],  # noqa: B006
+    preset: Annotated[list[Path], typer.Option("--preset", "--models-preset", help="INI or TOML preset file (repeatable)")] = [],  # noqa: B006  # typer copies it, never mutated
     models_dir: Annotated[Path | None, typer.Option(help="also serve every *.gguf / HF folder in DIR")] = None,
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8080,
@@ -54,8 +54,8 @@ def serve(
     vram_budget: Annotated[str, typer.Option(help="GPU memory the workers may use: SIZE, 0 = no limit, "
                                              "auto = total less 10% (no limit without a GPU)")] = "auto",
     max_queue: Annotated[int, typer.Option(min=0, help="requests allowed to wait for a model")] = 256,
-    api_key: Annotated[list[str], typer.Option(help="required bearer key (repeatable)")] = [],  # noqa: B006
-    cors_origin: Annotated[list[str], typer.Option(help="allowed CORS origin (repeatable, * for any)")] = [],  # noqa: B006
+    api_key: Annotated[list[str], typer.Option(help="required bearer key (repeatable)")] = [],  # noqa: B006  # typer copies it, never mutated
+    cors_origin: Annotated[list[str], typer.Option(help="allowed CORS origin (repeatable, * for any)")] = [],  # noqa: B006  # typer copies it, never mutated
     ctx_size: Annotated[int | None, typer.Option("--ctx-size", "-c", help="override for every model")] = None,
     parallel: Annotated[int | None, typer.Option("--parallel", "-np", help="override for every model")] = None,
     n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", "-ngl", help="override for every model")] = None,

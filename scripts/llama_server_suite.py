@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _install_wget_stub() -> None:
     try:
-        import wget  # noqa: F401
+        import wget  # noqa: F401  # only checks that it is installed
     except ImportError:
         def download(url: str, out: str | None = None) -> str:
             raise RuntimeError(f"no downloads under llama_server_suite (wget is not installed): {url}")

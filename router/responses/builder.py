@@ -197,7 +197,7 @@ class ResponseBuilder:
             return []
         op, self._open = self._open, None
         item = self.output[op.index]
-        item.status = status or ("incomplete" if self.incomplete_reason else "completed")  # type: ignore[assignment]
+        item.status = status or ("incomplete" if self.incomplete_reason else "completed")  # type: ignore[assignment]  # each item type has its own status Literal; these values are valid for all
         ids = {"item_id": item.id, "output_index": op.index}
         events = []
         if isinstance(item, ReasoningItem) and item.content:

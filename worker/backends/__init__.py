@@ -79,7 +79,7 @@ def load_backend(
     # tensors (weights, KV). Decode streams every weight each step; with 4 KiB pages the TLB
     # misses cost ~10% of the matmul time (this box's THP mode is "madvise", the common default).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-    from worker.backends.torch_backend import TorchBackend  # type: ignore[import-not-found,unused-ignore]
+    from worker.backends.torch_backend import TorchBackend  # type: ignore[import-not-found,unused-ignore]  # torch is optional at type-check time
 
     backend: Backend = TorchBackend(
         model_path,

@@ -53,6 +53,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from worker.protocol.sampling import SamplingParams
+from worker.text.fim import FimTokens
 
 Pooling = Literal["none", "mean", "cls", "last", "rank"]
 POOLINGS: tuple[Pooling, ...] = ("none", "mean", "cls", "last", "rank")
@@ -144,31 +145,6 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
-class FimTokens:
-    """A code model's fill-in-the-middle tokens (llama.cpp's fim_pre/suf/mid/rep/sep; -1: none)."""
-
-    pre: int = -1
-    suf: int = -1
-    mid: int = -1
-    rep: int = -1  # repository name (optional)
-    sep: int = -1  # file separator (optional)
-
-    def missing(self) -> list[str]:
-        """The kinds /infill needs that the model lacks (empty: infill works)."""
-        return [kind for kind, t in (("prefix", self.pre), ("suffix", self.suf), ("middle", self.mid)) if t < 0]
-
-
-# llama.cpp's names for FIM tokens in a vocabulary without FIM metadata (llama-vocab.cpp)
-FIM_TOKEN_TEXTS: dict[str, tuple[str, ...]] = {
-    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "▁<PRE>", "<|fim▁begin|>"),
-    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>", "▁<SUF>", "<|fim▁hole|>"),
-    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>", "▁<MID>", "<|fim▁end|>"),
-    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "sep": ("<|file_sep|>",),
-}
-
-
-@dataclass(frozen=True, slots=True)
 class ModelMeta:
     """What the HTTP layer reports about the loaded model (/props, /v1/models)."""
 
@@ -183,7 +159,7 @@ class ModelMeta:
     eos_token_id: int
     add_bos: bool
     chat_template: str | None
-    fim: FimTokens = FimTokens()
+    fim: FimTokens = field(default_factory=FimTokens)
     # what llama-server's rerank prompt needs (format_prompt_rerank)
     add_eos: bool = False
     add_sep: bool = False
@@ -191,17 +167,14 @@ class ModelMeta:
     rerank_template: str | None = None  # the model's "rerank" chat template: {query} and {document}
 
 
-class Backend(Protocol):
-    """One loaded model with `n_seq_max` KV sequences of up to `n_ctx_seq` cells each."""
+class Vocab(Protocol):
+    """What the HTTP side (worker/server/) may touch of a loaded model: thread-safe reads of its
+    vocabulary, shape and status. Handlers get this type only, so mypy keeps them off the
+    engine-only methods of `Backend` (decode, KV, sampling, sleep), which only the engine thread calls."""
 
-    n_ctx: int  # KV cells in all (streams or the shared pool)
     n_ctx_seq: int  # the most cells one sequence may hold
-    n_seq_max: int  # slots + 1: the last sequence is the staging one
-    kv_unified: bool  # one pool shared by all sequences (else a stream per sequence)
     n_batch: int  # the largest batch `decode` accepts, in tokens
     n_ubatch: int  # the largest prompt piece the recipe's promise holds for
-    supports_seq_state: bool  # seq_state_get/set work (the engine then keeps a prompt cache)
-    recipe: RowRecipe
     pooling: Pooling | None  # an embedding model (see module doc); None: a generating one
     pools_in_pieces: bool  # its pooling reads the last row only (last, causal rank): prompts may be cut
 
@@ -211,7 +184,6 @@ class Backend(Protocol):
     @property
     def is_sleeping(self) -> bool: ...
 
-    # -- tokenizer (thread-safe; may be called from HTTP handlers) ----------------------
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
 
     def token_to_piece(self, token: int) -> bytes:
@@ -224,6 +196,17 @@ class Backend(Protocol):
         """The vocabulary as llguidance sees it (an `LLTokenizer`, end-of-generation tokens as its
         EOS), for worker/engine/grammar.py. Built at the first call (up to ~1 s), then cached."""
         ...
+
+
+class Backend(Vocab, Protocol):
+    """One loaded model with `n_seq_max` KV sequences of up to `n_ctx_seq` cells each. Beyond its
+    `Vocab`, every method is the engine thread's alone."""
+
+    n_ctx: int  # KV cells in all (streams or the shared pool)
+    n_seq_max: int  # slots + 1: the last sequence is the staging one
+    kv_unified: bool  # one pool shared by all sequences (else a stream per sequence)
+    supports_seq_state: bool  # seq_state_get/set work (the engine then keeps a prompt cache)
+    recipe: RowRecipe
 
     # -- engine thread only ---------------------------------------------------------------
     def decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus: ...

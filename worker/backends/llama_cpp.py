@@ -57,7 +57,6 @@ import numpy as np
 from worker.backends.base import (
     BatchEntry,
     DecodeStatus,
-    FimTokens,
     ModelMeta,
     Pooling,
     RowRecipe,
@@ -65,6 +64,7 @@ from worker.backends.base import (
     SampleItem,
 )
 from worker.protocol.sampling import SamplingParams
+from worker.text.fim import FimTokens
 
 log = logging.getLogger("worker.llama_cpp")
 
@@ -314,7 +314,7 @@ class LlamaCppBackend:
         self.n_ctx_seq = int(ll.llama_n_ctx_seq(ctx))
         if self._embedding:
             names = {v: k for k, v in POOLING_TYPES.items()}
-            self.pooling = names[int(ll.llama_pooling_type(ctx))]  # type: ignore[assignment]
+            self.pooling = names[int(ll.llama_pooling_type(ctx))]  # type: ignore[assignment]  # POOLING_TYPES keys are the Pooling literals
             rank = self.pooling == "rank"
             causal = bool(ll.llama_get_causal_attn(ctx))
             self.pools_in_pieces = self.pooling == "last" or (rank and causal)

@@ -457,5 +457,5 @@ def default_pooling(path: Path) -> Pooling:
     for key, pooling in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
                          ("pooling_mode_lasttoken", "last")):
         if cfg.get(key):
-            return pooling  # type: ignore[return-value]
+            return pooling  # type: ignore[return-value]  # one of the literal names in the tuple above
     return "none"

@@ -244,7 +244,7 @@ def serve(
             raise typer.BadParameter(f"must be at least --parallel ({parallel})", param_hint="--ubatch-size")
         cache_ram = 0
     try:
-        kind = resolve_kind(backend, model)  # type: ignore[arg-type]
+        kind = resolve_kind(backend, model)  # type: ignore[arg-type]  # typer gives a str; resolve_kind checks it
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--model") from None
     options = BackendOptions(
@@ -391,11 +391,12 @@ def _loader(
     def load(progress: Progress) -> Backend:
         from worker.text.chat_template import load_chat_template
 
-        backend = load_backend(kind, model, options, progress)  # type: ignore[arg-type]
+        backend = load_backend(kind, model, options, progress)  # type: ignore[arg-type]  # model was checked to exist above
         meta = backend.meta
         state().template = load_chat_template(
             chat_template, meta.chat_template, bos_token=meta.bos_token, eos_token=meta.eos_token
         )
+        state().eog_ids = tuple(t for t in range(meta.n_vocab) if backend.is_eog(t))
         return backend
 
     return load

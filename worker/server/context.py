@@ -8,7 +8,7 @@ import asyncio
 import anyio.to_thread
 from starlette.requests import Request
 
-from worker.backends.base import Backend
+from worker.backends.base import Vocab
 from worker.protocol.errors import APIError
 from worker.protocol.wire import NativePrompt
 from worker.server.state import WorkerState
@@ -36,7 +36,7 @@ def loading_error(state: WorkerState) -> APIError | None:
     return None
 
 
-def ready_backend(state: WorkerState) -> Backend:
+def ready_backend(state: WorkerState) -> Vocab:
     err = loading_error(state)
     if err is not None:
         raise err
@@ -45,13 +45,13 @@ def ready_backend(state: WorkerState) -> Backend:
     return backend
 
 
-async def tokenize_text(backend: Backend, text: str, add_special: bool, parse_special: bool) -> list[int]:
+async def tokenize_text(backend: Vocab, text: str, add_special: bool, parse_special: bool) -> list[int]:
     if len(text) > _LONG_TEXT:
         return await anyio.to_thread.run_sync(backend.tokenize, text, add_special, parse_special)
     return backend.tokenize(text, add_special, parse_special)
 
 
-def check_prompt(tokens: list[int], backend: Backend) -> None:
+def check_prompt(tokens: list[int], backend: Vocab) -> None:
     if not tokens:
         raise APIError("The prompt is empty (no tokens)", param="prompt")
     if len(tokens) >= backend.n_ctx_seq:
@@ -63,14 +63,14 @@ def check_prompt(tokens: list[int], backend: Backend) -> None:
         )
 
 
-def check_token_ids(tokens: list[int], backend: Backend, param: str) -> None:
+def check_token_ids(tokens: list[int], backend: Vocab, param: str) -> None:
     n_vocab = backend.meta.n_vocab
     bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
     if bad is not None:
         raise APIError(f"token id {bad} is out of range [0, {n_vocab})", param=param)
 
 
-async def native_tokens(backend: Backend, prompt: NativePrompt, param: str, *, add_special: bool = True,
+async def native_tokens(backend: Vocab, prompt: NativePrompt, param: str, *, add_special: bool = True,
                          parse_special: bool = True) -> list[int]:
     """llama-server's tokenize_mixed: specials for the first text part only; ids as they are."""
     if isinstance(prompt, str):
@@ -85,7 +85,7 @@ async def native_tokens(backend: Backend, prompt: NativePrompt, param: str, *, a
     return tokens
 
 
-async def awake_backend(state: WorkerState) -> Backend:
+async def awake_backend(state: WorkerState) -> Vocab:
     """The backend, woken first if it sleeps: as llama-server, any request but the read-only
     ones (/health, /props, /models, /metrics, /slots) wakes the server."""
     backend = ready_backend(state)

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from worker.backends.base import Backend
+from worker.backends.base import Vocab
 from worker.engine.engine import Engine
 from worker.engine.task import EmbeddingEvent, ErrorEvent, Event, Task
 from worker.protocol.errors import APIError, ErrorType, parse_json, parse_model
@@ -115,7 +115,7 @@ def _not_enabled(what: str, flag: str) -> APIError:
                     type="not_supported_error", code=501)
 
 
-def _check_input(tokens: list[int], backend: Backend) -> None:
+def _check_input(tokens: list[int], backend: Vocab) -> None:
     """llama-server's checks: an input pooled over all its rows (mean, cls, none) is evaluated in
     one ubatch; one read at its last row (last, causal rank) may go in pieces, like a prompt."""
     n = len(tokens)
@@ -145,7 +145,7 @@ _BAD_INPUT = ("each input must be a string, a list of token ids, a list of both,
               '{"prompt_string": ...} or {"content": [text parts]}')
 
 
-async def _input_prompts(backend: Backend, value: Any) -> list[list[int]]:
+async def _input_prompts(backend: Vocab, value: Any) -> list[list[int]]:
     """As llama-server's tokenize_input_prompts: a string, an array holding a number (text and
     ids mixed) or an object is one input; any other array is a list of inputs."""
     if not isinstance(value, list) or any(_is_id(x) for x in value):
@@ -166,7 +166,7 @@ def _is_id(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-async def _one_input(backend: Backend, item: Any, param: str) -> list[int]:
+async def _one_input(backend: Vocab, item: Any, param: str) -> list[int]:
     """llama-server's tokenize_input_subprompt, plus OpenAI content arrays (text parts only)."""
     if isinstance(item, dict):
         if "content" in item:
@@ -242,7 +242,7 @@ def _b64(v: np.ndarray) -> str:
 # --------------------------------------------------------------------------- rerank
 
 
-def rerank_prompt(backend: Backend, query: str, document: str) -> list[int]:
+def rerank_prompt(backend: Vocab, query: str, document: str) -> list[int]:
     """llama-server's format_prompt_rerank: the model's rerank template, else
     [BOS] query [EOS] [SEP] document [EOS] as the vocabulary's add_* flags say."""
     m = backend.meta

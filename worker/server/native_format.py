@@ -18,7 +18,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from worker.backends.base import Backend
+from worker.backends.base import Vocab
 from worker.engine.task import ErrorEvent, FinishEvent, ProgressEvent, TokenEvent
 from worker.protocol.sampling import SamplingParams
 from worker.protocol.wire import InfillRequest, NativeCompletionRequest
@@ -183,12 +183,12 @@ async def collect_native(gen: Generation, results: NativeResults) -> tuple[int, 
     return 200, objs[0] if len(objs) == 1 else objs
 
 
-def run_native(state: WorkerState, backend: Backend, req: NativeCompletionRequest | InfillRequest,
+def run_native(state: WorkerState, backend: Vocab, req: NativeCompletionRequest | InfillRequest,
                params: SamplingParams, token_prompts: list[list[int]]) -> Response:
     """Run a native /completion or /infill request: streamed, or aggregated into one body."""
     texts = [b"".join(backend.token_to_piece(t) for t in p).decode(errors="replace") for p in token_prompts]
     gen = Generation(state.engine, token_prompts, params, quiet_tokens=not req.stream)
-    banned = state.eog_ids(backend) if params.ignore_eos else ()  # the backends ban them: echoed as llama-server does
+    banned = state.eog_ids if params.ignore_eos else ()  # the backends ban them: echoed as llama-server does
     info = NativeInfo(req.model or state.model_id, backend.token_to_piece, texts, req.return_tokens, req.stream,
                       req.timings_per_token, backend.n_ctx_seq, banned)
     results = NativeResults(gen, info)

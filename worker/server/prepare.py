@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from worker.backends.base import Backend
+from worker.backends.base import Vocab
 from worker.engine.grammar import Grammar, compile_grammar
 from worker.protocol.errors import APIError
 from worker.protocol.sampling import SamplingParams
@@ -48,7 +48,7 @@ class PreparedChat:
     chat: ChatOutputConfig | None
 
 
-async def prepare_chat(state: WorkerState, backend: Backend, req: ChatCompletionRequest) -> PreparedChat:
+async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRequest) -> PreparedChat:
     params = sampling_params(state, backend, req)
     tools = check_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     constraint = output_constraint(req)
@@ -80,7 +80,7 @@ async def prepare_chat(state: WorkerState, backend: Backend, req: ChatCompletion
     return PreparedChat(text, tokens, params, chat)
 
 
-def response_info(state: WorkerState, backend: Backend, model: str | None, prefix: str) -> ResponseInfo:
+def response_info(state: WorkerState, backend: Vocab, model: str | None, prefix: str) -> ResponseInfo:
     return ResponseInfo(new_id(prefix), now(), model or state.model_id, backend.token_to_piece)
 
 
@@ -122,7 +122,7 @@ def continues_final_message(messages: list[ChatMessage], continue_final: bool | 
 
 def render_chat(
     state: WorkerState,
-    backend: Backend,
+    backend: Vocab,
     messages: list[ChatMessage],
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool,
@@ -155,7 +155,7 @@ def render_chat(
     return text
 
 
-def _chat_grammar(backend: Backend, tools: ToolSet | None, fmt: ToolFormat, c: Constraint | None) -> Grammar | None:
+def _chat_grammar(backend: Vocab, tools: ToolSet | None, fmt: ToolFormat, c: Constraint | None) -> Grammar | None:
     """The chat request's one grammar: a forced tool call, a JSON answer or a call (tool_choice
     auto with a JSON schema), or the output constraint alone. Blocking: run it in a thread."""
     if tools is None or not tools.is_active:
@@ -177,7 +177,7 @@ def reasoning_format(state: WorkerState, value: str | None) -> str:
     return fmt
 
 
-def sampling_params(state: WorkerState, backend: Backend, req: Any) -> SamplingParams:
+def sampling_params(state: WorkerState, backend: Vocab, req: Any) -> SamplingParams:
     """The request's SamplingParams, logit_bias text keys tokenized (no specials)."""
     try:
         params: SamplingParams = req.to_sampling_params(state.defaults, lambda text: backend.tokenize(text, False, False))
@@ -186,7 +186,7 @@ def sampling_params(state: WorkerState, backend: Backend, req: Any) -> SamplingP
     return params
 
 
-def verbose_payload(backend: Backend, prompt: str, n_prompt: int, content: str) -> dict[str, Any]:
+def verbose_payload(backend: Vocab, prompt: str, n_prompt: int, content: str) -> dict[str, Any]:
     """llama-server's `__verbose` (request `verbose`, or the server's --verbose): the prompt as
     the model gets it (the rendered template, after the BOS the tokenizer adds) and the generated text."""
     m = backend.meta
@@ -194,7 +194,7 @@ def verbose_payload(backend: Backend, prompt: str, n_prompt: int, content: str) 
     return {"prompt": bos + prompt, "content": content, "tokens_evaluated": n_prompt}
 
 
-async def with_output_constraint(backend: Backend, req: Any, params: SamplingParams) -> SamplingParams:
+async def with_output_constraint(backend: Vocab, req: Any, params: SamplingParams) -> SamplingParams:
     """`params` with the grammar of the request's response_format / json_schema / grammar, if any."""
     constraint = output_constraint(req)
     if constraint is None:
@@ -203,7 +203,7 @@ async def with_output_constraint(backend: Backend, req: Any, params: SamplingPar
     return dataclasses.replace(params, grammar=grammar)
 
 
-async def count_input_tokens(state: WorkerState, backend: Backend, messages: list[ChatMessage],
+async def count_input_tokens(state: WorkerState, backend: Vocab, messages: list[ChatMessage],
                              tools: list[Any] | None, kwargs: dict[str, Any] | None) -> int:
     """The prompt length a chat request with these messages would have (nothing generated)."""
     cont = continues_final_message(messages, None, True)

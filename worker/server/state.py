@@ -17,7 +17,6 @@ from worker.protocol.sampling import SamplingParams
 REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
 
 if TYPE_CHECKING:
-    from worker.backends.base import Backend
     from worker.text.chat_template import ChatTemplate
 
 
@@ -43,10 +42,6 @@ class WorkerState:
     is_embedding: bool = False  # --embedding: embeddings/rerank only (worker/server/embeddings.py)
     embd_normalize: int = 2  # requests' default embd_normalize (llama-server's: Euclidean)
     created: int = field(default_factory=lambda: int(time.time()))
-    _eog_ids: tuple[int, ...] | None = None
-
-    def eog_ids(self, backend: Backend) -> tuple[int, ...]:
-        """The model's end-of-generation tokens (found once, over the vocabulary)."""
-        if self._eog_ids is None:
-            self._eog_ids = tuple(t for t in range(backend.meta.n_vocab) if backend.is_eog(t))
-        return self._eog_ids
+    # The model's end-of-generation tokens: a scan of the whole vocabulary, done by the loader
+    # (off the event loop) once the model is known.
+    eog_ids: tuple[int, ...] = ()

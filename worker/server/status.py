@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from worker.backends.base import Backend
+from worker.backends.base import Vocab
 from worker.protocol.sampling import SamplingParams
 from worker.server.state import WorkerState
 
@@ -37,7 +37,7 @@ def _default_params(d: SamplingParams) -> dict[str, Any]:
     }
 
 
-def props(state: WorkerState, backend: Backend) -> dict[str, Any]:
+def props(state: WorkerState, backend: Vocab) -> dict[str, Any]:
     m = backend.meta
     return {
         "default_generation_settings": {"n_ctx": backend.n_ctx_seq, "params": _default_params(state.defaults)},

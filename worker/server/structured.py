@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from worker.backends.base import Backend
+from worker.backends.base import Vocab
 from worker.engine.grammar import Grammar, GrammarError, compile_grammar, json_schema_lark
 from worker.protocol.errors import APIError
 from worker.text.tool_calls import ToolFormat
@@ -142,7 +142,7 @@ def _response_format(fmt: dict[str, Any]) -> Constraint | None:
                    param="response_format.type")
 
 
-def compile_constraint(backend: Backend, c: Constraint) -> Grammar:
+def compile_constraint(backend: Vocab, c: Constraint) -> Grammar:
     """Blocking (grammar construction): run it in a thread."""
     try:
         return compile_grammar(backend.grammar_tokenizer(), c.kind, c.text)
@@ -150,7 +150,7 @@ def compile_constraint(backend: Backend, c: Constraint) -> Grammar:
         raise APIError(f"invalid {c.param}: {e}", param=c.param) from None
 
 
-def check_tool_schemas(backend: Backend, tools: ToolSet) -> None:
+def check_tool_schemas(backend: Vocab, tools: ToolSet) -> None:
     """Each function's parameters compile (blocking: run it in a thread)."""
     tok = backend.grammar_tokenizer()
     for i, fn in enumerate(tools.functions()):
@@ -178,7 +178,7 @@ def _call_schema(fn: dict[str, Any], args_key: str) -> dict[str, Any]:
     }
 
 
-def tool_call_lark(backend: Backend, fmt: ToolFormat, tools: ToolSet, content: Constraint | None = None) -> str:
+def tool_call_lark(backend: Vocab, fmt: ToolFormat, tools: ToolSet, content: Constraint | None = None) -> str:
     """A Lark grammar (llguidance's dialect) for the calls the choice allows: one call, or
     several with `parallel_tool_calls`, in the family's syntax. `content`: with
     tool_choice auto, a JSON-schema answer allowed instead of calls."""
@@ -209,7 +209,7 @@ class _Literals:
     """A marker as a Lark terminal: the special token itself where the vocabulary has one
     (`<[id]>`), else its text."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Vocab) -> None:
         self._backend = backend
 
     def __call__(self, text: str) -> str:

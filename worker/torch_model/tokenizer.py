@@ -17,7 +17,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from worker.backends.base import FIM_TOKEN_TEXTS, FimTokens
+from worker.text.fim import FIM_TOKEN_TEXTS, FimTokens
 
 # Turn-end tokens llama.cpp also treats as end-of-generation when the vocabulary has them.
 _EOG_TEXTS = (

@@ -1,0 +1,108 @@
+"""The import graph (issue 22): no cycles, no upward imports, and the router reaches into the
+worker only through its public protocol package. Read from the source with `ast`: every import,
+at module level or inside a function, counts (TYPE_CHECKING imports too)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.util import ROOT
+
+# Each package's layers, lowest first: a module may import its own layer or a lower one.
+LAYERS: dict[str, list[tuple[str, ...]]] = {
+    "worker": [
+        ("worker.protocol",),
+        ("worker.text",),
+        ("worker.torch_model",),
+        ("worker.backends",),
+        ("worker.engine",),
+        ("worker.server",),
+        ("worker.testing",),
+    ],
+    "router": [
+        ("router.presets", "router.events", "router.log_ring", "router.upstream"),
+        ("router.lifecycle",),
+        ("router.observability",),
+        ("router.responses",),
+        ("router.http",),
+        ("router.cli",),
+    ],
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for top in ("router", "worker"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            name = _module_name(path)
+            found: set[str] = set()
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    found.update(a.name for a in node.names)
+                elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    found.add(node.module)
+                    found.update(f"{node.module}.{a.name}" for a in node.names)
+            graph[name] = found
+    modules = set(graph)
+    return {m: {i for i in deps if i in modules and i != m} for m, deps in graph.items()}
+
+
+def _layer(module: str) -> tuple[str, int] | None:
+    top = module.split(".")[0]
+    for rank, prefixes in enumerate(LAYERS.get(top, [])):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return top, rank
+    return None
+
+
+def test_every_module_has_a_layer() -> None:
+    missing = [m for m in _imports() if "." in m and _layer(m) is None]
+    assert not missing, f"add these to LAYERS: {missing}"
+
+
+def test_no_upward_imports() -> None:
+    upward = []
+    for module, deps in _imports().items():
+        here = _layer(module)
+        for dep in deps:
+            there = _layer(dep)
+            if here and there and here[0] == there[0] and there[1] > here[1]:
+                upward.append(f"{module} -> {dep}")
+    assert not upward, upward
+
+
+def test_the_router_imports_only_the_workers_protocol() -> None:
+    bad = [f"{m} -> {d}" for m, deps in _imports().items() if m.startswith("router")
+           for d in deps if d.startswith("worker") and not d.startswith("worker.protocol")]
+    assert not bad, bad
+
+
+def test_no_import_cycles() -> None:
+    graph = _imports()
+    # A package's __init__ importing its own modules is not a cycle in the sense that matters.
+    edges = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(edges[m]):
+            if state.get(d) == 1:
+                cycles.append([*stack[stack.index(d):], d])
+            elif d not in state:
+                visit(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m)
+    assert not cycles, cycles
