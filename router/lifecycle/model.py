@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -248,6 +249,20 @@ class ModelHandle:
             self.base_url = self.preset.upstream
             self.phase = Phase.READY
         self._task = asyncio.create_task(self._run(), name=f"owner:{self.name}")
+
+    def when_ended(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the owner task has ended (a removed model, after its last request)."""
+        if self._task is None or self._task.done():
+            callback()
+        else:
+            self._task.add_done_callback(lambda _task: callback())
+
+    def cancel(self) -> None:
+        """The router is shutting down: end the owner task and any effect in flight at once (the
+        pool then stops the process itself, with its stop-timeout)."""
+        if self._task is not None:
+            self._task.cancel()
+        self._cancel_effect()
 
     async def _run(self) -> None:
         while not self.is_removed:

@@ -124,8 +124,7 @@ class Pool:
                 del self.handles[name]
                 self.retired.add(h)
                 h.reconfigure(None)
-                if h._task is not None:
-                    h._task.add_done_callback(self._forget_retired(h))
+                h.when_ended(self._forget_retired(h))
             elif settings(p) != settings(h.preset):
                 if needs_restart(h.preset, p):
                     changed.append(name)
@@ -144,8 +143,8 @@ class Pool:
                  changed or "none")
         return {"added": added, "removed": removed, "changed": changed}
 
-    def _forget_retired(self, h: ModelHandle) -> Callable[[asyncio.Task[None]], None]:
-        return lambda _task: self.retired.discard(h)
+    def _forget_retired(self, h: ModelHandle) -> Callable[[], None]:
+        return lambda: self.retired.discard(h)
 
     def _index_with(self, presets: dict[str, ModelPreset]) -> None:
         """Names and aliases from the new presets (a handle takes its new preset a moment later)."""
@@ -154,12 +153,11 @@ class Pool:
     async def close(self) -> None:
         """Stop every worker (concurrently, each with its stop-timeout), then the tasks."""
         handles = [*self.handles.values(), *self.retired]
-        tasks = [*(h._task for h in handles if h._task), self._slots_task, *self._background]
-        for t in tasks:
+        for h in handles:
+            h.cancel()
+        for t in (self._slots_task, *self._background):
             if t is not None:
                 t.cancel()
-        for h in handles:
-            h._cancel_effect()
         procs = [(h.process, h.preset.stop_timeout) for h in handles if h.process is not None]
         await asyncio.gather(*(p.stop(t) for p, t in procs), return_exceptions=True)
         self.upstream.close()

@@ -109,9 +109,7 @@ async def rig(limits: Limits | None = None, idle: IdleDefaults | None = None) ->
     finally:
         task.cancel()
         for h in r.handles:
-            if h._task is not None:
-                h._task.cancel()
-            h._cancel_effect()
+            h.cancel()
 
 
 async def failed_with(task: asyncio.Task[str], text: str) -> APIError:

@@ -109,3 +109,19 @@ def test_tokenize_after_close_raises_instead_of_segfaulting(tiny_models: ModelPa
         backend.tokenize("hi", False, True)
     with pytest.raises(RuntimeError, match="closed"):
         backend.token_to_piece(900)
+
+
+@pytest.mark.parametrize("kind", ["llama_cpp", "torch"])
+def test_backend_options_are_each_backends_constructor_keywords(kind: str) -> None:
+    # load_backend passes BackendOptions.kwargs_for(kind) as keywords: every option must be one the
+    # backend takes (else a TypeError at load), and an option the backend takes is never dropped.
+    import inspect
+
+    from worker.backends import BackendOptions
+
+    if kind == "llama_cpp":
+        from worker.backends.llama_cpp import LlamaCppBackend as cls
+    else:
+        from worker.backends.torch_backend import TorchBackend as cls
+    taken = set(inspect.signature(cls.__init__).parameters) - {"self", "model_path", "progress", "prepack", "cpu_kernels"}  # test-only switches
+    assert set(BackendOptions().kwargs_for(kind)) == taken  # type: ignore[arg-type]  # kind is one of the Literal values

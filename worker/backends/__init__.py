@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Literal
 
 from worker.backends.base import Backend, Pooling
 
@@ -17,23 +17,33 @@ class BackendOptions:
     """`n_ctx` KV cells in all (0: the model's training context), for `n_slots` slots: each slot
     gets a KV stream of n_ctx / n_slots cells (llama-server's default) or, with `kv_unified`,
     every slot may fill one pool of n_ctx. A backend has n_slots + 1 sequences: the last one is
-    the engine's staging sequence (a stream of the same size, or a share of the pool)."""
+    the engine's staging sequence (a stream of the same size, or a share of the pool).
+
+    Each field is a keyword argument of both backends' constructors, but for those marked with
+    the one backend that takes them (`kwargs_for`)."""
 
     n_ctx: int = 4096
     n_slots: int = 4
     kv_unified: bool = False
     n_batch: int = 2048
     n_ubatch: int = 512
-    n_gpu_layers: int | None = None  # None: all layers when the build can offload
     threads: int | None = None
-    cache_type_k: str = "f16"
-    cache_type_v: str = "f16"
-    flash_attn: str = "auto"
-    device: str | None = None  # torch only
-    dtype: str | None = None  # torch only
-    compile: bool = False  # torch only: CUDA graphs / torch.compile for decode steps
     embedding: bool = False  # an embedding model (llama-server's --embedding): pooled outputs, no sampling
     pooling: Pooling | None = None  # with `embedding`: None = the model's own (llama-server's default)
+    # None: all layers when the build can offload
+    n_gpu_layers: int | None = field(default=None, metadata={"only": "llama_cpp"})
+    cache_type_k: str = field(default="f16", metadata={"only": "llama_cpp"})
+    cache_type_v: str = field(default="f16", metadata={"only": "llama_cpp"})
+    flash_attn: str = field(default="auto", metadata={"only": "llama_cpp"})
+    device: str | None = field(default=None, metadata={"only": "torch"})
+    dtype: str | None = field(default=None, metadata={"only": "torch"})
+    # CUDA graphs / torch.compile for decode steps
+    compile: bool = field(default=False, metadata={"only": "torch"})
+
+    def kwargs_for(self, kind: Literal["llama_cpp", "torch"]) -> dict[str, Any]:
+        """The constructor keywords of backend `kind`: every field, less the other backend's own."""
+        other = {f.name for f in fields(self) if f.metadata.get("only", kind) != kind}
+        return {k: v for k, v in asdict(self).items() if k not in other}
 
 
 def resolve_kind(kind: BackendKind, model_path: str) -> Literal["llama_cpp", "torch"]:
@@ -59,41 +69,12 @@ def load_backend(
     if resolved == "llama_cpp":
         from worker.backends.llama_cpp import LlamaCppBackend
 
-        return LlamaCppBackend(
-            model_path,
-            n_ctx=options.n_ctx,
-            n_slots=options.n_slots,
-            kv_unified=options.kv_unified,
-            n_batch=options.n_batch,
-            n_ubatch=options.n_ubatch,
-            n_gpu_layers=options.n_gpu_layers,
-            threads=options.threads,
-            cache_type_k=options.cache_type_k,
-            cache_type_v=options.cache_type_v,
-            flash_attn=options.flash_attn,
-            progress=progress,
-            embedding=options.embedding,
-            pooling=options.pooling,
-        )
+        return LlamaCppBackend(model_path, progress=progress, **options.kwargs_for("llama_cpp"))
     # torch's CPU allocator reads this once, at its first allocation: 2 MiB pages for large
     # tensors (weights, KV). Decode streams every weight each step; with 4 KiB pages the TLB
     # misses cost ~10% of the matmul time (this box's THP mode is "madvise", the common default).
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     from worker.backends.torch_backend import TorchBackend  # type: ignore[import-not-found,unused-ignore]  # torch is optional at type-check time
 
-    backend: Backend = TorchBackend(
-        model_path,
-        n_ctx=options.n_ctx,
-        n_slots=options.n_slots,
-        kv_unified=options.kv_unified,
-        n_batch=options.n_batch,
-        n_ubatch=options.n_ubatch,
-        device=options.device,
-        dtype=options.dtype,
-        progress=progress,
-        threads=options.threads,
-        compile=options.compile,
-        embedding=options.embedding,
-        pooling=options.pooling,
-    )
+    backend: Backend = TorchBackend(model_path, progress=progress, **options.kwargs_for("torch"))
     return backend
