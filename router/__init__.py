@@ -1,15 +1,16 @@
 """omni-router's router: one OpenAI-compatible endpoint in front of one worker process per model.
 
-    presets    INI/TOML presets -> validated `ModelPreset`s (errors name file:line / key path)
-    state      `ModelState`, the lifecycle enum (transition table in its docstring)
-    eviction   the pure policy: admit, evict the LRU idle model, drain the LRU busy one, or wait
-    admission  `--models-max` slots and the FIFO of models waiting for one
-    model      `ModelHandle`: one owner task per model, commands with reply futures
-    process    spawning, readiness polling and stopping one worker subprocess
-    pool       all models by name/alias, wired together; started and stopped with the app
-    upstream   the lean keep-alive HTTP/1.1 client used on the hot path
-    proxy      forwarding one request (JSON whole, SSE chunk by chunk, error event on a crash)
-    events     the one place lifecycle and request events are emitted (/models/sse listens)
-    app        the ASGI app: auth, CORS, proxied routes, /v1/models, /models/load|unload|sleep|sse
-    cli        `omni-router --preset FILE ...`
+    cli            `omni-router --preset FILE ...` (and `profile-report`)
+    presets        INI/TOML presets -> validated `ModelPreset`s (errors name file:line / key path)
+    events         the one place lifecycle and request events are emitted (/models/sse, metrics listen)
+    log_ring       bounded line rings: each worker's output and the router's own log
+    upstream       the lean keep-alive HTTP/1.1 client to the workers (the hot path)
+    lifecycle/     one owner task per model: phases, spawning, admission, eviction, memory
+    observability/ metrics, logs, request traces, profiling
+    responses/     the OpenAI Responses API, translated onto the workers' chat completions
+    http/          the ASGI app: the front (auth, CORS, body limit), proxying, the router's own routes
+
+Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
+presets/events/log_ring/upstream, lifecycle, observability, responses, http, cli. From `worker`
+the router imports `worker.protocol` only, and it launches workers by command line.
 """

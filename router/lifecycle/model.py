@@ -18,6 +18,11 @@ that leaves a model idle pokes its owner (idle timers, a drain that waits for it
 
 A handle depends on `ModelDeps` (admission, events, effects, the memory book, the queue
 bound, the idle defaults), never on the pool that holds it.
+
+Why one file of over 500 lines: the owner's handlers are one state machine over one set of
+fields (`phase`, process, waiters, attempt); split across modules they would read each other's
+private state. It is kept readable by sections (loading, sleeping, draining, the process, idle
+tiers, views), one handler per message.
 """
 
 from __future__ import annotations

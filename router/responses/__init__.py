@@ -7,4 +7,5 @@
     store.py      the durable store (stdlib sqlite3): responses, conversations and their items
     service.py    one response's run: history, upstream stream, events, store, background tasks
     routes.py     the HTTP routes (/v1/responses..., /v1/conversations...)
+    bridge.py     the way to a model: one chat-completions stream through the router's admission
 """

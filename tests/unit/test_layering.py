@@ -106,3 +106,14 @@ def test_no_import_cycles() -> None:
         if m not in state:
             visit(m)
     assert not cycles, cycles
+
+
+def test_every_package_maps_its_modules() -> None:
+    # Each package's __init__ docstring names every module (and subpackage) in it, one line each.
+    missing = []
+    for init in sorted([*(ROOT / "router").rglob("__init__.py"), *(ROOT / "worker").rglob("__init__.py")]):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        names = {p.stem for p in init.parent.glob("*.py") if p.stem != "__init__"}
+        names |= {p.name for p in init.parent.iterdir() if (p / "__init__.py").is_file()}
+        missing += [f"{init.parent.relative_to(ROOT)}: {n}" for n in sorted(names) if n not in doc]
+    assert not missing, missing

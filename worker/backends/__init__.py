@@ -1,4 +1,10 @@
-"""Backend selection. Imports are lazy: the GGUF path never imports torch (fast start)."""
+"""The inference backends, and choosing one. Imports are lazy: the GGUF path never imports torch
+(fast start).
+
+    base           the contract: `Vocab` (thread-safe, the HTTP side) and `Backend` (the engine's)
+    llama_cpp      GGUF files through llama-cpp-python's ctypes API
+    torch_backend  HF folders through our own PyTorch model (worker/torch_model/)
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,10 @@ sequence's cells. With `kv_unified` all sequences share one pool of n_ctx cells 
 shares cells instead of copying a stream. The engine thread is the only caller of `decode`,
 `sample`, `seq_*`, `sleep` and `wake`.
 
+Why one file of over 500 lines: it is the only module that touches llama.cpp's ctypes API, the
+one place where its pointer lifetimes, batch buffers and sampler chains are owned; the pieces
+with no ctypes in them (FIM tokens, the pooling names) live elsewhere.
+
 Reproducible rows (`RowRecipe`). llama.cpp's CPU kernels depend on how many rows of one
 sequence a ubatch holds: flash attention runs a per-row kernel below 64 rows and a tiled one
 from 64 (different float32/float16 accumulation), attention without it and the matmuls run

@@ -22,6 +22,10 @@ text. It runs a small incremental scanner to stream a call's name and arguments 
 generated, and `finish()` reconciles with `parse_tool_calls`. Content that comes after the first
 call marker is held until `finish()` (the scanner cannot know yet whether the output is
 well-formed; before the marker it can).
+
+Why one file of over 500 lines: each format is a pair, a whole-text parser and its streaming
+twin, that must agree token for token; keeping all formats side by side is what lets the table
+tests in tests/unit/test_tool_calls.py check every pair the same way.
 """
 
 from __future__ import annotations

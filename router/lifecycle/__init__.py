@@ -1,0 +1,13 @@
+"""Each model's lifecycle: one owner task per model, effects that report by message, memory.
+
+    state      `Phase` (the owner's state, its transition table) and the `ModelState` on the wire
+    model      `ModelHandle`: the owner task, its commands and the hot-path admit/release
+    messages   what an owner receives: commands and effect reports
+    effects    what an owner asks of the outside: spawn, readiness, sleep, wake, stop, memory samples
+    process    one worker subprocess: argv, spawn, readiness, stop
+    pool       every model by name and alias, wired together; reload
+    admission  `--models-max` slots, memory, the FIFO of models waiting for one
+    eviction   the pure eviction policy
+    estimate   a model's memory need before it loads, and what measuring taught
+    memory     a worker's measured RAM and VRAM
+"""

@@ -1,0 +1,8 @@
+"""The worker's public contract: what the router may import from `worker` (and nothing else).
+
+    errors       the one error envelope (`APIError`) and request-body parsing
+    wire         the request models of every route the worker serves (the router's OpenAPI schemas)
+    sampling     `SamplingParams`, the plain value the request models convert themselves into
+    front        the CORS and API-key ASGI layers, llama-server's rules, used by both servers
+    profile_log  profiling runs and their JSONL event format (/start_profile, /stop_profile)
+"""
