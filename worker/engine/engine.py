@@ -65,7 +65,7 @@ from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import PromptCache
 from worker.engine.scheduler import Plan, Scheduler
 from worker.engine.slot import Slot
-from worker.engine.task import EmbeddingEvent, ErrorEvent, FinishEvent, FinishReason, Task, TokenEvent
+from worker.engine.task import GO_ON, EmbeddingEvent, ErrorEvent, FinishEvent, Task, TokenEvent, Verdict
 
 log = logging.getLogger("worker.engine.engine")
 
@@ -291,7 +291,7 @@ class Engine:
         """Free weights and KV (engine thread, idle). Cached prefixes are gone with the KV."""
         backend = self._require_backend()
         if not backend.is_sleeping:
-            self._require_scheduler().forget_kv()
+            self._require_scheduler().kv.forget_all()
             backend.sleep()
             log.info("sleeping: weights and KV cache freed")
 
@@ -310,15 +310,18 @@ class Engine:
 
     def slot_snapshot(self, slot_id: int) -> tuple[list[int], tuple[int, int], bytearray | None]:
         """Engine thread, idle: what the slot holds (POST /slots/{id}?action=save)."""
-        return self._require_scheduler().slot_snapshot(slot_id)
+        scheduler = self._require_scheduler()
+        return scheduler.kv.snapshot(scheduler.slots[slot_id])
 
     def restore_slot(self, slot_id: int, tokens: list[int], rows: tuple[int, int], state: bytes) -> bool:
         """Engine thread, idle: load a saved slot (action=restore); False if it did not fit."""
-        return self._require_scheduler().restore_slot(slot_id, tokens, rows, state)
+        scheduler = self._require_scheduler()
+        return scheduler.kv.load(scheduler.slots[slot_id], tokens, rows, state)
 
     def erase_slot(self, slot_id: int) -> int:
         """Engine thread, idle: forget a slot's KV (action=erase); the tokens it held."""
-        return self._require_scheduler().erase_slot(slot_id)
+        scheduler = self._require_scheduler()
+        return scheduler.kv.erase(scheduler.slots[slot_id])
 
     def slots_info(self) -> list[dict[str, Any]]:
         n_ctx = self._require_backend().n_ctx_seq
@@ -368,8 +371,8 @@ class Engine:
             to_sample = scheduler.commit(plan, (time.perf_counter() - t0) * 1e3)
             self._metrics.n_busy_slots.inc(scheduler.n_busy())
         if backend.pooling is not None:  # an embedding model: an evaluated prompt is a finished task
-            for i, slot in enumerate(to_sample):
-                self._finish_embedding(slot, backend.embedding(i))
+            for i, task in enumerate(scheduler.release_pooled(to_sample)):
+                self._finish_embedding(task, backend.embedding(i))
             return
         slots = to_sample + plan.from_saved
         if slots:
@@ -379,8 +382,9 @@ class Engine:
             for item, slot in zip(items[len(to_sample) :], plan.from_saved, strict=True):
                 item.logits_index, item.logits = -1, slot.logits
             samples = backend.sample(items, [t.params for t in tasks])
-            for slot, sample in zip(slots, samples, strict=True):
-                self._on_token(slot, sample)
+            slot_ids = {id(t): s.id for t, s in zip(tasks, slots, strict=True)}
+            for task, verdict in scheduler.postprocess(slots, samples, self._read_token):
+                self._report_end(task, slot_ids[id(task)], verdict)
 
     def _wait_masks(self, masks: MaskBatch) -> list[Any]:
         rows = masks.wait()
@@ -404,62 +408,48 @@ class Engine:
         self._masks.start(matchers)
         return self._masks
 
-    def _on_token(self, slot: Slot, sample: Sample) -> None:
-        backend = self._require_backend()
-        task = slot.task
-        assert task is not None
-        if slot.is_prefill:
-            slot.is_prefill = False
-            if not task.stats.t_first_token:
-                task.stats.t_first_token = time.monotonic()
+    def _read_token(self, task: Task, sample: Sample, is_eog: bool) -> Verdict:
+        """The output side of one sampled token (the scheduler applies the verdict): the grammar
+        consumes it, then, unless it ends the generation, its text is pushed through the
+        detokenizer and stop strings and streamed as a token event."""
         token = sample.token
-        task.generated.append(token)
-        task.stats.n_decoded += 1
-        p = task.params
         grammar = consume(task.matcher, token) if task.matcher is not None else None
         if grammar is not None and grammar.error is not None:
-            self._fail(slot, f"constrained decoding failed: {grammar.error}")
-            return
-        if not p.ignore_eos and backend.is_eog(token):
-            self._finish(slot, "stop", None)
-            return
-        text, stop_word = task.output.push(backend.token_to_piece(token))
+            return Verdict(error=f"constrained decoding failed: {grammar.error}")
+        if is_eog:
+            return Verdict("stop")
+        text, stop_word = task.output.push(self._require_backend().token_to_piece(token))
         task.emit(TokenEvent(text, token, sample.logprob, sample.top_logprobs, sample.prob, sample.top_probs))
         if stop_word is not None:
-            self._finish(slot, "stop", stop_word)
-        elif grammar is not None and grammar.is_complete:  # nothing but end-of-generation may follow
-            self._finish(slot, "stop", None)
-        elif (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens) or len(slot.cache) + 1 >= backend.n_ctx_seq:
-            # Full once prompt + generated tokens fill the slot, as llama-server counts (n_past + 1 >= n_ctx);
-            # the last token would need no cell, but a full slot then holds exactly n_ctx tokens there too.
-            self._finish(slot, "length", None)
-        else:
-            slot.feed = [token]
-            scheduler = self._require_scheduler()
-            if slot is scheduler.staging:
-                scheduler.park(slot)
+            return Verdict("stop", stop_word)
+        if grammar is not None and grammar.is_complete:  # nothing but end-of-generation may follow
+            return Verdict("stop")
+        return GO_ON
 
-    def _finish(self, slot: Slot, reason: FinishReason, stop_word: str | None) -> None:
-        task = slot.release()
-        assert task is not None
+    def _report_end(self, task: Task, slot_id: int, verdict: Verdict) -> None:
+        """A task the scheduler let go: its last event, its sampler, the metrics and the log."""
+        self._free_sampler(task)
+        if verdict.error is not None:
+            log.error("task %d failed on slot %d: %s", task.id, slot_id, verdict.error)
+            task.emit(ErrorEvent(verdict.error, 500, "server_error"))
+            return
+        assert verdict.reason is not None
         st = task.stats
         st.t_end = time.monotonic()
-        self._free_sampler(task)
-        task.emit(FinishEvent(reason, task.output.finish(), stop_word, st))
+        task.emit(FinishEvent(verdict.reason, task.output.finish(), verdict.stop_word, st))
         m = self._metrics
         m.on_task_done(n_evaluated=st.n_evaluated, n_cached=st.n_cached, prompt_s=st.prompt_ms / 1e3,
                        n_decoded=st.n_decoded, predicted_s=st.predicted_ms / 1e3, n_tokens=st.n_prompt + st.n_decoded)
         m.prefix_hit_tokens.inc(st.n_cached)
-        m.requests.labels(reason).inc()
+        m.requests.labels(verdict.reason).inc()
         tps = st.n_decoded / (st.predicted_ms / 1e3) if st.predicted_ms > 0 else 0.0
         log.info(
             "task %d done on slot %d: %s; prompt %d tokens (%d cached) in %.1f ms; %d tokens in %.1f ms (%.1f t/s)",
-            task.id, slot.id, reason, st.n_prompt, st.n_cached, st.prompt_ms, st.n_decoded, st.predicted_ms, tps,
+            task.id, slot_id, verdict.reason, st.n_prompt, st.n_cached, st.prompt_ms, st.n_decoded, st.predicted_ms,
+            tps,
         )
 
-    def _finish_embedding(self, slot: Slot, vectors: Any) -> None:
-        task = slot.release()
-        assert task is not None
+    def _finish_embedding(self, task: Task, vectors: Any) -> None:
         if task.on_embedding is None:  # the HTTP layer refuses generation on an embedding model
             self._free_sampler(task)
             task.emit(ErrorEvent("an embedding model does not generate", 501, "not_supported_error"))
@@ -472,13 +462,6 @@ class Engine:
         m.on_task_done(n_evaluated=st.n_evaluated, n_cached=st.n_cached, prompt_s=st.prompt_ms / 1e3, n_decoded=0,
                        predicted_s=0.0, n_tokens=st.n_prompt)
         m.embeddings.inc()
-
-    def _fail(self, slot: Slot, message: str) -> None:
-        task = slot.release()
-        assert task is not None
-        self._free_sampler(task)
-        log.error("task %d failed on slot %d: %s", task.id, slot.id, message)
-        task.emit(ErrorEvent(message, 500, "server_error"))
 
     def _free_sampler(self, task: Task) -> None:
         if task.sampler is not None and self._backend is not None:

@@ -46,25 +46,26 @@ import bisect
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from worker.backends.base import Backend, BatchEntry
+from worker.backends.base import Backend, BatchEntry, Sample
+from worker.engine.kv import KvBook
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.policy import (
     PrefillBudget,
     Rows,
     common_prefix_len,
-    kv_victims,
     pick_slot,
     piece_len,
     reusable,
     youngest,
 )
-from worker.engine.prompt_cache import CachedPrompt, PromptCache
+from worker.engine.prompt_cache import PromptCache
 from worker.engine.slot import Slot
-from worker.engine.task import Task
+from worker.engine.task import Task, Verdict
 
 log = logging.getLogger("worker.engine")
 
@@ -73,7 +74,6 @@ log = logging.getLogger("worker.engine")
 _MIN_REUSE_GAIN = 8
 _MIN_SHARE_GAIN = 32
 # Save the part of a slot a new task overwrites only when it is at least this long.
-_MIN_SAVE = 8
 # Prompts up to this long (a chat turn) are prefilled at once, up to a ubatch of them per step:
 # one step's delay for the others. Longer ones go in budgeted pieces (`PrefillBudget`).
 SHORT_PROMPT = 256
@@ -109,6 +109,7 @@ class Scheduler:
         has_staging = prompt_cache is not None and backend.n_seq_max > n_slots
         self.staging: Slot | None = Slot(n_slots) if has_staging else None
         self._all = [*self.slots, *([self.staging] if self.staging is not None else [])]
+        self.kv = KvBook(backend, metrics, prompt_cache, self._all)
         self.waiting: deque[Task] = deque()
         self.budget = PrefillBudget()
         self._prefill_cap: int | None = None  # set after llama.cpp found no KV room (shared pool)
@@ -121,7 +122,7 @@ class Scheduler:
         return sum(1 for s in self.slots if s.task is not None)
 
     def kv_used(self) -> int:
-        return sum(len(s.cache) for s in self._all)
+        return self.kv.used()
 
     def enqueue(self, task: Task) -> None:
         self.waiting.append(task)
@@ -130,42 +131,8 @@ class Scheduler:
         """Detach every task (running or waiting) and forget all KV: after an error, at exit."""
         tasks = [t for t in (s.release() for s in self._all) if t is not None] + list(self.waiting)
         self.waiting.clear()
-        self.forget_kv()
+        self.kv.forget_all()
         return tasks
-
-    def forget_kv(self) -> None:
-        if not self._backend.is_sleeping:
-            for s in self._all:
-                self._backend.seq_rm(s.id, 0)
-        for s in self._all:
-            s.clear()
-        if self.prompt_cache is not None:
-            self.prompt_cache.clear()
-            self._update_cache_gauges()
-
-    # -- slot files (engine idle) -------------------------------------------------------------------
-    def slot_snapshot(self, slot_id: int) -> tuple[list[int], tuple[int, int], bytearray | None]:
-        """What slot `slot_id` holds: (tokens, rows, KV state or None when it holds nothing)."""
-        slot = self.slots[slot_id]
-        state = self._backend.seq_state_get(slot.id) if slot.cache else None
-        return list(slot.cache), slot.rows, state
-
-    def restore_slot(self, slot_id: int, tokens: list[int], rows: tuple[int, int], state: bytes) -> bool:
-        """Load a snapshot into slot `slot_id` (whatever it held is dropped); False if it did not fit."""
-        slot = self.slots[slot_id]
-        if not tokens:
-            self.erase_slot(slot_id)
-            return True
-        entry = CachedPrompt(tuple(tokens), bytearray(state), rows)
-        return self._restore(slot, entry, 0)
-
-    def erase_slot(self, slot_id: int) -> int:
-        """Forget slot `slot_id`'s KV cache; the number of tokens it held."""
-        slot = self.slots[slot_id]
-        n = len(slot.cache)
-        self._backend.seq_rm(slot.id, 0)
-        slot.clear()
-        return n
 
     # -- before the decode ------------------------------------------------------------------------
     def reap_cancelled(self) -> list[Task]:
@@ -195,7 +162,7 @@ class Scheduler:
         if admitted and self._backend.kv_unified and self.prompt_cache is not None:
             for s in self.slots:  # idle caches cost every decode attention in a shared pool
                 if s.task is None and s.cache:
-                    self._offload(s)
+                    self.kv.offload(s)
         staging = self.staging
         if staging is not None and staging.is_idle and self.waiting and not any(s.is_idle for s in self.slots):
             task = next((t for t in self.waiting if not t.generated), None)
@@ -206,13 +173,8 @@ class Scheduler:
     def park(self, slot: Slot) -> None:
         """A staged task has its first token: save its KV to the prompt cache, requeue it."""
         task = slot.release()
-        assert task is not None and self.prompt_cache is not None
-        state = self._backend.seq_state_get(slot.id)
-        if state is not None:
-            task.parked = self.prompt_cache.put(slot.cache, state, slot.rows, pin=True)
-            self._update_cache_gauges()
-        self._backend.seq_rm(slot.id, 0)
-        slot.clear()
+        assert task is not None
+        task.parked = self.kv.park(slot)
         keys = [(t.stats.t_arrival, t.id) for t in self.waiting]
         self.waiting.insert(bisect.bisect(keys, (task.stats.t_arrival, task.id)), task)
         self._metrics.requests_parked.inc()
@@ -248,7 +210,7 @@ class Scheduler:
         if p.cache_prompt:
             n_keep, logits = self._better_prefix(slot, task, tokens, wanted, n_keep, logits)
         elif slot.cache:
-            self._drop(slot)
+            self.kv.drop(slot)
         self._assign(slot, task, tokens, n_keep, logits)
         return True
 
@@ -263,17 +225,17 @@ class Scheduler:
         entry, n_entry = self.prompt_cache.best(tokens, wanted) if self.prompt_cache is not None else (None, 0)
         pending, n_pending = self._pending_source(others, tokens, wanted)
         if n_pending >= max(n_keep, n_src, n_entry) + _MIN_SHARE_GAIN:
-            self._save_tail(slot, 0)
+            self.kv.save_tail(slot, 0)
             slot.source, slot.source_task, slot.n_source = pending, pending.task, n_pending
             log.info("task %d: waits for slot %d to compute %d shared prompt tokens", task.id, pending.id, n_pending)
             return 0, None
         if src is not None and n_src >= max(n_keep + _MIN_REUSE_GAIN, n_entry):
-            self._save_tail(slot, 0)
-            self._copy(src, slot, n_src)
+            self.kv.save_tail(slot, 0)
+            self.kv.copy(src, slot, n_src)
             return n_src, slot.logits if slot.n_logits == n_src == len(tokens) else None
-        if entry is not None and n_entry >= n_keep + _MIN_REUSE_GAIN and self._restore(slot, entry, n_entry):
+        if entry is not None and n_entry >= n_keep + _MIN_REUSE_GAIN and self.kv.restore(slot, entry, n_entry):
             return n_entry, slot.logits if slot.n_logits == n_entry == len(tokens) else None
-        self._save_tail(slot, n_keep)
+        self.kv.save_tail(slot, n_keep)
         return n_keep, logits
 
     def _pending_source(self, others: list[Slot], tokens: list[int], wanted: Rows) -> tuple[Slot, int]:
@@ -290,27 +252,6 @@ class Scheduler:
                 best, n_best = s, n
         return best, n_best
 
-    def _copy(self, src: Slot, dst: Slot, n: int) -> None:
-        """`dst` gets `src`'s first n rows (shared, or copied where the KV layout needs it)."""
-        self._backend.seq_cp(src.id, dst.id, n)
-        dst.cache[:] = src.cache[:n]
-        dst.n_prompt_rows, dst.prompt_class = min(src.n_prompt_rows, n), src.prompt_class
-        dst.logits, dst.n_logits = (src.logits, src.n_logits) if src.n_logits <= n else (None, 0)
-        self._metrics.prompt_rows_shared.inc(n)
-
-    def _save_tail(self, slot: Slot, n_keep: int) -> None:
-        """The cache of `slot` beyond n_keep is about to be overwritten: keep it findable, if
-        that tail is worth a copy of the whole sequence (a few generated tokens after a kept
-        prompt are not)."""
-        tail = len(slot.cache) - n_keep
-        if self.prompt_cache is not None and tail >= _MIN_SAVE and tail * 4 >= n_keep:
-            self._save(slot)
-
-    def _drop(self, slot: Slot) -> None:
-        self._save_tail(slot, 0)
-        self._backend.seq_rm(slot.id, 0)
-        slot.clear()
-
     def _assign(self, slot: Slot, task: Task, tokens: list[int], n_keep: int, logits: np.ndarray | None) -> None:
         """`slot` holds `tokens[:n_keep]` (from wherever) and now serves `task`."""
         n = len(tokens)
@@ -321,9 +262,7 @@ class Scheduler:
             n_keep = min(n_keep, n - 1)  # what is left are generated tokens: decode rows
         else:  # at least one valid piece of prompt to decode, for its logits
             n_keep = max(0, min(n_keep, n_prompt - self._recipe.min_piece(n_prompt)))
-        if n_keep < len(slot.cache):
-            self._backend.seq_rm(slot.id, n_keep)
-            slot.truncate(n_keep)
+        self.kv.truncate(slot, n_keep)
         slot.n_prompt_rows = min(slot.n_prompt_rows, n_keep)
         slot.prompt_class = self._recipe.prompt_class(n_prompt)
         slot.task = task
@@ -350,50 +289,11 @@ class Scheduler:
             return False  # still being computed
         slot.source, slot.source_task, slot.n_source = None, None, 0
         if n_have >= _MIN_REUSE_GAIN:
-            self._copy(src, slot, n_have)
+            self.kv.copy(src, slot, n_have)
         n_keep = n_have if n_have >= _MIN_REUSE_GAIN else 0
         logits = slot.logits if n_keep == slot.n_logits == len(tokens) else None
         self._assign(slot, task, tokens, n_keep, logits)
         return True
-
-    # -- the prompt cache --------------------------------------------------------------------------
-    def _save(self, slot: Slot) -> None:
-        """Copy a slot's KV state into the prompt cache."""
-        assert self.prompt_cache is not None
-        state = self._backend.seq_state_get(slot.id)
-        if state is not None:
-            logits = slot.logits if slot.n_logits == len(slot.cache) else None
-            self.prompt_cache.put(slot.cache, state, slot.rows, logits)
-            self._update_cache_gauges()
-
-    def _offload(self, slot: Slot) -> None:
-        """Empty a slot's KV: saved to the prompt cache first when there is one."""
-        if slot.cache and self.prompt_cache is not None:
-            self._save(slot)
-        self._backend.seq_rm(slot.id, 0)
-        slot.clear()
-
-    def _restore(self, slot: Slot, entry: CachedPrompt, n_reused: int) -> bool:
-        """Load a saved sequence into `slot` (emptied first)."""
-        self._backend.seq_rm(slot.id, 0)
-        slot.clear()
-        fits = not self._backend.kv_unified or len(entry.tokens) <= self._kv_free()
-        if not fits or not self._backend.seq_state_set(slot.id, entry.state):
-            self._backend.seq_rm(slot.id, 0)
-            log.info("prompt cache: no KV room to restore %d tokens into slot %d", len(entry.tokens), slot.id)
-            return False
-        slot.cache.extend(entry.tokens)
-        slot.n_prompt_rows, slot.prompt_class = entry.rows
-        if entry.logits is not None:
-            slot.logits, slot.n_logits = entry.logits, len(entry.tokens)
-        self._metrics.prompt_cache_restored.inc(n_reused)
-        log.info("prompt cache: restored %d tokens into slot %d (%d of them reused)", len(entry.tokens), slot.id, n_reused)
-        return True
-
-    def _update_cache_gauges(self) -> None:
-        if self.prompt_cache is not None:
-            self._metrics.prompt_cache_bytes.set(self.prompt_cache.n_bytes)
-            self._metrics.prompt_cache_entries.set(len(self.prompt_cache))
 
     # -- planning -----------------------------------------------------------------------------------
     def plan(self) -> Plan:
@@ -427,8 +327,8 @@ class Scheduler:
             limit = min(room, self._backend.n_ubatch - short_used) if is_short else min(room, budget - used)
             n = self._piece(s, limit) if not whole else len(s.feed) if len(s.feed) <= limit else 0
             if self._backend.kv_unified and n > free:
-                while free < n and self._evict_idle_cache():
-                    free = self._kv_free() - sum(len(e.tokens) for _, e in plan.entries)
+                while free < n and self.kv.evict_idle_cache():
+                    free = self.kv.free() - sum(len(e.tokens) for _, e in plan.entries)
                 n = n if n <= free else self._piece(s, min(free, limit))
             if n <= 0:
                 continue
@@ -466,23 +366,13 @@ class Scheduler:
 
     def _make_room(self, decoding: list[Slot]) -> int:
         """Shared pool: one free cell per generating slot, by eviction then preemption."""
-        free = self._kv_free()
+        free = self.kv.free()
         while free < len(decoding):
-            if not self._evict_idle_cache():
+            if not self.kv.evict_idle_cache():
                 self._preempt_youngest()
                 decoding = [s for s in self._all if s.is_decoding]
-            free = self._kv_free()
+            free = self.kv.free()
         return free
-
-    def _kv_free(self) -> int:
-        return self._backend.n_ctx - self.kv_used()
-
-    def _evict_idle_cache(self) -> bool:
-        victims = kv_victims(self._all)
-        if not victims:
-            return False
-        self._offload(victims[0])
-        return True
 
     def _preempt_youngest(self) -> None:
         slot = youngest(self._all)
@@ -490,7 +380,7 @@ class Scheduler:
             return
         task = slot.release()
         assert task is not None
-        self._offload(slot)  # with a prompt cache, readmission restores it
+        self.kv.offload(slot)  # with a prompt cache, readmission restores it
         task.n_preempted += 1
         self.waiting.appendleft(task)
         self._metrics.n_preempted.inc()
@@ -540,6 +430,53 @@ class Scheduler:
         if n_rows:
             self._metrics.prompt_rows_evaluated.inc(n_rows)
         return to_sample
+
+
+    def postprocess(self, slots: Sequence[Slot], samples: Sequence[Sample],
+                    read: Callable[[Task, Sample, bool], Verdict]) -> list[tuple[Task, Verdict]]:
+        """Apply one step's sampled tokens (nano-vllm's `postprocess`): the scheduler alone changes
+        a slot's and a task's state. `read(task, sample, is_eog)` is the engine's output side (the
+        grammar, the text, the stop strings, the token event); it says whether the text ended the
+        task. End of generation, `max_tokens` and a full context are decided here. A finished or
+        failed task leaves its slot; the others get their token as the next step's feed. Returns
+        the tasks that ended, with why, for the engine to report."""
+        ended: list[tuple[Task, Verdict]] = []
+        for slot, sample in zip(slots, samples, strict=True):
+            task = slot.task
+            assert task is not None
+            if slot.is_prefill:
+                slot.is_prefill = False
+                if not task.stats.t_first_token:
+                    task.stats.t_first_token = time.monotonic()
+            token = sample.token
+            task.generated.append(token)
+            task.stats.n_decoded += 1
+            p = task.params
+            verdict = read(task, sample, not p.ignore_eos and self._backend.is_eog(token))
+            if not verdict.is_final and (
+                (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens)
+                or len(slot.cache) + 1 >= self._backend.n_ctx_seq
+            ):
+                # Full once prompt + generated tokens fill the slot, as llama-server counts (n_past + 1 >= n_ctx);
+                # the last token would need no cell, but a full slot then holds exactly n_ctx tokens there too.
+                verdict = Verdict("length")
+            if verdict.is_final:
+                slot.release()
+                ended.append((task, verdict))
+            else:
+                slot.feed = [token]
+                if slot is self.staging:
+                    self.park(slot)
+        return ended
+
+    def release_pooled(self, slots: Sequence[Slot]) -> list[Task]:
+        """An embedding model's evaluated prompts are finished tasks: free their slots."""
+        tasks = []
+        for slot in slots:
+            task = slot.release()
+            assert task is not None
+            tasks.append(task)
+        return tasks
 
 
 def _arrival(slot: Slot) -> float:

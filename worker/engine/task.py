@@ -53,6 +53,23 @@ class TaskStats:
         return max(0.0, self.t_end - self.t_first_token) * 1e3 if self.t_first_token else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What reading one sampled token decided (the engine reads, the scheduler applies): go on
+    (`reason` None), finish with `reason` (and the stop word that ended it), or fail (`error`)."""
+
+    reason: FinishReason | None = None
+    stop_word: str | None = None
+    error: str | None = None
+
+    @property
+    def is_final(self) -> bool:
+        return self.reason is not None or self.error is not None
+
+
+GO_ON = Verdict()
+
+
 @dataclass(slots=True)
 class TokenEvent:
     text: str  # text safe to show now (may be empty: held back or incomplete UTF-8)
