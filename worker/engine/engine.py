@@ -6,11 +6,13 @@ only `Task.cancel()` is a direct write, noticed at the next step. One step is ll
 
     scheduler.reap_cancelled(); scheduler.admit(); plan = scheduler.plan()
     backend.decode(plan) -> scheduler.commit(plan) -> backend.sample(slots that want a token)
-    -> per slot: EOS, detokenize, stop strings, max_tokens, context full -> emit events
+    -> scheduler.postprocess(slots, samples, read) -> report the tasks that ended
 
-The slots, the waiting queue and the KV accounting (prefix sharing, the prompt cache, staging,
-the prefill budget) live in worker/engine/scheduler.py; this module is the thread, its inbox
-and commands, and the per-token output.
+The slots, the waiting queue and every change of a request's status live in
+worker/engine/scheduler.py (`postprocess` decides EOS, max_tokens and a full context, and frees
+slots); where KV rows go is worker/engine/kv.py's. This module is the thread, its inbox and
+commands, and the output side of each token (`_read_token`: grammar, detokenizer, stop strings,
+the token event), whose verdict the scheduler applies.
 
 Determinism: a request's greedy output does not depend on what else runs, on what ran before
 or on the slot it lands in. Floating point is not associative, so that holds only if every
