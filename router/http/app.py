@@ -1,13 +1,16 @@
 """The router's ASGI application: wiring only. Its layers, outside in:
 
-    Cors -> RequireAPIKey        worker.protocol.front (the same rules as the worker's)
+    Cors                         worker.protocol.front (the same rules as the worker's)
+    AnthropicErrors              router.anthropic.errors: errors on /v1/messages in Anthropic's envelope
+    RequireAPIKey                worker.protocol.front
     Front                        router.http.front: body limit, dispatch
       proxied routes             router.http.forwarding (raw ASGI, the hot path)
       web UI files               router.http.webui
       the router's own routes    Starlette: router.http.admin, the log and profiling routes
-                                 (router.observability), the Responses API (router.responses)
+                                 (router.observability), the Responses API (router.responses),
+                                 Anthropic's Messages API (router.anthropic)
 
-The Responses API reaches a model through `ChatBridge.open_chat` (router.responses.bridge), the
+The translated APIs reach a model through `ChatBridge.open_chat` (router.responses.bridge), the
 same admission and request tracing (router.observability.requests) as a proxied request.
 API keys are compared in constant time against every configured key.
 """
@@ -27,6 +30,8 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from router.anthropic.errors import AnthropicErrors
+from router.anthropic.routes import MessagesRoutes
 from router.http.admin import AdminRoutes
 from router.http.forwarding import Forwarder
 from router.http.front import (
@@ -78,7 +83,8 @@ class RouterApp:
         self.requests = ActiveRequests(self.events, self.profiling)
         self.forwarder = Forwarder(pool, self.requests)
         self.store = Store(data_dir / "responses.sqlite3", max_entries=rc.max_entries, ttl_s=rc.ttl_s)
-        self.responses = ResponsesService(self.store, ChatBridge(pool, self.requests).open_chat)
+        bridge = ChatBridge(pool, self.requests)
+        self.responses = ResponsesService(self.store, bridge.open_chat)
         self.metrics = RouterMetrics(self.events, pool.handles, pool.client, self.requests.active.values)
         self.logs = LogRoutes(self._canonical_name)
         self.webui = WebUI()  # the bundled chat page (webui/), if present
@@ -89,6 +95,7 @@ class RouterApp:
                 *self.logs.routes(),
                 *self.profiling.routes(),
                 *ResponsesRoutes(self.responses, self.forwarder.resolve_model).routes(),
+                *MessagesRoutes(bridge.open_chat, bridge.call_json, self.forwarder.resolve_model).routes(),
             ],
             exception_handlers={APIError: api_error_handler, HTTPException: http_exception_handler,
                                 500: api_error_handler},
@@ -97,6 +104,7 @@ class RouterApp:
         inner: ASGIApp = Front(self.forwarder, self.webui, self.admin, max_body_size)
         if api_keys:
             inner = RequireAPIKey(inner, tuple(api_keys), public_paths=PUBLIC_PATHS, public_prefixes=PUBLIC_PREFIXES)
+        inner = AnthropicErrors(inner)  # errors on /v1/messages in Anthropic's envelope, the 401 too
         origins = cors_origins or []
         self._asgi = Cors(inner, "*" if "*" in origins else ",".join(origins))
 

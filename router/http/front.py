@@ -43,7 +43,6 @@ PROXY_POST: dict[str, str] = {
     "/chat/completions/input_tokens": "/chat/completions/input_tokens",  # token counts (llama-server's)
     "/v1/chat/completions/input_tokens": "/v1/chat/completions/input_tokens",
     "/v1/responses/input_tokens": "/v1/responses/input_tokens",
-    "/v1/messages/count_tokens": "/v1/messages/count_tokens",
 }
 # GET routes proxied when `?model=` is given (without it, /props is the router's own)
 PROXY_GET: dict[str, str] = {"/props": "/props", "/slots": "/slots", "/metrics": "/metrics"}

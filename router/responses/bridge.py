@@ -1,5 +1,6 @@
-"""The Responses API's way to a model: one chat-completions stream through the router's own
-admission, as if a client had sent it (autoload, queue, `--models-max`, request traces).
+"""The translated APIs' way to a model (the Responses API's, Anthropic's Messages API's): one
+chat-completions stream through the router's own admission, as if a client had sent it
+(autoload, queue, `--models-max`, request traces), or one JSON call (`call_json`: a token count).
 
 `ChatBridge.open_chat` is what `ResponsesService` is given; the translated request goes to
 the worker's `/v1/chat/completions` over the pool's httpx client, and its SSE chunks come back
@@ -30,7 +31,8 @@ class ChatBridge:
         self._requests = requests
 
     @contextlib.asynccontextmanager
-    async def open_chat(self, model: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+    async def open_chat(self, model: str, body: dict[str, Any],
+                        route: str = "/v1/responses") -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """Admit one chat-completions stream for `model` and yield its parsed SSE chunks.
 
         An upstream error status comes out as its own `APIError`; a cut stream as a final
@@ -39,7 +41,7 @@ class ChatBridge:
         handle = self._pool.get(model)
         if handle is None:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
-        trace = self._requests.begin(request_id([]), handle, "/v1/responses")
+        trace = self._requests.begin(request_id([]), handle, route)
         try:
             async with self._open_chat(model, handle, body, trace) as chunks:
                 yield chunks
@@ -48,6 +50,32 @@ class ChatBridge:
             raise
         except (asyncio.CancelledError, GeneratorExit):
             trace.is_cancelled = True
+            raise
+        finally:
+            self._requests.end(trace)
+
+    async def call_json(self, model: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Admit one JSON request for `model` (as `open_chat`), POST it to the upstream's `path`
+        and return its answer; an upstream error status comes out as its own `APIError`."""
+        handle = self._pool.get(model)
+        if handle is None:
+            raise not_found(f"model {model!r} not found (see GET /v1/models)")
+        trace = self._requests.begin(request_id([]), handle, path)
+        try:
+            base = await self._requests.admit(handle, trace)
+            try:
+                resp = await self._pool.client.post(base + path, json=body, headers={"x-request-id": trace.request_id})
+            except httpx.TransportError as e:
+                raise APIError(f"upstream for model {model!r} is unreachable: {e!r}", status_code=503,
+                               type="unavailable_error", code=503) from None
+            finally:
+                handle.release()
+            trace.status = resp.status_code
+            if resp.status_code != 200:
+                raise upstream_error(resp.status_code, resp.content)
+            return cast(dict[str, Any], resp.json())
+        except APIError as e:
+            trace.status = e.status_code
             raise
         finally:
             self._requests.end(trace)

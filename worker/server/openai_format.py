@@ -277,6 +277,7 @@ class Choices:
                 "index": i,
                 "message": msg,
                 "finish_reason": reason,
+                "stop_reason": c.finish.stop_word if c.finish else None,
                 "logprobs": {"content": c.chat_logprobs} if want_lp else None,
             })
         n_reasoning = sum(p.n_reasoning for p in self.parses) if self.parses is not None else 0
@@ -355,8 +356,9 @@ async def stream_chat(
                     reason = "tool_calls"
             elif ev.text:
                 yield text_chunk(index, ev.text)
-            yield sse({**head, "choices": [{"index": index, "delta": {}, "finish_reason": reason}],
-                       "timings": timings(ev.stats)})
+            # vLLM's `stop_reason`: the stop string that ended the choice (None: EOS, length, grammar)
+            yield sse({**head, "choices": [{"index": index, "delta": {}, "finish_reason": reason,
+                                            "stop_reason": ev.stop_word}], "timings": timings(ev.stats)})
         elif isinstance(ev, ProgressEvent):  # as llama-server: a role delta carrying the progress
             choice = {"index": index, "delta": {"role": "assistant", "content": None}, "finish_reason": None}
             yield sse({**head, "choices": [choice], **progress(ev, timings_per_token)})

@@ -1,0 +1,245 @@
+"""Anthropic's Messages API end to end: the official `anthropic` SDK against a real router with
+a real tiny-model worker (llama_cpp).
+
+One router serves the module: `tiny` is pinned and `--models-max 1`, so a request for the fake
+model `other` is the router's 503 at once (an `overloaded_error` 529 here); `--api-key` checks
+that the SDK's `x-api-key` header is the router's key. The tiny model has random weights, so
+tests assert on structure and on what constraints guarantee, never on free text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import jsonschema
+import pytest
+
+from tests.router.conftest import PY, fake_cmd
+from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_healthy
+
+GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
+pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
+KEY = "sk-test"
+WEATHER: Any = {"name": "get_weather", "description": "Weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                            "required": ["city", "days"], "additionalProperties": False}}
+IMAGE: Any = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tmp = tmp_path_factory.mktemp("anthropic")
+    preset = tmp / "preset.toml"
+    preset.write_text(f"""
+{preset_defaults(1024)}
+[models.tiny]
+model = "{GGUF}"
+backend = "llama_cpp"
+pin = true
+load-on-startup = true
+
+[models.other]
+backend = "cmd"
+cmd = "{fake_cmd("--model", "other")}"
+""")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (tmp / "router.log").open("wb") as log:
+        proc = subprocess.Popen([PY, "-m", "router.cli", "--preset", str(preset), "--port", str(port),
+                                 "--models-max", "1", "--api-key", KEY, "--data-dir", str(tmp)],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        wait_healthy(proc, url, 30)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def client(base: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0, timeout=60)
+
+
+def _raw(base: str, path: str, body: dict[str, Any], **headers: str) -> httpx.Response:
+    return httpx.post(base + path, json=body, headers={"x-api-key": KEY, "anthropic-version": "2023-06-01", **headers},
+                      timeout=60)
+
+
+# --------------------------------------------------------------------------- create and stream
+
+
+def test_create_has_anthropic_shape(client: anthropic.Anthropic) -> None:
+    msg = client.messages.create(model="tiny", max_tokens=5, system="be brief", metadata={"user_id": "u1"},
+                                 messages=[{"role": "user", "content": "hello"}],
+                                 extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 5})
+    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_") and msg.model == "tiny"
+    assert msg.stop_reason in ("end_turn", "max_tokens") and msg.stop_sequence is None
+    assert all(b.type == "text" for b in msg.content)
+    assert 0 < msg.usage.output_tokens <= 5 and msg.usage.input_tokens > 0
+    assert msg.usage.cache_read_input_tokens is not None and msg.usage.cache_read_input_tokens >= 0
+
+
+def test_stream_final_message_equals_the_created_one(client: anthropic.Anthropic) -> None:
+    kw: dict[str, Any] = {"model": "tiny", "max_tokens": 12, "extra_body": {"temperature": 0.0},
+                          "messages": [{"role": "user", "content": "tell me a story"}]}
+    created = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        kinds = [ev.type for ev in stream]
+        final = stream.get_final_message()
+    assert [b.to_dict() for b in final.content] == [b.to_dict() for b in created.content]
+    assert final.stop_reason == created.stop_reason
+    assert final.usage.output_tokens == created.usage.output_tokens
+    total = created.usage.input_tokens + (created.usage.cache_read_input_tokens or 0)
+    assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == total
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert "content_block_start" in kinds and "content_block_stop" in kinds
+
+
+def test_stream_on_the_wire_has_ping_and_no_done(base: str) -> None:
+    body = {"model": "tiny", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    with httpx.stream("POST", base + "/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line[7:] for line in r.iter_lines() if line.startswith("event: ")]
+    assert events[:2] == ["message_start", "ping"] and events[-1] == "message_stop"
+
+
+def test_count_tokens_is_exact_with_system_and_tools(client: anthropic.Anthropic) -> None:
+    kw: dict[str, Any] = {"model": "tiny", "system": [{"type": "text", "text": "You are terse."}],
+                          "messages": [{"role": "user", "content": "count me"}], "tools": [WEATHER]}
+    counted = client.messages.count_tokens(**kw).input_tokens
+    msg = client.messages.create(max_tokens=1, **kw)
+    assert counted == msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+    bare = client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "count me"}])
+    assert bare.input_tokens < counted  # the system prompt is counted
+
+
+def test_stop_sequences(client: anthropic.Anthropic) -> None:
+    """A stop sequence the grammar makes certain: JSON output always has `{"` first."""
+    schema: Any = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    msg = client.messages.create(model="tiny", max_tokens=40, stop_sequences=['"answer"'],
+                                 messages=[{"role": "user", "content": "json"}],
+                                 output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == '"answer"'
+    assert "".join(b.text for b in msg.content if b.type == "text") == "{"
+
+
+# --------------------------------------------------------------------------- tools and structured output
+
+
+def test_forced_tool_call_input_validates(client: anthropic.Anthropic) -> None:
+    msg = client.messages.create(model="tiny", max_tokens=120, tools=[WEATHER],
+                                 tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+                                 messages=[{"role": "user", "content": "weather in Paris?"}])
+    calls = [b for b in msg.content if b.type == "tool_use"]
+    assert msg.stop_reason == "tool_use" and len(calls) == 1, msg.content
+    assert calls[0].name == "get_weather" and calls[0].id
+    jsonschema.validate(calls[0].input, WEATHER["input_schema"])
+
+
+def test_streamed_tool_input_is_partial_json(client: anthropic.Anthropic) -> None:
+    with client.messages.stream(model="tiny", max_tokens=120, tools=[WEATHER],
+                                tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                messages=[{"role": "user", "content": "weather?"}]) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    parts = [e.delta.partial_json for e in events if e.type == "content_block_delta"
+             and e.delta.type == "input_json_delta"]
+    assert len(parts) > 1
+    (call,) = [b for b in final.content if b.type == "tool_use"]
+    assert json.loads("".join(parts)) == call.input
+    jsonschema.validate(call.input, WEATHER["input_schema"])
+
+
+def test_two_turn_tool_loop(client: anthropic.Anthropic) -> None:
+    messages: list[Any] = [{"role": "user", "content": "weather in Rome?"}]
+    first = client.messages.create(model="tiny", max_tokens=120, tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                                   messages=messages)
+    (call,) = [b for b in first.content if b.type == "tool_use"]
+    messages += [{"role": "assistant", "content": first.content},
+                 {"role": "user", "content": [
+                     {"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 20 C"},
+                     {"type": "text", "text": "summarize"}]}]
+    second = client.messages.create(model="tiny", max_tokens=4, tools=[WEATHER], messages=messages)
+    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert second.usage.input_tokens + (second.usage.cache_read_input_tokens or 0) > first.usage.input_tokens
+
+
+def test_output_config_json_schema(client: anthropic.Anthropic) -> None:
+    schema: Any = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    msg = client.messages.create(model="tiny", max_tokens=120, messages=[{"role": "user", "content": "json"}],
+                                 output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert msg.stop_reason == "end_turn"
+    jsonschema.validate(json.loads("".join(b.text for b in msg.content if b.type == "text")), schema)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_image_on_a_text_only_model_is_a_clear_400(client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="image") as e:
+        content: Any = [IMAGE, {"type": "text", "text": "what is it?"}]
+        client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": content}])
+    assert e.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+
+
+def test_errors_parse_as_sdk_exceptions(base: str, client: anthropic.Anthropic) -> None:
+    hi = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="nope", max_tokens=2, messages=hi)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0).messages.create(
+            model="tiny", max_tokens=2, messages=hi)  # type: ignore[arg-type]
+    with pytest.raises(anthropic.OverloadedError) as e:  # every slot is held by the pinned model
+        client.messages.create(model="other", max_tokens=2, messages=hi)  # type: ignore[arg-type]
+    assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.count_tokens(model="tiny", messages=[])
+
+
+def test_bearer_auth_and_anthropic_version_are_accepted(base: str) -> None:
+    body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(base + "/v1/messages", json=body, headers={"authorization": f"Bearer {KEY}",
+                                                              "anthropic-version": "2023-06-01"}, timeout=60)
+    assert r.status_code == 200 and r.json()["type"] == "message"
+    r = httpx.post(base + "/v1/messages", json=body, timeout=60)
+    assert r.status_code == 401
+    assert r.json() == {"type": "error", "error": {"type": "authentication_error", "message": "Invalid API Key"}}
+
+
+BAD: list[tuple[dict[str, Any], str]] = [
+    ({"max_tokens": None}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"service_tier": "auto"}, "service_tier"),
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "'document'"),
+    ({"messages": [{"role": "user", "content": [{"type": "redacted_thinking", "data": "x"}]}]}, "'redacted_thinking'"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "citations": [{}]}]}]}, "citations"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}]},
+     "assistant message"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "role"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "'web_search_20250305'"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "input_schema"),
+    ({"tool_choice": {"type": "tool", "name": "missing"}, "tools": [WEATHER]}, "missing"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "budget_tokens"),
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config"),
+    ({"temperature": 1.5}, "temperature"),
+    ({"mcp_servers": []}, "mcp_servers"),
+]
+
+
+@pytest.mark.parametrize(("extra", "needle"), BAD)
+def test_unsupported_fields_are_400_naming_them(base: str, extra: dict[str, Any], needle: str) -> None:
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], **extra}
+    r = _raw(base, "/v1/messages", {k: v for k, v in body.items() if v is not None})
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert needle in err["error"]["message"], err
