@@ -18,6 +18,7 @@ from router.anthropic.wire import (
     TextBlock,
     ThinkingBlock,
     ThinkingDisabled,
+    ThinkingEnabled,
     ToolChoiceAny,
     ToolChoiceNone,
     ToolChoiceTool,
@@ -27,6 +28,8 @@ from router.anthropic.wire import (
 from worker.protocol.errors import APIError
 
 ERROR_PREFIX = "Error: "  # a tool_result with is_error: the chat format has no flag for it
+# output_config.effort -> the share of max_tokens that thinking may use (None: no cap but max_tokens)
+EFFORT_SHARE: dict[str, float | None] = {"low": 0.25, "medium": 0.5, "high": None, "max": None}
 
 
 def _image_part(b: ImageBlock) -> dict[str, Any]:
@@ -138,6 +141,21 @@ def template_kwargs(req: CountTokensRequest) -> dict[str, Any] | None:
     return {"enable_thinking": not isinstance(req.thinking, ThinkingDisabled)}
 
 
+def thinking_budget(req: CreateMessage) -> int | None:
+    """The worker's `thinking_budget_tokens` (llama.cpp's): `thinking.budget_tokens`, or the
+    share of max_tokens that `output_config.effort` allows, the smaller if both; None: no cap."""
+    if isinstance(req.thinking, ThinkingDisabled):
+        return None
+    caps = []
+    if isinstance(req.thinking, ThinkingEnabled):
+        caps.append(req.thinking.budget_tokens)
+    effort = req.output_config.effort if req.output_config is not None else None
+    share = EFFORT_SHARE[effort] if effort is not None else None
+    if share is not None:
+        caps.append(int(req.max_tokens * share))
+    return min(caps) if caps else None
+
+
 def chat_body(req: CreateMessage, model: str) -> dict[str, Any]:
     """The upstream's chat-completions request (always streamed, usage included)."""
     body: dict[str, Any] = {"model": model, "messages": chat_messages(req), "stream": True,
@@ -150,6 +168,9 @@ def chat_body(req: CreateMessage, model: str) -> dict[str, Any]:
     if fmt is not None:
         body["response_format"] = {"type": "json_schema",
                                    "json_schema": {"name": "output", "schema": fmt.schema_, "strict": True}}
+    budget = thinking_budget(req)
+    if budget is not None:
+        body["thinking_budget_tokens"] = budget
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
     plain = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}

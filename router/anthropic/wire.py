@@ -19,7 +19,6 @@ from worker.protocol.errors import APIError, parse_json
 
 BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking")
 RESULT_BLOCK_TYPES = ("text", "image")
-MIN_BUDGET_TOKENS = 1024  # Anthropic's own lower bound
 
 
 class _Model(BaseModel):
@@ -157,7 +156,8 @@ ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolCho
 
 class ThinkingEnabled(_Model):
     type: Literal["enabled"]
-    budget_tokens: int = Field(ge=MIN_BUDGET_TOKENS)
+    # Anthropic's floor is 1024; a local model's context may be smaller than that, so any is taken.
+    budget_tokens: int = Field(ge=0)
 
 
 class ThinkingDisabled(_Model):

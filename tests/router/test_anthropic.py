@@ -1,8 +1,10 @@
 """Anthropic's Messages API end to end: the official `anthropic` SDK against a real router with
 a real tiny-model worker (llama_cpp).
 
-One router serves the module: `tiny` is pinned and `--models-max 1`, so a request for the fake
-model `other` is the router's 503 at once (an `overloaded_error` 529 here); `--api-key` checks
+One router serves the module: `tiny` and `thinker` (the same model with a chat template that
+opens a `<think>` block, so all it says is reasoning until the end marker) are pinned and
+`--models-max 2`, so a request for the fake model `other` is the router's 503 at once (an
+`overloaded_error` 529 here); `--api-key` checks
 that the SDK's `x-api-key` header is the router's key. The tiny model has random weights, so
 tests assert on structure and on what constraints guarantee, never on free text.
 """
@@ -30,6 +32,9 @@ WEATHER: Any = {"name": "get_weather", "description": "Weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
                                                              "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                             "required": ["city", "days"], "additionalProperties": False}}
+THINK_TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                  "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+                  "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
 IMAGE: Any = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
 
 
@@ -37,11 +42,19 @@ IMAGE: Any = {"type": "image", "source": {"type": "base64", "media_type": "image
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("anthropic")
     preset = tmp / "preset.toml"
+    (tmp / "think.jinja").write_text(THINK_TEMPLATE)
     preset.write_text(f"""
 {preset_defaults(1024)}
 [models.tiny]
 model = "{GGUF}"
 backend = "llama_cpp"
+pin = true
+load-on-startup = true
+
+[models.thinker]
+model = "{GGUF}"
+backend = "llama_cpp"
+chat-template = "{tmp / "think.jinja"}"
 pin = true
 load-on-startup = true
 
@@ -53,7 +66,7 @@ cmd = "{fake_cmd("--model", "other")}"
     url = f"http://127.0.0.1:{port}"
     with (tmp / "router.log").open("wb") as log:
         proc = subprocess.Popen([PY, "-m", "router.cli", "--preset", str(preset), "--port", str(port),
-                                 "--models-max", "1", "--api-key", KEY, "--data-dir", str(tmp)],
+                                 "--models-max", "2", "--api-key", KEY, "--data-dir", str(tmp)],
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
@@ -181,6 +194,51 @@ def test_output_config_json_schema(client: anthropic.Anthropic) -> None:
     jsonschema.validate(json.loads("".join(b.text for b in msg.content if b.type == "text")), schema)
 
 
+# --------------------------------------------------------------------------- thinking
+
+
+def _thinking(msg: Any) -> str:
+    return "".join(b.thinking for b in msg.content if b.type == "thinking")
+
+
+def test_reasoning_becomes_a_thinking_block_and_the_budget_caps_it(client: anthropic.Anthropic) -> None:
+    kw: dict[str, Any] = {"model": "thinker", "max_tokens": 40, "extra_body": {"temperature": 0.0},
+                          "messages": [{"role": "user", "content": "think"}]}
+    free = client.messages.create(**kw)  # never closes its block: all thinking, cut by max_tokens
+    assert [b.type for b in free.content] == ["thinking"] and free.stop_reason == "max_tokens"
+    capped = client.messages.create(thinking={"type": "enabled", "budget_tokens": 5}, **kw)
+    assert capped.content[0].type == "thinking" and capped.content[0].signature == ""
+    assert 0 < len(_thinking(capped)) < len(_thinking(free))
+    assert _thinking(free).startswith(_thinking(capped))  # what was thought before the cap is kept
+    assert [b.type for b in capped.content[1:]] == ["text"]  # then the model answers
+    low = client.messages.create(output_config={"effort": "low"}, **kw)  # a quarter of max_tokens
+    assert _thinking(free).startswith(_thinking(low)) and len(_thinking(capped)) < len(_thinking(low))
+    assert [b.type for b in low.content] == ["thinking", "text"]
+
+
+def test_streamed_thinking_deltas(client: anthropic.Anthropic) -> None:
+    kw: dict[str, Any] = {"model": "thinker", "max_tokens": 30, "extra_body": {"temperature": 0.0},
+                          "thinking": {"type": "enabled", "budget_tokens": 5},
+                          "messages": [{"role": "user", "content": "think"}]}
+    created = client.messages.create(**kw)
+    with client.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert "thinking_delta" in deltas and "text_delta" in deltas
+    assert [b.to_dict() for b in final.content] == [b.to_dict() for b in created.content]
+
+
+def test_thinking_blocks_in_history_are_accepted_and_counted(client: anthropic.Anthropic) -> None:
+    turn: Any = [{"role": "user", "content": "a"},
+                 {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": ""},
+                                                   {"type": "text", "text": "b"}]},
+                 {"role": "user", "content": "c"}]
+    counted = client.messages.count_tokens(model="tiny", messages=turn, thinking={"type": "disabled"})
+    msg = client.messages.create(model="tiny", max_tokens=1, messages=turn, thinking={"type": "disabled"})
+    assert counted.input_tokens == msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -228,7 +286,9 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "'web_search_20250305'"),
     ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "input_schema"),
     ({"tool_choice": {"type": "tool", "name": "missing"}, "tools": [WEATHER]}, "missing"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "budget_tokens"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2}}, "budget_tokens"),
+    ({"thinking": {"type": "enabled"}}, "budget_tokens"),
+    ({"output_config": {"effort": "extreme"}}, "effort"),
     ({"output_config": {"format": {"type": "json_object"}}}, "output_config"),
     ({"temperature": 1.5}, "temperature"),
     ({"mcp_servers": []}, "mcp_servers"),

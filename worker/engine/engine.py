@@ -53,6 +53,7 @@ our tests (16 prompts x 64 tokens, alone vs 4 at once, both models).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -384,6 +385,8 @@ class Engine:
             for item, slot in zip(items[len(to_sample) :], plan.from_saved, strict=True):
                 item.logits_index, item.logits = -1, slot.logits
             samples = backend.sample(items, [t.params for t in tasks])
+            if any(t.budget is not None for t in tasks):
+                samples = [_forced(t, s) for t, s in zip(tasks, samples, strict=True)]
             slot_ids = {id(t): s.id for t, s in zip(tasks, slots, strict=True)}
             for task, verdict in scheduler.postprocess(slots, samples, self._read_token):
                 self._report_end(task, slot_ids[id(task)], verdict)
@@ -421,6 +424,8 @@ class Engine:
         if is_eog:
             return Verdict("stop")
         text, stop_word = task.output.push(self._require_backend().token_to_piece(token))
+        if task.budget is not None:
+            task.budget.observe(text)
         task.emit(TokenEvent(text, token, sample.logprob, sample.top_logprobs, sample.prob, sample.top_probs))
         if stop_word is not None:
             return Verdict("stop", stop_word)
@@ -528,3 +533,11 @@ def _params_info(task: Task) -> dict[str, Any]:
         "ignore_eos": p.ignore_eos,
         "n_probs": p.top_logprobs,
     }
+
+
+def _forced(task: Task, sample: Sample) -> Sample:
+    """A reasoning budget's forced token replaces what was sampled (its log-probabilities are
+    the sampled token's: the forced one was not drawn)."""
+    assert task.budget is not None
+    token = task.budget.next_token(sample.token)
+    return sample if token == sample.token else dataclasses.replace(sample, token=token)

@@ -156,6 +156,7 @@ class Task:
         self.generated: list[int] = []
         self.sampler: Any = None
         self.matcher = params.grammar.matcher() if params.grammar is not None else None  # owned like the sampler
+        self.budget = params.reasoning_budget.tracker() if params.reasoning_budget is not None else None  # likewise
         self.output = TextOutput(params.stop)
         self.stats = TaskStats(n_prompt=len(prompt), t_arrival=time.monotonic())
         self.n_preempted = 0

@@ -19,6 +19,21 @@ class CompiledGrammar(Protocol):
     def matcher(self) -> llguidance.LLMatcher: ...
 
 
+class BudgetTracker(Protocol):
+    """One task's reasoning count (worker/engine/reasoning_budget.py's `BudgetTracker`)."""
+
+    def next_token(self, sampled: int) -> int: ...
+
+    def observe(self, text: str) -> None: ...
+
+
+class ReasoningCap(Protocol):
+    """A cap on reasoning (worker/engine/reasoning_budget.py's `ReasoningBudget`): one fresh
+    tracker per task."""
+
+    def tracker(self) -> BudgetTracker: ...
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling and stopping settings (llama-server's defaults).
@@ -50,6 +65,7 @@ class SamplingParams:
     post_sampling_probs: bool = False  # with logprobs: report the sampler chain's probabilities (llama-server's)
     return_progress: bool = False  # stream ProgressEvents while the prompt is computed
     grammar: CompiledGrammar | None = None
+    reasoning_budget: ReasoningCap | None = None  # thinking_budget_tokens
 
     @property
     def is_greedy(self) -> bool:

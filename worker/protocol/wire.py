@@ -193,6 +193,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool = True
     reasoning_format: str | None = None
+    thinking_budget_tokens: int | None = Field(default=None, ge=-1)  # llama.cpp's; -1: no cap
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool | None = None  # vLLM's; None: llama-server's prefill rule (a last assistant message)

@@ -1,7 +1,7 @@
 """Request preparation: from a parsed request to what the engine runs.
 
 `prepare_chat` is the chat route's whole preparation (sampling params, tools, output
-constraint, reasoning format, template rendering, grammar, output parsing, tokens); the other
+constraint, reasoning format and budget, template rendering, grammar, output parsing, tokens); the other
 helpers are the pieces the completion, native and token-count routes share with it. Nothing
 here touches the engine; grammar compilation and long tokenizations run off the event loop.
 """
@@ -16,6 +16,7 @@ import anyio.to_thread
 
 from worker.backends.base import Vocab
 from worker.engine.grammar import Grammar, compile_grammar
+from worker.engine.reasoning_budget import reasoning_budget
 from worker.protocol.errors import APIError
 from worker.protocol.sampling import SamplingParams
 from worker.protocol.wire import ChatCompletionRequest, ChatMessage, new_id, now
@@ -75,6 +76,10 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
         legacy_reasoning=reasoning == "deepseek-legacy",
     )
     chat = output if output.tool_format is not None or output.reasoning is not None else None
+    budget = reasoning_budget(req.thinking_budget_tokens, markers, output.starts_in_reasoning, params.grammar is not None,
+                              lambda t: backend.tokenize(t, False, True))
+    if budget is not None:
+        params = dataclasses.replace(params, reasoning_budget=budget)
     tokens = await tokenize_text(backend, text, True, True)
     check_prompt(tokens, backend)
     return PreparedChat(text, tokens, params, chat)
