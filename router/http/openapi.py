@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from router.anthropic.errors import PATH_PREFIX as ANTHROPIC_PREFIX
+from router.anthropic.wire import CountTokensRequest, CreateMessage
 from router.responses.wire import AddItems, CreateConversation, CreateResponse
 from worker.protocol.wire import (
     ApplyTemplateRequest,
@@ -38,6 +40,8 @@ BODY_MODELS: dict[str, type[BaseModel]] = {
     "/conversations": CreateConversation,
     "/v1/conversations/{cid}/items": AddItems,
     "/conversations/{cid}/items": AddItems,
+    "/v1/messages": CreateMessage,
+    "/v1/messages/count_tokens": CountTokensRequest,
 }
 MODEL_ONLY = frozenset({"/models/load", "/models/unload", "/models/sleep"})
 ERROR_ENVELOPE: dict[str, Any] = {
@@ -50,13 +54,21 @@ ERROR_ENVELOPE: dict[str, Any] = {
                        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}},
     }},
 }
+ANTHROPIC_ERROR: dict[str, Any] = {  # the Messages API's routes answer in Anthropic's envelope
+    "type": "object",
+    "required": ["type", "error"],
+    "properties": {"type": {"const": "error"}, "error": {
+        "type": "object", "required": ["type", "message"],
+        "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
+    }},
+}
 ANY_BODY: dict[str, Any] = {"schema": {}}
 OK_CONTENT = {"application/json": ANY_BODY, "text/event-stream": ANY_BODY, "*/*": ANY_BODY}
 
 
 def openapi_document(routes: list[tuple[str, str]], model_names: list[str]) -> dict[str, Any]:
     """The document for `routes` ((method, path) pairs) with `model` one of `model_names`."""
-    schemas: dict[str, Any] = {"Error": ERROR_ENVELOPE}
+    schemas: dict[str, Any] = {"Error": ERROR_ENVELOPE, "AnthropicError": ANTHROPIC_ERROR}
     paths: dict[str, dict[str, Any]] = {}
     for method, path in routes:
         paths.setdefault(path, {})[method.lower()] = _operation(method, path, model_names, schemas)
@@ -65,8 +77,9 @@ def openapi_document(routes: list[tuple[str, str]], model_names: list[str]) -> d
 
 
 def _operation(method: str, path: str, model_names: list[str], schemas: dict[str, Any]) -> dict[str, Any]:
+    envelope = "AnthropicError" if path.startswith(ANTHROPIC_PREFIX) else "Error"
     error = {"description": "the error envelope",
-             "content": {"application/json": {"schema": {"$ref": REF.format(model="Error")}}}}
+             "content": {"application/json": {"schema": {"$ref": REF.format(model=envelope)}}}}
     op: dict[str, Any] = {
         "operationId": f"{method.lower()} {path}",
         "responses": {"200": {"description": "success", "content": OK_CONTENT},

@@ -21,6 +21,8 @@ import anthropic
 import httpx
 import jsonschema
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.router.conftest import PY, fake_cmd
 from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_healthy
@@ -303,3 +305,81 @@ def test_unsupported_fields_are_400_naming_them(base: str, extra: dict[str, Any]
     err = r.json()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert needle in err["error"]["message"], err
+
+
+# --------------------------------------------------------------------------- fuzz
+
+
+LEAF = st.none() | st.booleans() | st.integers(-3, 3000) | st.floats(-2, 2, allow_nan=False) | st.text(max_size=6)
+ANY_JSON = st.recursive(LEAF, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+                        max_leaves=6)
+TEXT = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=12)})
+BLOCK = st.one_of(
+    TEXT,
+    TEXT,
+    st.just(IMAGE),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.text(min_size=1, max_size=4),
+                           "name": st.sampled_from(["get_weather", "x"]),
+                           "input": st.dictionaries(st.text(max_size=4), LEAF, max_size=2)}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.text(max_size=4),
+                           "content": st.text(max_size=8) | st.lists(TEXT, max_size=2)},
+                          optional={"is_error": st.booleans()}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": st.text(max_size=8), "signature": st.just("")}),
+    st.fixed_dictionaries({"type": st.sampled_from(["document", "server_tool_use", "search_result"])}),
+)
+ROLE = st.sampled_from(["user", "assistant"])
+MESSAGE = st.fixed_dictionaries({"role": ROLE, "content": st.text(max_size=12) | st.lists(BLOCK, max_size=3)})
+# Mostly well-formed conversations (a user turn first), so most requests reach the worker.
+MESSAGES = st.tuples(st.text(min_size=1, max_size=12), st.lists(MESSAGE, max_size=2)).map(
+    lambda t: [{"role": "user", "content": t[0]}, *t[1]])
+SCHEMA = st.fixed_dictionaries({"type": st.just("object")}, optional={
+    "properties": st.dictionaries(st.sampled_from(["a", "b"]), st.sampled_from(
+        [{"type": "integer"}, {"type": "string"}, {"enum": [1, 2]}, {"type": "boolean"}]), max_size=2),
+    "required": st.just(["a"])}) | ANY_JSON
+TOOL_CHOICE = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any"])},
+                                              optional={"disable_parallel_tool_use": st.booleans()}),
+                        st.just({"type": "none"}),
+                        st.fixed_dictionaries({"type": st.just("tool"), "name": st.sampled_from(["get_weather", "x"])}))
+REQUEST = st.fixed_dictionaries(
+    {"model": st.sampled_from(["tiny", "thinker", "tiny", "nope"]), "max_tokens": st.integers(1, 6),
+     "messages": MESSAGES | st.lists(MESSAGE, max_size=2)},
+    optional={
+        "system": st.text(max_size=8) | st.lists(TEXT, max_size=2),
+        "stop_sequences": st.lists(st.text(max_size=3), max_size=2),
+        "stream": st.booleans(),
+        "tools": st.lists(st.just(WEATHER) | st.fixed_dictionaries({"name": st.sampled_from(["x", "y", "x", "a b"]),
+                                                                     "input_schema": SCHEMA}), max_size=2),
+        "tool_choice": TOOL_CHOICE,
+        "thinking": st.sampled_from([{"type": "adaptive"}, {"type": "disabled"},
+                                     {"type": "enabled", "budget_tokens": 1}, {"type": "enabled"}]),
+        "output_config": st.fixed_dictionaries({}, optional={
+            "format": st.fixed_dictionaries({"type": st.just("json_schema"), "schema": SCHEMA}),
+            "effort": st.sampled_from(["low", "medium", "high", "max", "none"])}),
+        "metadata": st.fixed_dictionaries({}, optional={"user_id": st.text(max_size=5)}),
+        "temperature": st.floats(-0.5, 1.5, allow_nan=False), "top_p": st.floats(0, 1), "top_k": st.integers(-1, 50),
+        "unknown": ANY_JSON,
+    })
+
+
+@st.composite
+def _mutated(draw: st.DrawFn) -> dict[str, Any]:
+    """A request from the schema, sometimes with one field replaced by any JSON value."""
+    body: dict[str, Any] = draw(REQUEST)
+    if draw(st.integers(0, 5)) == 5:  # (hypothesis favours 0: the plain request is the common case)
+        body[draw(st.sampled_from(sorted(body)))] = draw(ANY_JSON)
+    return body
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(body=_mutated(), path=st.sampled_from(["/v1/messages", "/v1/messages/count_tokens"]))
+def test_fuzzed_requests_never_get_a_5xx(base: str, body: dict[str, Any], path: str) -> None:
+    if path.endswith("count_tokens"):
+        body = {k: v for k, v in body.items() if k in ("model", "messages", "system", "tools", "tool_choice",
+                                                       "thinking", "output_config", "unknown")}
+    r = _raw(base, path, body)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        err = r.json()
+        assert err["type"] == "error" and set(err["error"]) == {"type", "message"}, err
+    elif body.get("stream") is True and path == "/v1/messages":
+        assert "event: error" not in r.text and r.text.rstrip().endswith('"type": "message_stop"}'), (body, r.text)
