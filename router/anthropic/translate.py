@@ -173,7 +173,8 @@ def chat_body(req: CreateMessage, model: str) -> dict[str, Any]:
         body["thinking_budget_tokens"] = budget
     if req.stop_sequences:
         body["stop"] = req.stop_sequences
-    plain = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k}
+    user = req.metadata.user_id if req.metadata is not None else None  # OpenAI's end-user id
+    plain = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "user": user}
     body.update({k: v for k, v in plain.items() if v is not None})
     return body
 
