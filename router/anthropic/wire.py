@@ -208,6 +208,7 @@ class CountTokensRequest(_Model):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None  # automatic caching: what our prefix cache always does
 
     _no_server_tools = field_validator("tools", mode="before")(_server_tools)
 

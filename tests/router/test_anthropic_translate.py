@@ -3,11 +3,15 @@ chunks -> message and events (router/anthropic/builder.py). Table tests, no I/O.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+from router.anthropic import routes
 from router.anthropic.builder import MessageBuilder
 from router.anthropic.translate import chat_body, count_body
 from router.anthropic.wire import CountTokensRequest, CreateMessage, parse_request
@@ -170,3 +174,60 @@ def test_stop_reasons(finish: str, stop_word: str | None, stop: tuple[str, ...],
     c["choices"][0].update(finish_reason=finish, stop_reason=stop_word)
     msg, _ = fold([c], stop)
     assert (msg["stop_reason"], msg["stop_sequence"]) == (reason, sequence)
+
+
+# --------------------------------------------------------------------------- the SSE stream
+
+
+class _Upstream:
+    """Chat chunks handed out one per `release()`: the upstream is silent in between."""
+
+    def __init__(self, chunks: list[dict[str, Any]]) -> None:
+        self.chunks = chunks
+        self.gate = asyncio.Semaphore(0)
+
+    def release(self) -> None:
+        self.gate.release()
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        for c in self.chunks:
+            await self.gate.acquire()
+            yield c
+
+
+def _event_type(frame: bytes) -> str:
+    return frame.decode().split("\n", 1)[0].removeprefix("event: ")
+
+
+async def _drive(chunks: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Stream `chunks`, releasing the next one only after the stream has sent a ping while waiting."""
+    monkeypatch.setattr(routes, "PING_INTERVAL_S", 0.001)
+    upstream = _Upstream(chunks)
+    closed = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def stack_ctx() -> AsyncIterator[None]:
+        yield
+        closed.set()
+
+    stack = contextlib.AsyncExitStack()
+    await stack.enter_async_context(stack_ctx())
+    r = routes.MessagesRoutes(None, None, None)  # type: ignore[arg-type]  # _stream needs none of them
+    events = []
+    async for frame in r._stream(MessageBuilder("m"), stack, upstream.__aiter__()):
+        events.append(_event_type(frame))
+        if events[-1] == "ping":  # (the first comes right after message_start)
+            upstream.release()
+    assert closed.is_set()  # the upstream stream was closed
+    return events
+
+
+def test_silence_gets_pings_and_the_stream_ends_normally(monkeypatch: pytest.MonkeyPatch) -> None:
+    events = asyncio.run(_drive([chunk({"content": "a"}), chunk({"content": "b"}), chunk(finish="stop")], monkeypatch))
+    assert events[:2] == ["message_start", "ping"] and events[-2:] == ["message_delta", "message_stop"]
+    assert events.count("content_block_delta") == 2 and events.count("ping") >= 3
+
+
+def test_an_upstream_dying_mid_stream_ends_with_an_error_event(monkeypatch: pytest.MonkeyPatch) -> None:
+    events = asyncio.run(_drive([chunk({"content": "a"}), {"error": {"message": "cut"}}], monkeypatch))
+    assert events[-1] == "error" and "message_stop" not in events
