@@ -8,9 +8,10 @@
     lifecycle/     one owner task per model: phases, spawning, admission, eviction, memory
     observability/ metrics, logs, request traces, profiling
     responses/     the OpenAI Responses API, translated onto the workers' chat completions
+    anthropic/     Anthropic's Messages API, translated onto the workers' chat completions
     http/          the ASGI app: the front (auth, CORS, body limit), proxying, the router's own routes
 
 Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
-presets/events/log_ring/upstream, lifecycle, observability, responses, http, cli. From `worker`
+presets/events/log_ring/upstream, lifecycle, observability, responses and anthropic, http, cli. From `worker`
 the router imports `worker.protocol` only, and it launches workers by command line.
 """

@@ -24,7 +24,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("router.presets", "router.events", "router.log_ring", "router.upstream"),
         ("router.lifecycle",),
         ("router.observability",),
-        ("router.responses",),
+        ("router.responses", "router.anthropic"),
         ("router.http",),
         ("router.cli",),
     ],

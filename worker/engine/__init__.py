@@ -9,5 +9,6 @@
     prompt_cache  the host-RAM prompt cache (`--cache-ram`)
     slot_file     llama-server's slot files (`--slot-save-path`)
     grammar       constrained decoding: per-slot token masks (llguidance)
+    reasoning_budget  thinking_budget_tokens: the reasoning block's end forced after N tokens
     metrics       the worker's Prometheus metrics (llama-server's `llamacpp:` set and our `omni:` one)
 """
