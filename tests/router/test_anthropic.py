@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.router.conftest import PY, fake_cmd
-from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_healthy
+from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_healthy, wait_until
 
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
@@ -68,11 +68,18 @@ cmd = "{fake_cmd("--model", "other")}"
     url = f"http://127.0.0.1:{port}"
     with (tmp / "router.log").open("wb") as log:
         proc = subprocess.Popen([PY, "-m", "router.cli", "--preset", str(preset), "--port", str(port),
-                                 "--models-max", "2", "--api-key", KEY, "--data-dir", str(tmp)],
+                                 "--models-max", "2", "--api-key", KEY, "--data-dir", str(tmp),
+                                 "--max-body-size", "100000"],
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         wait_healthy(proc, url, 30)
+
+        def both_loaded() -> bool:
+            data = httpx.get(f"{url}/v1/models", headers={"x-api-key": KEY}, timeout=10).json()["data"]
+            return sum(m["status"]["value"] == "loaded" for m in data) == 2
+
+        wait_until(both_loaded, 60, what="tiny and thinker to load")  # then `other` finds every slot pinned
         yield url
     finally:
         stop_process(proc)
@@ -263,6 +270,14 @@ def test_errors_parse_as_sdk_exceptions(base: str, client: anthropic.Anthropic) 
     assert e.value.status_code == 529 and e.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     with pytest.raises(anthropic.BadRequestError):
         client.messages.count_tokens(model="tiny", messages=[])
+
+
+def test_errors_from_outside_the_routes_are_in_anthropic_envelope(base: str, client: anthropic.Anthropic) -> None:
+    with pytest.raises(anthropic.APIStatusError) as e:  # the body-size limit (--max-body-size 100000)
+        client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x" * 200_000}])
+    assert e.value.status_code == 413 and e.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
+    r = httpx.get(base + "/v1/messages", headers={"x-api-key": KEY}, timeout=10)  # Starlette's 405
+    assert r.status_code == 405 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_bearer_auth_and_anthropic_version_are_accepted(base: str) -> None:
