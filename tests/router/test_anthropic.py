@@ -77,7 +77,7 @@ cmd = "{fake_cmd("--model", "other")}"
 
         def both_loaded() -> bool:
             data = httpx.get(f"{url}/v1/models", headers={"x-api-key": KEY}, timeout=10).json()["data"]
-            return sum(m["status"]["value"] == "loaded" for m in data) == 2
+            return [m["status"]["value"] for m in data].count("loaded") == 2
 
         wait_until(both_loaded, 60, what="tiny and thinker to load")  # then `other` finds every slot pinned
         yield url
