@@ -245,6 +245,24 @@ class CreateMessage(CountTokensRequest):
             raise ValueError("thinking.budget_tokens must be less than max_tokens")
         return self
 
+    @model_validator(mode="after")
+    def _thinking_and_grammars(self) -> CreateMessage:
+        """Our forced tool calls and output formats are grammars from the first output token, so
+        the model cannot think first: refused rather than silently not thinking (Anthropic
+        refuses thinking with a forced tool_choice too). Effort only sets the thinking budget
+        here, so a lowered effort without thinking would change nothing."""
+        is_thinking = isinstance(self.thinking, ThinkingEnabled | ThinkingAdaptive)
+        if is_thinking and isinstance(self.tool_choice, ToolChoiceAny | ToolChoiceTool):
+            raise ValueError("thinking cannot be combined with a tool_choice that forces a tool call (any, tool)")
+        if is_thinking and self.output_config is not None and self.output_config.format is not None:
+            raise ValueError("thinking cannot be combined with output_config.format here: the format's grammar "
+                             "applies from the first output token")
+        effort = self.output_config.effort if self.output_config is not None else None
+        if isinstance(self.thinking, ThinkingDisabled) and effort in ("low", "medium"):
+            raise ValueError("output_config.effort sets the thinking budget here; with thinking disabled it has "
+                             "nothing to lower")
+        return self
+
 
 R = TypeVar("R", bound=CountTokensRequest)
 _UNION_TAGS = frozenset({"str", "list[...]", "function-after[...]"})

@@ -79,7 +79,7 @@ def test_tool_choice(choice: dict[str, Any] | None, expected: dict[str, Any]) ->
     ({"output_config": {"effort": "medium"}, "thinking": {"type": "enabled", "budget_tokens": 30}}, 30,
      {"enable_thinking": True}),
     ({"output_config": {"effort": "high"}}, None, None),
-    ({"output_config": {"effort": "low"}, "thinking": {"type": "disabled"}}, None, {"enable_thinking": False}),
+    ({"output_config": {"effort": "high"}, "thinking": {"type": "disabled"}}, None, {"enable_thinking": False}),
 ])
 def test_thinking_and_effort(fields: dict[str, Any], budget: int | None, kwargs: dict[str, Any] | None) -> None:
     body = chat_body(create(**fields), "m")
