@@ -30,7 +30,18 @@ OpenChat = Callable[..., AbstractAsyncContextManager[AsyncIterator[Chunk]]]
 CallJSON = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
 ResolveModel = Callable[[str | None, Scope], str]
 PING_INTERVAL_S = 15.0
+QUEUE_CHUNKS = 64  # chunks read ahead of a slow client before the upstream waits
 COUNT_PATH = "/v1/chat/completions/input_tokens"  # the worker's count for a chat request
+
+
+async def _pump(chunks: AsyncIterator[Chunk], queue: asyncio.Queue[Chunk | None]) -> None:
+    """The upstream's chunks into `queue`, then None (an error chunk if reading failed)."""
+    try:
+        async for chunk in chunks:
+            await queue.put(chunk)
+    except Exception as e:  # the bridge turns transport errors into error chunks; anything else is a bug
+        await queue.put({"error": {"message": f"reading the upstream failed: {e!r}"}})
+    await queue.put(None)
 
 
 def _upstream_failed(chunk: Chunk) -> str | None:
@@ -71,39 +82,38 @@ class MessagesRoutes:
 
     async def _stream(self, b: MessageBuilder, stack: AsyncExitStack, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
         """The SSE bytes: message_start, a ping, the blocks, message_delta, message_stop; a ping
-        whenever the upstream is silent for PING_INTERVAL_S; an `error` event if it dies."""
+        whenever the upstream is silent for PING_INTERVAL_S; an `error` event if it dies.
+
+        One task reads the upstream into a small queue (so waiting for a chunk can time out
+        without cancelling the upstream's generator mid-read); leaving cancels it."""
         async with stack:
-            for ev in b.start():
-                yield sse(ev)
-            yield sse({"type": "ping"})
-            it = aiter(chunks)
-            nxt: asyncio.Task[Chunk] | None = None
+            queue: asyncio.Queue[Chunk | None] = asyncio.Queue(QUEUE_CHUNKS)
+            pump = asyncio.create_task(_pump(chunks, queue))
             try:
+                for ev in b.start():
+                    yield sse(ev)
+                yield sse({"type": "ping"})
                 while True:
-                    if nxt is None:
-                        nxt = asyncio.ensure_future(anext(it))
-                    done, _ = await asyncio.wait({nxt}, timeout=PING_INTERVAL_S)
-                    if not done:
+                    try:
+                        async with asyncio.timeout(PING_INTERVAL_S):
+                            chunk = await queue.get()
+                    except TimeoutError:
                         yield sse({"type": "ping"})
                         continue
-                    try:
-                        chunk = nxt.result()
-                    except StopAsyncIteration:
+                    if chunk is None:
                         break
-                    nxt = None
                     failed = _upstream_failed(chunk)
                     if failed is not None:
                         yield sse({"type": "error", "error": {"type": "api_error", "message": failed}})
                         return
                     for ev in b.feed(chunk):
                         yield sse(ev)
+                for ev in b.finish():
+                    yield sse(ev)
             finally:
-                if nxt is not None and not nxt.done():
-                    nxt.cancel()
-                    with contextlib.suppress(BaseException):
-                        await nxt
-            for ev in b.finish():
-                yield sse(ev)
+                pump.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
 
     async def count_tokens(self, request: Request) -> Response:
         req = parse_request(CountTokensRequest, await request.body())
