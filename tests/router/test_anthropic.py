@@ -191,7 +191,9 @@ def test_two_turn_tool_loop(client: anthropic.Anthropic) -> None:
                      {"type": "text", "text": "summarize"}]}]
     second = client.messages.create(model="tiny", max_tokens=4, tools=[WEATHER], messages=messages)
     assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    assert second.usage.input_tokens + (second.usage.cache_read_input_tokens or 0) > first.usage.input_tokens
+    n_prompt = second.usage.input_tokens + (second.usage.cache_read_input_tokens or 0)
+    assert n_prompt > first.usage.input_tokens
+    assert client.messages.count_tokens(model="tiny", tools=[WEATHER], messages=messages).input_tokens == n_prompt
 
 
 def test_output_config_json_schema(client: anthropic.Anthropic) -> None:
