@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from router.gguf_header import Value, read_keys
 from router.presets import ModelPreset
 
 log = logging.getLogger("omni.router.estimate")
@@ -59,20 +61,44 @@ class Shape:
     dtype_bytes: float = 2.0  # KV element size when the backend uses the model's dtype
 
 
+_GGUF_KEYS = ("block_count", "attention.head_count", "attention.head_count_kv", "attention.key_length",
+              "attention.value_length", "embedding_length", "context_length")
+
+
+_shapes: dict[tuple[str, int, int], Shape | None] = {}  # (path, size, mtime_ns) -> shape: a changed file is read again
+
+
+def cached_shape(model: Path, is_gguf: bool) -> Shape | None:
+    """`gguf_shape` / `hf_shape`, read once per version of the file (path, size and mtime)."""
+    try:
+        st = (model if is_gguf else model / "config.json").stat()
+    except OSError:
+        return None
+    key = (str(model), st.st_size, st.st_mtime_ns)
+    if key not in _shapes:
+        _shapes[key] = gguf_shape(model) if is_gguf else hf_shape(model)
+    return _shapes[key]
+
+
 def gguf_shape(path: Path) -> Shape | None:
-    from gguf import GGUFReader  # imported here: numpy + gguf only when a GGUF is estimated
+    """The KV-cache shape from the GGUF header (router.gguf_header: a few keys, no vocabulary)."""
+    def wanted(key: str) -> bool:
+        return key == "general.architecture" or key.partition(".")[2] in _GGUF_KEYS
+
+    def has_all(found: dict[str, Value]) -> bool:
+        arch = found.get("general.architecture")
+        return arch is not None and all(f"{arch}.{k}" in found for k in _GGUF_KEYS)
 
     try:
-        fields = GGUFReader(path).fields
-        arch = str(fields["general.architecture"].contents())
+        fields = read_keys(path, wanted, stop_when=has_all)
+        arch = str(fields["general.architecture"])
 
         def num(key: str, default: int | None = None) -> int:
-            f = fields.get(f"{arch}.{key}")
-            if f is None:
+            value = fields.get(f"{arch}.{key}")
+            if value is None:
                 if default is None:
                     raise KeyError(key)
                 return default
-            value = f.contents()
             return int(max(value) if isinstance(value, list) else value)  # per-layer arrays: the largest
 
         n_heads = num("attention.head_count")
@@ -127,7 +153,7 @@ def compute(p: ModelPreset, has_gpu: bool) -> Estimate:
         return Estimate(weights, 0, "computed")
     is_gguf = p.model.is_file()
     backend = p.backend if p.backend != "auto" else ("llama_cpp" if is_gguf else "torch")
-    shape = gguf_shape(p.model) if is_gguf else hf_shape(p.model)
+    shape = cached_shape(p.model, is_gguf)
     kv = 0
     if shape is not None:
         cells = p.ctx_size if p.ctx_size else (DEFAULT_CTX if p.ctx_size is None else shape.n_ctx_train)
@@ -151,6 +177,12 @@ def compute(p: ModelPreset, has_gpu: bool) -> Estimate:
     return Estimate(ram + GPU_HOST_BYTES.get(backend, 0), vram + GPU_CONTEXT_BYTES.get(backend, 512 * MIB), "computed")
 
 
+def _describe(e: Estimate) -> str:
+    if e.source == "unknown":
+        return "unknown"
+    return f"{e.ram_bytes / MIB:.0f} MiB RAM" + (f" + {e.vram_bytes / MIB:.0f} MiB VRAM" if e.vram_bytes else "")
+
+
 def _key(p: ModelPreset) -> ModelPreset:
     return replace(p, source="")  # the same settings, wherever they were written
 
@@ -164,11 +196,13 @@ class MemoryBook:
         self._learned: dict[ModelPreset, Estimate] = {}
 
     def estimate(self, p: ModelPreset) -> Estimate:
-        """Blocking the first time for a preset (reads the model's header)."""
-        k = _key(p)
-        if k not in self._computed:
-            self._computed[k] = compute(p, self.has_gpu)
-        return self.peek(p) or self._computed[k]
+        """Blocking (stats the files; reads the model's header once per version of the file)."""
+        t0 = time.perf_counter()
+        computed = self._computed[_key(p)] = compute(p, self.has_gpu)
+        est = self.peek(p) or computed
+        log.info("model %s: memory estimate %s (%s) in %.0f ms", p.name, _describe(est), est.source,
+                 (time.perf_counter() - t0) * 1000)
+        return est
 
     def peek(self, p: ModelPreset) -> Estimate | None:
         k = _key(p)

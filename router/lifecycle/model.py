@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -48,7 +49,17 @@ from worker.protocol.errors import APIError
 log = logging.getLogger("omni.router.model")
 STABLE_AFTER_S = 60.0  # a model READY this long before crashing starts its backoff afresh
 MAX_BACKOFF_S = 30.0
+QUEUED_NOTICE_S = 0.2  # a load not granted a slot this soon shows "queued" (else straight to "spawning")
+_WORKER_LOADED = re.compile(r"model loaded in ([\d.]+) s")
 _STRAYS: set[asyncio.Task[Any]] = set()
+
+
+def _worker_load_line(proc: Process | None) -> str:
+    """The worker's own "model loaded in X s" from its log tail, for the router's one-line summary."""
+    for line in reversed(list(proc.log_tail) if proc is not None else []):
+        if (m := _WORKER_LOADED.search(line)) is not None:
+            return f"the worker's own load: {m.group(1)} s"
+    return "the worker did not log its load time"
 
 
 def backoff_delay(failures: int) -> float:
@@ -129,6 +140,7 @@ class ModelHandle:
     _failure: str | None = None  # why we stop it (STOPPING_AFTER_FAILURE), for the FAILED message
     _pending: _Pending | None = None
     _attempt: int = 0  # tags effect messages: one per queue, wake or sleep
+    _load_started: float = 0.0  # monotonic time the current load was asked for
     _waiters: list[asyncio.Future[str]] = field(default_factory=list)
     _stop_waiters: list[asyncio.Future[bool]] = field(default_factory=list)
     _commands: asyncio.Queue[msg.Command] = field(default_factory=asyncio.Queue)
@@ -323,7 +335,7 @@ class ModelHandle:
             case msg.Spawned(attempt, proc, base_url, argv):
                 self._on_spawned(attempt, proc, base_url, argv)
             case msg.Progress(attempt, progress) if attempt == self._attempt:
-                if self.phase in (Phase.STARTING, Phase.WAKING):
+                if self.phase in (Phase.QUEUED, Phase.STARTING, Phase.WAKING):
                     self._set(self.phase, {**progress, "phase": str(progress.get("phase", "loading"))})
             case msg.Ready(attempt, can_sleep, info) if attempt == self._attempt:
                 self._on_ready(can_sleep, info)
@@ -392,7 +404,8 @@ class ModelHandle:
         self.error = None
         self.info = None
         self._attempt += 1
-        self._set(Phase.QUEUED, {"phase": "queued", "fraction": 0.0})
+        self._load_started = time.monotonic()
+        self._set(Phase.QUEUED, {"phase": "estimating memory", "fraction": 0.0})
         self._effect = asyncio.create_task(self._estimate(self._attempt), name=f"estimate:{self.name}")
 
     async def _estimate(self, attempt: int) -> None:
@@ -406,11 +419,18 @@ class ModelHandle:
                                            name=f"acquire:{self.name}")
 
     async def _acquire(self, attempt: int, need: Need) -> None:
+        acquire = asyncio.ensure_future(self.deps.slots.acquire(self, need))
         try:
-            await self.deps.slots.acquire(self, need)
+            done, _ = await asyncio.wait({acquire}, timeout=QUEUED_NOTICE_S)
+            if not done:  # not granted at once: say what it waits for
+                self._post(msg.Progress(attempt, {"phase": "queued", "fraction": 0.0,
+                                                  "waiting_for": "--models-max or the memory budgets"}))
+            await acquire
         except SlotsFull as e:
             self._post(msg.Refused(attempt, str(e)))
             return
+        finally:
+            acquire.cancel()  # (a no-op once done) our own cancellation leaves the queue
         self._post(msg.Granted(attempt))
 
     def _on_granted(self) -> None:
@@ -469,6 +489,8 @@ class ModelHandle:
             self.can_sleep, self.info = can_sleep, info
             self.ready_since = time.monotonic()
             self._learn_peak()
+            log.info("model %s: loaded in %.2f s (from the first request or load; %s)", self.name,
+                     self.ready_since - self._load_started, _worker_load_line(self.process))
         self.last_used = time.monotonic()
         if self._pending is not None:  # a reload changed it while it loaded: restart, its requests wait
             self._begin_stop()

@@ -93,9 +93,13 @@ class Pool:
         self._estimate_all()
 
     def _estimate_all(self) -> None:
-        """Figure each model's estimate in the background, so /v1/models shows it before a load."""
-        presets = [h.preset for h in self.handles.values()]
-        task = asyncio.create_task(asyncio.to_thread(lambda: [self.book.estimate(p) for p in presets]))
+        """Figure each model's estimate in the background, so /v1/models shows it before a load:
+        one thread each (a slow disk or a large header delays no other model, nor a load)."""
+        presets = [h.preset for h in self.handles.values() if not h.preset.is_remote]
+        async def each() -> None:
+            await asyncio.gather(*(asyncio.to_thread(self.book.estimate, p) for p in presets), return_exceptions=True)
+
+        task = asyncio.create_task(each(), name="estimates")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
