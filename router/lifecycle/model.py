@@ -43,6 +43,7 @@ from router.lifecycle.estimate import Estimate, MemoryBook
 from router.lifecycle.eviction import Need, Occupancy
 from router.lifecycle.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory
 from router.lifecycle.state import ModelState, Phase
+from router.load_failure import LoadFailure, diagnose
 from router.presets import ModelPreset
 from worker.protocol.errors import APIError
 
@@ -111,6 +112,14 @@ def _unavailable(message: str, retry_after: float | None = None) -> APIError:
     return APIError(message, status_code=503, type="unavailable_error", code=503, headers=headers)
 
 
+def _permanent(name: str, cause: str, log_tail: list[str]) -> APIError:
+    """A load that fails the same way every time: 500 with `x-should-retry: false` (the openai and
+    anthropic SDKs obey it; they retry any other 5xx) and no Retry-After."""
+    return APIError(f"model {name!r} failed to load: {cause} (not retried until its file or preset changes, "
+                    "or POST /models/load asks for it)", status_code=500, type="server_error",
+                    code="model_load_failed", headers={"x-should-retry": "false"}, extra={"log_tail": log_tail[-20:]})
+
+
 def _removed(message: str) -> APIError:
     return APIError(message, status_code=404, type="not_found_error", code="model_not_found")
 
@@ -141,6 +150,8 @@ class ModelHandle:
     _pending: _Pending | None = None
     _attempt: int = 0  # tags effect messages: one per queue, wake or sleep
     _load_started: float = 0.0  # monotonic time the current load was asked for
+    is_permanent: bool = False  # FAILED in a way that repeats: not retried until the file changes or a load is asked
+    _failed_stamp: tuple[int, int] | None = None  # the model file's (size, mtime) when it failed
     _waiters: list[asyncio.Future[str]] = field(default_factory=list)
     _stop_waiters: list[asyncio.Future[bool]] = field(default_factory=list)
     _commands: asyncio.Queue[msg.Command] = field(default_factory=asyncio.Queue)
@@ -374,6 +385,9 @@ class ModelHandle:
         if phase is Phase.READY:
             reply.set_result(self.admit())
             return
+        if phase is Phase.FAILED and self.is_permanent and self._file_stamp() == self._failed_stamp:
+            reply.set_exception(_permanent(self.name, self.error or "", self.log_tail))
+            return
         if phase is Phase.FAILED and time.monotonic() < self.retry_at:
             wait = self.retry_at - time.monotonic()
             reply.set_exception(_unavailable(
@@ -389,6 +403,8 @@ class ModelHandle:
         # DRAINING, stopping: served once undrained, or loaded again after the exit.
 
     def _on_load(self) -> None:
+        if self.phase is Phase.FAILED:  # asked for explicitly: try again, whatever failed before
+            self.is_permanent, self.retry_at = False, 0.0
         if self.phase in (Phase.UNLOADED, Phase.FAILED, Phase.FALLING_ASLEEP, Phase.SLEEPING):
             # A waiter nobody awaits: it keeps a queued load from being dropped as abandoned.
             intent: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -499,8 +515,8 @@ class ModelHandle:
         self._resolve_waiters()
 
     def _on_load_failed(self, error: str) -> None:
-        if self.phase is Phase.SPAWNING:
-            self._fail(None, error)
+        if self.phase is Phase.SPAWNING:  # e.g. a `cmd` whose program does not exist: it will not next time either
+            self._fail(None, LoadFailure(error, is_permanent=True))
         elif self.phase is Phase.SPAWNING_THEN_STOP:
             self._set(Phase.UNLOADED)
             self._resolve_stop_waiters(True)
@@ -514,11 +530,11 @@ class ModelHandle:
             if not w.done():
                 w.set_result(self.admit())
 
-    def _fail_waiters(self, message: str, *, is_removed: bool = False) -> None:
+    def _fail_waiters(self, message: str, *, is_removed: bool = False, error: APIError | None = None) -> None:
         waiters, self._waiters = self._waiters, []
         for w in waiters:
             if not w.done():
-                w.set_exception(_removed(message) if is_removed else _unavailable(message))
+                w.set_exception(error or (_removed(message) if is_removed else _unavailable(message)))
 
     # ---- sleeping and waking
 
@@ -736,14 +752,14 @@ class ModelHandle:
             self._set(Phase.UNLOADED)
         else:
             reason = self._failure or f"exited with code {code}"
-            self._fail(code, f"{reason}: {proc.tail_text()}")
+            self._fail(code, diagnose(self.log_tail, code, reason, was_ready=self.ready_since > 0))
         self._resolve_stop_waiters(True)
         self._apply_pending()
         self._prune_waiters()
         if self._waiters and self.phase is Phase.UNLOADED:
             self._begin_queue()  # requests arrived while it was stopping
 
-    def _fail(self, code: int | None, error: str) -> None:
+    def _fail(self, code: int | None, failure: LoadFailure) -> None:
         self._cancel_effect()
         now = time.monotonic()
         if self.ready_since and now - self.ready_since > STABLE_AFTER_S:
@@ -751,12 +767,25 @@ class ModelHandle:
         self.failures += 1
         self.retry_at = now + backoff_delay(self.failures)
         self.exit_code = code
-        self.error = error
+        self.error = failure.cause
+        self.is_permanent = failure.is_permanent
+        self._failed_stamp = self._file_stamp()
         self.ready_since = 0.0
         self._failure = None
-        log.error("model %s: failed (exit code %s): %s", self.name, code, error)
+        log.error("model %s: failed (exit code %s)%s: %s", self.name, code,
+                  ", not retried until its file or preset changes or POST /models/load asks" if failure.is_permanent
+                  else "", failure.cause)
         self._set(Phase.FAILED)
-        self._fail_waiters(f"model {self.name!r} failed to load: {error}")
+        self._fail_waiters("", error=_permanent(self.name, failure.cause, self.log_tail) if failure.is_permanent
+                           else _unavailable(f"model {self.name!r} failed to load: {failure.cause}"))
+
+    def _file_stamp(self) -> tuple[int, int] | None:
+        """The model file's (size, mtime): a permanent failure is tried again once it changes."""
+        try:
+            st = self.preset.model.stat() if self.preset.model is not None else None
+        except OSError:
+            return None
+        return (st.st_size, st.st_mtime_ns) if st is not None else None
 
     # ---- idle tiers
 
@@ -813,7 +842,8 @@ class ModelHandle:
         if self.argv:
             st["args"] = self.argv
         if self.phase is Phase.FAILED:
-            st.update(failed=True, exit_code=self.exit_code, error=self.error, log_tail=self.log_tail)
+            st.update(failed=True, exit_code=self.exit_code, error=self.error, log_tail=self.log_tail,
+                      permanent=self.is_permanent)
         if self.progress is not None:
             st["progress"] = self.progress
         return st

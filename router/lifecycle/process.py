@@ -167,6 +167,13 @@ class WorkerProcess:
         return " | ".join(list(self.log_tail)[-lines:])
 
 
+def _error_message(r: httpx.Response) -> str:
+    """The envelope's message (one line), else the start of the body."""
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        return str(r.json()["error"]["message"]).splitlines()[0]
+    return r.text[:300]
+
+
 async def wait_ready(
     client: httpx.AsyncClient,
     base_url: str,
@@ -205,7 +212,7 @@ async def wait_ready(
                 # the exit code we report is its own and not our SIGTERM's.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(asyncio.shield(proc.proc.wait()), 3.0)
-                raise LoadError(f"/health answered {r.status_code}: {r.text[:300]}")
+                raise LoadError(f"the worker reported a failed load ({r.status_code}): {_error_message(r)}")
         except (httpx.TransportError, ValueError):
             pass  # not listening yet, or a partial body
         now = loop.time()

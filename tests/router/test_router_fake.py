@@ -331,7 +331,8 @@ def test_a_command_that_cannot_start_fails_cleanly_and_frees_its_slot(router_fac
                        + fake_model("a"), "--models-max", "1")
     with r.client() as c:
         resp = c.post("/v1/chat/completions", json=chat("ghost"))
-        assert resp.status_code == 503 and "No such file" in resp.json()["error"]["message"]
+        assert resp.status_code == 500 and "No such file" in resp.json()["error"]["message"]  # permanent
+        assert resp.headers["x-should-retry"] == "false"
         assert r.models()["ghost"]["status"]["failed"] is True
         assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200  # the slot was released
 

@@ -196,7 +196,7 @@ def test_a_model_that_fails_to_load_is_failed_with_the_workers_exit_code(router_
     r = router_factory(f'[models.bad]\nmodel = "{bad}"\nbackend = "llama_cpp"\n')
     with r.client(timeout=60) as c:
         resp = c.post("/v1/chat/completions", json=chat("bad"))
-    assert resp.status_code == 503 and "failed to load" in resp.json()["error"]["message"]
+    assert resp.status_code == 500 and "failed to load" in resp.json()["error"]["message"]  # permanent: not a 503
     status = r.models()["bad"]["status"]
     assert (status["value"], status["failed"], status["exit_code"]) == ("failed", True, 1)
     assert any("bad.gguf" in line for line in status["log_tail"])

@@ -50,6 +50,8 @@ class APIError(Exception):
         self.code = code
         if status_code == 503 and not any(k.lower() == "retry-after" for k in headers or {}):
             headers = {**(headers or {}), "Retry-After": "1"}  # every 503 says when to come back
+        if status_code == 501:  # not supported by this server's configuration: retrying cannot help
+            headers = {**(headers or {}), "x-should-retry": "false"}  # (the openai SDK retries any other 5xx)
         self.headers = headers
         self.extra = extra or {}
 

@@ -327,7 +327,7 @@ class RefuseGeneration:
         if scope["type"] == "http" and scope["path"] in GENERATION_PATHS:
             err = APIError("This server does not support completions. Start it without `--embeddings`",
                            status_code=501, type="not_supported_error", code=501)
-            await JSONResponse(err.body(), status_code=501)(scope, receive, send)
+            await JSONResponse(err.body(), status_code=501, headers=err.headers)(scope, receive, send)
             return
         await self._app(scope, receive, send)
 

@@ -1,0 +1,53 @@
+"""Why a worker failed, in one line, and whether trying again can help. Pure: no I/O, no state.
+
+A load the worker itself reported as failed (llama.cpp could not read the file, an unsupported
+architecture, a bad flag: exit code 2) fails the same way every time, until the file or the
+preset changes: it is *permanent*, answered at once with a status clients do not retry. A
+process that died on its own (killed, out of memory, a crash after it served) or never became
+ready in time may do better next time: it is retried, with backoff.
+
+The cause is picked from the log tail by priority (llama.cpp's own words first, they name the
+real problem, e.g. "tensor 'token_embd.weight' data is not within the file bounds"), so the
+message is the same whichever the router noticed first: `/health` answering 500 or the exit.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# (pattern, does a match mean the worker reported a failed load?) in priority order
+_CAUSES: tuple[tuple[re.Pattern[str], bool], ...] = (
+    (re.compile(r"error loading model: (?!llama_model_loader: failed to load model from)(.+)"), True),
+    (re.compile(r"gguf_init_from_\w+: (.+)"), True),
+    (re.compile(r"(unknown model architecture: .+)"), True),
+    (re.compile(r"model load failed: (.+)"), True),
+    (re.compile(r"omni-worker: error: (.+)"), True),  # a bad flag (exit code 2)
+)
+_TRACEBACK_LAST = re.compile(r"^(\w+(?:Error|Exception)\b.*)$")
+_CLI_USAGE_EXIT = 2
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    cause: str  # one line, for the API error and the Models tab
+    is_permanent: bool  # the same load will fail again: no retry until the file or preset changes
+
+
+def _strip_log_prefix(line: str) -> str:
+    """`06:50:50.200 WARNING worker.llama_cpp: llama.cpp: llama_model_load: ...` -> the message."""
+    return re.sub(r"^\d\d:\d\d:\d\d(?:\.\d+)? \w+ [\w.]+: (?:llama\.cpp: )?", "", line.strip())
+
+
+def diagnose(log_tail: Sequence[str], exit_code: int | None, reason: str, *, was_ready: bool) -> LoadFailure:
+    """`reason`: what the router saw (`exited with code 1`, `not ready after 300s`, a spawn error)."""
+    lines = [_strip_log_prefix(line) for line in log_tail]
+    for pattern, reported in _CAUSES:
+        for line in lines:
+            if (m := pattern.search(line)) is not None:
+                return LoadFailure(m.group(1).strip(), reported and not was_ready)
+    last_exception = next((m.group(1) for line in reversed(lines) if (m := _TRACEBACK_LAST.match(line))), None)
+    if last_exception is not None and not was_ready:
+        return LoadFailure(f"{reason}: {last_exception}", exit_code not in (None, 0) and exit_code > 0)
+    return LoadFailure(reason, exit_code == _CLI_USAGE_EXIT and not was_ready)
