@@ -9,8 +9,13 @@ no speculative decoding here, and a draft model changes speed, never output.
 TOML: `[defaults]` and `[models.NAME]` tables with the same keys (`-` or `_` both accepted).
 Precedence: router CLI overrides > model section > global defaults > built-in defaults.
 
+Any other omni-worker flag is a key too, by its long name without dashes (`temp`, `top-k`,
+`reasoning-format`, `no-slots`; router.worker_flags), checked with the worker's own types and
+passed through to its command line.
+
 Every error is a `PresetError` whose message names the file, the line (INI) or the key path
-(TOML), and the valid values. Unknown keys and duplicate names/aliases are errors.
+(TOML), and the valid values. Unknown keys ("did you mean 'parallel'?") and duplicate
+names/aliases are errors.
 """
 
 from __future__ import annotations
@@ -66,7 +71,11 @@ class ModelPreset:
     unload_after: float | None = None  # idle seconds before the process stops; None = router default, 0 = never
     memory: int | None = None  # bytes the model needs (replaces the estimate)
     pin: bool = False
+    worker_args: tuple[tuple[str, str], ...] = ()  # any other omni-worker flag: (long name, value), sorted
     source: str = ""  # where it was defined, for messages
+
+    def worker_arg(self, name: str) -> str | None:
+        return next((v for k, v in self.worker_args if k == name), None)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -237,6 +246,46 @@ def _negated(key: str) -> str | None:
     return k[3:] if k.startswith("no-") and k[3:] in _NEGATABLE else None
 
 
+_WORKER_PREFIX = "worker:"  # a canonical key outside _KEYS: an omni-worker flag passed through
+
+
+def _worker_key(key: str, value: Any, where: str) -> tuple[str, Any]:
+    """A key that is one of omni-worker's flags (router.worker_flags): its canonical name and value;
+    else a PresetError that names the closest valid key."""
+    from router import worker_flags
+
+    spelled = _spelling(key)
+    found = worker_flags.lookup(spelled)
+    if found is not None and found.flag.name in worker_flags.ROUTER_OWNED:
+        raise PresetError(f"{where}: {key!r} cannot be set in a preset: "
+                          f"{worker_flags.ROUTER_OWNED[found.flag.name]}")
+    if found is None:
+        everything = [*_KEYS, *_SHORT, *worker_flags.spellings()]
+        guess = worker_flags.did_you_mean(spelled, everything)
+        hint = f"; did you mean {_SHORT.get(guess, guess)!r}?" if guess else ""
+        raise PresetError(f"{where}: unknown key {key!r}{hint} (valid: {VALID_KEYS}; short: c, np, ngl, t, b, "
+                          "a, m, fa, kvu; LLAMA_ARG_* names; and any omni-worker flag by its long name, see "
+                          "omni-worker --help)")
+    if found.is_negated:
+        try:
+            value = not (value if isinstance(value, bool) else _bool(value))
+        except ValueError as e:
+            raise PresetError(f"{where}: invalid value {value!r} for {key!r}: {e}") from None
+    return _WORKER_PREFIX + found.flag.name, value
+
+
+def _worker_value(name: str, raw: Any) -> str:
+    from router import worker_flags
+
+    found = worker_flags.lookup(name)
+    assert found is not None
+    if found.flag.is_switch:
+        if not found.flag.negation and not _bool(raw):
+            return "false"  # (a switch with no --no-X: false is its default, nothing to pass)
+        return "true" if _bool(raw) else "false"
+    return worker_flags.convert(found.flag, raw)
+
+
 # --------------------------------------------------------------------------- raw sections
 
 
@@ -331,8 +380,7 @@ def _put(sec: _RawSection, key: str, value: Any, where: str) -> None:
         except ValueError as e:
             raise PresetError(f"{where}: invalid value {value!r} for {key!r}: {e}") from None
     if canon is None:
-        raise PresetError(f"{where}: unknown key {key!r} (valid: {VALID_KEYS}; short: c, np, ngl, t, b, a, m, fa, kvu; "
-                          "or LLAMA_ARG_* names)")
+        canon, value = _worker_key(key, value, where)
     if canon in sec.values and sec.spellings.get(canon) != key:
         raise PresetError(f"{where}: key {key!r} given twice in [{sec.name}] (first at {sec.values[canon][1]})")
     sec.spellings[canon] = key  # the same key again: the last one wins, as in llama-server's parser
@@ -361,8 +409,16 @@ def _resolve_model(raw: str, base_dir: Path) -> Path:
 def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> ModelPreset:
     kwargs: dict[str, Any] = {}
     origin: dict[str, str] = {}
+    worker_args: dict[str, str] = {}
     for layer in layers:
         for canon, (value, at) in layer.values.items():
+            if canon.startswith(_WORKER_PREFIX):
+                flag = canon[len(_WORKER_PREFIX):]
+                try:
+                    worker_args[flag] = _worker_value(flag, value)
+                except ValueError as e:
+                    raise PresetError(f"{at}: invalid value {value!r} for {flag!r}: {e}") from None
+                continue
             fname, conv = _KEYS[canon]
             try:
                 kwargs[fname] = conv(value)
@@ -373,7 +429,7 @@ def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> 
     if kwargs.get("model_draft"):
         log.warning("%s: model-draft is not used (no speculative decoding here; the output is the same)",
                     origin["model_draft"])
-    preset = ModelPreset(name=name, source=where, **kwargs)
+    preset = ModelPreset(name=name, source=where, worker_args=tuple(sorted(worker_args.items())), **kwargs)
     if model is not None:
         preset = replace(preset, model=_resolve_model(model, base_dir))
     _check(preset, origin)

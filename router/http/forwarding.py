@@ -16,6 +16,7 @@ from urllib.parse import parse_qs
 from starlette.types import Receive, Scope, Send
 
 from router.http.form import boundary, form_field
+from router.http.hints import reword_body
 from router.http.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
 from router.lifecycle.model import ModelHandle
 from router.lifecycle.pool import Pool
@@ -158,7 +159,7 @@ class Forwarder:
         for attempt in (1, 2):
             try:
                 return await forward(self.pool.upstream, self.pool.client, send, method, base, target, headers,
-                                     body, model=handle.name)
+                                     body, model=handle.name, reword_error=lambda data: reword_body(data, handle.preset))
             except UpstreamUnavailable as e:
                 # A keep-alive connection the worker closed just as we reused it: retry once.
                 if attempt == 2 or not e.retryable:

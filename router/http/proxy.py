@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -89,8 +90,10 @@ async def forward(
     body: bytes,
     *,
     model: str,
+    reword_error: Callable[[bytes], bytes] | None = None,
 ) -> int:
-    """Proxy one request; returns the upstream status. Raises UpstreamUnavailable before headers."""
+    """Proxy one request; returns the upstream status. Raises UpstreamUnavailable before headers.
+    `reword_error`: applied to a whole (non-streamed) error body (router.http.hints)."""
     if FORCE_HTTPX or not base_url.startswith("http://"):
         return await _forward_httpx(client, send, method, base_url + target, headers, body, model=model)
     try:
@@ -105,6 +108,8 @@ async def forward(
                 data = await conn.read_all()
             except UpstreamError as e:
                 raise UpstreamUnavailable(f"worker for model {model!r} failed mid-response: {e}") from None
+            if conn.status >= 400 and reword_error is not None:
+                data = reword_error(data)
             hdrs.append((b"content-length", str(len(data)).encode()))
             await send({"type": "http.response.start", "status": conn.status, "headers": hdrs})
             await send({"type": "http.response.body", "body": data})

@@ -158,8 +158,8 @@ def compute(p: ModelPreset, has_gpu: bool) -> Estimate:
     if shape is not None:
         cells = p.ctx_size if p.ctx_size else (DEFAULT_CTX if p.ctx_size is None else shape.n_ctx_train)
         if backend == "llama_cpp":
-            k = CACHE_TYPE_BYTES.get(str(getattr(p, "cache_type_k", None) or "f16"), 2.0)
-            v = CACHE_TYPE_BYTES.get(str(getattr(p, "cache_type_v", None) or "f16"), 2.0)
+            k = CACHE_TYPE_BYTES.get(p.worker_arg("cache-type-k") or "f16", 2.0)
+            v = CACHE_TYPE_BYTES.get(p.worker_arg("cache-type-v") or "f16", 2.0)
         else:
             k = v = shape.dtype_bytes
         kv = kv_bytes(shape, cells, k, v)

@@ -72,7 +72,24 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
         argv.append("--jinja" if preset.jinja else "--no-jinja")
     argv += ["--embedding"] if preset.embedding else []
     argv += ["--reranking"] if preset.reranking else []
-    return argv
+    return argv + _passed_through(preset.worker_args)
+
+
+def _passed_through(worker_args: tuple[tuple[str, str], ...]) -> list[str]:
+    """Any other omni-worker flag a preset sets (router.worker_flags): `--name value`, or a switch."""
+    from router import worker_flags
+
+    out: list[str] = []
+    for name, value in worker_args:
+        found = worker_flags.lookup(name)
+        if found is not None and found.flag.is_switch:
+            if value == "true":
+                out.append(f"--{name}")
+            elif found.flag.negation:
+                out.append(f"--{found.flag.negation}")
+        else:
+            out += [f"--{name}", value]
+    return out
 
 
 def _die_with_parent(parent_pid: int) -> None:

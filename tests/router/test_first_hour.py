@@ -114,3 +114,28 @@ def test_a_chat_completion_after_a_permanent_failure_of_another_model_is_served(
         assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
     msg = resp.json()["error"]["message"]
     assert "failed to load" in msg and "\n" not in msg
+
+
+def test_hints_name_the_preset_key_through_the_router_bug_they_named_worker_flags(router_factory: Factory) -> None:
+    """Bug: through the router, "Start it with `--embeddings`" and "try increasing --ctx-size"
+    gave advice for a process the user never starts. Reproduced with embeddings on a chat model
+    and a prompt longer than a slot (ctx-size 256 / parallel 2 = 128 cells)."""
+    r = router_factory(f'{preset_defaults(256)}[models.chat]\nmodel = "{GGUF}"\n')
+    with r.client(timeout=60) as c:
+        emb = c.post("/v1/embeddings", json={"model": "chat", "input": "hi"}).json()["error"]["message"]
+        long = c.post("/v1/chat/completions", json=chat("chat", messages=[{"role": "user", "content": "word " * 300}]))
+    assert "Set `embedding = true` in the preset of model 'chat'" in emb and "--embeddings" not in emb
+    msg = long.json()["error"]["message"]
+    assert long.status_code == 400 and "raise `ctx-size` (or lower `parallel`) in the preset of model 'chat'" in msg
+    assert "ctx-size 256 / parallel 2 = 128 cells" in msg and "--ctx-size" not in msg
+
+
+def test_worker_flags_in_a_preset_reach_the_worker(router_factory: Factory) -> None:
+    """`n-predict` (any omni-worker flag by its long name) caps every request's tokens."""
+    r = router_factory(f'{preset_defaults(256)}[models.a]\nmodel = "{GGUF}"\nn-predict = 3\ntemp = 0\n')
+    with r.client(timeout=60) as c:
+        body = c.post("/v1/chat/completions", json={"model": "a", "messages": [{"role": "user", "content": "hi"}]})
+        props = c.get("/props", params={"model": "a"}).json()
+    assert body.status_code == 200, body.text
+    assert body.json()["usage"]["completion_tokens"] <= 3
+    assert props["default_generation_settings"]["params"]["temperature"] == 0
