@@ -15,6 +15,7 @@ from typing import Annotated, Any
 import typer
 from typer._click.exceptions import ClickException  # typer vendors its own click
 
+from router.banner import banner
 from router.presets import ModelPreset, PresetError, check_unique, load_presets, merge, scan_models_dir
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -38,15 +39,27 @@ def build_presets(preset: list[Path], models_dir: Path | None, overrides: dict[s
     return presets
 
 
-@cli.command()
+EPILOG = """\b
+Other commands:
+  omni-router profile-report DIR  per-request timelines and a per-stage
+                                  summary of a profiling run (--help)
+\b
+Presets take any omni-worker flag by its long name (temp = 0.7) and the
+router's own keys (ttl, unload-after, load-timeout, stop-timeout, pin,
+memory, alias, backend, cmd, upstream): see the README's first section."""
+
+
+@cli.command(epilog=EPILOG)
 def serve(
-    preset: Annotated[list[Path], typer.Option("--preset", "--models-preset", help="INI or TOML preset file (repeatable)")] = [],  # noqa: B006  # typer copies it, never mutated
-    models_dir: Annotated[Path | None, typer.Option(help="also serve every *.gguf / HF folder in DIR")] = None,
+    preset: Annotated[list[Path], typer.Option("--preset", "--models-preset", metavar="FILE",
+                                               help="INI or TOML preset file (repeatable)")] = [],  # noqa: B006  # typer copies it, never mutated
+    models_dir: Annotated[Path | None, typer.Option(metavar="DIR", help="also serve every *.gguf / HF folder in DIR")] = None,
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8080,
     models_max: Annotated[int, typer.Option(min=0, help="models loaded at once (0 = unlimited)")] = 4,
     models_autoload: Annotated[bool, typer.Option("--models-autoload/--no-models-autoload")] = True,
-    sleep_idle_seconds: Annotated[float, typer.Option(min=0, help="idle seconds before a worker sleeps (0 = never)")] = 0.0,
+    sleep_idle_seconds: Annotated[float, typer.Option(min=-1, help="idle seconds before a worker sleeps (0 or -1: "
+                                                      "never, as omni-worker's -1); per model: `ttl`")] = 0.0,
     unload_idle_seconds: Annotated[float, typer.Option(min=0, help="idle seconds before a worker (awake or asleep) "
                                                        "is stopped (0 = never)")] = 0.0,
     ram_budget: Annotated[str, typer.Option(help="host RAM the workers may use: SIZE (512M, 20GiB), 0 = no limit, "
@@ -67,7 +80,9 @@ def serve(
     responses_ttl: Annotated[float, typer.Option(min=1, help="seconds a stored response is kept")] = 30 * 24 * 3600.0,
     max_body_size: Annotated[int, typer.Option(min=0, help="largest request body in bytes, larger is a 413 "
                                                "(0 = no limit)")] = 100 * 1024 * 1024,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+    log_level: Annotated[str, typer.Option(metavar="debug|info|warning|error")] = "info",
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=lambda v: _print_version(v),
+                                          help="print the version and exit")] = False,
 ) -> None:
     """One OpenAI-compatible endpoint for many models."""
     overrides = {"ctx-size": ctx_size, "parallel": parallel, "n-gpu-layers": n_gpu_layers, "threads": threads}
@@ -85,6 +100,9 @@ def serve(
         raise typer.BadParameter("expected one of debug, info, warning, error", param_hint="--log-level")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.INFO)  # --log-level debug: not a line per /health poll
+    for line in banner(presets, host, port, has_api_key=bool(api_key), log_level=log_level.lower()):
+        logging.getLogger("omni.router").info("%s", line)
 
     import uvicorn
 
@@ -121,6 +139,18 @@ def profile_report(
     if not events:
         raise typer.BadParameter(f"no events_*.jsonl events in {directory}", param_hint="DIR")
     write_report(build_timelines(events), sys.stdout, with_timelines=timelines)
+
+
+def _print_version(is_asked: bool) -> None:
+    if is_asked:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+
+        try:
+            print(f"omni-router {package_version('omni-router')}")
+        except PackageNotFoundError:  # run from a checkout that was not installed
+            print("omni-router (not installed: version unknown)")
+        raise typer.Exit(0)
 
 
 def _best(preferred: str, fallback: str) -> str:

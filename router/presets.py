@@ -72,6 +72,7 @@ class ModelPreset:
     memory: int | None = None  # bytes the model needs (replaces the estimate)
     pin: bool = False
     worker_args: tuple[tuple[str, str], ...] = ()  # any other omni-worker flag: (long name, value), sorted
+    model_error: str | None = None  # the model file is missing: this model is failed, the router serves the rest
     source: str = ""  # where it was defined, for messages
 
     def worker_arg(self, name: str) -> str | None:
@@ -399,11 +400,20 @@ def _put(sec: _RawSection, key: str, value: Any, where: str) -> None:
 
 
 def _resolve_model(raw: str, base_dir: Path) -> Path:
+    """An absolute path, else relative to the current directory, else to the preset file's folder
+    (where a missing relative path is then expected: the message says both places)."""
     p = Path(os.path.expanduser(raw))
     if p.is_absolute() or p.exists():
         return p.resolve() if p.exists() else p
     alt = base_dir / p
-    return alt.resolve() if alt.exists() else p
+    return alt.resolve() if alt.exists() else alt
+
+
+def _looked_in(raw: str, base_dir: Path) -> str:
+    p = Path(os.path.expanduser(raw))
+    if p.is_absolute():
+        return ""
+    return f" (looked in the current directory, {Path.cwd()}, and beside the preset file, {base_dir})"
 
 
 def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> ModelPreset:
@@ -433,6 +443,12 @@ def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> 
     if model is not None:
         preset = replace(preset, model=_resolve_model(model, base_dir))
     _check(preset, origin)
+    if preset.backend not in ("cmd", "remote") and preset.model is not None and not preset.model.exists():
+        # That model fails (and is tried again once the file is there); the others serve.
+        error = (f"{origin.get('model', where)}: model path {str(model)!r} does not exist"
+                 f"{_looked_in(str(model), base_dir)}")
+        log.warning("%s", error)
+        preset = replace(preset, model_error=error)
     return preset
 
 
@@ -454,8 +470,6 @@ def _check(p: ModelPreset, origin: Mapping[str, str]) -> None:
         raise PresetError(f"{origin['cmd']}: 'cmd' is only valid with backend = cmd")
     if p.model is None:
         raise PresetError(f"{at}: missing key 'model' (a .gguf file or a Hugging Face model folder)")
-    if not p.model.exists():
-        raise PresetError(f"{origin.get('model', at)}: model path {str(p.model)!r} does not exist")
 
 
 def load_presets(path: str | Path, overrides: Mapping[str, Any] | None = None) -> list[ModelPreset]:

@@ -26,6 +26,7 @@ ROUTER_OWNED = {
     "metrics": "the router always turns it on", "api-key": "set --api-key on the router",
     "api-key-file": "set --api-key on the router",
     "sleep-idle-seconds": "use 'ttl' (idle seconds before the router puts the model to sleep)",
+    "version": "it is not a setting",
 }
 
 

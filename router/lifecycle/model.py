@@ -276,6 +276,9 @@ class ModelHandle:
         if self.preset.is_remote:
             self.base_url = self.preset.upstream
             self.phase = Phase.READY
+        elif self.preset.model_error is not None:  # (before the owner runs: no one else writes yet)
+            self._fail_missing()
+            self.phase = Phase.FAILED
         self._task = asyncio.create_task(self._run(), name=f"owner:{self.name}")
 
     def when_ended(self, callback: Callable[[], None]) -> None:
@@ -680,6 +683,11 @@ class ModelHandle:
             return
         if self.phase is Phase.FAILED:
             self._set(Phase.UNLOADED)
+        if self.preset.model_error is not None:
+            self._fail_missing()
+            self._set(Phase.FAILED)
+            self._fail_waiters("", error=_permanent(self.name, self.preset.model_error, []))
+            return
         self.need = None
         self._prune_waiters()
         if self._waiters:
@@ -778,6 +786,11 @@ class ModelHandle:
         self._set(Phase.FAILED)
         self._fail_waiters("", error=_permanent(self.name, failure.cause, self.log_tail) if failure.is_permanent
                            else _unavailable(f"model {self.name!r} failed to load: {failure.cause}"))
+
+    def _fail_missing(self) -> None:
+        """The preset's model file does not exist: FAILED, permanent until the file is there."""
+        self.exit_code, self.error = None, self.preset.model_error
+        self.is_permanent, self._failed_stamp, self.log_tail = True, None, []
 
     def _file_stamp(self) -> tuple[int, int] | None:
         """The model file's (size, mtime): a permanent failure is tried again once it changes."""

@@ -139,3 +139,30 @@ def test_worker_flags_in_a_preset_reach_the_worker(router_factory: Factory) -> N
     assert body.status_code == 200, body.text
     assert body.json()["usage"]["completion_tokens"] <= 3
     assert props["default_generation_settings"]["params"]["temperature"] == 0
+
+
+def test_a_missing_model_file_fails_that_model_only_bug_it_stopped_the_router(router_factory: Factory,
+                                                                             tmp_path: Path) -> None:
+    """Bug: `models.ghost.model: ... does not exist` stopped the whole router. Now the router
+    starts, prints a banner naming it, serves the others, answers for it at once (a 500 the SDK
+    does not retry) and loads it once the file is there. With --log-level debug, polling
+    /health during a load writes no httpcore lines."""
+    ghost = tmp_path / "later" / "ghost.gguf"
+    r = router_factory(f'{preset_defaults(256)}[models.ghost]\nmodel = "later/ghost.gguf"\n'
+                       f'[models.a]\nmodel = "{GGUF}"\n', "--log-level", "debug")
+    log = r.log()
+    assert "omni-router: 2 models, 1 with a missing file" in log
+    assert "model path 'later/ghost.gguf' does not exist (looked in the current directory" in log
+    assert f"web UI: {r.base}/" in log and "logs:" in log
+    card = r.models()["ghost"]
+    assert card["status"]["value"] == "failed" and card["status"]["permanent"] is True
+    client, attempts = _counting_client(r.base)
+    with pytest.raises(openai.InternalServerError, match="does not exist"):
+        client.chat.completions.create(model="ghost", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert attempts == [500] and _spawns(r, "ghost") == 0
+    assert client.chat.completions.create(model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    ghost.parent.mkdir()
+    ghost.write_bytes(GGUF.read_bytes())  # beside the preset file, where the message said
+    assert client.chat.completions.create(model="ghost", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    log = r.log()
+    assert "httpcore" not in log and "model a: loaded in" in log

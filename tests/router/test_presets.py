@@ -100,7 +100,6 @@ INI_ERRORS = [
     ("[a]\nmodel = {m}\nstop-timeout = 0\n", r":3: .*'stop-timeout': expected a number > 0"),
     ("[a]\nmodel = {m}\nttl = -1\n", r":3: .*'ttl': expected a number >= 0"),
     ("[a]\nc = 10\n", r"preset\.ini:1: missing key 'model'"),
-    ("[a]\nmodel = /nope/x.gguf\n", r":2: model path '/nope/x.gguf' does not exist"),
     ("[a]\nmodel = {m}\n[a]\nmodel = {m}\n", r":3: duplicate model name \[a\] \(first defined on line 1\)"),
     ("[a]\nmodel = {m}\nc = 1\nctx-size = 2\n", r":4: key 'ctx-size' given twice in \[a\]"),
     ("[a]\nmodel = {m}\nalias = x\n[b]\nmodel = {m}\nalias = x\n", r"name or alias 'x' already used by \[a\]"),
@@ -315,3 +314,16 @@ def test_memory_and_unload_after_keys(tmp_path: Path, gguf: Path) -> None:
     bad = write(tmp_path, f"[models.a]\nmodel = \"{gguf}\"\nmemory = \"lots\"\n", ".toml")
     with pytest.raises(PresetError, match=r"models\.a\.memory: invalid value 'lots' for 'memory': expected a size"):
         load_presets(bad)
+
+
+@pytest.mark.parametrize(("model", "looked"), [("/nope/x.gguf", False), ("sub/x.gguf", True)])
+def test_a_missing_model_file_fails_that_model_only_and_says_where_it_looked(tmp_path: Path, gguf: Path, model: str,
+                                                                           looked: bool) -> None:
+    """Bug (issue 25): one missing file stopped the whole router; the relative-path error did not
+    say where it looked."""
+    path = write(tmp_path, f"[ghost]\nmodel = {model}\n[a]\nmodel = {gguf}\n", ".ini")
+    ghost, a = load_presets(path)
+    assert a.model_error is None
+    assert ghost.model_error is not None and f":2: model path '{model}' does not exist" in ghost.model_error
+    assert ("beside the preset file, " + str(tmp_path.resolve())) in ghost.model_error if looked else \
+        "looked" not in ghost.model_error

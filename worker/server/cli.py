@@ -32,7 +32,7 @@ from worker.protocol.sampling import SamplingParams
 from worker.server.state import REASONING_FORMATS, WorkerState
 
 log = logging.getLogger("worker")
-cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 _LOAD_FAILURE_GRACE_S = 1.0  # let /health report the 500 before exiting
 
@@ -89,7 +89,7 @@ _NO_HUB = "omni-worker does not download models (there is no model hub here): pa
 @cli.command()
 def serve(
     model: str | None = typer.Option(None, "--model", "-m", help="GGUF file or HF model directory"),
-    backend: str = typer.Option("auto", "--backend", help="auto | llama_cpp | torch"),
+    backend: str = typer.Option("auto", "--backend", metavar="auto|llama_cpp|torch", help="auto: llama.cpp for a .gguf file, torch for an HF folder"),
     alias: str | None = typer.Option(
         None, "--alias", "-a", help="model id reported by the API; comma-separated aliases: the first, sorted, is the id"
     ),
@@ -109,7 +109,7 @@ def serve(
     batch_size: int = typer.Option(2048, "--batch-size", "-b", min=1, help="max tokens per decode step"),
     ubatch_size: int = typer.Option(512, "--ubatch-size", "-ub", min=1, help="physical batch size"),
     n_gpu_layers: str | None = typer.Option(
-        None, "--n-gpu-layers", "--gpu-layers", "-ngl", help="N, auto or all (default: all)"
+        None, "--n-gpu-layers", "--gpu-layers", "-ngl", metavar="N|auto|all", help="layers on the GPU (default: all)"
     ),
     threads: int | None = typer.Option(None, "--threads", "-t", min=1),
     chat_template: str | None = typer.Option(None, "--chat-template", help="template file, builtin name or Jinja"),
@@ -118,9 +118,11 @@ def serve(
         True, "--jinja/--no-jinja",
         help="templates are always Jinja; --no-jinja is accepted and changes nothing (a warning says so)",
     ),
-    cache_type_k: str = typer.Option("f16", "--cache-type-k", "-ctk"),
-    cache_type_v: str = typer.Option("f16", "--cache-type-v", "-ctv"),
-    flash_attn: str = typer.Option("auto", "--flash-attn", "-fa", help="auto | on | off"),
+    cache_type_k: str = typer.Option("f16", "--cache-type-k", "-ctk", metavar="f16|f32|bf16|q8_0|q4_0|...",
+                                     help="KV cache type for K (llama.cpp backend)"),
+    cache_type_v: str = typer.Option("f16", "--cache-type-v", "-ctv", metavar="f16|f32|bf16|q8_0|q4_0|...",
+                                     help="KV cache type for V (llama.cpp backend)"),
+    flash_attn: str = typer.Option("auto", "--flash-attn", "-fa", metavar="auto|on|off"),
     device: str | None = typer.Option(None, "--device", help="torch backend: cpu, cuda, ..."),
     dtype: str | None = typer.Option(None, "--dtype", help="torch backend: float32, bfloat16, ..."),
     compile: bool = typer.Option(False, "--compile", help="torch backend on CUDA: CUDA graphs for decode steps (ignored, with a warning, on CPU)"),
@@ -129,12 +131,12 @@ def serve(
         help="host-RAM prompt cache for idle slots' KV, in MiB (0: off, -1: no limit); llama.cpp backend",
     ),
     reasoning_format: str = typer.Option(
-        "auto", "--reasoning-format",
-        help="auto | deepseek | deepseek-legacy | none: where <think> text goes (a request's reasoning_format wins)",
+        "auto", "--reasoning-format", metavar="auto|deepseek|deepseek-legacy|none",
+        help="where <think> text goes (a request's reasoning_format wins)",
     ),
     reasoning: str = typer.Option(
-        "auto", "--reasoning", "-rea",
-        help="on | off | auto: the chat template's enable_thinking (a request's chat_template_kwargs win); auto: the template's default",
+        "auto", "--reasoning", "-rea", metavar="on|off|auto",
+        help="the chat template's enable_thinking (a request's chat_template_kwargs win); auto: the template's default",
     ),
     # -- sampling defaults (a request's own fields win; GET /props reports these) --
     n_predict: int = typer.Option(-1, "--n-predict", "--predict", "-n", help="default and cap of max_tokens (-1: none)"),
@@ -152,7 +154,7 @@ def serve(
         False, "--embedding", "--embeddings", help="an embedding model: /v1/embeddings, /embedding; no generation",
     ),
     pooling: str | None = typer.Option(
-        None, "--pooling", help="none | mean | cls | last | rank (default: the model's own)",
+        None, "--pooling", metavar="none|mean|cls|last|rank", help="(default: the model's own)",
     ),
     rerank: bool = typer.Option(False, "--rerank", "--reranking", help="a reranker: --embedding --pooling rank, /rerank"),
     # -- HTTP server --
@@ -165,7 +167,8 @@ def serve(
     slots: bool = typer.Option(True, "--slots/--no-slots", help="GET /slots (501 with --no-slots)"),
     metrics_on: bool = typer.Option(False, "--metrics", help="GET /metrics (Prometheus); 501 without it"),
     sleep_idle_seconds: float = typer.Option(
-        -1, "--sleep-idle-seconds", help="free the model after this many idle seconds (-1: never); a request wakes it"
+        -1, "--sleep-idle-seconds",
+        help="free the model after this many idle seconds (0 or -1: never, as omni-router's 0); a request wakes it"
     ),
     context_shift: bool = typer.Option(
         False, "--context-shift/--no-context-shift", help="omni-worker never shifts context (--no-context-shift)"
@@ -176,7 +179,7 @@ def serve(
     model_url: str | None = typer.Option(None, "--model-url", "-mu", hidden=True),
     parent_pid: int | None = typer.Option(None, "--parent-pid", help="exit when this process is gone"),
     http_impl: str = typer.Option(
-        "auto", "--http",
+        "auto", "--http", metavar="auto|httptools|h11",
         help="uvicorn's HTTP implementation: auto (httptools, the fastest), httptools, or h11 (slower; the only "
              "one that sends header names as cased by us, e.g. Process-Start-Time-Unix, as llama-server does)",
     ),
@@ -188,6 +191,8 @@ def serve(
     slot_save_path: str | None = typer.Option(
         None, "--slot-save-path", help="directory for POST /slots/{id}?action=save|restore (501 without it)"
     ),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=lambda v: _print_version(v),
+                                 help="print the version and exit"),
     verbose: bool = typer.Option(
         False, "--verbose", "-v", "--log-verbose",
         help="every chat completion carries llama-server's `__verbose` object (the prompt as the model saw it)",
@@ -334,6 +339,18 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _print_version(is_asked: bool) -> None:
+    if is_asked:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as package_version
+
+        try:
+            print(f"omni-worker {package_version('omni-router')}")
+        except PackageNotFoundError:  # run from a checkout that was not installed
+            print("omni-worker (not installed: version unknown)")
+        raise typer.Exit(0)
 
 
 def _listen(host: str, port: int) -> socket.socket:
