@@ -86,6 +86,13 @@ class ModelPreset:
     def is_remote(self) -> bool:
         return self.backend == "remote"
 
+    @property
+    def resolved_backend(self) -> str:
+        """`auto` as the worker resolves it: llama.cpp for a file (GGUF), torch for a folder."""
+        if self.backend != "auto":
+            return self.backend
+        return "llama_cpp" if self.model is None or self.model.suffix.lower() == ".gguf" or self.model.is_file() else "torch"
+
 
 # --------------------------------------------------------------------------- keys
 

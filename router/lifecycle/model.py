@@ -873,7 +873,8 @@ class ModelHandle:
         p = self.preset
         card: dict[str, Any] = {
             "id": p.name, "object": "model", "created": self.deps.created, "owned_by": "omni-router",
-            "aliases": list(p.aliases), "backend": p.backend, "status": self.status(),
+            "aliases": list(p.aliases), "backend": p.backend, "resolved_backend": p.resolved_backend,
+            "status": self.status(),
             "in_flight": self.num_in_flight, "pinned": p.pin, "memory": self.memory_view(),
         }
         if p.model is not None:

@@ -51,7 +51,7 @@ function toast(msg, ms = 4000) {
 }
 
 function handleError(e) {
-  if (e instanceof api.AuthError) askKey();
+  if (e instanceof api.AuthError) askKey(e);
   else if (e?.name !== "AbortError") toast(String(e.message || e));
 }
 
@@ -78,7 +78,10 @@ async function refreshModels() {
     S.models = new Map(list.map((m) => [m.id, m]));
     if (!S.selected || !S.models.has(S.selected)) {
       const remembered = localStorage.getItem(MODEL_KEY);
-      S.selected = list.length === 1 ? list[0].id : (S.models.has(remembered) ? remembered : null);
+      const loaded = list.filter((m) => stateOf(m) === "loaded");
+      S.selected = list.length === 1 ? list[0].id
+        : S.models.has(remembered) ? remembered
+        : loaded.length === 1 ? loaded[0].id : null;  // the one model already loaded
     }
     renderModels();
     api.getProps().then((p) => { S.routerProps = p; renderModelsPage(); }).catch(() => {});
@@ -90,6 +93,7 @@ function onStatus(model, status) {
   if (!card) { refreshModels(); return; }
   const was = stateOf(card);
   card.status = status;
+  if (S.busy && S.busy.node.model === model) renderStreaming(S.busy.node);  // the spinner's line
   if (was !== "loaded" && status.value === "loaded") {
     api.getModels().then((list) => { for (const m of list) S.models.set(m.id, m); renderModels(); }).catch(() => {});
     S.modelProps.delete(model);
@@ -161,7 +165,8 @@ function modelButtons(card, withSleep = false) {
   return h("span", { class: "model-actions" },
     ["unloaded", "failed"].includes(st) ? b("Load", "load", "primary") : null,
     withSleep && st === "loaded" ? b("Sleep", "sleep") : null,
-    ["loaded", "sleeping", "loading"].includes(st) ? b("Unload", "unload") : null);
+    ["loaded", "sleeping"].includes(st) ? b("Unload", "unload") : null,
+    st === "loading" ? b("Cancel", "unload") : null);  // (unload stops a load where it is)
 }
 
 function renderModels() {
@@ -204,7 +209,13 @@ function fmtBytes(n) {
 function memoryOf(card) {
   const m = card.memory ?? card.meta?.memory ?? card.status?.memory;
   if (typeof m === "number") return fmtBytes(m);
-  if (m && typeof m === "object") return Object.entries(m).map(([k, v]) => `${k} ${fmtBytes(v)}`).join(", ");
+  if (m && typeof m === "object") {  // the router's: measured (null when not running) and the estimate
+    const parts = [];
+    if (typeof m.ram_bytes === "number") parts.push(`${fmtBytes(m.ram_bytes)} RAM`);
+    if (typeof m.vram_bytes === "number" && m.vram_bytes > 0) parts.push(`${fmtBytes(m.vram_bytes)} VRAM`);
+    if (typeof m.estimated_bytes === "number") parts.push(`${parts.length ? "est. " : "needs ~"}${fmtBytes(m.estimated_bytes)}`);
+    return parts.length ? parts.join(" · ") : "—";
+  }
   const size = card.meta?.size ?? card.meta?.n_bytes;
   return typeof size === "number" ? `weights ${fmtBytes(size)}` : "—";
 }
@@ -216,7 +227,7 @@ function renderModelsPage() {
     h("td", {}, h("strong", { text: m.id }), m.pinned ? h("span", { class: "badge", text: "pinned" }) : null,
       m.path || m.upstream ? h("div", { class: "muted small path", text: m.path || m.upstream }) : null),
     h("td", {}, statusBadge(m), progressBar(m)),
-    h("td", { text: m.backend || "" }),
+    h("td", { text: m.resolved_backend || m.backend || "", title: m.backend === "auto" ? "backend = auto" : "" }),
     h("td", { text: (m.aliases || []).join(", ") || "—" }),
     h("td", { text: memoryOf(m) }),
     h("td", { class: "num", text: String(m.in_flight ?? 0) }),
@@ -388,6 +399,13 @@ function renderContent(el, node) {
     el.append(det);
   }
   const body = h("div", { class: "markdown" });
+  if (node.role === "assistant" && node.id === S.busy?.node.id && !node.content && !node.reasoning) {
+    const st = stateOf(S.models.get(node.model));
+    const phase = S.models.get(node.model)?.status?.progress?.phase;
+    el.append(h("div", { class: "waiting", role: "status" }, h("span", { class: "spinner", "aria-hidden": "true" }),
+      h("span", { class: "muted small", text: st === "loading" ? `loading ${node.model}${phase ? ` · ${phase}` : ""}…`
+                                           : st === "sleeping" ? `waking ${node.model}…` : "waiting for the first token…" })));
+  }
   if (node.role === "user") body.append(h("div", { class: "plain", text: node.content }));
   else renderMarkdown(body, node.content);
   el.append(body);
@@ -666,9 +684,14 @@ function saveSettings(ev) {
   applyTheme();
 }
 
-function askKey() {
+function askKey(e) {
   const d = $("#apikey-dialog");
+  const err = $("#apikey-error");
+  const had = api.apiKey();
+  err.hidden = !had;  // a key was sent and refused: say so (first visit: just ask)
+  err.textContent = had ? `That key was not accepted${e?.message ? `: ${e.message}` : ""}. Check it and try again.` : "";
   if (!d.open) d.showModal();
+  if (had) $("#apikey-form").elements.key.select();
 }
 
 function setView(view) {
