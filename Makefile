@@ -14,15 +14,19 @@ PYTEST_ARGS ?=
 .PHONY: setup setup-test chromium models run test soak lint bench clean
 
 $(VENV)/.base: pyproject.toml
+	@echo "==> creating $(VENV) and installing torch==2.13.0 (a few hundred MB; cached by pip afterwards)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel
 	$(PIP) install -q torch==2.13.0
+	@echo "==> installing omni-router; the first time this compiles llama-cpp-python from source:"
+	@echo "    about 9 minutes on 2 cores with no output (pip caches the wheel: later installs take seconds)"
 	@# A CUDA build of llama.cpp only where a GPU is really there (nvcc alone is not enough).
 	if command -v nvcc >/dev/null && nvidia-smi -L >/dev/null 2>&1; then \
 	  CMAKE_ARGS="-DGGML_CUDA=on" $(PIP) install -q -e .; \
 	else \
 	  $(PIP) install -q -e .; \
 	fi
+	@echo "==> installed: $(VENV)/bin/omni-router and $(VENV)/bin/omni-worker"
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base

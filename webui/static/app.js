@@ -554,7 +554,10 @@ async function generate(conv, parentId) {
     }
   } catch (e) {
     if (e.name === "AbortError") stats.stopped = true;
-    else { node.error = String(e.message || e); handleError(e); }
+    else {
+      node.error = String(e.message || e);  // shown in the message itself: no toast over the page too
+      if (e instanceof api.AuthError) handleError(e);
+    }
   }
   if (timings) {
     stats.prompt_tokens ??= timings.prompt_n;
