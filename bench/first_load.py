@@ -119,9 +119,27 @@ def one_run(model: Path) -> dict[str, float]:
             stop_process(proc)
             log.close()
     m = re.search(r"model loaded in ([\d.]+) s", worker_log)
-    ready = re.search(r"loaded in ([\d.]+) s", router_log)
+    ready = re.search(r"smol: loaded in ([\d.]+) s", router_log)
     return {"ttft_s": ttft, "worker_load_s": float(m.group(1)) if m else float("nan"),
-            "router_ready_s": float(ready.group(1)) if ready else float("nan")}
+            "router_ready_s": float(ready.group(1)) if ready else float("nan"),
+            "pre_spawn_s": _between(router_log, "model smol: queued", "model smol: spawning"),
+            "ready_seen_s": _between(router_log + worker_log, "model loaded in", "model smol: ready")}
+
+
+_STAMP = re.compile(r"(\d\d):(\d\d):(\d\d)[.,](\d\d\d)")
+
+
+def _at(text: str, marker: str) -> float:
+    """The clock time (s of the day) of the first log line holding `marker` (router: `HH:MM:SS,mmm`, worker: `.mmm`)."""
+    for line in text.splitlines():
+        if marker in line and (m := _STAMP.search(line)):
+            h, mi, sec, ms = (int(g) for g in m.groups())
+            return h * 3600 + mi * 60 + sec + ms / 1000
+    return float("nan")
+
+
+def _between(text: str, first: str, then: str) -> float:
+    return _at(text, then) - _at(text, first)
 
 
 def main() -> None:
@@ -140,7 +158,9 @@ def main() -> None:
         print(f"run {i}: worker alone: spawn -> ready {w['spawn_to_ready_s']:.2f} s, -> first token "
               f"{w['spawn_to_token_s']:.2f} s (its log: model loaded in {w['worker_load_s']:.2f} s) | through the "
               f"router: request -> first token {r['ttft_s']:.2f} s (worker's log: loaded in {r['worker_load_s']:.2f} s; "
-              f"router's log: loaded in {r['router_ready_s']:.2f} s) | router overhead {over[-1]:+.2f} s")
+              f"router's log: loaded in {r['router_ready_s']:.2f} s) | router overhead {over[-1]:+.2f} s "
+              f"(request -> spawn {r['pre_spawn_s'] * 1000:.0f} ms; worker loaded -> router ready "
+              f"{r['ready_seen_s'] * 1000:.0f} ms)")
     print(f"median router overhead over the worker alone {statistics.median(over):+.2f} s (acceptance: < 1 s)")
 
 

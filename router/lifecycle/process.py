@@ -112,6 +112,7 @@ class WorkerProcess:
         self.name = name
         self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self.log = WORKER_LOGS.ring(name)  # GET /logs?model= (outlives the process)
+        self.output = asyncio.Event()  # set on every line: readiness polls wake on it (router.process.wait_ready)
         self._reader = asyncio.create_task(self._read_log())
 
     @classmethod
@@ -150,6 +151,7 @@ class WorkerProcess:
             text = line.decode(errors="replace").rstrip()
             self.log_tail.append(text)
             self.log.append(text)
+            self.output.set()
             log.debug("[%s] %s", self.name, text)
 
     async def wait(self) -> int:
@@ -197,13 +199,15 @@ async def wait_ready(
     proc: WorkerProcess,
     timeout: float,
     on_progress: Callable[[dict[str, Any]], None],
-    interval: float = 0.02,
+    interval: float = 0.1,
 ) -> bool:
     """Poll `GET /health` until 200 (not sleeping); raise LoadError on exit, 500, or timeout.
 
     Returns whether the server speaks our sleep contract (its /health reports `is_sleeping`, as
-    our worker's does; llama-server's and vLLM's do not). Fast polls first (small models are
-    ready in about a second), slower ones for long loads.
+    our worker's does; llama-server's and vLLM's do not). A poll every `interval` (10x slower
+    after 30 s), and at once whenever the worker writes a line: our worker logs "model loaded"
+    as it turns ready, so the router sees it within milliseconds without polling a busy box
+    every 20 ms (issue 25: a load read 200 ms late once it took over 5 s).
     """
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -235,4 +239,6 @@ async def wait_ready(
         now = loop.time()
         if now > deadline:
             raise LoadError(f"not ready after {timeout:g}s")
-        await asyncio.sleep(interval if now - start < 5.0 else 10 * interval)
+        proc.output.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(proc.output.wait(), interval if now - start < 30.0 else 10 * interval)
