@@ -60,8 +60,8 @@ def serve(
     models_autoload: Annotated[bool, typer.Option("--models-autoload/--no-models-autoload")] = True,
     sleep_idle_seconds: Annotated[float, typer.Option(min=-1, help="idle seconds before a worker sleeps (0 or -1: "
                                                       "never, as omni-worker's -1); per model: `ttl`")] = 0.0,
-    unload_idle_seconds: Annotated[float, typer.Option(min=0, help="idle seconds before a worker (awake or asleep) "
-                                                       "is stopped (0 = never)")] = 0.0,
+    unload_idle_seconds: Annotated[float, typer.Option(min=-1, help="idle seconds before a worker (awake or asleep) "
+                                                       "is stopped (0 or -1: never)")] = 0.0,
     ram_budget: Annotated[str, typer.Option(help="host RAM the workers may use: SIZE (512M, 20GiB), 0 = no limit, "
                                             "auto = total less 10% (at least 1 GiB)")] = "auto",
     vram_budget: Annotated[str, typer.Option(help="GPU memory the workers may use: SIZE, 0 = no limit, "
