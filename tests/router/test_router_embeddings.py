@@ -68,7 +68,7 @@ def test_embeddings_and_rerank_through_the_router(router_factory: Factory) -> No
         assert c.post("/rerank", json={"model": "rerank-gguf", "query": "q", "documents": docs}).status_code == 200
         # a model that does not rerank says so, in llama-server's words, through the router
         refused = c.post("/v1/rerank", json={"model": "embed-gguf", "query": "q", "documents": docs})
-        assert refused.status_code == 501 and "--reranking" in refused.json()["error"]["message"]
+        assert refused.status_code == 501 and "Set `reranking = true` in the preset" in refused.json()["error"]["message"]
         chat = c.post("/v1/chat/completions", json={"model": "embed-hf", "messages": [{"role": "user", "content": "hi"}]})
         assert chat.status_code == 501
 
