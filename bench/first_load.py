@@ -39,7 +39,7 @@ def smollm2_path() -> Path:
 
 
 def time_estimate(model: Path) -> float:
-    code = ("import time; from pathlib import Path; from router.estimate import gguf_shape; "
+    code = ("import time; from pathlib import Path; from router.lifecycle.estimate import gguf_shape; "
             f"t = time.perf_counter(); gguf_shape(Path({str(model)!r})); print(time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     return float(out.stdout.strip())
@@ -149,7 +149,7 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model or smollm2_path()
     print(f"model: {model} ({model.stat().st_size / 2**20:.0f} MiB)")
-    print(f"memory estimate (router.estimate.gguf_shape, fresh process): {time_estimate(model) * 1000:.1f} ms")
+    print(f"memory estimate (router.lifecycle.estimate.gguf_shape, fresh process): {time_estimate(model) * 1000:.1f} ms")
     over = []
     for i in range(args.runs):  # alternated, so that a busy moment of the shared machine hits both sides
         w = worker_alone(model)

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from router.gguf_header import Value, read_keys
+from router.lifecycle.gguf_header import Value, read_keys
 from router.presets import ModelPreset
 
 log = logging.getLogger("omni.router.estimate")
@@ -81,7 +81,7 @@ def cached_shape(model: Path, is_gguf: bool) -> Shape | None:
 
 
 def gguf_shape(path: Path) -> Shape | None:
-    """The KV-cache shape from the GGUF header (router.gguf_header: a few keys, no vocabulary)."""
+    """The KV-cache shape from the GGUF header (router.lifecycle.gguf_header: a few keys, no vocabulary)."""
     def wanted(key: str) -> bool:
         return key == "general.architecture" or key.partition(".")[2] in _GGUF_KEYS
 

@@ -41,9 +41,9 @@ from router.lifecycle.admission import Slots, SlotsFull
 from router.lifecycle.effects import Effects, Process
 from router.lifecycle.estimate import Estimate, MemoryBook
 from router.lifecycle.eviction import Need, Occupancy
+from router.lifecycle.load_failure import LoadFailure, diagnose
 from router.lifecycle.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory
 from router.lifecycle.state import ModelState, Phase
-from router.load_failure import LoadFailure, diagnose
 from router.presets import ModelPreset
 from worker.protocol.errors import APIError
 

@@ -1,4 +1,4 @@
-"""router.gguf_header reads the same values as gguf's GGUFReader, without the vocabulary, and
+"""router.lifecycle.gguf_header reads the same values as gguf's GGUFReader, without the vocabulary, and
 says clearly when a file is not a GGUF (issue 25: the estimate parsed the whole file, 2.8-8 s for
 SmolLM2-135M on a busy 2-core box, before every first load)."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from router.estimate import cached_shape, gguf_shape
-from router.gguf_header import GGUFHeaderError, read_keys
+from router.lifecycle.estimate import cached_shape, gguf_shape
+from router.lifecycle.gguf_header import GGUFHeaderError, read_keys
 from tests.util import ROOT
 
 

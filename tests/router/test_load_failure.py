@@ -1,4 +1,4 @@
-"""router.load_failure: the one-line cause and whether a failed load is worth retrying (issue 25:
+"""router.lifecycle.load_failure: the one-line cause and whether a failed load is worth retrying (issue 25:
 a file that is not a GGUF was respawned on every retry of the openai SDK, and its cause sat in
 the middle of log lines joined with ' | ')."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.load_failure import diagnose
+from router.lifecycle.load_failure import diagnose
 
 TRUNCATED = [
     "06:50:50.200 WARNING worker.llama_cpp: llama.cpp: llama_model_load: error loading model: tensor "

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from router.lifecycle.process import worker_argv
 from router.presets import PresetError, load_presets
-from router.process import worker_argv
 from tests.util import ROOT
 
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
