@@ -1,7 +1,9 @@
 """omni-router's router: one OpenAI-compatible endpoint in front of one worker process per model.
 
     cli            `omni-router --preset FILE ...` (and `profile-report`)
+    banner         the startup summary: models found, UI and API URLs, where the logs are
     presets        INI/TOML presets -> validated `ModelPreset`s (errors name file:line / key path)
+    worker_flags   every omni-worker flag as a preset key (read from `omni-worker --flags-json`)
     events         the one place lifecycle and request events are emitted (/models/sse, metrics listen)
     log_ring       bounded line rings: each worker's output and the router's own log
     upstream       the lean keep-alive HTTP/1.1 client to the workers (the hot path)
@@ -12,6 +14,7 @@
     http/          the ASGI app: the front (auth, CORS, body limit), proxying, the router's own routes
 
 Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
-presets/events/log_ring/upstream, lifecycle, observability, responses and anthropic, http, cli. From `worker`
-the router imports `worker.protocol` only, and it launches workers by command line.
+presets/worker_flags/events/log_ring/upstream, lifecycle, observability, responses and anthropic, http,
+cli/banner. From `worker` the router imports `worker.protocol` only, and it launches workers by
+command line.
 """

@@ -8,15 +8,20 @@ load with the worker's own parameter types, so a bad value names the key then, n
 The flags the router sets itself (port, host, parent pid, model, alias, metrics, API keys) are
 refused with the preset key to use instead.
 
-Imported lazily (the worker's CLI module pulls in numpy): only when a preset key is not one of
-the router's own (router.presets._KEYS).
+Read once, lazily, from `omni-worker --flags-json` (a subprocess, ~1 s): only when a preset key
+is not one of the router's own (router.presets._KEYS).
 """
 
 from __future__ import annotations
 
 import difflib
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 # worker flag -> why a preset cannot set it (and what to use)
@@ -36,6 +41,9 @@ class WorkerFlag:
     is_switch: bool  # `--X` (or `--X/--no-X`): the value is true or false
     negation: str | None  # `no-X` when the worker has `--no-X`
     help: str
+    kind: str = "str"  # int, float, bool or str: how a value is checked
+    min: float | None = None
+    max: float | None = None
 
 
 @dataclass(frozen=True)
@@ -45,25 +53,28 @@ class Lookup:
 
 
 @cache
-def _command() -> Any:
-    import typer
-
-    from worker.server.cli import cli
-
-    return typer.main.get_command(cli)
+def _options() -> list[dict[str, Any]]:
+    """`omni-worker --flags-json`: the worker's own option list. Read from a subprocess, once: the
+    router talks to the worker through its command line (and imports only worker.protocol)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    out = subprocess.run([sys.executable, "-m", "worker.server.cli", "--flags-json"], capture_output=True, text=True,
+                         env=env, timeout=120, check=True)
+    options: list[dict[str, Any]] = json.loads(out.stdout)
+    return options
 
 
 @cache
 def _index() -> dict[str, Lookup]:
     """Every spelling (without dashes, lower case) -> the flag."""
     out: dict[str, Lookup] = {}
-    for param in _command().params:
-        longs = [o[2:] for o in param.opts if o.startswith("--")]
-        if not longs or getattr(param, "hidden", False):
+    for opt in _options():
+        longs = [o[2:] for o in opt["opts"] if o.startswith("--")]
+        if not longs or opt["hidden"]:
             continue
-        negation = next((o[2:] for o in param.secondary_opts if o.startswith("--")), None)
-        flag = WorkerFlag(longs[0], bool(getattr(param, "is_flag", False)), negation, param.help or "")
-        for spelling in (*longs, *(o[1:] for o in param.opts if not o.startswith("--"))):
+        negation = next((o[2:] for o in opt["secondary_opts"] if o.startswith("--")), None)
+        flag = WorkerFlag(longs[0], bool(opt["is_flag"]), negation, opt["help"], opt["type"], opt["min"], opt["max"])
+        for spelling in (*longs, *(o[1:] for o in opt["opts"] if not o.startswith("--"))):
             out.setdefault(spelling, Lookup(flag, False))
         if negation is not None:
             out[negation] = Lookup(flag, True)
@@ -85,20 +96,17 @@ def spellings() -> list[str]:
 
 
 def convert(flag: WorkerFlag, raw: str) -> str:
-    """The value as the worker will get it, checked with the worker's own type; ValueError if bad."""
+    """The value as the worker will get it, checked as the worker checks it; ValueError if bad."""
     if flag.is_switch:
         raise AssertionError("switches are converted by the caller")
-    param = next(p for p in _command().params if f"--{flag.name}" in p.opts)
-    annotation = param.type_descriptor.annotation
-    kinds = [t for t in getattr(annotation, "__args__", (annotation,)) if t is not type(None)]
-    kind = kinds[0] if len(kinds) == 1 and kinds[0] in (int, float) else str
+    kind = {"int": int, "float": float}.get(flag.kind, str)
     text = str(raw).strip()
     try:
         value = kind(text)
     except ValueError:
         raise ValueError(f"expected {'an integer' if kind is int else 'a number'}") from None
-    if (param.min is not None and value < param.min) or (param.max is not None and value > param.max):
-        bounds = [f">= {param.min}" if param.min is not None else "", f"<= {param.max}" if param.max is not None else ""]
+    if (flag.min is not None and value < flag.min) or (flag.max is not None and value > flag.max):
+        bounds = [f">= {flag.min}" if flag.min is not None else "", f"<= {flag.max}" if flag.max is not None else ""]
         raise ValueError(f"expected a value {' and '.join(b for b in bounds if b)}")
     return text
 

@@ -9,5 +9,7 @@
     admission  `--models-max` slots, memory, the FIFO of models waiting for one
     eviction   the pure eviction policy
     estimate   a model's memory need before it loads, and what measuring taught
+    gguf_header  the few GGUF header keys the estimate needs (no vocabulary)
+    load_failure why a load failed, in one line, and whether trying again can help
     memory     a worker's measured RAM and VRAM
 """

@@ -21,12 +21,12 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("worker.testing",),
     ],
     "router": [
-        ("router.presets", "router.events", "router.log_ring", "router.upstream"),
+        ("router.presets", "router.worker_flags", "router.events", "router.log_ring", "router.upstream"),
         ("router.lifecycle",),
         ("router.observability",),
         ("router.responses", "router.anthropic"),
         ("router.http",),
-        ("router.cli",),
+        ("router.cli", "router.banner"),
     ],
 }
 

@@ -193,6 +193,8 @@ def serve(
     ),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=lambda v: _print_version(v),
                                  help="print the version and exit"),
+    flags_json: bool = typer.Option(False, "--flags-json", is_eager=True, hidden=True, callback=lambda ctx, v: _print_flags(ctx, v),
+                                    help="print every option as JSON and exit (the router's presets read it)"),
     verbose: bool = typer.Option(
         False, "--verbose", "-v", "--log-verbose",
         help="every chat completion carries llama-server's `__verbose` object (the prompt as the model saw it)",
@@ -351,6 +353,25 @@ def _print_version(is_asked: bool) -> None:
         except PackageNotFoundError:  # run from a checkout that was not installed
             print("omni-worker (not installed: version unknown)")
         raise typer.Exit(0)
+
+
+def _print_flags(ctx: typer.Context, is_asked: bool) -> None:
+    """`--flags-json`: this command line's options, for router.worker_flags (presets pass any of
+    them through). The contract is the command line itself, so the router reads it from here."""
+    if not is_asked:
+        return
+    import json
+
+    out = []
+    for p in ctx.command.params:
+        annotation = p.type_descriptor.annotation  # type: ignore[attr-defined]
+        kinds = [t for t in getattr(annotation, "__args__", (annotation,)) if t is not type(None)]
+        kind = kinds[0].__name__ if len(kinds) == 1 and kinds[0] in (int, float, bool) else "str"
+        out.append({"opts": list(p.opts), "secondary_opts": list(p.secondary_opts), "hidden": bool(p.hidden),  # type: ignore[attr-defined]
+                    "is_flag": bool(getattr(p, "is_flag", False)), "type": kind, "help": p.help or "",  # type: ignore[attr-defined]
+                    "min": getattr(p, "min", None), "max": getattr(p, "max", None)})
+    print(json.dumps(out))
+    raise typer.Exit(0)
 
 
 def _listen(host: str, port: int) -> socket.socket:
