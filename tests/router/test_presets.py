@@ -193,13 +193,18 @@ def test_cmd_argv_substitutes_port_and_parent() -> None:
 @pytest.mark.parametrize("name", ["demo.toml", "demo.ini"])
 def test_demo_presets_parse_to_the_same_models(name: str) -> None:
     root = Path(__file__).resolve().parents[2]
-    if not (root / "models" / "tiny-llama-f32.gguf").exists():
-        pytest.skip("tiny models not generated")
-    tiny, hf = load_presets(root / "presets" / name)
+    models = root / "models"
+    if not (models / "tiny-llama-f32.gguf").exists() or not (models / "smollm2-135m-instruct").is_dir():
+        pytest.skip("demo models not set up (make models)")
+    smol, smol_torch, tiny, hf = load_presets(root / "presets" / name)
+    assert (smol.name, smol.backend, smol.load_on_startup, smol.ctx_size) == ("smollm2", "llama_cpp", True, 2048)
+    assert smol.model == (models / "smollm2-135m-instruct-q4_1.gguf").resolve()
+    assert (smol_torch.name, smol_torch.backend, smol_torch.model) == (
+        "smollm2-torch", "torch", (models / "smollm2-135m-instruct").resolve())
     assert (tiny.name, tiny.backend, tiny.aliases, tiny.load_on_startup, tiny.ctx_size) == (
-        "tiny-gguf", "llama_cpp", ("tiny",), True, 2048)
-    assert tiny.model == (root / "models" / "tiny-llama-f32.gguf").resolve()
-    assert (hf.name, hf.backend, hf.model) == ("tiny-hf", "torch", (root / "models" / "tiny-llama").resolve())
+        "tiny-gguf", "llama_cpp", ("tiny",), False, 2048)
+    assert tiny.model == (models / "tiny-llama-f32.gguf").resolve()
+    assert (hf.name, hf.backend, hf.model) == ("tiny-hf", "torch", (models / "tiny-llama").resolve())
 
 
 @pytest.mark.parametrize(("args", "message"), [
