@@ -100,3 +100,15 @@ load-on-startup = true
         yield r
     finally:
         stop_process(proc)
+
+
+# Figures the tests report without asserting them (e.g. how often torch f32 and llama.cpp Q4_1
+# agree), printed in the terminal summary of every run.
+REPORT: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if REPORT:
+        terminalreporter.section("real model (reported, not asserted)")
+        for line in REPORT:
+            terminalreporter.write_line(line)
