@@ -13,10 +13,12 @@ from tests.realmodel.conftest import BACKENDS, LLAMA, REPORT, RealRouter
 
 pytestmark = pytest.mark.slow
 
-COUNTRY = {
+# {"country", "capital"} makes this model write "JAPAN" for both (llama-server's grammar too):
+# the 4-bit 135M model, not the grammar. {"answer"} it fills with "Tokyo".
+ANSWER = {
     "type": "object",
-    "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
-    "required": ["country", "capital"],
+    "properties": {"answer": {"type": "string"}},
+    "required": ["answer"],
     "additionalProperties": False,
 }
 WEATHER_TOOL = {
@@ -36,18 +38,21 @@ WEATHER_TOOL = {
 
 @pytest.mark.parametrize("model", BACKENDS)
 def test_a_json_schema_answer_is_valid_and_on_topic(real_router: RealRouter, model: str) -> None:
-    out = real_router.chat(model, "What is the capital of Japan? Answer in JSON.", max_tokens=40, response_format={
-        "type": "json_schema", "json_schema": {"name": "country", "strict": True, "schema": COUNTRY}})
+    out = real_router.chat(model, "What is the capital of Japan?", max_tokens=24, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "strict": True, "schema": ANSWER}})
     choice = out["choices"][0]
     answer = json.loads(choice["message"]["content"])
-    jsonschema.validate(answer, COUNTRY)
+    jsonschema.validate(answer, ANSWER)
     assert choice["finish_reason"] == "stop"
-    assert "japan" in answer["country"].lower() and "tokyo" in answer["capital"].lower(), answer
+    assert "tokyo" in answer["answer"].lower(), answer
 
 
 def test_a_forced_get_weather_call_is_valid(real_router: RealRouter) -> None:
+    # One call: with parallel calls allowed this model, after a valid first call, opens a second
+    # one and runs into max_tokens.
     out = real_router.chat(LLAMA, "What's the weather in Paris?", max_tokens=40, tools=[WEATHER_TOOL],
-                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                           parallel_tool_calls=False)
     choice = out["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     (call,) = choice["message"]["tool_calls"]

@@ -123,6 +123,14 @@ def test_tokenize_detokenize_apply_template(worker: Worker) -> None:
     assert worker.post("/detokenize", {"tokens": [-1]}).status_code == 400
 
 
+def test_detokenize_writes_control_tokens_as_llama_server_does(worker: Worker) -> None:
+    """Regression: the llama.cpp backend's /detokenize dropped control tokens ("a user" for the ids
+    of "a <|im_start|>user"); llama-server and the torch backend write them (found on SmolLM2)."""
+    text = "a <|im_start|>user\n x"
+    tokens = worker.post("/tokenize", {"content": text, "parse_special": True}).json()["tokens"]
+    assert worker.post("/detokenize", {"tokens": tokens}).json()["content"] == text
+
+
 def test_metrics(worker: Worker) -> None:
     worker.post(COMPLETIONS, {"prompt": "metrics", "max_tokens": 2})
     text = worker.get("/metrics").text

@@ -186,8 +186,9 @@ class Vocab(Protocol):
 
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]: ...
 
-    def token_to_piece(self, token: int) -> bytes:
-        """Raw bytes of one token (may be a partial UTF-8 character)."""
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """Raw bytes of one token (may be a partial UTF-8 character). `special`: a control token
+        as its text (llama-server's /detokenize does so); without it llama.cpp gives nothing."""
         ...
 
     def is_eog(self, token: int) -> bool: ...

@@ -396,7 +396,11 @@ class LlamaCppBackend:
             n = _token_to_piece(self._vocab, token, buf, -n, 0, special)
         return buf.raw[:n]
 
-    def token_to_piece(self, token: int) -> bytes:
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        if special:  # not cached: /detokenize only
+            if not 0 <= token < self.n_vocab:
+                raise ValueError(f"token id {token} out of range [0, {self.n_vocab})")
+            return self._piece(token, special=True)
         piece = self._pieces.get(token)
         if piece is None:
             if not 0 <= token < self.n_vocab:

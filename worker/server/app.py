@@ -201,7 +201,8 @@ async def detokenize(request: Request) -> Response:
     backend = await awake_backend(worker_state(request))
     req = parse_model(DetokenizeRequest, await request.body())
     check_token_ids(req.tokens, backend, "tokens")
-    content = b"".join(backend.token_to_piece(t) for t in req.tokens).decode(errors="replace")
+    # control tokens as their text, as llama-server's /detokenize (common_token_to_piece, special)
+    content = b"".join(backend.token_to_piece(t, special=True) for t in req.tokens).decode(errors="replace")
     return JSONResponse({"content": content})
 
 
