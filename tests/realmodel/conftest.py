@@ -4,7 +4,10 @@
 `make models` has usually done it already). `real_router` is one router for the whole package,
 serving the GGUF on llama.cpp (4 slots) and the twin on torch (2 slots): the torch twin loads
 in ~15 s and decodes a few tokens a second on 2 shared cores, so every file shares it and the
-torch side only gets short answers.
+torch side only gets short answers. One thread each: on 2 cores shared with the rest of the
+suite, llama.cpp's spinning thread pool with 2 threads ran 20-50x slower than with one
+(measured: 8 x 64 greedy tokens through llama-cpp-python, 75 s with 2 threads, 1.2 s with 1),
+and the answers do not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def real_router(smollm2: SmolPaths, tmp_path_factory: pytest.TempPathFactory) ->
     preset = tmp / "preset.toml"
     preset.write_text(f"""
 [defaults]
-threads = 2
+threads = 1
 stop-timeout = 5
 
 [models.{LLAMA}]
