@@ -5,9 +5,9 @@
 serving the GGUF on llama.cpp (4 slots) and the twin on torch (2 slots): the torch twin loads
 in ~15 s and decodes a few tokens a second on 2 shared cores, so every file shares it and the
 torch side only gets short answers. One thread each: on 2 cores shared with the rest of the
-suite, llama.cpp's spinning thread pool with 2 threads ran 20-50x slower than with one
-(measured: 8 x 64 greedy tokens through llama-cpp-python, 75 s with 2 threads, 1.2 s with 1),
-and the answers do not depend on the thread count.
+suite, llama.cpp's spinning thread pool with 2 threads ran ~20x slower than with one
+(measured, greedy decoding through llama-cpp-python: 590 ms a token with 2 threads, 25 ms with
+1), and the answers do not depend on the thread count.
 """
 
 from __future__ import annotations
