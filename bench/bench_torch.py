@@ -54,7 +54,38 @@ sys.path.insert(0, str(ROOT))
 
 from tests.util import free_port, stop_process, wait_until  # noqa: E402  # after the sys.path insert above
 
-WORDS = ["the", "model", "router", "worker", "slot", "batch", "stream", "server", "request", "cache", "prompt", "context", "memory", "thread", "engine", "sample", "logits", "kernel", "tensor", "layer", "weight", "python", "llama", "vector", "queue", "event", "health", "sleep", "wake", "load"]
+WORDS = [
+    "the",
+    "model",
+    "router",
+    "worker",
+    "slot",
+    "batch",
+    "stream",
+    "server",
+    "request",
+    "cache",
+    "prompt",
+    "context",
+    "memory",
+    "thread",
+    "engine",
+    "sample",
+    "logits",
+    "kernel",
+    "tensor",
+    "layer",
+    "weight",
+    "python",
+    "llama",
+    "vector",
+    "queue",
+    "event",
+    "health",
+    "sleep",
+    "wake",
+    "load",
+]
 
 
 def prompts(n: int, n_words: int) -> list[str]:
@@ -63,7 +94,13 @@ def prompts(n: int, n_words: int) -> list[str]:
 
 def run_worker_wave(url: str, texts: list[str], max_tokens: int) -> tuple[int, float]:
     def one(text: str) -> int:
-        body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+        body = {
+            "prompt": text,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+        }
         r = httpx.post(url + "/v1/completions", json=body, timeout=600)
         r.raise_for_status()
         return int(r.json()["usage"]["completion_tokens"])
@@ -82,13 +119,28 @@ def worker_url(args: argparse.Namespace, n_slots: int) -> Iterator[tuple[str, in
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     cmd = [
-        sys.executable, "-m", "worker.server.cli", "--model", args.model, "--backend", "torch", "--port", str(port),
-        "--parallel", str(n_slots), "--ctx-size", str(args.ctx_size), "--dtype", args.dtype,
+        sys.executable,
+        "-m",
+        "worker.server.cli",
+        "--model",
+        args.model,
+        "--backend",
+        "torch",
+        "--port",
+        str(port),
+        "--parallel",
+        str(n_slots),
+        "--ctx-size",
+        str(args.ctx_size),
+        "--dtype",
+        args.dtype,
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: httpx.get(url + "/health", timeout=2).status_code == 200, timeout=300, what="worker")
+        wait_until(
+            lambda: httpx.get(url + "/health", timeout=2).status_code == 200, timeout=300, what="worker"
+        )
         yield url, proc.pid
     finally:
         stop_process(proc)
@@ -165,7 +217,9 @@ def bench_cpu(args: argparse.Namespace, levels: list[int]) -> None:
                     dt = hf_wave(texts, args.max_tokens)
                     theirs[c].add(c * args.max_tokens, dt, time.process_time() - cpu0)
             print(f"  C={c}: ours {ours[c]}, transformers {theirs[c]}", file=sys.stderr)
-    print(f"\nmodel {args.model}, {args.max_tokens} new tokens/request, dtype {args.dtype}, threads {args.threads}")
+    print(
+        f"\nmodel {args.model}, {args.max_tokens} new tokens/request, dtype {args.dtype}, threads {args.threads}"
+    )
     print(f"{'':>10} | {'tokens/s (wall)':^34} | {'tokens per CPU-second':^34}")
     print(f"{'concurrent':>10} | {'omni-worker':>11} {'transformers':>12} {'ratio':>8} | "
           f"{'omni-worker':>11} {'transformers':>12} {'ratio':>8}")
@@ -197,13 +251,20 @@ def write_random_llama(out: Path) -> None:
     from safetensors.torch import save_file
 
     c = GPU_CONFIG
-    h, i, kv = int(c["hidden_size"]), int(c["intermediate_size"]), int(c["num_key_value_heads"]) * int(c["head_dim"])
+    h, i, kv = (
+        int(c["hidden_size"]),
+        int(c["intermediate_size"]),
+        int(c["num_key_value_heads"]) * int(c["head_dim"]),
+    )
     gen = torch.Generator().manual_seed(0)
 
     def rnd(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
 
-    tensors = {"model.embed_tokens.weight": rnd(int(c["vocab_size"]), h), "model.norm.weight": torch.ones(h).bfloat16()}
+    tensors = {
+        "model.embed_tokens.weight": rnd(int(c["vocab_size"]), h),
+        "model.norm.weight": torch.ones(h).bfloat16(),
+    }
     for n in range(int(c["num_hidden_layers"])):
         pre = f"model.layers.{n}."
         tensors |= {
@@ -232,8 +293,16 @@ def bench_gpu(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         write_random_llama(Path(tmp))
-        backend = TorchBackend(tmp, n_ctx=8192, n_slots=32, kv_unified=True, n_batch=2048, device="cuda", dtype="bf16",
-                               compile=True)
+        backend = TorchBackend(
+            tmp,
+            n_ctx=8192,
+            n_slots=32,
+            kv_unified=True,
+            n_batch=2048,
+            device="cuda",
+            dtype="bf16",
+            compile=True,
+        )
     weight_bytes = backend.meta.size_bytes
     greedy = SamplingParams(temperature=0.0)
     print(f"1.2B random Llama, bf16, {weight_bytes / 1e9:.2f} GB of weights, CUDA graphs on")
@@ -242,13 +311,18 @@ def bench_gpu(args: argparse.Namespace) -> None:
             backend.seq_rm(s, 0)
         samplers = [backend.new_sampler(greedy, s) for s in range(bs)]
         backend.decode([BatchEntry(s, list(range(3, 35)), 0, True) for s in range(bs)])
-        toks = [x.token for x in backend.sample([SampleItem(samplers[s], s) for s in range(bs)], [greedy] * bs)]
+        toks = [
+            x.token for x in backend.sample([SampleItem(samplers[s], s) for s in range(bs)], [greedy] * bs)
+        ]
         steps, pos = 128, 32
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
             backend.decode([BatchEntry(s, [toks[s]], pos, True) for s in range(bs)])
-            toks = [x.token for x in backend.sample([SampleItem(samplers[s], s) for s in range(bs)], [greedy] * bs)]
+            toks = [
+                x.token
+                for x in backend.sample([SampleItem(samplers[s], s) for s in range(bs)], [greedy] * bs)
+            ]
             pos += 1
         torch.cuda.synchronize()
         tps = bs * steps / (time.perf_counter() - t0)
@@ -269,7 +343,9 @@ def bench_steps(args: argparse.Namespace) -> None:
     rows, n_steps = args.step_rows, 24
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"decode step over {rows} sequences, {Path(args.model).name}, {args.dtype}, {torch.get_num_threads()} threads")
+    print(
+        f"decode step over {rows} sequences, {Path(args.model).name}, {args.dtype}, {torch.get_num_threads()} threads"
+    )
     print("cells/seq | fused kernels ms | torch ops ms | ratio")
     for ctx in (int(x) for x in args.step_contexts.split(",")):
         medians = []
@@ -303,7 +379,9 @@ def bench_prefill(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     n = args.prefill_tokens
     prompt = np.random.default_rng(0).integers(3, 1000, n).tolist()
-    print(f"prefill of {n} tokens in one piece, {Path(args.model).name}, {args.dtype}, {torch.get_num_threads()} threads")
+    print(
+        f"prefill of {n} tokens in one piece, {Path(args.model).name}, {args.dtype}, {torch.get_num_threads()} threads"
+    )
     medians = []
     for kernels in (True, False):
         backend = TorchBackend(
@@ -317,7 +395,9 @@ def bench_prefill(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
         medians.append(float(np.median(times[1:])) * 1e3)
         backend.close()
-    print(f"fused kernels {medians[0]:.0f} ms | torch ops (SDPA) {medians[1]:.0f} ms | ratio {medians[1] / medians[0]:.2f}x")
+    print(
+        f"fused kernels {medians[0]:.0f} ms | torch ops (SDPA) {medians[1]:.0f} ms | ratio {medians[1] / medians[0]:.2f}x"
+    )
 
 
 def main() -> None:
@@ -332,7 +412,9 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--repeats", type=int, default=2, help="timed waves per side and level (best kept)")
     ap.add_argument("--gpu", action="store_true", help="CUDA decode benchmark of a random 1.2B Llama")
-    ap.add_argument("--step", action="store_true", help="in-process decode step: fused CPU kernels vs torch ops")
+    ap.add_argument(
+        "--step", action="store_true", help="in-process decode step: fused CPU kernels vs torch ops"
+    )
     ap.add_argument("--step-contexts", default="64,1000,4000")
     ap.add_argument("--step-rows", type=int, default=8)
     ap.add_argument("--prefill", action="store_true", help="in-process prompt prefill: fused kernels vs SDPA")

@@ -238,7 +238,9 @@ def make_constraint(schema: dict[str, Any], field_name: str) -> Constraint:
     if field_name == "json_schema":
         body: dict[str, Any] = {"json_schema": schema}
     else:
-        body = {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}}
+        body = {
+            "response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}
+        }
     kind = schema.get("type") or ("object" if "properties" in schema else None)
     return Constraint(body, {"object": "{", "array": "["}.get(kind) if isinstance(kind, str) else None)
 
@@ -407,7 +409,9 @@ def build_targets(args: argparse.Namespace, log_dir: Path) -> tuple[list[Server]
             notes.append(f"{name}: llama-server {' '.join(cmd[1:])}")
         else:
             raise SystemExit(f"unknown target {kind!r}: use one of {TARGET_KINDS} or name it in --url")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        env = dict(
+            os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        )
         servers.append(Server(name=name, base_url=f"http://127.0.0.1:{port}", cmd=cmd,
                               log_path=log_dir / f"{name.replace('#', '_')}.log", env=env))
     return servers, notes
@@ -549,7 +553,9 @@ async def long_prompt_round(bench: Bench, t: Target, n: int, round_idx: int, att
 
     try:
         is_ready = await poll_until(
-            lambda: has_ended() or all(len(r.token_times) >= WARM_TOKENS for r in decoders), args.request_timeout)
+            lambda: has_ended() or all(len(r.token_times) >= WARM_TOKENS for r in decoders),
+            args.request_timeout,
+        )
         if has_ended() or not is_ready:
             errors = errors_of(decoders) or [f"the decoders did not all stream {WARM_TOKENS} tokens"]
             return Outcome({}, errors, time.perf_counter() - start)
@@ -561,8 +567,12 @@ async def long_prompt_round(bench: Bench, t: Target, n: int, round_idx: int, att
             stream_completion(t.client, t.model_name, long_prompt, LONG_PROMPT_MAX_TOKENS, res=long))
         await poll_until(lambda: long_task.done() or bool(long.token_times)
                          or time.perf_counter() - long.start > args.window_seconds, args.request_timeout)
-        window_end = min(long.start + args.window_seconds, long.start + long.ttft if long.token_times else math.inf)
-        if not long_task.done() or long.error is None:  # the gap spanning the window's end counts: wait for it
+        window_end = min(
+            long.start + args.window_seconds, long.start + long.ttft if long.token_times else math.inf
+        )
+        if (
+            not long_task.done() or long.error is None
+        ):  # the gap spanning the window's end counts: wait for it
             await poll_until(lambda: all(task.done() or r.token_times[-1] > window_end
                                          for task, r in zip(tasks, decoders, strict=True)),
                              args.request_timeout)
@@ -647,35 +657,58 @@ BURST_LEGEND = ("tok/s: generated tokens / burst wall time; TTFT, ITL in ms.\n"
                 "srv ms/tok: the server's own timings (predicted_ms / predicted_n), as it reports them.")
 WORKLOADS: dict[str, Workload] = {
     "throughput": Workload(
-        throughput_burst, lambda a: list(a.concurrency), BURST_COLUMNS,
+        throughput_burst,
+        lambda a: list(a.concurrency),
+        BURST_COLUMNS,
         (Goal("tok_s", "tok/s", ">=", TARGET_RATIO),),
-        ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"), BURST_LEGEND),
+        ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"),
+        BURST_LEGEND,
+    ),
     "shared-prefix": Workload(
-        shared_prefix_round, lambda a: [a.parallel],
-        (Column("cold_ttft_p50_ms", "cold p50", span=True), Column("cold_ttft_p99_ms", "cold p99"),
-         Column("cold_ttft_last_ms", "cold last", "9.1f"), Column("cold_wall_s", "cold s", "6.2f"),
-         Column("warm_ttft_p50_ms", "warm p50"), Column("warm_ttft_p99_ms", "warm p99")),
-        (Goal("cold_ttft_p50_ms", "cold TTFT p50", "<=", TARGET_COLD_TTFT),
-         Goal("warm_ttft_p50_ms", "warm TTFT p50", "<=", TARGET_WARM_TTFT)),
+        shared_prefix_round,
+        lambda a: [a.parallel],
+        (
+            Column("cold_ttft_p50_ms", "cold p50", span=True),
+            Column("cold_ttft_p99_ms", "cold p99"),
+            Column("cold_ttft_last_ms", "cold last", "9.1f"),
+            Column("cold_wall_s", "cold s", "6.2f"),
+            Column("warm_ttft_p50_ms", "warm p50"),
+            Column("warm_ttft_p99_ms", "warm p99"),
+        ),
+        (
+            Goal("cold_ttft_p50_ms", "cold TTFT p50", "<=", TARGET_COLD_TTFT),
+            Goal("warm_ttft_p50_ms", "warm TTFT p50", "<=", TARGET_WARM_TTFT),
+        ),
         ("cold_ttft_p99_ms", "cold_ttft_last_ms", "cold_wall_s", "warm_ttft_p99_ms"),
         "cold: TTFT (ms) of N requests sharing a prefix no server has seen, sent at once (p50, p99, the "
-        "last one) and the burst's wall time (s);\nwarm: TTFT of the same N requests sent again."),
+        "last one) and the burst's wall time (s);\nwarm: TTFT of the same N requests sent again.",
+    ),
     "overload": Workload(
-        throughput_burst, lambda a: [2 * a.parallel], BURST_COLUMNS,
+        throughput_burst,
+        lambda a: [2 * a.parallel],
+        BURST_COLUMNS,
         (Goal("ttft_p99_ms", "TTFT p99", "<=", TARGET_OVERLOAD_TTFT),),
-        ("tok_s", "ttft_p50_ms", "itl_p99_ms"), BURST_LEGEND),
+        ("tok_s", "ttft_p50_ms", "itl_p99_ms"),
+        BURST_LEGEND,
+    ),
     "long-prompt": Workload(
-        long_prompt_round, lambda a: [a.parallel - 1],
-        (Column("steady_itl_p50_ms", "steady p50", "10.1f"), Column("steady_itl_p99_ms", "steady p99", "10.1f"),
-         Column("during_itl_p50_ms", "prefill p50", "11.1f"),
-         Column("during_itl_p99_ms", "prefill p99", "11.1f", span=True),
-         Column("itl_p99_ratio", "p99 ratio", "9.2f"), Column("long_ttft_ms", "long TTFT", "9.1f"),
-         Column("decoder_max_tokens", "dec tokens", "10.0f")),
+        long_prompt_round,
+        lambda a: [a.parallel - 1],
+        (
+            Column("steady_itl_p50_ms", "steady p50", "10.1f"),
+            Column("steady_itl_p99_ms", "steady p99", "10.1f"),
+            Column("during_itl_p50_ms", "prefill p50", "11.1f"),
+            Column("during_itl_p99_ms", "prefill p99", "11.1f", span=True),
+            Column("itl_p99_ratio", "p99 ratio", "9.2f"),
+            Column("long_ttft_ms", "long TTFT", "9.1f"),
+            Column("decoder_max_tokens", "dec tokens", "10.0f"),
+        ),
         (Goal("itl_p99_ratio", "ITL p99 prefill/steady", "<=", TARGET_PREFILL_ITL, per_target=True),),
         ("steady_itl_p50_ms", "during_itl_p99_ms", "long_ttft_ms"),
         "N decoders; steady: their ITL (ms) before the long prompt; prefill: their ITL from its send to its "
         "first token;\np99 ratio: prefill p99 / steady p99 (per round); long TTFT: the long prompt's (ms); "
-        "dec tokens: the decoders' max_tokens."),
+        "dec tokens: the decoders' max_tokens.",
+    ),
 }
 
 
@@ -686,12 +719,16 @@ def describe_workload(args: argparse.Namespace) -> str:
         constrained = "" if args.schema is None else (
             f"; each target also as TARGET{SCHEMA_SUFFIX}: the same requests constrained by the JSON schema "
             f"{args.json_schema} (field {args.schema_field}, no ignore_eos: may stop early)")
-        return (f"workload throughput: bursts of N = {','.join(map(str, args.concurrency))} requests, {short}, "
-                f"{args.max_tokens} tokens each{constrained}")
+        return (
+            f"workload throughput: bursts of N = {','.join(map(str, args.concurrency))} requests, {short}, "
+            f"{args.max_tokens} tokens each{constrained}"
+        )
     if args.workload == "shared-prefix":
-        return (f"workload shared-prefix: {args.parallel} requests = one fresh {args.prefix_tokens}-token prefix "
-                f"(new every round) + distinct {args.suffix_tokens}-token suffixes, {args.max_tokens} tokens "
-                f"each; cold burst, then the same {args.parallel} requests again (warm)")
+        return (
+            f"workload shared-prefix: {args.parallel} requests = one fresh {args.prefix_tokens}-token prefix "
+            f"(new every round) + distinct {args.suffix_tokens}-token suffixes, {args.max_tokens} tokens "
+            f"each; cold burst, then the same {args.parallel} requests again (warm)"
+        )
     if args.workload == "overload":
         return (f"workload overload: {2 * args.parallel} requests at once on {args.parallel} slots, {short}, "
                 f"{args.max_tokens} tokens each")
@@ -730,7 +767,11 @@ async def measured(t: Target, others: list[Target], work: Awaitable[Outcome], gi
     except TimeoutError:
         return None
     elapsed = time.perf_counter() - t0
-    d_sys, d_tgt, d_self = system_busy_seconds() - sys0, t.server.cpu_seconds() - tgt0, self_cpu_seconds() - self0
+    d_sys, d_tgt, d_self = (
+        system_busy_seconds() - sys0,
+        t.server.cpu_seconds() - tgt0,
+        self_cpu_seconds() - self0,
+    )
     idle = {o.name: (o.server.cpu_seconds() - others0[o.name]) / elapsed for o in others}
     cpu = {
         "cpu_target": d_tgt / elapsed, "cpu_client": d_self / elapsed,
@@ -771,7 +812,9 @@ async def measure_with_retries(bench: Bench, t: Target, targets: list[Target], n
         if m is not None:
             out, cpu, idle = m
             metrics = {**out.metrics, **cpu, "foreign_before": foreign_before}
-            sample = Sample(args.workload, t.name, n, round_idx, metrics, out.errors, out.notes, idle, attempt)
+            sample = Sample(
+                args.workload, t.name, n, round_idx, metrics, out.errors, out.notes, idle, attempt
+            )
             is_clean = cpu["cpu_foreign"] <= args.max_noise and out.rerun_because is None
             if is_clean and not out.errors:
                 fastest[t.name, n] = min(fastest.get((t.name, n), math.inf), out.wall_s)
@@ -858,14 +901,19 @@ def summarize(samples: list[Sample], names: list[str], cells: list[int], max_noi
             values = {k: [s.metrics.get(k, math.nan) for s in mine] for k in keys}
             table[name][n] = {
                 "median": {k: median(v) for k, v in values.items()},
-                "min": {k: min((x for x in v if not math.isnan(x)), default=math.nan) for k, v in values.items()},
-                "max": {k: max((x for x in v if not math.isnan(x)), default=math.nan) for k, v in values.items()},
+                "min": {
+                    k: min((x for x in v if not math.isnan(x)), default=math.nan) for k, v in values.items()
+                },
+                "max": {
+                    k: max((x for x in v if not math.isnan(x)), default=math.nan) for k, v in values.items()
+                },
                 "num_errors": sum(len(s.errors) for s in mine),
                 "num_noisy": sum(1 for s in mine if s.metrics.get("cpu_foreign", 0.0) > max_noise),
                 "num_discarded": sum(s.num_discarded for s in mine),
                 "notes": [note for s in mine for note in s.notes],
-                "idle_cpu_of_others_max": max((max(s.idle_cpu_of_others.values(), default=0.0) for s in mine),
-                                              default=0.0),
+                "idle_cpu_of_others_max": max(
+                    (max(s.idle_cpu_of_others.values(), default=0.0) for s in mine), default=0.0
+                ),
             }
     return table
 
@@ -879,10 +927,14 @@ def paired_ratio(samples: list[Sample], a: str, b: str, n: int, key: str) -> flo
     noisy minute hits both sides of a pair."""
     by_round = {(s.target, s.round): s.metrics.get(key, math.nan) for s in samples if s.concurrency == n}
     rounds = sorted({s.round for s in samples})
-    return median([by_round[a, r] / by_round[b, r] for r in rounds if (a, r) in by_round and (b, r) in by_round])
+    return median(
+        [by_round[a, r] / by_round[b, r] for r in rounds if (a, r) in by_round and (b, r) in by_round]
+    )
 
 
-def ratio_line(table: dict[str, Any], samples: list[Sample], workload: Workload, a: str, b: str, n: int) -> str:
+def ratio_line(
+    table: dict[str, Any], samples: list[Sample], workload: Workload, a: str, b: str, n: int
+) -> str:
     ma, mb = table[a][n]["median"], table[b][n]["median"]
     titles = {c.key: c.title for c in workload.columns}
     parts = []
@@ -901,9 +953,11 @@ def schema_line(table: dict[str, Any], samples: list[Sample], constrained: str, 
     r = mc.get("tok_s", math.nan) / mp.get("tok_s", math.nan)
     goal = Goal("tok_s", "tok/s", ">=", TARGET_SCHEMA_RATIO)
     ttft = mc.get("ttft_p50_ms", math.nan) / mp.get("ttft_p50_ms", math.nan)
-    return (f"{'':>3}  {constrained}/{plain}: tok/s {r:.3f}x ({goal.text(r)}; paired per round "
-            f"{paired_ratio(samples, constrained, plain, n, 'tok_s'):.3f}x), TTFT p50 {ttft:.2f}x, tokens per "
-            f"request {mc.get('num_tokens', math.nan) / n:.1f} vs {mp.get('num_tokens', math.nan) / n:.1f}")
+    return (
+        f"{'':>3}  {constrained}/{plain}: tok/s {r:.3f}x ({goal.text(r)}; paired per round "
+        f"{paired_ratio(samples, constrained, plain, n, 'tok_s'):.3f}x), TTFT p50 {ttft:.2f}x, tokens per "
+        f"request {mc.get('num_tokens', math.nan) / n:.1f} vs {mp.get('num_tokens', math.nan) / n:.1f}"
+    )
 
 
 def target_names(servers: list[Server], args: argparse.Namespace) -> list[str]:
@@ -916,7 +970,9 @@ def scaling_line(table: dict[str, Any], names: list[str]) -> str:
     parts = []
     for name in names:
         scale = table[name][8]["median"]["tok_s"] / table[name][1]["median"]["tok_s"]
-        parts.append(f"{name} {scale:.2f}x" + ("" if scale >= TARGET_SCALING else f" (BELOW {TARGET_SCALING}x)"))
+        parts.append(
+            f"{name} {scale:.2f}x" + ("" if scale >= TARGET_SCALING else f" (BELOW {TARGET_SCALING}x)")
+        )
     return "scaling tok/s at N=8 vs N=1: " + ", ".join(parts)
 
 
@@ -940,7 +996,9 @@ def print_report(table: dict[str, Any], samples: list[Sample], names: list[str],
                 + (f"  [{fmt(lo.get(c.key, math.nan), c.spec)} - {fmt(hi.get(c.key, math.nan), c.spec)}]"
                    if c.span else "")
                 for c in columns)
-            tail = "".join(f"  {g.label}: {g.text(m.get(g.key, math.nan))}" for g in workload.goals if g.per_target)
+            tail = "".join(
+                f"  {g.label}: {g.text(m.get(g.key, math.nan))}" for g in workload.goals if g.per_target
+            )
             if row["num_errors"]:
                 tail += f"  {row['num_errors']} errors"
             if row["num_noisy"]:
@@ -953,7 +1011,11 @@ def print_report(table: dict[str, Any], samples: list[Sample], names: list[str],
             for name in plain:
                 print(schema_line(table, samples, name + SCHEMA_SUFFIX, name, n))
             if len(plain) >= 2:
-                print(ratio_line(table, samples, workload, plain[0] + SCHEMA_SUFFIX, plain[1] + SCHEMA_SUFFIX, n))
+                print(
+                    ratio_line(
+                        table, samples, workload, plain[0] + SCHEMA_SUFFIX, plain[1] + SCHEMA_SUFFIX, n
+                    )
+                )
         print()
     if args.workload == "throughput" and 1 in cells and 8 in cells:
         print(scaling_line(table, names))
@@ -992,7 +1054,9 @@ def default_ctx_size(args: argparse.Namespace) -> int:
     if args.workload == "shared-prefix":
         return 16384
     if args.workload == "long-prompt":
-        return int(args.parallel) * (int(args.long_prompt_tokens) + 512)  # every slot has room for the long prompt
+        return int(args.parallel) * (
+            int(args.long_prompt_tokens) + 512
+        )  # every slot has room for the long prompt
     return 4096
 
 
@@ -1001,9 +1065,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", choices=list(WORKLOADS), default="throughput")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
-    p.add_argument("--targets", default="ours,llama-server",
-                   help="comma list of ours | llama-server | a NAME given in --url, each optionally followed by "
-                        "':' and its own flags (\"llama-server:-fa off\"); the ratio is first/second")
+    p.add_argument(
+        "--targets",
+        default="ours,llama-server",
+        help="comma list of ours | llama-server | a NAME given in --url, each optionally followed by "
+        "':' and its own flags (\"llama-server:-fa off\"); the ratio is first/second",
+    )
     p.add_argument("--url", action="append", default=[], metavar="NAME=URL",
                    help="benchmark an already running OpenAI-compatible server under NAME")
     p.add_argument("--llama-server", default=None, help="llama-server binary (default: third_party build)")
@@ -1024,7 +1091,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="throughput: burst sizes")
     p.add_argument("--prefix-tokens", type=int, default=1000, help="shared-prefix: the common prefix")
     p.add_argument("--suffix-tokens", type=int, default=16, help="shared-prefix: each request's own suffix")
-    p.add_argument("--long-prompt-tokens", type=int, default=8000, help="long-prompt: the long prompt (8000: it and its answer fit the small model's 8192-token training context, the most llama-server gives a slot)")
+    p.add_argument(
+        "--long-prompt-tokens",
+        type=int,
+        default=8000,
+        help="long-prompt: the long prompt (8000: it and its answer fit the small model's 8192-token training context, the most llama-server gives a slot)",
+    )
     p.add_argument("--window-seconds", type=float, default=20.0,
                    help="long-prompt: the decoders' gaps are measured for this long after the long prompt is "
                         "sent (or until its first token); then they hang up, so a slow, budgeted prefill is "
@@ -1036,21 +1108,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "stream of ctx/parallel cells per slot)")
     p.add_argument("--worker-arg", action="append", default=[], help="extra argument for our worker")
     p.add_argument("--server-arg", action="append", default=[], help="extra argument for llama-server")
-    p.add_argument("--quiet-below", type=float, default=0.3, metavar="CPUS",
-                   help="before each burst or round wait until other processes use at most this many CPUs ...")
-    p.add_argument("--quiet-wait", type=float, default=10.0, metavar="SECONDS", help="... but at most this long")
+    p.add_argument(
+        "--quiet-below",
+        type=float,
+        default=0.3,
+        metavar="CPUS",
+        help="before each burst or round wait until other processes use at most this many CPUs ...",
+    )
+    p.add_argument(
+        "--quiet-wait", type=float, default=10.0, metavar="SECONDS", help="... but at most this long"
+    )
     p.add_argument("--max-noise", type=float, default=0.25, metavar="CPUS",
                    help="an attempt during which other processes used more CPUs is discarded and rerun ...")
     p.add_argument("--retries", type=int, default=4, help="... at most this many times (then kept)")
     p.add_argument("--start-timeout", type=float, default=300.0)
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--json", type=Path, default=None, help="write config, every burst/round and the summary here")
-    p.add_argument("--json-schema", default=None, metavar="PATH|builtin",
-                   help="throughput: also run every target as TARGET+schema, its requests constrained by this JSON "
-                        "schema (a file, or builtin), and show the constrained/plain ratio")
-    p.add_argument("--schema-field", choices=("json_schema", "response_format"), default="json_schema",
-                   help="how --json-schema is sent: top-level json_schema (llama-server's /v1/completions honours "
-                        "only that) or OpenAI's response_format {type: json_schema}")
+    p.add_argument(
+        "--json", type=Path, default=None, help="write config, every burst/round and the summary here"
+    )
+    p.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="PATH|builtin",
+        help="throughput: also run every target as TARGET+schema, its requests constrained by this JSON "
+        "schema (a file, or builtin), and show the constrained/plain ratio",
+    )
+    p.add_argument(
+        "--schema-field",
+        choices=("json_schema", "response_format"),
+        default="json_schema",
+        help="how --json-schema is sent: top-level json_schema (llama-server's /v1/completions honours "
+        "only that) or OpenAI's response_format {type: json_schema}",
+    )
     args = p.parse_args(argv)
     args.schema = None
     if args.json_schema is not None:
@@ -1079,8 +1168,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not args.model.exists():
-        raise SystemExit(f"model {args.model} not found (make it: .venv/bin/python -m worker.testing.tiny_models "
-                         "--out models --size small)")
+        raise SystemExit(
+            f"model {args.model} not found (make it: .venv/bin/python -m worker.testing.tiny_models "
+            "--out models --size small)"
+        )
     stamp = time.strftime("%Y%m%d-%H%M%S")
     log_dir = ROOT / "bench" / "results" / f"worker-{stamp}"
     servers, notes = build_targets(args, log_dir)
@@ -1094,7 +1185,9 @@ def main(argv: list[str] | None = None) -> int:
         describe_workload(args),
         *notes,
         f"logs: {log_dir}",
-        "load average at start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" ({os.cpu_count()} CPUs)",
+        "load average at start: "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg())
+        + f" ({os.cpu_count()} CPUs)",
     ]
     try:
         for s in servers:

@@ -67,9 +67,26 @@ def worker_alone(model: Path) -> dict[str, float]:
         log_path = Path(tmp) / "worker.log"
         log = open(log_path, "w")  # noqa: SIM115
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "worker.server.cli", "-m", str(model), "--port", str(port),
-                                 "-c", "2048", "-np", "1", "--metrics"], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker.server.cli",
+                "-m",
+                str(model),
+                "--port",
+                str(port),
+                "-c",
+                "2048",
+                "-np",
+                "1",
+                "--metrics",
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             while True:
@@ -87,7 +104,11 @@ def worker_alone(model: Path) -> dict[str, float]:
             stop_process(proc)
             log.close()
         m = re.search(r"model loaded in ([\d.]+) s", log_path.read_text())
-    return {"spawn_to_token_s": total, "spawn_to_ready_s": ready, "worker_load_s": float(m.group(1)) if m else float("nan")}
+    return {
+        "spawn_to_token_s": total,
+        "spawn_to_ready_s": ready,
+        "worker_load_s": float(m.group(1)) if m else float("nan"),
+    }
 
 
 def one_run(model: Path) -> dict[str, float]:
@@ -97,9 +118,23 @@ def one_run(model: Path) -> dict[str, float]:
         preset.write_text(f'[models.smol]\nmodel = "{model}"\nctx-size = 2048\nparallel = 1\n')
         port = free_port()
         log = open(Path(tmp) / "router.log", "w")  # noqa: SIM115
-        proc = subprocess.Popen([sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port),
-                                 "--data-dir", tmp], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "--preset",
+                str(preset),
+                "--port",
+                str(port),
+                "--data-dir",
+                tmp,
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         base = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
@@ -110,7 +145,9 @@ def one_run(model: Path) -> dict[str, float]:
                 except httpx.TransportError:
                     pass
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit(f"router did not start: {(Path(tmp) / 'router.log').read_text()[-2000:]}")
+                    raise SystemExit(
+                        f"router did not start: {(Path(tmp) / 'router.log').read_text()[-2000:]}"
+                    )
                 time.sleep(0.05)
             ttft = _first_token(base, "smol")
             worker_log = httpx.get(f"{base}/logs", params={"model": "smol", "lines": 500}).text
@@ -149,19 +186,25 @@ def main() -> None:
     args = ap.parse_args()
     model = args.model or smollm2_path()
     print(f"model: {model} ({model.stat().st_size / 2**20:.0f} MiB)")
-    print(f"memory estimate (router.lifecycle.estimate.gguf_shape, fresh process): {time_estimate(model) * 1000:.1f} ms")
+    print(
+        f"memory estimate (router.lifecycle.estimate.gguf_shape, fresh process): {time_estimate(model) * 1000:.1f} ms"
+    )
     over = []
     for i in range(args.runs):  # alternated, so that a busy moment of the shared machine hits both sides
         w = worker_alone(model)
         r = one_run(model)
         over.append(r["ttft_s"] - w["spawn_to_token_s"])
-        print(f"run {i}: worker alone: spawn -> ready {w['spawn_to_ready_s']:.2f} s, -> first token "
-              f"{w['spawn_to_token_s']:.2f} s (its log: model loaded in {w['worker_load_s']:.2f} s) | through the "
-              f"router: request -> first token {r['ttft_s']:.2f} s (worker's log: loaded in {r['worker_load_s']:.2f} s; "
-              f"router's log: loaded in {r['router_ready_s']:.2f} s) | router overhead {over[-1]:+.2f} s "
-              f"(request -> spawn {r['pre_spawn_s'] * 1000:.0f} ms; worker loaded -> router ready "
-              f"{r['ready_seen_s'] * 1000:.0f} ms)")
-    print(f"median router overhead over the worker alone {statistics.median(over):+.2f} s (acceptance: < 1 s)")
+        print(
+            f"run {i}: worker alone: spawn -> ready {w['spawn_to_ready_s']:.2f} s, -> first token "
+            f"{w['spawn_to_token_s']:.2f} s (its log: model loaded in {w['worker_load_s']:.2f} s) | through the "
+            f"router: request -> first token {r['ttft_s']:.2f} s (worker's log: loaded in {r['worker_load_s']:.2f} s; "
+            f"router's log: loaded in {r['router_ready_s']:.2f} s) | router overhead {over[-1]:+.2f} s "
+            f"(request -> spawn {r['pre_spawn_s'] * 1000:.0f} ms; worker loaded -> router ready "
+            f"{r['ready_seen_s'] * 1000:.0f} ms)"
+        )
+    print(
+        f"median router overhead over the worker alone {statistics.median(over):+.2f} s (acceptance: < 1 s)"
+    )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ from __future__ import annotations
 from router.presets import ModelPreset
 
 
-def banner(presets: list[ModelPreset], host: str, port: int, *, has_api_key: bool, log_level: str) -> list[str]:
+def banner(
+    presets: list[ModelPreset], host: str, port: int, *, has_api_key: bool, log_level: str
+) -> list[str]:
     shown_host = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
     url = f"http://{shown_host}:{port}"
     missing = [p for p in presets if p.model_error is not None]
@@ -13,7 +15,11 @@ def banner(presets: list[ModelPreset], host: str, port: int, *, has_api_key: boo
              + (f", {len(missing)} with a missing file (failed; the others serve)" if missing else "")]
     for p in presets:
         what = p.upstream if p.is_remote else (p.cmd if p.backend == "cmd" else str(p.model))
-        state = "MISSING FILE" if p.model_error else ("loads at startup" if p.load_on_startup else "loads on first use")
+        state = (
+            "MISSING FILE"
+            if p.model_error
+            else ("loads at startup" if p.load_on_startup else "loads on first use")
+        )
         aliases = f" (aliases: {', '.join(p.aliases)})" if p.aliases else ""
         lines.append(f"  {p.name}{aliases}: {what} [{p.backend}; {state}]")
     lines += [f"  {m.model_error}" for m in missing]

@@ -27,7 +27,9 @@ def default_data_dir() -> Path:
     return Path(state) / "omni-router"
 
 
-def build_presets(preset: list[Path], models_dir: Path | None, overrides: dict[str, Any]) -> list[ModelPreset]:
+def build_presets(
+    preset: list[Path], models_dir: Path | None, overrides: dict[str, Any]
+) -> list[ModelPreset]:
     presets: list[ModelPreset] = []
     for path in preset:
         presets.extend(load_presets(path, overrides))
@@ -51,38 +53,81 @@ memory, alias, backend, cmd, upstream): see the README's first section."""
 
 @cli.command(epilog=EPILOG)
 def serve(
-    preset: Annotated[list[Path], typer.Option("--preset", "--models-preset", metavar="FILE",
-                                               help="INI or TOML preset file (repeatable)")] = [],  # noqa: B006  # typer copies it, never mutated
-    models_dir: Annotated[Path | None, typer.Option(metavar="DIR", help="also serve every *.gguf / HF folder in DIR")] = None,
+    preset: Annotated[
+        list[Path],
+        typer.Option(
+            "--preset", "--models-preset", metavar="FILE", help="INI or TOML preset file (repeatable)"
+        ),
+    ] = [],  # noqa: B006  # typer copies it, never mutated
+    models_dir: Annotated[
+        Path | None, typer.Option(metavar="DIR", help="also serve every *.gguf / HF folder in DIR")
+    ] = None,
     host: Annotated[str, typer.Option(help="bind address")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535)] = 8080,
     models_max: Annotated[int, typer.Option(min=0, help="models loaded at once (0 = unlimited)")] = 4,
     models_autoload: Annotated[bool, typer.Option("--models-autoload/--no-models-autoload")] = True,
-    sleep_idle_seconds: Annotated[float, typer.Option(min=-1, help="idle seconds before a worker sleeps (0 or -1: "
-                                                      "never, as omni-worker's -1); per model: `ttl`")] = 0.0,
-    unload_idle_seconds: Annotated[float, typer.Option(min=-1, help="idle seconds before a worker (awake or asleep) "
-                                                       "is stopped (0 or -1: never)")] = 0.0,
-    ram_budget: Annotated[str, typer.Option(help="host RAM the workers may use: SIZE (512M, 20GiB), 0 = no limit, "
-                                            "auto = total less 10% (at least 1 GiB)")] = "auto",
-    vram_budget: Annotated[str, typer.Option(help="GPU memory the workers may use: SIZE, 0 = no limit, "
-                                             "auto = total less 10% (no limit without a GPU)")] = "auto",
+    sleep_idle_seconds: Annotated[
+        float,
+        typer.Option(
+            min=-1,
+            help="idle seconds before a worker sleeps (0 or -1: "
+            "never, as omni-worker's -1); per model: `ttl`",
+        ),
+    ] = 0.0,
+    unload_idle_seconds: Annotated[
+        float,
+        typer.Option(
+            min=-1, help="idle seconds before a worker (awake or asleep) is stopped (0 or -1: never)"
+        ),
+    ] = 0.0,
+    ram_budget: Annotated[
+        str,
+        typer.Option(
+            help="host RAM the workers may use: SIZE (512M, 20GiB), 0 = no limit, "
+            "auto = total less 10% (at least 1 GiB)"
+        ),
+    ] = "auto",
+    vram_budget: Annotated[
+        str,
+        typer.Option(
+            help="GPU memory the workers may use: SIZE, 0 = no limit, "
+            "auto = total less 10% (no limit without a GPU)"
+        ),
+    ] = "auto",
     max_queue: Annotated[int, typer.Option(min=0, help="requests allowed to wait for a model")] = 256,
     api_key: Annotated[list[str], typer.Option(help="required bearer key (repeatable)")] = [],  # noqa: B006  # typer copies it, never mutated
     cors_origin: Annotated[list[str], typer.Option(help="allowed CORS origin (repeatable, * for any)")] = [],  # noqa: B006  # typer copies it, never mutated
     ctx_size: Annotated[int | None, typer.Option("--ctx-size", "-c", help="override for every model")] = None,
-    parallel: Annotated[int | None, typer.Option("--parallel", "-np", help="override for every model")] = None,
-    n_gpu_layers: Annotated[int | None, typer.Option("--n-gpu-layers", "-ngl", help="override for every model")] = None,
+    parallel: Annotated[
+        int | None, typer.Option("--parallel", "-np", help="override for every model")
+    ] = None,
+    n_gpu_layers: Annotated[
+        int | None, typer.Option("--n-gpu-layers", "-ngl", help="override for every model")
+    ] = None,
     threads: Annotated[int | None, typer.Option("--threads", "-t", help="override for every model")] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="state dir (Responses API store) "
-                                                  "[default: $XDG_STATE_HOME/omni-router]")] = None,
-    responses_max_entries: Annotated[int, typer.Option(min=0, help="stored responses (and conversations) "
-                                                       "kept; 0 = store nothing")] = 10000,
-    responses_ttl: Annotated[float, typer.Option(min=1, help="seconds a stored response is kept")] = 30 * 24 * 3600.0,
-    max_body_size: Annotated[int, typer.Option(min=0, help="largest request body in bytes, larger is a 413 "
-                                               "(0 = no limit)")] = 100 * 1024 * 1024,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(help="state dir (Responses API store) [default: $XDG_STATE_HOME/omni-router]"),
+    ] = None,
+    responses_max_entries: Annotated[
+        int, typer.Option(min=0, help="stored responses (and conversations) kept; 0 = store nothing")
+    ] = 10000,
+    responses_ttl: Annotated[float, typer.Option(min=1, help="seconds a stored response is kept")] = 30
+    * 24
+    * 3600.0,
+    max_body_size: Annotated[
+        int, typer.Option(min=0, help="largest request body in bytes, larger is a 413 (0 = no limit)")
+    ] = 100 * 1024 * 1024,
     log_level: Annotated[str, typer.Option(metavar="debug|info|warning|error")] = "info",
-    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=lambda v: _print_version(v),
-                                          help="print the version and exit")] = False,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=lambda v: _print_version(v),
+            help="print the version and exit",
+        ),
+    ] = False,
 ) -> None:
     """One OpenAI-compatible endpoint for many models."""
     overrides = {"ctx-size": ctx_size, "parallel": parallel, "n-gpu-layers": n_gpu_layers, "threads": threads}
@@ -109,12 +154,20 @@ def serve(
     from router.http.app import ResponsesConfig, RouterApp
     from router.lifecycle.pool import Pool, PoolConfig
 
-    config = PoolConfig(models_max=models_max, max_queue=max_queue, sleep_idle_seconds=sleep_idle_seconds,
-                        unload_idle_seconds=unload_idle_seconds, ram_budget=budgets[0], vram_budget=budgets[1],
-                        autoload=models_autoload)
+    config = PoolConfig(
+        models_max=models_max,
+        max_queue=max_queue,
+        sleep_idle_seconds=sleep_idle_seconds,
+        unload_idle_seconds=unload_idle_seconds,
+        ram_budget=budgets[0],
+        vram_budget=budgets[1],
+        autoload=models_autoload,
+    )
     responses = ResponsesConfig(data_dir or default_data_dir(), responses_max_entries, responses_ttl)
     pool = Pool(presets, config, source=lambda: build_presets(preset, models_dir, overrides))
-    app = RouterApp(pool, api_keys=api_key, cors_origins=cors_origin, responses=responses, max_body_size=max_body_size)
+    app = RouterApp(
+        pool, api_keys=api_key, cors_origins=cors_origin, responses=responses, max_body_size=max_body_size
+    )
     uvicorn.run(app, host=host, port=port, loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"),
                 log_level=log_level.lower(), access_log=False, timeout_keep_alive=75, lifespan="on",
                 proxy_headers=False, server_header=False, date_header=False, timeout_graceful_shutdown=3)
@@ -127,7 +180,9 @@ report_cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, r
 def profile_report(
     directory: Annotated[Path, typer.Argument(help="the event_dir of a profiling run")],
     run_id: Annotated[str | None, typer.Option(help="only this run's events")] = None,
-    timelines: Annotated[bool, typer.Option("--timelines/--no-timelines", help="one timeline per request")] = True,
+    timelines: Annotated[
+        bool, typer.Option("--timelines/--no-timelines", help="one timeline per request")
+    ] = True,
 ) -> None:
     """Per-request timelines and a per-stage summary of `/start_profile` events."""
     from router.observability.profile_report import load_events, write_report

@@ -61,18 +61,24 @@ class ModelPreset:
     embedding: bool | None = None  # an embedding model (worker --embedding)
     pooling: str | None = None  # none | mean | cls | last | rank (worker --pooling)
     reranking: bool | None = None  # a reranker (worker --reranking)
-    slot_save_path: str | None = None  # folder for POST /slots/{id}?action=save|restore (worker --slot-save-path)
+    slot_save_path: str | None = (
+        None  # folder for POST /slots/{id}?action=save|restore (worker --slot-save-path)
+    )
     load_on_startup: bool = False
     stop_timeout: float = 10.0
     load_timeout: float = 300.0
     cmd: str | None = None
     upstream: str | None = None
     ttl: float | None = None  # idle seconds before sleep; None = router default, 0 = never
-    unload_after: float | None = None  # idle seconds before the process stops; None = router default, 0 = never
+    unload_after: float | None = (
+        None  # idle seconds before the process stops; None = router default, 0 = never
+    )
     memory: int | None = None  # bytes the model needs (replaces the estimate)
     pin: bool = False
     worker_args: tuple[tuple[str, str], ...] = ()  # any other omni-worker flag: (long name, value), sorted
-    model_error: str | None = None  # the model file is missing: this model is failed, the router serves the rest
+    model_error: str | None = (
+        None  # the model file is missing: this model is failed, the router serves the rest
+    )
     source: str = ""  # where it was defined, for messages
 
     def worker_arg(self, name: str) -> str | None:
@@ -91,7 +97,11 @@ class ModelPreset:
         """`auto` as the worker resolves it: llama.cpp for a file (GGUF), torch for a folder."""
         if self.backend != "auto":
             return self.backend
-        return "llama_cpp" if self.model is None or self.model.suffix.lower() == ".gguf" or self.model.is_file() else "torch"
+        return (
+            "llama_cpp"
+            if self.model is None or self.model.suffix.lower() == ".gguf" or self.model.is_file()
+            else "torch"
+        )
 
 
 # --------------------------------------------------------------------------- keys
@@ -227,11 +237,25 @@ _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "b
           "embeddings": "embedding", "rerank": "reranking",
           "md": "model-draft", "spec-draft-model": "model-draft"}
 # llama-server's environment names (LLAMA_ARG_X, lowered, `_` -> `-`, prefix off) of the keys above
-_ENV = {"model": "model", "alias": "alias", "ctx-size": "ctx-size", "n-parallel": "parallel", "batch": "batch-size",
-        "n-gpu-layers": "n-gpu-layers", "threads": "threads", "chat-template": "chat-template",
-        "cache-ram": "cache-ram", "kv-unified": "kv-unified", "flash-attn": "flash-attn", "jinja": "jinja",
-        "spec-draft-model": "model-draft", "embeddings": "embedding", "pooling": "pooling", "reranking": "reranking",
-        "slot-save-path": "slot-save-path"}
+_ENV = {
+    "model": "model",
+    "alias": "alias",
+    "ctx-size": "ctx-size",
+    "n-parallel": "parallel",
+    "batch": "batch-size",
+    "n-gpu-layers": "n-gpu-layers",
+    "threads": "threads",
+    "chat-template": "chat-template",
+    "cache-ram": "cache-ram",
+    "kv-unified": "kv-unified",
+    "flash-attn": "flash-attn",
+    "jinja": "jinja",
+    "spec-draft-model": "model-draft",
+    "embeddings": "embedding",
+    "pooling": "pooling",
+    "reranking": "reranking",
+    "slot-save-path": "slot-save-path",
+}
 _NEGATABLE = ("kv-unified", "jinja")  # llama-server's `--no-X` switches: `no-X = true` means X = false
 VALID_KEYS = ", ".join(sorted(_KEYS))
 
@@ -271,9 +295,11 @@ def _worker_key(key: str, value: Any, where: str) -> tuple[str, Any]:
         everything = [*_KEYS, *_SHORT, *worker_flags.spellings()]
         guess = worker_flags.did_you_mean(spelled, everything)
         hint = f"; did you mean {_SHORT.get(guess, guess)!r}?" if guess else ""
-        raise PresetError(f"{where}: unknown key {key!r}{hint} (valid: {VALID_KEYS}; short: c, np, ngl, t, b, "
-                          "a, m, fa, kvu; LLAMA_ARG_* names; and any omni-worker flag by its long name, see "
-                          "omni-worker --help)")
+        raise PresetError(
+            f"{where}: unknown key {key!r}{hint} (valid: {VALID_KEYS}; short: c, np, ngl, t, b, "
+            "a, m, fa, kvu; LLAMA_ARG_* names; and any omni-worker flag by its long name, see "
+            "omni-worker --help)"
+        )
     if found.is_negated:
         try:
             value = not (value if isinstance(value, bool) else _bool(value))
@@ -328,7 +354,9 @@ def _parse_ini(path: Path) -> tuple[_RawSection, list[_RawSection]]:
             if not name or not NAME_RE.match(name):
                 raise PresetError(f"{where}: invalid model name {name!r} (use letters, digits and ._:/@+-)")
             if name in seen:
-                raise PresetError(f"{where}: duplicate model name [{name}] (first defined on line {seen[name]})")
+                raise PresetError(
+                    f"{where}: duplicate model name [{name}] (first defined on line {seen[name]})"
+                )
             seen[name] = lineno
             current = _RawSection(name, where)
             sections.append(current)
@@ -390,7 +418,9 @@ def _put(sec: _RawSection, key: str, value: Any, where: str) -> None:
     if canon is None:
         canon, value = _worker_key(key, value, where)
     if canon in sec.values and sec.spellings.get(canon) != key:
-        raise PresetError(f"{where}: key {key!r} given twice in [{sec.name}] (first at {sec.values[canon][1]})")
+        raise PresetError(
+            f"{where}: key {key!r} given twice in [{sec.name}] (first at {sec.values[canon][1]})"
+        )
     sec.spellings[canon] = key  # the same key again: the last one wins, as in llama-server's parser
     if isinstance(value, bool):
         value = "true" if value else "false"
@@ -541,7 +571,9 @@ def check_unique(presets: list[ModelPreset]) -> None:
     for p in presets:
         for n in p.names:
             if n in owner and owner[n] is not p:
-                raise PresetError(f"{p.source}: name or alias {n!r} already used by [{owner[n].name}] ({owner[n].source})")
+                raise PresetError(
+                    f"{p.source}: name or alias {n!r} already used by [{owner[n].name}] ({owner[n].source})"
+                )
             if n in owner:
                 raise PresetError(f"{p.source}: alias {n!r} repeated")
             owner[n] = p

@@ -203,8 +203,14 @@ class UpstreamClient:
         """
         host, port, host_header, prefix = self._address(base_url)
         conn = await self._connection(host, port)
-        lines = [f"{method} {prefix}{target} HTTP/1.1\r\n".encode(), b"host: ", host_header, b"\r\ncontent-length: ",
-                 str(len(body)).encode(), b"\r\n"]
+        lines = [
+            f"{method} {prefix}{target} HTTP/1.1\r\n".encode(),
+            b"host: ",
+            host_header,
+            b"\r\ncontent-length: ",
+            str(len(body)).encode(),
+            b"\r\n",
+        ]
         for k, v in headers:
             lines += [k, b": ", v, b"\r\n"]
         lines.append(b"\r\n")

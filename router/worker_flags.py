@@ -26,9 +26,14 @@ from typing import Any
 
 # worker flag -> why a preset cannot set it (and what to use)
 ROUTER_OWNED = {
-    "model": "use 'model'", "alias": "use 'alias'", "host": "the router picks it", "port": "the router picks it",
-    "uds": "the router talks to workers over TCP", "parent-pid": "the router sets it",
-    "metrics": "the router always turns it on", "api-key": "set --api-key on the router",
+    "model": "use 'model'",
+    "alias": "use 'alias'",
+    "host": "the router picks it",
+    "port": "the router picks it",
+    "uds": "the router talks to workers over TCP",
+    "parent-pid": "the router sets it",
+    "metrics": "the router always turns it on",
+    "api-key": "set --api-key on the router",
     "api-key-file": "set --api-key on the router",
     "sleep-idle-seconds": "use 'ttl' (idle seconds before the router puts the model to sleep)",
     "version": "it is not a setting",
@@ -57,9 +62,18 @@ def _options() -> list[dict[str, Any]]:
     """`omni-worker --flags-json`: the worker's own option list. Read from a subprocess, once: the
     router talks to the worker through its command line (and imports only worker.protocol)."""
     root = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-    out = subprocess.run([sys.executable, "-m", "worker.server.cli", "--flags-json"], capture_output=True, text=True,
-                         env=env, timeout=120, check=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p),
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "worker.server.cli", "--flags-json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
     options: list[dict[str, Any]] = json.loads(out.stdout)
     return options
 
@@ -73,7 +87,9 @@ def _index() -> dict[str, Lookup]:
         if not longs or opt["hidden"]:
             continue
         negation = next((o[2:] for o in opt["secondary_opts"] if o.startswith("--")), None)
-        flag = WorkerFlag(longs[0], bool(opt["is_flag"]), negation, opt["help"], opt["type"], opt["min"], opt["max"])
+        flag = WorkerFlag(
+            longs[0], bool(opt["is_flag"]), negation, opt["help"], opt["type"], opt["min"], opt["max"]
+        )
         for spelling in (*longs, *(o[1:] for o in opt["opts"] if not o.startswith("--"))):
             out.setdefault(spelling, Lookup(flag, False))
         if negation is not None:
@@ -106,7 +122,10 @@ def convert(flag: WorkerFlag, raw: str) -> str:
     except ValueError:
         raise ValueError(f"expected {'an integer' if kind is int else 'a number'}") from None
     if (flag.min is not None and value < flag.min) or (flag.max is not None and value > flag.max):
-        bounds = [f">= {flag.min}" if flag.min is not None else "", f"<= {flag.max}" if flag.max is not None else ""]
+        bounds = [
+            f">= {flag.min}" if flag.min is not None else "",
+            f"<= {flag.max}" if flag.max is not None else "",
+        ]
         raise ValueError(f"expected a value {' and '.join(b for b in bounds if b)}")
     return text
 

@@ -135,7 +135,9 @@ def to_omni_worker(argv: list[str], model: Path) -> list[str]:
             has_parallel = has_parallel or MAPPED[flag] == "--parallel"
         elif flag in MAPPED_SWITCHES and value is None:
             out.append(MAPPED_SWITCHES[flag])
-        elif flag in MODEL_FLAGS or flag in MODEL_SWITCHES or flag in IGNORED_SWITCHES or flag in IGNORED_FLAGS:
+        elif (
+            flag in MODEL_FLAGS or flag in MODEL_SWITCHES or flag in IGNORED_SWITCHES or flag in IGNORED_FLAGS
+        ):
             continue
         elif flag in PASSED_SWITCHES and value is None:
             out.append(flag)
@@ -164,7 +166,10 @@ def to_llama_server(argv: list[str], model: Path) -> list[str]:
 def main(argv: list[str]) -> int:
     model = Path(os.environ.get("OMNI_SHIM_MODEL") or DEFAULT_MODEL).resolve()
     if not model.exists():
-        print(f"llama_server_shim: model {model} not found (make models, or set OMNI_SHIM_MODEL)", file=sys.stderr)
+        print(
+            f"llama_server_shim: model {model} not found (make models, or set OMNI_SHIM_MODEL)",
+            file=sys.stderr,
+        )
         return EXIT_REFUSED
     upstream = os.environ.get("OMNI_SHIM_LLAMA_SERVER")
     if upstream:
@@ -176,9 +181,17 @@ def main(argv: list[str]) -> int:
     except (Refused, ValueError) as e:
         print(f"llama_server_shim: refusing to start omni-worker: {e}", file=sys.stderr)
         return EXIT_REFUSED
-    cmd = [sys.executable, "-m", "worker.server.cli", *args, *shlex.split(os.environ.get("OMNI_SHIM_WORKER_ARGS", ""))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "worker.server.cli",
+        *args,
+        *shlex.split(os.environ.get("OMNI_SHIM_WORKER_ARGS", "")),
+    ]
     print(f"llama_server_shim: exec {' '.join(cmd)}", file=sys.stderr, flush=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    )
     os.execve(sys.executable, cmd, env)
     return 0  # not reached
 

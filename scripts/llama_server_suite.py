@@ -175,12 +175,21 @@ def write_wrapper(directory: Path) -> Path:
 
 def suite_env(server: str, model: Path, wrapper: Path, report: Path, test_timeout: float,
               version: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("DEBUG", "DEBUG_EXTERNAL", "OMNI_SHIM_LLAMA_SERVER")}
-    env.update({
-        "LLAMA_SERVER_BIN_PATH": str(wrapper), "OMNI_SHIM_MODEL": str(model), "PORT": str(free_port()),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
-        REPORT_ENV: str(report), TEST_TIMEOUT_ENV: str(test_timeout),
-    })
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("DEBUG", "DEBUG_EXTERNAL", "OMNI_SHIM_LLAMA_SERVER")
+    }
+    env.update(
+        {
+            "LLAMA_SERVER_BIN_PATH": str(wrapper),
+            "OMNI_SHIM_MODEL": str(model),
+            "PORT": str(free_port()),
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+            ),
+            REPORT_ENV: str(report),
+            TEST_TIMEOUT_ENV: str(test_timeout),
+        }
+    )
     if server == "llama-server":
         env["OMNI_SHIM_LLAMA_SERVER"] = str(reference_binary(version))
     return env
@@ -225,12 +234,22 @@ def run_pytest(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float | 
                     continue
 
 
-def run_suite(server: str, model: Path, tests: list[str], keyword: str | None, version: str, *,
-              test_timeout: float = DEFAULT_TEST_TIMEOUT, timeout: float | None = None) -> tuple[int, list[Result]]:
+def run_suite(
+    server: str,
+    model: Path,
+    tests: list[str],
+    keyword: str | None,
+    version: str,
+    *,
+    test_timeout: float = DEFAULT_TEST_TIMEOUT,
+    timeout: float | None = None,
+) -> tuple[int, list[Result]]:
     """Run pytest on the suite; (pytest's exit status, or 124 past `timeout`; one result per test)."""
     directory = ensure_suite(version).resolve()  # nodeids are relative to it: no symlinks
     if server == "llama-server" and not reference_binary(version).exists():
-        raise SystemExit(f"{reference_binary(version)} not found: build it with scripts/build_llama_server.sh")
+        raise SystemExit(
+            f"{reference_binary(version)} not found: build it with scripts/build_llama_server.sh"
+        )
     with tempfile.TemporaryDirectory(prefix="llama-server-suite-") as tmp:
         report = Path(tmp) / "report.jsonl"
         env = suite_env(server, model, write_wrapper(Path(tmp)), report, test_timeout, version)
@@ -264,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds one test may run (0: no limit; the suite's own request timeout is 600 s)")
     p.add_argument("--timeout", type=float, default=None, help="seconds for the whole run")
     p.add_argument("--fetch-only", action="store_true", help="make sure the suite is on disk, print its path")
-    p.add_argument("tests", nargs="*", help="test ids relative to the suite (default: unit); after --, pytest options")
+    p.add_argument(
+        "tests", nargs="*", help="test ids relative to the suite (default: unit); after --, pytest options"
+    )
     args = p.parse_args(argv)
     try:
         version = pinned_version()

@@ -56,8 +56,24 @@ def test_the_first_hour_commands_get_a_chat_answer(tmp_path: Path) -> None:
     clone = tmp_path / "omni-router"
     # 2. install (checked, not performed: see the module docstring)
     assert install_cmd == "python3 -m venv .venv && .venv/bin/pip install -e ."
-    dry = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-index",
-                          "--no-build-isolation", "-e", "."], cwd=clone, capture_output=True, text=True, timeout=300)
+    dry = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "-e",
+            ".",
+        ],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert dry.returncode == 0 and "omni-router" in dry.stdout, dry.stdout + dry.stderr
     assert 'omni-router = "router.cli:main"' in (clone / "pyproject.toml").read_text()
     # 3. serve every GGUF in a folder
@@ -73,9 +89,24 @@ def test_the_first_hour_commands_get_a_chat_answer(tmp_path: Path) -> None:
     log_path = tmp_path / "router.log"
     env = {**os.environ, "PYTHONPATH": str(clone)}
     with log_path.open("wb") as log:
-        router = subprocess.Popen([sys.executable, "-m", "router.cli", "--models-dir", str(models), "--port", str(port),
-                                   "--data-dir", str(tmp_path / "state")],
-                                  cwd=clone, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        router = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "--models-dir",
+                str(models),
+                "--port",
+                str(port),
+                "--data-dir",
+                str(tmp_path / "state"),
+            ],
+            cwd=clone,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     try:
         wait_healthy(router, f"http://127.0.0.1:{port}", 60, lambda: log_path.read_text()[-3000:])
         # 4. chat
@@ -83,6 +114,8 @@ def test_the_first_hour_commands_get_a_chat_answer(tmp_path: Path) -> None:
         out = subprocess.run([*curl, "-sS", "--max-time", "240"], capture_output=True, text=True, timeout=300)
     finally:
         stop_process(router)
-    assert '"choices"' in out.stdout and '"role":"assistant"' in out.stdout.replace(" ", ""), out.stdout + out.stderr
+    assert '"choices"' in out.stdout and '"role":"assistant"' in out.stdout.replace(" ", ""), (
+        out.stdout + out.stderr
+    )
     banner = log_path.read_text()
     assert "omni-router: 1 model" in banner and f"web UI: http://127.0.0.1:{port}/" in banner

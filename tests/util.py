@@ -26,7 +26,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_until(pred: Callable[[], T], timeout: float = 30.0, interval: float = 0.05, what: str = "condition") -> T:
+def wait_until(
+    pred: Callable[[], T], timeout: float = 30.0, interval: float = 0.05, what: str = "condition"
+) -> T:
     """Poll `pred` until it returns a truthy value (returned) or fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     last_exc: Exception | None = None
@@ -77,7 +79,17 @@ def wait_healthy(
 def run_worker(model: str | Path, *args: str, timeout: float = 60.0) -> Iterator[str]:
     """Start `omni-worker --model MODEL ARGS` on a free port; yield its base URL once healthy."""
     port = free_port()
-    cmd = [sys.executable, "-m", "worker.server.cli", "--model", str(model), "--port", str(port), "--metrics", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "worker.server.cli",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--metrics",
+        *args,
+    ]
     # A file, not a pipe: an undrained pipe would block a chatty worker.
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in finally)
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)

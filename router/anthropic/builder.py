@@ -58,8 +58,16 @@ class MessageBuilder:
                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": self.cached_tokens}
 
     def snapshot(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": self.content,
-                "stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence, "usage": self.usage()}
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": self.content,
+            "stop_reason": self.stop_reason,
+            "stop_sequence": self.stop_sequence,
+            "usage": self.usage(),
+        }
 
     # ---- events
 
@@ -80,7 +88,9 @@ class MessageBuilder:
                 continue
             delta = choice.get("delta") or {}
             if delta.get("reasoning_content"):
-                events += self._delta("thinking", {"type": "thinking_delta", "thinking": delta["reasoning_content"]})
+                events += self._delta(
+                    "thinking", {"type": "thinking_delta", "thinking": delta["reasoning_content"]}
+                )
             if delta.get("content"):
                 events += self._delta("text", {"type": "text_delta", "text": delta["content"]})
             for call in delta.get("tool_calls") or []:
@@ -113,7 +123,10 @@ class MessageBuilder:
         events = self._close()
         self.content.append(block)
         self._open = _Open(kind, len(self.content) - 1, tool_index)
-        return [*events, {"type": "content_block_start", "index": self._open.index, "content_block": dict(block)}]
+        return [
+            *events,
+            {"type": "content_block_start", "index": self._open.index, "content_block": dict(block)},
+        ]
 
     def _delta(self, kind: str, delta: dict[str, Any]) -> list[Event]:
         events: list[Event] = []
@@ -130,8 +143,12 @@ class MessageBuilder:
         index = int(call.get("index", 0))
         fn = call.get("function") or {}
         if self._open is None or self._open.kind != "tool_use" or self._open.tool_index != index:
-            block: dict[str, Any] = {"type": "tool_use", "id": call.get("id") or new_id("toolu"), "name": fn.get("name") or "",
-                     "input": {}}
+            block: dict[str, Any] = {
+                "type": "tool_use",
+                "id": call.get("id") or new_id("toolu"),
+                "name": fn.get("name") or "",
+                "input": {},
+            }
             events += self._begin("tool_use", block, index)
         assert self._open is not None
         if fn.get("arguments"):
@@ -152,7 +169,9 @@ class MessageBuilder:
                 parsed = None
             if not isinstance(parsed, dict):
                 # the worker's parser only emits calls whose arguments are a JSON object
-                log.warning("tool call %s: arguments are not a JSON object: %r", block["name"], op.arguments[:200])
+                log.warning(
+                    "tool call %s: arguments are not a JSON object: %r", block["name"], op.arguments[:200]
+                )
                 parsed = {}
             block["input"] = parsed
         return [{"type": "content_block_stop", "index": op.index}]

@@ -17,8 +17,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 PATH_PREFIX = "/v1/messages"
 OVERLOADED = 529
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", OVERLOADED: "overloaded_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    OVERLOADED: "overloaded_error",
+}
 
 
 def status_of(status: int) -> int:
@@ -71,8 +78,17 @@ class AnthropicErrors:
             out = json.dumps(error_body(status, _message(b"".join(body), status))).encode()
             headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",
                                                                                            b"content-type")]
-            await send({**start, "status": status_of(status), "headers": [
-                *headers, (b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+            await send(
+                {
+                    **start,
+                    "status": status_of(status),
+                    "headers": [
+                        *headers,
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(out)).encode()),
+                    ],
+                }
+            )
             await send({"type": "http.response.body", "body": out})
 
         await self._app(scope, receive, rewrite)

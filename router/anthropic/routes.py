@@ -80,7 +80,9 @@ class MessagesRoutes:
         builder.finish()
         return JSONResponse(builder.snapshot())
 
-    async def _stream(self, b: MessageBuilder, stack: AsyncExitStack, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, b: MessageBuilder, stack: AsyncExitStack, chunks: AsyncIterator[Chunk]
+    ) -> AsyncIterator[bytes]:
         """The SSE bytes: message_start, a ping, the blocks, message_delta, message_stop; a ping
         whenever the upstream is silent for PING_INTERVAL_S; an `error` event if it dies.
 

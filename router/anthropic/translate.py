@@ -67,8 +67,10 @@ def _user(i: int, m: Message) -> list[dict[str, Any]]:
         elif isinstance(b, TextBlock | ImageBlock):
             pending.append(b)
         else:
-            raise APIError(f"a {b.type} block can only be in an assistant message (messages[{i}].content[{j}])",
-                           param=f"messages[{i}].content[{j}].type")
+            raise APIError(
+                f"a {b.type} block can only be in an assistant message (messages[{i}].content[{j}])",
+                param=f"messages[{i}].content[{j}].type",
+            )
     if pending or not out:
         out.append({"role": "user", "content": _parts(pending)})
     return out

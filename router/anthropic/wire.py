@@ -100,7 +100,9 @@ class ThinkingBlock(_Model):
     signature: str = ""  # ours are empty: nothing is encrypted or verified
 
 
-Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
+Block = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")
+]
 
 
 class Message(_Model):
@@ -151,7 +153,9 @@ class ToolChoiceNone(_Model):
     type: Literal["none"]
 
 
-ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")]
+ToolChoice = Annotated[
+    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")
+]
 
 
 class ThinkingEnabled(_Model):
@@ -253,14 +257,20 @@ class CreateMessage(CountTokensRequest):
         here, so a lowered effort without thinking would change nothing."""
         is_thinking = isinstance(self.thinking, ThinkingEnabled | ThinkingAdaptive)
         if is_thinking and isinstance(self.tool_choice, ToolChoiceAny | ToolChoiceTool):
-            raise ValueError("thinking cannot be combined with a tool_choice that forces a tool call (any, tool)")
+            raise ValueError(
+                "thinking cannot be combined with a tool_choice that forces a tool call (any, tool)"
+            )
         if is_thinking and self.output_config is not None and self.output_config.format is not None:
-            raise ValueError("thinking cannot be combined with output_config.format here: the format's grammar "
-                             "applies from the first output token")
+            raise ValueError(
+                "thinking cannot be combined with output_config.format here: the format's grammar "
+                "applies from the first output token"
+            )
         effort = self.output_config.effort if self.output_config is not None else None
         if isinstance(self.thinking, ThinkingDisabled) and effort in ("low", "medium"):
-            raise ValueError("output_config.effort sets the thinking budget here; with thinking disabled it has "
-                             "nothing to lower")
+            raise ValueError(
+                "output_config.effort sets the thinking budget here; with thinking disabled it has "
+                "nothing to lower"
+            )
         return self
 
 
@@ -278,7 +288,10 @@ def parse_request(cls: type[R], raw: bytes) -> R:
         return cls.model_validate(data)
     except ValidationError as e:
         err = max(e.errors(), key=lambda x: len(x.get("loc", ())))
-        loc = ".".join(str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and
-                                                                   (p in _UNION_TAGS or not p.isidentifier())))
+        loc = ".".join(
+            str(p)
+            for p in err.get("loc", ())
+            if not (isinstance(p, str) and (p in _UNION_TAGS or not p.isidentifier()))
+        )
         msg = err.get("msg", "invalid value")
         raise APIError(f"Invalid value for '{loc}': {msg}" if loc else msg, param=loc or None) from None

@@ -70,7 +70,9 @@ class AdminRoutes:
             return await self.pool.reload()
         except PresetError as e:
             log.error("preset reload rejected, running config unchanged: %s", e)
-            raise APIError(f"preset reload rejected, running config unchanged: {e}", code="invalid_preset") from None
+            raise APIError(
+                f"preset reload rejected, running config unchanged: {e}", code="invalid_preset"
+            ) from None
 
     def reload_in_background(self) -> None:
         """SIGHUP: reload; errors are logged (by `reload`)."""
@@ -114,7 +116,9 @@ class AdminRoutes:
     async def sleep_model(self, request: Request) -> Response:
         handle = await self._handle_from_body(request)
         if not await handle.sleep():
-            raise APIError(f"model {handle.name!r} is not loaded and idle", param="model", code="model_not_loaded")
+            raise APIError(
+                f"model {handle.name!r} is not loaded and idle", param="model", code="model_not_loaded"
+            )
         return JSONResponse({"success": True})
 
     async def models_sse(self, request: Request) -> Response:

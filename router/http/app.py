@@ -73,8 +73,15 @@ class ResponsesConfig:
 class RouterApp:
     """The ASGI application served by `omni-router`."""
 
-    def __init__(self, pool: Pool, *, api_keys: list[str] | None = None, cors_origins: list[str] | None = None,
-                 responses: ResponsesConfig | None = None, max_body_size: int = DEFAULT_MAX_BODY_SIZE) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        *,
+        api_keys: list[str] | None = None,
+        cors_origins: list[str] | None = None,
+        responses: ResponsesConfig | None = None,
+        max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+    ) -> None:
         self.pool = pool
         rc = responses or ResponsesConfig()
         data_dir = rc.data_dir or Path(".")
@@ -103,7 +110,9 @@ class RouterApp:
         )
         inner: ASGIApp = Front(self.forwarder, self.webui, self.admin, max_body_size)
         if api_keys:
-            inner = RequireAPIKey(inner, tuple(api_keys), public_paths=PUBLIC_PATHS, public_prefixes=PUBLIC_PREFIXES)
+            inner = RequireAPIKey(
+                inner, tuple(api_keys), public_paths=PUBLIC_PATHS, public_prefixes=PUBLIC_PREFIXES
+            )
         inner = AnthropicErrors(inner)  # errors on /v1/messages in Anthropic's envelope, the 401 too
         origins = cors_origins or []
         self._asgi = Cors(inner, "*" if "*" in origins else ",".join(origins))
@@ -120,7 +129,9 @@ class RouterApp:
         await asyncio.sleep(0)  # the observers subscribe before the first event
         await self.pool.start()
         loop = asyncio.get_running_loop()
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no SIGHUP
+        with contextlib.suppress(
+            NotImplementedError, RuntimeError, ValueError
+        ):  # not the main thread, or no SIGHUP
             loop.add_signal_handler(signal.SIGHUP, self.admin_routes.reload_in_background)
         try:
             yield

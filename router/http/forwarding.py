@@ -53,7 +53,9 @@ class Forwarder:
         """A POST routed by its body's `model` (or `?model=`)."""
         try:
             body = await read_body(receive)
-            name = self.model_from_body(body, scope.get("query_string", b""), header(scope["headers"], b"content-type"))
+            name = self.model_from_body(
+                body, scope.get("query_string", b""), header(scope["headers"], b"content-type")
+            )
             handle = self.lookup(name, scope)
         except APIError as e:
             await send_error(send, e)
@@ -142,7 +144,9 @@ class Forwarder:
             trace.status = 500
             log.exception("proxying to model %s failed", handle.name)
             with contextlib.suppress(Exception):
-                await send_error(send, APIError(f"internal error: {e!r}", status_code=500, type="server_error"))
+                await send_error(
+                    send, APIError(f"internal error: {e!r}", status_code=500, type="server_error")
+                )
         except asyncio.CancelledError:
             # The client left (the watcher cancelled us), or uvicorn's graceful shutdown ran out:
             # either way there is nobody left to answer (the trace still reports it).
@@ -158,13 +162,28 @@ class Forwarder:
         headers = [*request_headers(scope["headers"]), (REQUEST_ID_HEADER, rid.encode())]
         for attempt in (1, 2):
             try:
-                return await forward(self.pool.upstream, self.pool.client, send, method, base, target, headers,
-                                     body, model=handle.name, reword_error=lambda data: reword_body(data, handle.preset))
+                return await forward(
+                    self.pool.upstream,
+                    self.pool.client,
+                    send,
+                    method,
+                    base,
+                    target,
+                    headers,
+                    body,
+                    model=handle.name,
+                    reword_error=lambda data: reword_body(data, handle.preset),
+                )
             except UpstreamUnavailable as e:
                 # A keep-alive connection the worker closed just as we reused it: retry once.
                 if attempt == 2 or not e.retryable:
-                    raise APIError(str(e), status_code=503, type="unavailable_error", code=503,
-                                   headers={"Retry-After": "1"}) from None
+                    raise APIError(
+                        str(e),
+                        status_code=503,
+                        type="unavailable_error",
+                        code=503,
+                        headers={"Retry-After": "1"},
+                    ) from None
         raise AssertionError("unreachable")
 
 

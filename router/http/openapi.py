@@ -47,12 +47,18 @@ MODEL_ONLY = frozenset({"/models/load", "/models/unload", "/models/sleep"})
 ERROR_ENVELOPE: dict[str, Any] = {
     "type": "object",
     "required": ["error"],
-    "properties": {"error": {
-        "type": "object",
-        "required": ["message", "type", "param", "code"],
-        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
-                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "integer", "null"]}},
-    }},
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "integer", "null"]},
+            },
+        }
+    },
 }
 ANTHROPIC_ERROR: dict[str, Any] = {  # the Messages API's routes answer in Anthropic's envelope
     "type": "object",
@@ -82,14 +88,23 @@ def _operation(method: str, path: str, model_names: list[str], schemas: dict[str
              "content": {"application/json": {"schema": {"$ref": REF.format(model=envelope)}}}}
     op: dict[str, Any] = {
         "operationId": f"{method.lower()} {path}",
-        "responses": {"200": {"description": "success", "content": OK_CONTENT},
-                      "204": {"description": "no content"}, "304": {"description": "not modified"},
-                      "4XX": error, "501": {**error, "description": "the model or server lacks the feature "
-                                            "(llama-server's not_supported_error: no --embedding, no FIM tokens...)"},
-                      "5XX": error},
+        "responses": {
+            "200": {"description": "success", "content": OK_CONTENT},
+            "204": {"description": "no content"},
+            "304": {"description": "not modified"},
+            "4XX": error,
+            "501": {
+                **error,
+                "description": "the model or server lacks the feature "
+                "(llama-server's not_supported_error: no --embedding, no FIM tokens...)",
+            },
+            "5XX": error,
+        },
     }
     params = [p[1:-1] for p in path.split("/") if p.startswith("{")]
-    op["parameters"] = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params]
+    op["parameters"] = [
+        {"name": p, "in": "path", "required": True, "schema": {"type": "string"}} for p in params
+    ]
     if method == "POST":
         op["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": _body_schema(path, model_names, schemas)}}}

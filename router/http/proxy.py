@@ -34,8 +34,15 @@ HOP_BY_HOP = frozenset({
     b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length",
 })
 # x-request-id: the router sends its own (the client's if it gave one; router.observability.request_trace)
-_DROP_REQUEST = HOP_BY_HOP | {b"authorization", b"x-api-key", b"accept-encoding", b"origin", b"cookie", b"expect",
-                              b"x-request-id"}
+_DROP_REQUEST = HOP_BY_HOP | {
+    b"authorization",
+    b"x-api-key",
+    b"accept-encoding",
+    b"origin",
+    b"cookie",
+    b"expect",
+    b"x-request-id",
+}
 _DROP_RESPONSE = HOP_BY_HOP | {b"date", b"server"}
 
 
@@ -99,7 +106,9 @@ async def forward(
     try:
         conn = await upstream.request(base_url, method, target, headers, body)
     except UpstreamError as e:
-        raise UpstreamUnavailable(f"worker for model {model!r} is unreachable: {e}", retryable=e.retryable) from None
+        raise UpstreamUnavailable(
+            f"worker for model {model!r} is unreachable: {e}", retryable=e.retryable
+        ) from None
     try:
         hdrs = _response_headers(conn.headers)
         is_sse = _is_sse(conn.headers)
@@ -125,8 +134,13 @@ async def forward(
         except asyncio.CancelledError:  # the router is shutting down (or the client left: no-op)
             with contextlib.suppress(Exception):
                 if is_sse:
-                    await send({"type": "http.response.body", "more_body": False,
-                                "body": sse_error("the request was cancelled: the router is shutting down", 503)})
+                    await send(
+                        {
+                            "type": "http.response.body",
+                            "more_body": False,
+                            "body": sse_error("the request was cancelled: the router is shutting down", 503),
+                        }
+                    )
             raise
         await send({"type": "http.response.body", "body": b""})
         return conn.status
@@ -157,9 +171,14 @@ async def _forward_httpx(client: httpx.AsyncClient, send: Send, method: str, url
         await resp.aclose()
 
 
-def json_response_messages(status: int, body: dict[str, Any],
-                           headers: list[tuple[bytes, bytes]] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def json_response_messages(
+    status: int, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     data = json.dumps(body).encode()
-    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()), *(headers or [])]
+    hdrs = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(data)).encode()),
+        *(headers or []),
+    ]
     return ({"type": "http.response.start", "status": status, "headers": hdrs},
             {"type": "http.response.body", "body": data})

@@ -90,7 +90,9 @@ class WebUI:
         path: str = scope["path"]
         file = self.resolve(path)
         if file is None:
-            body = b'{"error": {"message": "not found", "type": "not_found_error", "param": null, "code": 404}}'
+            body = (
+                b'{"error": {"message": "not found", "type": "not_found_error", "param": null, "code": 404}}'
+            )
             await send({"type": "http.response.start", "status": 404,
                         "headers": [(b"content-type", b"application/json"),
                                     (b"content-length", str(len(body)).encode())]})

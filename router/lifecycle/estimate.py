@@ -65,7 +65,9 @@ _GGUF_KEYS = ("block_count", "attention.head_count", "attention.head_count_kv", 
               "attention.value_length", "embedding_length", "context_length")
 
 
-_shapes: dict[tuple[str, int, int], Shape | None] = {}  # (path, size, mtime_ns) -> shape: a changed file is read again
+_shapes: dict[
+    tuple[str, int, int], Shape | None
+] = {}  # (path, size, mtime_ns) -> shape: a changed file is read again
 
 
 def cached_shape(model: Path, is_gguf: bool) -> Shape | None:
@@ -118,8 +120,14 @@ def hf_shape(folder: Path) -> Shape | None:
         n_heads = int(cfg["num_attention_heads"])
         head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n_heads)
         dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "float16")
-        return Shape(int(cfg["num_hidden_layers"]), int(cfg.get("num_key_value_heads") or n_heads), head_dim, head_dim,
-                     int(cfg.get("max_position_embeddings") or DEFAULT_CTX), TORCH_DTYPE_BYTES.get(dtype, 2))
+        return Shape(
+            int(cfg["num_hidden_layers"]),
+            int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim,
+            head_dim,
+            int(cfg.get("max_position_embeddings") or DEFAULT_CTX),
+            TORCH_DTYPE_BYTES.get(dtype, 2),
+        )
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.debug("%s: no HF shape: %r", folder, e)
         return None
@@ -174,13 +182,17 @@ def compute(p: ModelPreset, has_gpu: bool) -> Estimate:
     ram += weights + kv - vram
     if not vram:
         return Estimate(ram, 0, "computed")
-    return Estimate(ram + GPU_HOST_BYTES.get(backend, 0), vram + GPU_CONTEXT_BYTES.get(backend, 512 * MIB), "computed")
+    return Estimate(
+        ram + GPU_HOST_BYTES.get(backend, 0), vram + GPU_CONTEXT_BYTES.get(backend, 512 * MIB), "computed"
+    )
 
 
 def _describe(e: Estimate) -> str:
     if e.source == "unknown":
         return "unknown"
-    return f"{e.ram_bytes / MIB:.0f} MiB RAM" + (f" + {e.vram_bytes / MIB:.0f} MiB VRAM" if e.vram_bytes else "")
+    return f"{e.ram_bytes / MIB:.0f} MiB RAM" + (
+        f" + {e.vram_bytes / MIB:.0f} MiB VRAM" if e.vram_bytes else ""
+    )
 
 
 def _key(p: ModelPreset) -> ModelPreset:

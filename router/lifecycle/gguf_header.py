@@ -66,7 +66,9 @@ class _Reader:
         n = self._length()  # (not `self.pos += self._length()`: that adds to the position before the read)
         self.pos += n
 
-    def keys(self, wanted: Callable[[str], bool], stop_when: Callable[[dict[str, Value]], bool]) -> dict[str, Value]:
+    def keys(
+        self, wanted: Callable[[str], bool], stop_when: Callable[[dict[str, Value]], bool]
+    ) -> dict[str, Value]:
         if bytes(self.buf[:4]) != b"GGUF":
             raise GGUFHeaderError("not a GGUF file (no GGUF magic)")
         self.pos = 4

@@ -47,7 +47,9 @@ def diagnose(log_tail: Sequence[str], exit_code: int | None, reason: str, *, was
         for line in lines:
             if (m := pattern.search(line)) is not None:
                 return LoadFailure(m.group(1).strip(), reported and not was_ready)
-    last_exception = next((m.group(1) for line in reversed(lines) if (m := _TRACEBACK_LAST.match(line))), None)
+    last_exception = next(
+        (m.group(1) for line in reversed(lines) if (m := _TRACEBACK_LAST.match(line))), None
+    )
     if last_exception is not None and not was_ready:
         return LoadFailure(f"{reason}: {last_exception}", exit_code not in (None, 0) and exit_code > 0)
     return LoadFailure(reason, exit_code == _CLI_USAGE_EXIT and not was_ready)

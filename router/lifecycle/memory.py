@@ -94,7 +94,9 @@ def gpu_total_bytes() -> int | None:
                        for i in range(nvml.nvmlDeviceGetCount()))
     text = _nvidia_smi("--query-gpu=memory.total")
     try:
-        return None if text is None else sum(int(s.strip()) for s in text.splitlines() if s.strip()) * (1 << 20)
+        return (
+            None if text is None else sum(int(s.strip()) for s in text.splitlines() if s.strip()) * (1 << 20)
+        )
     except ValueError:
         return None
 

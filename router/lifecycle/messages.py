@@ -131,6 +131,24 @@ class Measured:
     memory: TreeMemory
 
 
-Command = (EnsureReady | Load | Sleep | Unload | Evict | Drain | Reconfigure | Sync | Poke | Estimated | Granted
-            | Refused
-            | Spawned | Progress | Ready | LoadFailed | SleepDone | Exited | Measured)
+Command = (
+    EnsureReady
+    | Load
+    | Sleep
+    | Unload
+    | Evict
+    | Drain
+    | Reconfigure
+    | Sync
+    | Poke
+    | Estimated
+    | Granted
+    | Refused
+    | Spawned
+    | Progress
+    | Ready
+    | LoadFailed
+    | SleepDone
+    | Exited
+    | Measured
+)

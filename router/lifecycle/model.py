@@ -115,9 +115,15 @@ def _unavailable(message: str, retry_after: float | None = None) -> APIError:
 def _permanent(name: str, cause: str, log_tail: list[str]) -> APIError:
     """A load that fails the same way every time: 500 with `x-should-retry: false` (the openai and
     anthropic SDKs obey it; they retry any other 5xx) and no Retry-After."""
-    return APIError(f"model {name!r} failed to load: {cause} (not retried until its file or preset changes, "
-                    "or POST /models/load asks for it)", status_code=500, type="server_error",
-                    code="model_load_failed", headers={"x-should-retry": "false"}, extra={"log_tail": log_tail[-20:]})
+    return APIError(
+        f"model {name!r} failed to load: {cause} (not retried until its file or preset changes, "
+        "or POST /models/load asks for it)",
+        status_code=500,
+        type="server_error",
+        code="model_load_failed",
+        headers={"x-should-retry": "false"},
+        extra={"log_tail": log_tail[-20:]},
+    )
 
 
 def _removed(message: str) -> APIError:
@@ -150,7 +156,9 @@ class ModelHandle:
     _pending: _Pending | None = None
     _attempt: int = 0  # tags effect messages: one per queue, wake or sleep
     _load_started: float = 0.0  # monotonic time the current load was asked for
-    is_permanent: bool = False  # FAILED in a way that repeats: not retried until the file changes or a load is asked
+    is_permanent: bool = (
+        False  # FAILED in a way that repeats: not retried until the file changes or a load is asked
+    )
     _failed_stamp: tuple[int, int] | None = None  # the model file's (size, mtime) when it failed
     _waiters: list[asyncio.Future[str]] = field(default_factory=list)
     _stop_waiters: list[asyncio.Future[bool]] = field(default_factory=list)
@@ -188,14 +196,24 @@ class ModelHandle:
         self.last_used = time.monotonic()
         if self.num_in_flight == 0 and not self.preset.is_remote:
             if self.phase is Phase.DRAINING or self._ttl() > 0 or self._unload_after() > 0:
-                self._commands.put_nowait(msg.Poke())  # idle timers start now; a reload restart waits for this
+                self._commands.put_nowait(
+                    msg.Poke()
+                )  # idle timers start now; a reload restart waits for this
             if self.deps.slots.queued:
                 self.deps.slots.poke()  # an idle model may now be evicted for a queued one
 
     def occupancy(self) -> Occupancy:
         ram, vram = self.charge()
-        return Occupancy(self.name, self.phase.is_up, self.phase.is_stopping, self.num_in_flight, self.last_used,
-                         self.preset.pin, ram, vram)
+        return Occupancy(
+            self.name,
+            self.phase.is_up,
+            self.phase.is_stopping,
+            self.num_in_flight,
+            self.last_used,
+            self.preset.pin,
+            ram,
+            vram,
+        )
 
     def charge(self) -> tuple[int, int]:
         """Bytes of RAM and VRAM charged against the budgets: the larger of what this run was
@@ -434,8 +452,9 @@ class ModelHandle:
         if self.phase is not Phase.QUEUED:
             return
         self.need = need  # set before the request: a holder is charged from its grant on
-        self._effect = asyncio.create_task(self._acquire(self._attempt, Need(need.ram_bytes, need.vram_bytes)),
-                                           name=f"acquire:{self.name}")
+        self._effect = asyncio.create_task(
+            self._acquire(self._attempt, Need(need.ram_bytes, need.vram_bytes)), name=f"acquire:{self.name}"
+        )
 
     async def _acquire(self, attempt: int, need: Need) -> None:
         acquire = asyncio.ensure_future(self.deps.slots.acquire(self, need))
@@ -518,7 +537,9 @@ class ModelHandle:
         self._resolve_waiters()
 
     def _on_load_failed(self, error: str) -> None:
-        if self.phase is Phase.SPAWNING:  # e.g. a `cmd` whose program does not exist: it will not next time either
+        if (
+            self.phase is Phase.SPAWNING
+        ):  # e.g. a `cmd` whose program does not exist: it will not next time either
             self._fail(None, LoadFailure(error, is_permanent=True))
         elif self.phase is Phase.SPAWNING_THEN_STOP:
             self._set(Phase.UNLOADED)
@@ -732,7 +753,11 @@ class ModelHandle:
             return
         self.memory = memory
         peak = self._peak
-        if peak is None or memory.uss_bytes > peak.uss_bytes or (memory.vram_bytes or 0) > (peak.vram_bytes or 0):
+        if (
+            peak is None
+            or memory.uss_bytes > peak.uss_bytes
+            or (memory.vram_bytes or 0) > (peak.vram_bytes or 0)
+        ):
             self._peak = TreeMemory(max(memory.rss_bytes, peak.rss_bytes if peak else 0),
                                     max(memory.uss_bytes, peak.uss_bytes if peak else 0),
                                     max(memory.vram_bytes or 0, (peak.vram_bytes or 0) if peak else 0))
@@ -780,12 +805,22 @@ class ModelHandle:
         self._failed_stamp = self._file_stamp()
         self.ready_since = 0.0
         self._failure = None
-        log.error("model %s: failed (exit code %s)%s: %s", self.name, code,
-                  ", not retried until its file or preset changes or POST /models/load asks" if failure.is_permanent
-                  else "", failure.cause)
+        log.error(
+            "model %s: failed (exit code %s)%s: %s",
+            self.name,
+            code,
+            ", not retried until its file or preset changes or POST /models/load asks"
+            if failure.is_permanent
+            else "",
+            failure.cause,
+        )
         self._set(Phase.FAILED)
-        self._fail_waiters("", error=_permanent(self.name, failure.cause, self.log_tail) if failure.is_permanent
-                           else _unavailable(f"model {self.name!r} failed to load: {failure.cause}"))
+        self._fail_waiters(
+            "",
+            error=_permanent(self.name, failure.cause, self.log_tail)
+            if failure.is_permanent
+            else _unavailable(f"model {self.name!r} failed to load: {failure.cause}"),
+        )
 
     def _fail_missing(self) -> None:
         """The preset's model file does not exist: FAILED, permanent until the file is there."""
@@ -864,7 +899,11 @@ class ModelHandle:
     def memory_view(self) -> dict[str, Any]:
         """The estimate (RAM + VRAM) for this run, or the next; measured: the tree's USS, RSS and VRAM."""
         m = self.memory
-        est = self.need if self.process is not None and self.need is not None else self.deps.book.peek(self.preset)
+        est = (
+            self.need
+            if self.process is not None and self.need is not None
+            else self.deps.book.peek(self.preset)
+        )
         return {"estimated_bytes": est.total_bytes if est and est.source != "unknown" else None,
                 "ram_bytes": m.uss_bytes if m else None, "rss_bytes": m.rss_bytes if m else None,
                 "vram_bytes": m.vram_bytes if m else None}

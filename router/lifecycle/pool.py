@@ -46,8 +46,15 @@ class PoolConfig:
 class Pool:
     """All models by name and alias, the shared HTTP clients, admission, events and reload."""
 
-    def __init__(self, presets: list[ModelPreset], config: PoolConfig, events: EventBus | None = None, *,
-                 source: Callable[[], list[ModelPreset]] | None = None, effects: Effects | None = None) -> None:
+    def __init__(
+        self,
+        presets: list[ModelPreset],
+        config: PoolConfig,
+        events: EventBus | None = None,
+        *,
+        source: Callable[[], list[ModelPreset]] | None = None,
+        effects: Effects | None = None,
+    ) -> None:
         self.config = config
         self.events = events or EventBus()
         self.created = int(time.time())
@@ -60,9 +67,15 @@ class Pool:
         self.upstream = UpstreamClient()  # the proxy's keep-alive connections to workers
         self.slots = Slots(Limits(config.models_max, config.ram_budget, config.vram_budget))
         self.book = MemoryBook(has_gpu())
-        self.deps = ModelDeps(self.slots, self.events, effects or WorkerEffects(self.client, self.upstream, config.host),
-                              self.book, Waiting(config.max_queue),
-                              IdleDefaults(config.sleep_idle_seconds, config.unload_idle_seconds), self.created)
+        self.deps = ModelDeps(
+            self.slots,
+            self.events,
+            effects or WorkerEffects(self.client, self.upstream, config.host),
+            self.book,
+            Waiting(config.max_queue),
+            IdleDefaults(config.sleep_idle_seconds, config.unload_idle_seconds),
+            self.created,
+        )
         self.handles: dict[str, ModelHandle] = {}
         self.by_name: dict[str, ModelHandle] = {}
         self.retired: set[ModelHandle] = set()  # removed by a reload, finishing their requests
@@ -97,7 +110,9 @@ class Pool:
         one thread each (a slow disk or a large header delays no other model, nor a load)."""
         presets = [h.preset for h in self.handles.values() if not h.preset.is_remote]
         async def each() -> None:
-            await asyncio.gather(*(asyncio.to_thread(self.book.estimate, p) for p in presets), return_exceptions=True)
+            await asyncio.gather(
+                *(asyncio.to_thread(self.book.estimate, p) for p in presets), return_exceptions=True
+            )
 
         task = asyncio.create_task(each(), name="estimates")
         self._background.add(task)

@@ -112,7 +112,9 @@ class WorkerProcess:
         self.name = name
         self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         self.log = WORKER_LOGS.ring(name)  # GET /logs?model= (outlives the process)
-        self.output = asyncio.Event()  # set on every line: readiness polls wake on it (router.process.wait_ready)
+        self.output = (
+            asyncio.Event()
+        )  # set on every line: readiness polls wake on it (router.process.wait_ready)
         self._reader = asyncio.create_task(self._read_log())
 
     @classmethod
@@ -177,7 +179,9 @@ class WorkerProcess:
             try:
                 await asyncio.wait_for(asyncio.shield(self.proc.wait()), timeout)
             except TimeoutError:
-                log.warning("model %s: pid %d ignored SIGTERM for %.1fs, killing", self.name, self.pid, timeout)
+                log.warning(
+                    "model %s: pid %d ignored SIGTERM for %.1fs, killing", self.name, self.pid, timeout
+                )
         # Even after a clean exit, children left in the group must go.
         self._signal_group(signal.SIGKILL)
         return await self.wait()

@@ -43,7 +43,25 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # *_created series a
 SCRAPE_TIMEOUT_S = 1.0
 EVENTS = frozenset({"request", "status_change", "load_started", "wake_started", "evicted"})
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
-_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+)
 _LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -70,9 +88,12 @@ class RouterMetrics:
         self.e2e_seconds = Histogram("omni_router:e2e_request_latency_seconds",
                                      "Request received to response end", ["model"], buckets=_LATENCY_BUCKETS,
                                      registry=r)
-        self.loads = Counter("omni_router:model_loads", "Worker loads started (spawns)", ["model"], registry=r)
-        self.load_failures = Counter("omni_router:model_load_failures", "Loads that ended in `failed`", ["model"],
-                                     registry=r)
+        self.loads = Counter(
+            "omni_router:model_loads", "Worker loads started (spawns)", ["model"], registry=r
+        )
+        self.load_failures = Counter(
+            "omni_router:model_load_failures", "Loads that ended in `failed`", ["model"], registry=r
+        )
         self.load_seconds = Histogram("omni_router:model_load_seconds", "Spawn to ready, successful loads",
                                       ["model"], buckets=_LOAD_BUCKETS, registry=r)
         self.evictions = Counter("omni_router:model_evictions", "Workers stopped to make room or when idle",
@@ -140,7 +161,9 @@ class RouterMetrics:
         del self._loading[model]
         kind, t0 = pending
         if value == ModelState.READY.value:
-            (self.load_seconds if kind == "load" else self.wake_seconds).labels(model).observe(time.monotonic() - t0)
+            (self.load_seconds if kind == "load" else self.wake_seconds).labels(model).observe(
+                time.monotonic() - t0
+            )
             if kind == "wake":
                 self.wakes.labels(model).inc()
         elif value == ModelState.FAILED.value and kind == "load":
@@ -177,7 +200,9 @@ def _with_model(family: Metric, model: str) -> Metric:
 class _LiveCollector:
     """Gauges read at scrape time, and the workers' families of the current scrape."""
 
-    def __init__(self, handles: Mapping[str, ModelHandle], active: Callable[[], Iterable[RequestTrace]]) -> None:
+    def __init__(
+        self, handles: Mapping[str, ModelHandle], active: Callable[[], Iterable[RequestTrace]]
+    ) -> None:
         self._handles = handles
         self._active = active
         self.workers: list[Metric] = []
@@ -190,7 +215,9 @@ class _LiveCollector:
                                       labels=["model"])
         queued = GaugeMetricFamily("omni_router:requests_queued", "Requests waiting for their model",
                                    labels=["model"])
-        state = GaugeMetricFamily("omni_router:model_state", "1 for the model's current state", labels=["model", "state"])
+        state = GaugeMetricFamily(
+            "omni_router:model_state", "1 for the model's current state", labels=["model", "state"]
+        )
         waiting: dict[str, int] = {}
         for t in self._active():
             if t.t_queued and not t.t_ready:

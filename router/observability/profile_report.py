@@ -88,7 +88,12 @@ def load_events(directory: Path, run_id: str | None = None) -> list[dict[str, An
                     e = json.loads(line)
                 except ValueError:
                     continue  # a line cut by a crash
-                if isinstance(e, dict) and "ts" in e and "event" in e and (run_id is None or e.get("run_id") == run_id):
+                if (
+                    isinstance(e, dict)
+                    and "ts" in e
+                    and "event" in e
+                    and (run_id is None or e.get("run_id") == run_id)
+                ):
                     events.append(e)
     return events
 
@@ -121,8 +126,11 @@ def write_report(tls: list[RequestTimeline], out: TextIO, *, with_timelines: boo
             model = f" model={t.model}" if t.model else ""
             out.write(f"request {t.request_id}{model}\n")
             for e in t.events:
-                extra = {k: v for k, v in e.items()
-                         if k not in ("ts", "event", "request_id", "component", "pid", "run_id") and v is not None}
+                extra = {
+                    k: v
+                    for k, v in e.items()
+                    if k not in ("ts", "event", "request_id", "component", "pid", "run_id") and v is not None
+                }
                 detail = " ".join(f"{k}={v}" for k, v in extra.items())
                 line = f"  {(float(e['ts']) - t0) * 1e3:10.3f} ms  {e['component']:<24} {e['event']:<14} {detail}"
                 out.write(line.rstrip() + "\n")

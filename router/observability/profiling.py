@@ -122,9 +122,15 @@ class RouterProfiling:
         return JSONResponse({"stopped": [r.run_id for r in stopped], "workers": workers})
 
     def _workers(self) -> list[ModelHandle]:
-        return [h for h in self._handles.values()
-                if h.process is not None and h.base_url and h.preset.backend != "cmd" and not h.preset.is_remote
-                and h.state in (ModelState.READY, ModelState.SLEEPING)]
+        return [
+            h
+            for h in self._handles.values()
+            if h.process is not None
+            and h.base_url
+            and h.preset.backend != "cmd"
+            and not h.preset.is_remote
+            and h.state in (ModelState.READY, ModelState.SLEEPING)
+        ]
 
     async def _broadcast(self, path: str, body: dict[str, Any], handles: list[ModelHandle]) -> dict[str, Any]:
         async def one(h: ModelHandle) -> Any:
@@ -169,7 +175,9 @@ class RouterProfiling:
         `joined()`, so that the worker records the requests that waited for its load too)."""
         workers = [h for h in self._workers() if h.name == model]
         bodies = list(self._bodies.values())
-        join = asyncio.ensure_future(asyncio.gather(*(self._broadcast("/start_profile", b, workers) for b in bodies)))
+        join = asyncio.ensure_future(
+            asyncio.gather(*(self._broadcast("/start_profile", b, workers) for b in bodies))
+        )
         self._joins[model] = join
         try:
             await join

@@ -134,9 +134,15 @@ class RequestTrace:
         """The `request` event's payload (the old keys model/path/status/duration_ms, then ours)."""
         ttft = self.ttft_s
         return {
-            "model": self.model, "path": self.route, "status": self.status,
-            "duration_ms": round(self.duration_s * 1e3, 3), "request_id": self.request_id,
-            "queued_ms": round(self.queued_s * 1e3, 3), "ttft_ms": None if ttft is None else round(ttft * 1e3, 3),
-            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "is_cancelled": self.is_cancelled, "trace": self,
+            "model": self.model,
+            "path": self.route,
+            "status": self.status,
+            "duration_ms": round(self.duration_s * 1e3, 3),
+            "request_id": self.request_id,
+            "queued_ms": round(self.queued_s * 1e3, 3),
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 3),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "is_cancelled": self.is_cancelled,
+            "trace": self,
         }

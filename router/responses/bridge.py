@@ -64,10 +64,16 @@ class ChatBridge:
         try:
             base = await self._requests.admit(handle, trace)
             try:
-                resp = await self._pool.client.post(base + path, json=body, headers={"x-request-id": trace.request_id})
+                resp = await self._pool.client.post(
+                    base + path, json=body, headers={"x-request-id": trace.request_id}
+                )
             except httpx.TransportError as e:
-                raise APIError(f"upstream for model {model!r} is unreachable: {e!r}", status_code=503,
-                               type="unavailable_error", code=503) from None
+                raise APIError(
+                    f"upstream for model {model!r} is unreachable: {e!r}",
+                    status_code=503,
+                    type="unavailable_error",
+                    code=503,
+                ) from None
             finally:
                 handle.release()
             trace.status = resp.status_code

@@ -52,8 +52,13 @@ class ResponseBuilder:
     # ---- the object
 
     def output_text(self) -> str:
-        return "".join(p.text for it in self.output if isinstance(it, MessageItem) and isinstance(it.content, list)
-                       for p in it.content if isinstance(p, OutputText))
+        return "".join(
+            p.text
+            for it in self.output
+            if isinstance(it, MessageItem) and isinstance(it.content, list)
+            for p in it.content
+            if isinstance(p, OutputText)
+        )
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -98,7 +103,9 @@ class ResponseBuilder:
                 events += self._reasoning(delta["reasoning_content"])
             logprobs = ((choice.get("logprobs") or {}).get("content")) or []
             is_text_open = self._open is not None and self._open.kind == "message"
-            if delta.get("content") or (logprobs and is_text_open):  # a token may end mid-character: no text yet
+            if delta.get("content") or (
+                logprobs and is_text_open
+            ):  # a token may end mid-character: no text yet
                 events += self._text(delta.get("content") or "", logprobs)
             for call in delta.get("tool_calls") or []:
                 events += self._tool_call(call)
@@ -137,25 +144,53 @@ class ResponseBuilder:
     def _reasoning(self, text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if self._open is None or self._open.kind != "reasoning":
-            events += self._begin("reasoning", ReasoningItem(
-                type="reasoning", id=new_id("rs"), summary=[], content=[ReasoningText(type="reasoning_text", text="")],
-                status="in_progress"))
-            events.append(self._part_event("response.content_part.added", {"type": "reasoning_text", "text": ""}))
+            events += self._begin(
+                "reasoning",
+                ReasoningItem(
+                    type="reasoning",
+                    id=new_id("rs"),
+                    summary=[],
+                    content=[ReasoningText(type="reasoning_text", text="")],
+                    status="in_progress",
+                ),
+            )
+            events.append(
+                self._part_event("response.content_part.added", {"type": "reasoning_text", "text": ""})
+            )
         assert self._open is not None
         item = self.output[self._open.index]
         assert isinstance(item, ReasoningItem) and item.content
         item.content[0].text += text
-        return [*events, self._event("response.reasoning_text.delta", item_id=item.id, output_index=self._open.index,
-                                     content_index=0, delta=text)]
+        return [
+            *events,
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=item.id,
+                output_index=self._open.index,
+                content_index=0,
+                delta=text,
+            ),
+        ]
 
     def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if self._open is None or self._open.kind != "message":
-            events += self._begin("message", MessageItem(
-                type="message", id=new_id("msg"), role="assistant", content=[OutputText(type="output_text", text="")],
-                status="in_progress"))
-            events.append(self._part_event("response.content_part.added",
-                                           {"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+            events += self._begin(
+                "message",
+                MessageItem(
+                    type="message",
+                    id=new_id("msg"),
+                    role="assistant",
+                    content=[OutputText(type="output_text", text="")],
+                    status="in_progress",
+                ),
+            )
+            events.append(
+                self._part_event(
+                    "response.content_part.added",
+                    {"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                )
+            )
         assert self._open is not None
         item = self.output[self._open.index]
         assert isinstance(item, MessageItem) and isinstance(item.content, list)
@@ -164,8 +199,17 @@ class ResponseBuilder:
         part.text += text
         lps = [_logprob(lp) for lp in logprobs]
         part.logprobs.extend(lps)
-        return [*events, self._event("response.output_text.delta", item_id=item.id, output_index=self._open.index,
-                                     content_index=0, delta=text, logprobs=lps)]
+        return [
+            *events,
+            self._event(
+                "response.output_text.delta",
+                item_id=item.id,
+                output_index=self._open.index,
+                content_index=0,
+                delta=text,
+                logprobs=lps,
+            ),
+        ]
 
     def _tool_call(self, call: dict[str, Any]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -224,10 +268,13 @@ def _usage(u: dict[str, Any]) -> dict[str, Any]:
     completion = int(u.get("completion_tokens") or 0)
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)},
+        "input_tokens_details": {
+            "cached_tokens": int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        },
         "output_tokens": completion,
         "output_tokens_details": {
-            "reasoning_tokens": int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)},
+            "reasoning_tokens": int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0)
+        },
         "total_tokens": int(u.get("total_tokens") or prompt + completion),
     }
 

@@ -107,7 +107,9 @@ class ResponsesRoutes:
 
     async def update_conversation(self, request: Request) -> Response:
         req = parse_model(CreateConversation, await request.body())
-        return JSONResponse(await self.service.update_conversation(request.path_params["cid"], req.metadata or {}))
+        return JSONResponse(
+            await self.service.update_conversation(request.path_params["cid"], req.metadata or {})
+        )
 
     async def delete_conversation(self, request: Request) -> Response:
         return JSONResponse(await self.service.delete_conversation(request.path_params["cid"]))
@@ -123,7 +125,11 @@ class ResponsesRoutes:
                              "last_id": added[-1]["id"], "has_more": False})
 
     async def get_item(self, request: Request) -> Response:
-        return JSONResponse(await self.service.get_item(request.path_params["cid"], request.path_params["item_id"]))
+        return JSONResponse(
+            await self.service.get_item(request.path_params["cid"], request.path_params["item_id"])
+        )
 
     async def delete_item(self, request: Request) -> Response:
-        return JSONResponse(await self.service.delete_item(request.path_params["cid"], request.path_params["item_id"]))
+        return JSONResponse(
+            await self.service.delete_item(request.path_params["cid"], request.path_params["item_id"])
+        )

@@ -96,7 +96,9 @@ def _sse(events: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
 
 
 def _not_found(what: str, rid: str, param: str | None = None) -> APIError:
-    return APIError(f"{what} with id '{rid}' not found.", status_code=404, type="not_found_error", param=param)
+    return APIError(
+        f"{what} with id '{rid}' not found.", status_code=404, type="not_found_error", param=param
+    )
 
 
 class ResponsesService:
@@ -134,7 +136,9 @@ class ResponsesService:
         fields = echo(req, model)
         is_stored = req.store and self.store.is_enabled
         fields["store"] = is_stored
-        builder = ResponseBuilder(new_id("resp"), fields, status="queued" if req.background else "in_progress")
+        builder = ResponseBuilder(
+            new_id("resp"), fields, status="queued" if req.background else "in_progress"
+        )
         return Prepared(req, model, input_items, chat_body(req, model, messages), builder, is_stored)
 
     async def _connect(self, p: Prepared) -> tuple[AsyncExitStack, AsyncIterator[Chunk]]:
@@ -149,7 +153,9 @@ class ResponsesService:
                 if p.req.truncation != "auto" or e.type != "exceed_context_size_error":
                     raise
                 n_ctx, n_prompt = e.extra.get("n_ctx"), e.extra.get("n_prompt_tokens")
-                fraction = 1 - n_ctx / n_prompt if isinstance(n_ctx, int) and isinstance(n_prompt, int) else 0.25
+                fraction = (
+                    1 - n_ctx / n_prompt if isinstance(n_ctx, int) and isinstance(n_prompt, int) else 0.25
+                )
                 messages = drop_oldest(body["messages"], fraction)
                 if messages is None:
                     raise
@@ -157,7 +163,9 @@ class ResponsesService:
         raise APIError("the input does not fit the model's context even after truncation", param="input",
                        type="exceed_context_size_error")
 
-    async def _events(self, p: Prepared, stack: AsyncExitStack, chunks: AsyncIterator[Chunk]) -> AsyncIterator[Chunk]:
+    async def _events(
+        self, p: Prepared, stack: AsyncExitStack, chunks: AsyncIterator[Chunk]
+    ) -> AsyncIterator[Chunk]:
         """The response's events, from `response.created` to its final event; stores it at the end."""
         b = p.builder
         async with stack:
@@ -183,7 +191,9 @@ class ResponsesService:
                                   [dump_item(it) for it in p.input_items])
         cid = p.req.conversation_id
         if cid is not None and p.builder.status != "queued":
-            items = [dump_item(it) for it in p.input_items] + [dump_item(with_id(it)) for it in p.builder.output]
+            items = [dump_item(it) for it in p.input_items] + [
+                dump_item(with_id(it)) for it in p.builder.output
+            ]
             await self.store.call(self.store.add_items, cid, items)
 
     async def create(self, p: Prepared) -> dict[str, Any]:
@@ -208,8 +218,11 @@ class ResponsesService:
         does not cancel it)."""
         live = self._live.get(rid)
         if live is None:
-            raise APIError(f"Response with id '{rid}' is not running in the background: only those can be streamed "
-                           "again (GET it without stream)", param="stream")
+            raise APIError(
+                f"Response with id '{rid}' is not running in the background: only those can be streamed "
+                "again (GET it without stream)",
+                param="stream",
+            )
         return _sse(live.follow(after))
 
     # ------------------------------------------------------------------ background
@@ -253,7 +266,9 @@ class ResponsesService:
             return live.builder.snapshot()
         body = await self.get(rid)
         if not body.get("background"):
-            raise APIError("Only responses created with background=true can be cancelled.", param="response_id")
+            raise APIError(
+                "Only responses created with background=true can be cancelled.", param="response_id"
+            )
         return body  # already finished: cancelling again changes nothing
 
     async def close(self) -> None:

@@ -94,13 +94,19 @@ class Store:
         """Responses left queued or in progress by a router that went away fail now."""
         db = self._conn()
         self._prune()
-        rows = db.execute("SELECT id, body FROM responses WHERE status IN ('queued', 'in_progress')").fetchall()
+        rows = db.execute(
+            "SELECT id, body FROM responses WHERE status IN ('queued', 'in_progress')"
+        ).fetchall()
         for rid, body in rows:
             obj = json.loads(body)
             obj.update(status="failed", error={"code": "server_error", "message": "the router restarted"})
-            db.execute("UPDATE responses SET status = 'failed', body = ? WHERE id = ?", (json.dumps(obj), rid))
+            db.execute(
+                "UPDATE responses SET status = 'failed', body = ? WHERE id = ?", (json.dumps(obj), rid)
+            )
         if rows:
-            log.warning("%d background responses left unfinished by the last router are failed now", len(rows))
+            log.warning(
+                "%d background responses left unfinished by the last router are failed now", len(rows)
+            )
         return len(rows)
 
     def _prune(self) -> None:
@@ -108,12 +114,20 @@ class Store:
         cutoff = self._cutoff()
         with db:
             db.execute("DELETE FROM responses WHERE created_at < ?", (cutoff,))
-            db.execute("DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at DESC, "
-                       "rowid DESC LIMIT -1 OFFSET ?)", (self.max_entries,))
+            db.execute(
+                "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at DESC, "
+                "rowid DESC LIMIT -1 OFFSET ?)",
+                (self.max_entries,),
+            )
             db.execute("DELETE FROM conversations WHERE created_at < ?", (cutoff,))
-            db.execute("DELETE FROM conversations WHERE id IN (SELECT id FROM conversations ORDER BY created_at DESC, "
-                       "rowid DESC LIMIT -1 OFFSET ?)", (self.max_entries,))
-            db.execute("DELETE FROM conversation_items WHERE conversation_id NOT IN (SELECT id FROM conversations)")
+            db.execute(
+                "DELETE FROM conversations WHERE id IN (SELECT id FROM conversations ORDER BY created_at DESC, "
+                "rowid DESC LIMIT -1 OFFSET ?)",
+                (self.max_entries,),
+            )
+            db.execute(
+                "DELETE FROM conversation_items WHERE conversation_id NOT IN (SELECT id FROM conversations)"
+            )
 
     # responses
 
@@ -155,8 +169,14 @@ class Store:
         self._prune()
 
     def get_conversation(self, cid: str) -> dict[str, Any] | None:
-        row = self._conn().execute("SELECT created_at, metadata FROM conversations WHERE id = ? AND created_at >= ?",
-                                   (cid, self._cutoff())).fetchone()
+        row = (
+            self._conn()
+            .execute(
+                "SELECT created_at, metadata FROM conversations WHERE id = ? AND created_at >= ?",
+                (cid, self._cutoff()),
+            )
+            .fetchone()
+        )
         if row is None:
             return None
         return {"id": cid, "object": "conversation", "created_at": row[0], "metadata": json.loads(row[1])}
@@ -174,13 +194,22 @@ class Store:
                            [(cid, it["id"], json.dumps(it)) for it in items])
 
     def items(self, cid: str) -> list[dict[str, Any]]:
-        rows = self._conn().execute("SELECT item FROM conversation_items WHERE conversation_id = ? ORDER BY seq",
-                                    (cid,)).fetchall()
+        rows = (
+            self._conn()
+            .execute("SELECT item FROM conversation_items WHERE conversation_id = ? ORDER BY seq", (cid,))
+            .fetchall()
+        )
         return [json.loads(r[0]) for r in rows]
 
     def delete_item(self, cid: str, item_id: str) -> bool:
-        return self._conn().execute("DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?",
-                                    (cid, item_id)).rowcount > 0
+        return (
+            self._conn()
+            .execute(
+                "DELETE FROM conversation_items WHERE conversation_id = ? AND item_id = ?", (cid, item_id)
+            )
+            .rowcount
+            > 0
+        )
 
 
 def page(items: list[dict[str, Any]], *, limit: int, order: str, after: str | None) -> dict[str, Any]:

@@ -50,7 +50,12 @@ def _chat_content(content: str | list[Content]) -> str | list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     for p in content:
         if isinstance(p, InputImage):  # passed on: a text-only upstream answers its own 400
-            parts.append({"type": "image_url", "image_url": {"url": p.image_url or p.file_id or "", "detail": p.detail}})
+            parts.append(
+                {
+                    "type": "image_url",
+                    "image_url": {"url": p.image_url or p.file_id or "", "detail": p.detail},
+                }
+            )
         else:
             parts.append({"type": "text", "text": _part_text(p) or ""})
     return parts
@@ -74,7 +79,11 @@ def chat_messages(instructions: str | None, items: list[Item]) -> list[dict[str,
                 reasoning = None
             out.append(msg)
         elif isinstance(item, FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and not reasoning:
                 last.setdefault("tool_calls", []).append(call)
@@ -123,9 +132,16 @@ def chat_body(req: CreateResponse, model: str, messages: list[dict[str, Any]]) -
     kwargs = reasoning_kwargs(req)
     if kwargs:
         body["chat_template_kwargs"] = kwargs
-    plain = {"max_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-             "stop": req.stop, "seed": req.seed, "top_k": req.top_k, "repetition_penalty": req.repetition_penalty,
-             "ignore_eos": req.ignore_eos}
+    plain = {
+        "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stop": req.stop,
+        "seed": req.seed,
+        "top_k": req.top_k,
+        "repetition_penalty": req.repetition_penalty,
+        "ignore_eos": req.ignore_eos,
+    }
     body.update({k: v for k, v in plain.items() if v is not None})
     return body
 
@@ -162,7 +178,9 @@ def echo(req: CreateResponse, model: str) -> dict[str, Any]:
         "top_p": req.top_p,
         "top_logprobs": req.top_logprobs,
         "text": {"format": fmt},
-        "reasoning": req.reasoning.model_dump(mode="json") if req.reasoning else {"effort": None, "summary": None},
+        "reasoning": req.reasoning.model_dump(mode="json")
+        if req.reasoning
+        else {"effort": None, "summary": None},
         "metadata": req.metadata or {},
         "store": req.store,
         "background": req.background,

@@ -116,11 +116,16 @@ def with_id(item: Item) -> Item:
     """Items get an id when stored, and a message's string content becomes one text part, as
     OpenAI stores them."""
     if isinstance(item, MessageItem) and isinstance(item.content, str):
-        part: InputText | OutputText = (OutputText(type="output_text", text=item.content) if item.role == "assistant"
-                                        else InputText(type="input_text", text=item.content))
+        part: InputText | OutputText = (
+            OutputText(type="output_text", text=item.content)
+            if item.role == "assistant"
+            else InputText(type="input_text", text=item.content)
+        )
         item = item.model_copy(update={"content": [part]})
     if item.id is None:
-        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[item.type]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}[
+            item.type
+        ]
         item = item.model_copy(update={"id": new_id(prefix)})
     return item
 

@@ -62,7 +62,9 @@ def _llama_cpp_logits(gguf: Path, ids: list[int]) -> np.ndarray:
             assert lc.llama_decode(ctx, batch) == 0
             n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
             ptr = lc.llama_get_logits(ctx)
-            flat = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n * n_vocab,))
+            flat = np.ctypeslib.as_array(
+                ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(n * n_vocab,)
+            )
             return flat.reshape(n, n_vocab).copy()
         finally:
             lc.llama_batch_free(batch)

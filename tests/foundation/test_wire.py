@@ -125,7 +125,9 @@ def test_error_envelope_over_http(method: str, path: str, content: bytes, status
     assert err["message"]
 
 
-@pytest.mark.parametrize(("body", "param"), [({"prompt": []}, "prompt"), ({"prompt": "x", "suffix": "y"}, "suffix")])
+@pytest.mark.parametrize(
+    ("body", "param"), [({"prompt": []}, "prompt"), ({"prompt": "x", "suffix": "y"}, "suffix")]
+)
 def test_bad_completion_bodies_name_the_param(body: dict[str, Any], param: str) -> None:
     # suffix (fill-in-the-middle) used to be accepted and ignored.
     with pytest.raises(APIError) as exc:

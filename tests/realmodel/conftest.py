@@ -52,7 +52,12 @@ class RealRouter:
 
     def chat(self, model: str, question: str, **extra: Any) -> dict[str, Any]:
         """One non-streamed greedy chat completion."""
-        body = {"model": model, "messages": [{"role": "user", "content": question}], "temperature": 0, **extra}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": question}],
+            "temperature": 0,
+            **extra,
+        }
         with self.client() as c:
             resp = c.post("/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text
@@ -88,7 +93,9 @@ load-on-startup = true
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port)]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     r = RealRouter(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         wait_healthy(proc, r.base, 30, lambda: r.log()[-3000:])

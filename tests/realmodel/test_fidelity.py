@@ -69,7 +69,9 @@ def worker_greedy(router: RealRouter, model: str, prompts: list[list[int]], n: i
         return list(pool.map(one, prompts))
 
 
-def llama_cpp_reference(smollm2: SmolPaths, prompts: list[list[int]], n: int, eog: list[int]) -> list[list[int]]:
+def llama_cpp_reference(
+    smollm2: SmolPaths, prompts: list[list[int]], n: int, eog: list[int]
+) -> list[list[int]]:
     from llama_cpp import Llama
 
     # flash attention on, as the worker's default (auto) is on the CPU: without it llama.cpp runs
@@ -93,7 +95,9 @@ def llama_cpp_reference(smollm2: SmolPaths, prompts: list[list[int]], n: int, eo
     return out
 
 
-def transformers_reference(smollm2: SmolPaths, prompts: list[list[int]], n: int, eog: list[int]) -> list[list[int]]:
+def transformers_reference(
+    smollm2: SmolPaths, prompts: list[list[int]], n: int, eog: list[int]
+) -> list[list[int]]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -113,7 +117,9 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def test_llama_cpp_worker_batched_equals_llama_cpp_python_unbatched(real_router: RealRouter, smollm2: SmolPaths) -> None:
+def test_llama_cpp_worker_batched_equals_llama_cpp_python_unbatched(
+    real_router: RealRouter, smollm2: SmolPaths
+) -> None:
     prompts = [prompt_tokens(smollm2, q) for q in QUESTIONS]
     eog = sorted(_tokenizer(str(smollm2.hf_dir)).eog_ids)
     got = worker_greedy(real_router, LLAMA, prompts, N_LLAMA)

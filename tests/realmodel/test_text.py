@@ -22,7 +22,10 @@ pytestmark = pytest.mark.slow
 def streamed(router: RealRouter, body: dict[str, Any]) -> tuple[str, list[str]]:
     """The joined content deltas of a streamed chat completion, and the finish reasons seen."""
     parts, reasons = [], []
-    with router.client() as c, c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp:
+    with (
+        router.client() as c,
+        c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as resp,
+    ):
         assert resp.status_code == 200
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -83,5 +86,8 @@ def test_the_twins_tokenizer_tokenizes_as_llama_cpp(real_router: RealRouter) -> 
         ids = [c.post("/tokenize", json={"model": m, "content": text, "parse_special": True}).json()["tokens"]
                for m in (LLAMA, TORCH)]
         assert ids[0] == ids[1]
-        back = [c.post("/detokenize", json={"model": m, "tokens": ids[0]}).json()["content"] for m in (LLAMA, TORCH)]
+        back = [
+            c.post("/detokenize", json={"model": m, "tokens": ids[0]}).json()["content"]
+            for m in (LLAMA, TORCH)
+        ]
     assert back == [text, text]

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def page(real_router: RealRouter) -> Iterator[Page]:
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
-        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium; needs root and the Debian registry)")
+        pytest.skip(
+            f"no Chromium at {CHROMIUM} (apt-get install chromium; needs root and the Debian registry)"
+        )
     with playwright.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
                                      args=["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"])

@@ -35,11 +35,26 @@ def serve_router(tmp: Path, preset: str, *args: str) -> Iterator[RouterProc]:
     port = free_port()
     log_path = tmp / "router.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [PY, "-m", "router.cli", "--preset", str(path), "--port", str(port), "--data-dir", str(tmp / "data"), *args]
+    cmd = [
+        PY,
+        "-m",
+        "router.cli",
+        "--preset",
+        str(path),
+        "--port",
+        str(port),
+        "--data-dir",
+        str(tmp / "data"),
+        *args,
+    ]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     key = args[args.index("--api-key") + 1] if "--api-key" in args else None
-    rp = RouterProc(proc, f"http://127.0.0.1:{port}", log_path, {"Authorization": f"Bearer {key}"} if key else {})
+    rp = RouterProc(
+        proc, f"http://127.0.0.1:{port}", log_path, {"Authorization": f"Bearer {key}"} if key else {}
+    )
     try:
         wait_healthy(proc, rp.base, 30, lambda: rp.log()[-3000:])
         yield rp

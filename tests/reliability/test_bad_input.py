@@ -49,8 +49,12 @@ CASES: list[tuple[str, str, Any, int]] = [
     ("top-k-infinity", "/v1/chat/completions", raw_chat('"top_k": Infinity'), 400),
     ("invalid-utf8", "/v1/chat/completions", raw_chat('"x": "\xff"').replace(b"\xc3\xbf", b"\xff"), 400),
     ("lone-surrogate", "/v1/chat/completions", raw_chat('"stop": "\\ud800"'), 400),
-    ("lone-surrogate-in-prompt", "/v1/chat/completions",
-     b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}', 400),
+    (
+        "lone-surrogate-in-prompt",
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}], "max_tokens": 2}',
+        400,
+    ),
     ("deeply-nested", "/v1/chat/completions", DEEP, 400),
     ("deeply-nested-field", "/v1/chat/completions", raw_chat('"x": ').rstrip(b"}") + DEEP + b"}", 400),
     ("deeply-nested-responses", "/v1/responses", DEEP, 400),
@@ -58,23 +62,51 @@ CASES: list[tuple[str, str, Any, int]] = [
     ("unknown-model", "/v1/chat/completions", chat(model="nope"), 404),
     ("unknown-model-load", "/models/load", {"model": "nope"}, 404),
     ("model-is-a-path", "/models/load", {"model": "/etc/passwd"}, 404),
-    ("prompt-over-context", "/v1/chat/completions", chat(messages=[{"role": "user", "content": "hello " * 2000}]), 400),
+    (
+        "prompt-over-context",
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": "hello " * 2000}]),
+        400,
+    ),
     ("prompt-over-context-completions", "/v1/completions", {"model": "tiny", "prompt": "hello " * 2000}, 400),
-    ("tool-choice-unknown-name", "/v1/chat/completions",
-     chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), 400),
+    (
+        "tool-choice-unknown-name",
+        "/v1/chat/completions",
+        chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+        400,
+    ),
     ("tool-choice-without-tools", "/v1/chat/completions", chat(tool_choice="required"), 400),
-    ("response-format-bad-schema", "/v1/chat/completions",
-     chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}), 400),
+    (
+        "response-format-bad-schema",
+        "/v1/chat/completions",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}),
+        400,
+    ),
     ("tokenize-wrong-type", "/tokenize", {"model": "tiny", "content": 5}, 400),
     ("detokenize-id-out-of-range", "/detokenize", {"model": "tiny", "tokens": [10**12]}, 400),
     ("detokenize-negative-id", "/detokenize", {"model": "tiny", "tokens": [-1]}, 400),
     ("n-probs-huge", "/completion", {"model": "tiny", "prompt": "hi", "n_predict": 2, "n_probs": 10**9}, 400),
     ("responses-input-wrong-type", "/v1/responses", {"model": "tiny", "input": 5}, 400),
-    ("responses-negative-max", "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": -3}, 400),
-    ("responses-unknown-previous", "/v1/responses", {"model": "tiny", "input": "hi", "previous_response_id": "resp_x"}, 404),
+    (
+        "responses-negative-max",
+        "/v1/responses",
+        {"model": "tiny", "input": "hi", "max_output_tokens": -3},
+        400,
+    ),
+    (
+        "responses-unknown-previous",
+        "/v1/responses",
+        {"model": "tiny", "input": "hi", "previous_response_id": "resp_x"},
+        404,
+    ),
     ("conversation-items-wrong-type", "/v1/conversations", {"items": 5}, 400),
     ("profile-bad-body", "/start_profile", {"event_dir": 5}, 400),
-    ("embeddings-on-a-chat-model", "/v1/embeddings", {"model": "tiny", "input": "x"}, 501),  # llama-server: not_supported_error
+    (
+        "embeddings-on-a-chat-model",
+        "/v1/embeddings",
+        {"model": "tiny", "input": "x"},
+        501,
+    ),  # llama-server: not_supported_error
 ]
 
 
@@ -109,7 +141,9 @@ def test_huge_body_is_a_413_with_or_without_content_length(tiny_router: RouterPr
         for route in ("/v1/chat/completions", "/v1/responses", "/models/load"):
             err = assert_envelope(send(c, route, big), 413)
             assert err["code"] == "request_too_large"
-            assert_envelope(c.post(route, content=chunked(), headers={"content-type": "application/json"}), 413)
+            assert_envelope(
+                c.post(route, content=chunked(), headers={"content-type": "application/json"}), 413
+            )
         assert c.post("/v1/chat/completions", json=chat()).status_code == 200
 
 
@@ -131,7 +165,9 @@ def test_native_completion_prompt_of_the_wrong_shape_is_a_400_bug_it_was_a_500(t
         assert_envelope(c.post("/completion", json={"model": "tiny", "prompt": prompt, "n_predict": 2}), 400)
 
 
-def test_a_huge_repeat_last_n_is_clamped_to_the_context_bug_it_was_an_oom_kill(tiny_router: RouterProc) -> None:
+def test_a_huge_repeat_last_n_is_clamped_to_the_context_bug_it_was_an_oom_kill(
+    tiny_router: RouterProc,
+) -> None:
     """Found by schemathesis: `repeat_last_n: 75184836908212` with a penalty on made llama.cpp
     allocate its penalty window up front (gigabytes per sampler): the kernel OOM-killed the
     worker. 10**8 would be 400 MB unclamped, enough to see and safe to run."""

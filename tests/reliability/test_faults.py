@@ -43,7 +43,9 @@ def health_ms(r: RouterProc) -> float:
     return (time.monotonic() - t0) * 1000
 
 
-def stream_events(r: RouterProc, model: str, on_chunk: Callable[[int], object] | None = None) -> list[dict[str, Any]]:
+def stream_events(
+    r: RouterProc, model: str, on_chunk: Callable[[int], object] | None = None
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     with r.client(timeout=30) as c, c.stream("POST", "/v1/chat/completions", json=chat(model, True)) as resp:
         assert resp.status_code == 200
@@ -72,20 +74,29 @@ def test_kill_9_mid_stream_gives_every_client_an_error_event_then_respawns(route
         os.kill(worker.pid, signal.SIGKILL)
         results = [f.result(timeout=30) for f in futures]
     for events in results:
-        assert events[-1]["error"]["type"] == "server_error" and "mid-stream" in events[-1]["error"]["message"]
+        assert (
+            events[-1]["error"]["type"] == "server_error" and "mid-stream" in events[-1]["error"]["message"]
+        )
     r.wait_status("a", "failed")
     with r.client() as c:
         assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200  # respawned
     assert r.status("a") == "loaded" and r.models()["a"]["meta"]["pid"] != worker.pid
-    report(f"kill -9 mid-stream: {n_clients} streams, {n_clients} SSE error events, 0 hung; next request respawned")
+    report(
+        f"kill -9 mid-stream: {n_clients} streams, {n_clients} SSE error events, 0 hung; next request respawned"
+    )
 
 
-def test_a_worker_hanging_at_start_fails_its_waiters_with_503_without_wedging(router_factory: Factory) -> None:
+def test_a_worker_hanging_at_start_fails_its_waiters_with_503_without_wedging(
+    router_factory: Factory,
+) -> None:
     r = router_factory(fake_model("a", "--load-time", "3600", extra="load-timeout = 2") + fake_model("b"))
     n_waiters = 5
     t0 = time.monotonic()
     with ThreadPoolExecutor(n_waiters) as ex:
-        futures = [ex.submit(lambda: r.client().post("/v1/chat/completions", json=chat("a"))) for _ in range(n_waiters)]
+        futures = [
+            ex.submit(lambda: r.client().post("/v1/chat/completions", json=chat("a")))
+            for _ in range(n_waiters)
+        ]
         wait_until(lambda: r.workers(), 10, what="the hanging worker")
         hung = r.workers()[0]
         latencies = [health_ms(r) for _ in range(10)]  # the router answers while the load hangs
@@ -97,13 +108,17 @@ def test_a_worker_hanging_at_start_fails_its_waiters_with_503_without_wedging(ro
     assert all(x.json()["error"]["type"] == "unavailable_error" for x in results)
     card = r.wait_status("a", "failed")
     assert card["status"]["failed"] is True
-    wait_until(lambda: not hung.is_running() or hung.status() == psutil.STATUS_ZOMBIE, 10, what="hung worker stopped")
+    wait_until(
+        lambda: not hung.is_running() or hung.status() == psutil.STATUS_ZOMBIE, 10, what="hung worker stopped"
+    )
     assert elapsed < 20 and max(latencies) < 2000  # generous: the box is shared
     report(f"hang at start (load-timeout 2 s): {n_waiters} waiters got 503 after {elapsed:.1f}s; "
            f"/health max {max(latencies):.0f} ms meanwhile; other model served")
 
 
-def test_a_worker_ignoring_sigterm_is_killed_after_stop_timeout_when_the_router_stops(router_factory: Factory) -> None:
+def test_a_worker_ignoring_sigterm_is_killed_after_stop_timeout_when_the_router_stops(
+    router_factory: Factory,
+) -> None:
     r = router_factory(fake_model("a", "--ignore-sigterm", extra="stop-timeout = 1"))
     with r.client() as c:
         assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
@@ -114,14 +129,18 @@ def test_a_worker_ignoring_sigterm_is_killed_after_stop_timeout_when_the_router_
     wait_until(lambda: not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE, 10)
     elapsed = time.monotonic() - t0
     assert 0.9 < elapsed < 10
-    report(f"worker ignoring SIGTERM: router stopped, worker SIGKILLed {elapsed:.1f}s after the router's SIGTERM "
-           "(stop-timeout 1 s)")
+    report(
+        f"worker ignoring SIGTERM: router stopped, worker SIGKILLed {elapsed:.1f}s after the router's SIGTERM "
+        "(stop-timeout 1 s)"
+    )
 
 
 def test_a_worker_exiting_at_once_in_a_loop_backs_off_and_the_router_stays_responsive(
         router_factory: Factory, tmp_path: Path) -> None:
     spawns = tmp_path / "spawns.txt"
-    r = router_factory(fake_model("a", "--fail-load", "--load-time", "0", "--spawn-log", str(spawns)) + fake_model("b"))
+    r = router_factory(
+        fake_model("a", "--fail-load", "--load-time", "0", "--spawn-log", str(spawns)) + fake_model("b")
+    )
     statuses, latencies = [], []
     t0 = time.monotonic()
     with r.client(timeout=30) as c:
@@ -163,7 +182,9 @@ def test_client_leaving_mid_stream_frees_its_slot(router_factory: Factory) -> No
         wait_until(lambda: gauge(r, "omni_router:requests_in_flight", "tiny") == 0, 10, what="in-flight 0")
         resp = c.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 4})
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
-    report("client left mid-stream (x2): /slots shows both slots idle, /metrics in_flight 0, next request served")
+    report(
+        "client left mid-stream (x2): /slots shows both slots idle, /metrics in_flight 0, next request served"
+    )
 
 
 def test_client_leaving_mid_queue_frees_its_queue_entry(router_factory: Factory) -> None:

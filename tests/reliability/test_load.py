@@ -39,8 +39,10 @@ class Tally:
     seconds: float = 0.0
 
     def line(self) -> str:
-        return (f"sent={self.sent} completed={self.completed} rejected_503={self.rejected} lost={len(self.lost)} "
-                f"in {self.seconds:.1f}s")
+        return (
+            f"sent={self.sent} completed={self.completed} rejected_503={self.rejected} lost={len(self.lost)} "
+            f"in {self.seconds:.1f}s"
+        )
 
 
 async def one_stream(client: httpx.AsyncClient, model: str, n_tokens: int, body_extra: dict[str, Any],
@@ -85,8 +87,12 @@ async def blast(base: str, n: int, n_tokens: int, deadline_s: float, body_extra:
     limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
     t0 = time.monotonic()
     async with httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(deadline_s), limits=limits) as client:
-        tasks = [asyncio.create_task(one_stream(client, MODELS[i % len(MODELS)], n_tokens, body_extra, count, tally))
-                 for i in range(n)]
+        tasks = [
+            asyncio.create_task(
+                one_stream(client, MODELS[i % len(MODELS)], n_tokens, body_extra, count, tally)
+            )
+            for i in range(n)
+        ]
         _done, pending = await asyncio.wait(tasks, timeout=deadline_s)
         for t in pending:
             t.cancel()
@@ -143,7 +149,9 @@ def test_500_concurrent_streams_over_3_models_lose_nothing(router_factory: Facto
     with httpx.Client(base_url=r.base, timeout=10) as c:  # nothing left queued or in flight
         metrics = c.get("/metrics").text
     for gauge in ("omni_router:requests_in_flight", "omni_router:requests_queued"):
-        values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(gauge + "{")]
+        values = [
+            float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(gauge + "{")
+        ]
         assert sum(values) == 0, (gauge, values)
 
 

@@ -31,9 +31,29 @@ def run_schemathesis(tmp_path: Path, *args: str, budget_s: int) -> None:
     config = tmp_path / "schemathesis.toml"
     config.write_text(CONFIG)
     with serve_router(tmp_path, TINY_PRESET, "--max-body-size", "1000000") as r:
-        cmd = [str(ST), "--config-file", str(config), "run", f"{r.base}/openapi.json", "--checks", CHECKS, "--exclude-path-regex", EXCLUDE,
-               "--seed", "17", "--workers", "1", "--no-shrink", "--request-timeout", "60",
-               "--max-response-time", "60", "--max-time", str(budget_s), *args]
+        cmd = [
+            str(ST),
+            "--config-file",
+            str(config),
+            "run",
+            f"{r.base}/openapi.json",
+            "--checks",
+            CHECKS,
+            "--exclude-path-regex",
+            EXCLUDE,
+            "--seed",
+            "17",
+            "--workers",
+            "1",
+            "--no-shrink",
+            "--request-timeout",
+            "60",
+            "--max-response-time",
+            "60",
+            "--max-time",
+            str(budget_s),
+            *args,
+        ]
         out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=budget_s + 120)
         assert r.proc.poll() is None, "the router died under fuzzing:\n" + r.log()[-3000:]
     summary = out.stdout[-6000:]

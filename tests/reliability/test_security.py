@@ -55,13 +55,24 @@ def call(c: httpx.Client, method: str, path: str, headers: dict[str, str]) -> ht
 
 def test_the_route_table_lists_every_kind_of_route(tmp_path: Path) -> None:
     table = route_table(tmp_path)
-    for route in (("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("POST", "/models/load"),
-                  ("GET", "/metrics"), ("GET", "/logs"), ("POST", "/start_profile"), ("POST", "/v1/responses"),
-                  ("DELETE", "/v1/responses/{rid}"), ("GET", "/openapi.json"), ("GET", "/static/{file}")):
+    for route in (
+        ("POST", "/v1/chat/completions"),
+        ("GET", "/v1/models"),
+        ("POST", "/models/load"),
+        ("GET", "/metrics"),
+        ("GET", "/logs"),
+        ("POST", "/start_profile"),
+        ("POST", "/v1/responses"),
+        ("DELETE", "/v1/responses/{rid}"),
+        ("GET", "/openapi.json"),
+        ("GET", "/static/{file}"),
+    ):
         assert route in table
 
 
-def test_every_route_but_health_and_static_files_needs_the_key(router_factory: Factory, tmp_path: Path) -> None:
+def test_every_route_but_health_and_static_files_needs_the_key(
+    router_factory: Factory, tmp_path: Path
+) -> None:
     r = router_factory(PRESET, "--api-key", KEY)
     table = route_table(tmp_path)
     checked = 0
@@ -117,12 +128,24 @@ def test_keys_are_never_logged_nor_passed_to_workers(router_factory: Factory) ->
         assert KEY not in text and WRONG not in text
 
 
-TRAVERSALS = ["/static/..%2f..%2fpyproject.toml", "/static/%2e%2e/%2e%2e/pyproject.toml",
-              "/static/..%2F..%2Frouter%2Fapp.py", "/assets/..%2f..%2fpyproject.toml", "/static/%2fetc%2fpasswd",
-              "/static/..%5c..%5cpyproject.toml", "/static/....//....//pyproject.toml", "/..%2fpyproject.toml",
-              "/static/../../pyproject.toml", "/static//etc/passwd", "/favicon.ico/../pyproject.toml",
-              # not traversal, but were 500s (found by schemathesis): a name too long, a NUL byte
-              "/static/" + "a" * 300, "/static/" + "%C3%A8" * 200, "/static/a%00b", "/assets/" + "b/" * 3000]
+TRAVERSALS = [
+    "/static/..%2f..%2fpyproject.toml",
+    "/static/%2e%2e/%2e%2e/pyproject.toml",
+    "/static/..%2F..%2Frouter%2Fapp.py",
+    "/assets/..%2f..%2fpyproject.toml",
+    "/static/%2fetc%2fpasswd",
+    "/static/..%5c..%5cpyproject.toml",
+    "/static/....//....//pyproject.toml",
+    "/..%2fpyproject.toml",
+    "/static/../../pyproject.toml",
+    "/static//etc/passwd",
+    "/favicon.ico/../pyproject.toml",
+    # not traversal, but were 500s (found by schemathesis): a name too long, a NUL byte
+    "/static/" + "a" * 300,
+    "/static/" + "%C3%A8" * 200,
+    "/static/a%00b",
+    "/assets/" + "b/" * 3000,
+]
 
 
 def test_static_files_refuse_path_traversal(router_factory: Factory) -> None:
@@ -158,8 +181,16 @@ def test_no_route_writes_the_presets_or_the_data_dir(router_factory: Factory, tm
         assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
     before = _snapshot([preset, data])
     payloads: list[dict[str, Any]] = [
-        {"model": "a", "preset": str(preset), "models_preset": str(preset), "data_dir": str(tmp_path / "evil"),
-         "path": str(preset), "file": str(preset), "content": "[models.x]", "models_dir": str(tmp_path)},
+        {
+            "model": "a",
+            "preset": str(preset),
+            "models_preset": str(preset),
+            "data_dir": str(tmp_path / "evil"),
+            "path": str(preset),
+            "file": str(preset),
+            "content": "[models.x]",
+            "models_dir": str(tmp_path),
+        },
         {"event_dir": str(data), "run_id": "x"},
         {"event_dir": str(tmp_path), "trace_path_template": str(preset), "enable_torch": True},
         {"event_dir": str(tmp_path / "p"), "trace_path_template": "{event_dir}/../preset0.toml"},
@@ -189,7 +220,9 @@ def test_default_bind_is_loopback_and_cors_is_off_unless_configured(router_facto
     assert wait_until(listening, 10) == ["127.0.0.1"]
     origin = {"Origin": "http://evil.example"}
     with r.client() as c:
-        for resp in (c.get("/v1/models", headers=origin),
-                     c.post("/v1/chat/completions", json=chat("a"), headers=origin),
-                     c.options("/v1/chat/completions", headers={**origin, "Access-Control-Request-Method": "POST"})):
+        for resp in (
+            c.get("/v1/models", headers=origin),
+            c.post("/v1/chat/completions", json=chat("a"), headers=origin),
+            c.options("/v1/chat/completions", headers={**origin, "Access-Control-Request-Method": "POST"}),
+        ):
             assert not [h for h in resp.headers if h.lower().startswith("access-control-")], resp.headers

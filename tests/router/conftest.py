@@ -82,13 +82,20 @@ def sse_events(lines: Iterator[str]) -> list[str]:
 
 
 def stream_chat(
-    r: RouterProc, model: str, on_chunk: Callable[[int], object] | None = None, timeout: float = 30, **extra: Any
+    r: RouterProc,
+    model: str,
+    on_chunk: Callable[[int], object] | None = None,
+    timeout: float = 30,
+    **extra: Any,
 ) -> list[str]:
     """Stream one chat completion through the router; returns the SSE data payloads.
 
     `on_chunk(n)` runs after the n-th payload (to kill or signal something mid-stream)."""
     out: list[str] = []
-    with r.client(timeout=timeout) as c, c.stream("POST", "/v1/chat/completions", json=chat(model, True, **extra)) as resp:
+    with (
+        r.client(timeout=timeout) as c,
+        c.stream("POST", "/v1/chat/completions", json=chat(model, True, **extra)) as resp,
+    ):
         assert resp.status_code == 200, resp.read()
         for line in resp.iter_lines():
             if line.startswith("data: "):
@@ -111,7 +118,9 @@ def _descendants_by_env(marker: str) -> list[psutil.Process]:
 def router_factory(tmp_path: Path) -> Iterator[Callable[..., RouterProc]]:
     started: list[tuple[RouterProc, str]] = []
 
-    def start(preset: str, *args: str, suffix: str = ".toml", env: dict[str, str] | None = None) -> RouterProc:
+    def start(
+        preset: str, *args: str, suffix: str = ".toml", env: dict[str, str] | None = None
+    ) -> RouterProc:
         path = tmp_path / f"preset{len(started)}{suffix}"
         path.write_text(preset)
         port = free_port()
@@ -123,7 +132,9 @@ def router_factory(tmp_path: Path) -> Iterator[Callable[..., RouterProc]]:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=full_env,
                                     start_new_session=True)
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None
-        rp = RouterProc(proc, f"http://127.0.0.1:{port}", log_path, {"Authorization": f"Bearer {key}"} if key else {})
+        rp = RouterProc(
+            proc, f"http://127.0.0.1:{port}", log_path, {"Authorization": f"Bearer {key}"} if key else {}
+        )
         started.append((rp, marker))
 
         wait_healthy(proc, rp.base, 30, lambda: rp.log()[-3000:])
@@ -143,7 +154,9 @@ def router_factory(tmp_path: Path) -> Iterator[Callable[..., RouterProc]]:
     assert not leftovers, f"orphan workers left behind: {leftovers}"
 
 
-def kill_router_and_expect_no_workers(r: RouterProc, sig: signal.Signals, n_workers: int, timeout: float) -> None:
+def kill_router_and_expect_no_workers(
+    r: RouterProc, sig: signal.Signals, n_workers: int, timeout: float
+) -> None:
     """Signal the router and wait until every worker it had is gone (or a zombie)."""
     pids = [w.pid for w in r.workers()]
     assert len(pids) == n_workers
@@ -151,6 +164,8 @@ def kill_router_and_expect_no_workers(r: RouterProc, sig: signal.Signals, n_work
     r.proc.wait(timeout + 5)
 
     def all_gone() -> bool:
-        return all(not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids)
+        return all(
+            not psutil.pid_exists(p) or psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in pids
+        )
 
     wait_until(all_gone, timeout, what="workers to exit with their router")

@@ -28,9 +28,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-ECHO_PATHS = ("/completion", "/completions", "/infill", "/embedding", "/embeddings", "/v1/embeddings", "/rerank",
-              "/v1/rerank", "/reranking", "/v1/reranking", "/v1/audio/speech", "/v1/audio/transcriptions",
-              "/audio/transcriptions", "/v1/audio/translations", "/v1/images/generations")
+ECHO_PATHS = (
+    "/completion",
+    "/completions",
+    "/infill",
+    "/embedding",
+    "/embeddings",
+    "/v1/embeddings",
+    "/rerank",
+    "/v1/rerank",
+    "/reranking",
+    "/v1/reranking",
+    "/v1/audio/speech",
+    "/v1/audio/transcriptions",
+    "/audio/transcriptions",
+    "/v1/audio/translations",
+    "/v1/images/generations",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,8 +86,15 @@ class Fake:
 
     async def health(self, request: Request) -> Response:
         if self.progress() < 1.0:
-            body = {"error": {"message": "Loading model", "type": "unavailable_error", "param": None, "code": 503,
-                              "progress": {"phase": "weights", "fraction": round(self.progress(), 3)}}}
+            body = {
+                "error": {
+                    "message": "Loading model",
+                    "type": "unavailable_error",
+                    "param": None,
+                    "code": 503,
+                    "progress": {"phase": "weights", "fraction": round(self.progress(), 3)},
+                }
+            }
             return JSONResponse(body, status_code=503)
         if self.args.no_sleep:
             return JSONResponse({"status": "ok"})
@@ -95,8 +116,20 @@ class Fake:
         return JSONResponse({"status": "ok"})
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": self.name, "object": "model", "created": 0,
-                                                          "owned_by": "fake", "meta": {"fake": True, "pid": os.getpid()}}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "fake",
+                        "meta": {"fake": True, "pid": os.getpid()},
+                    }
+                ],
+            }
+        )
 
     async def props(self, request: Request) -> Response:
         return JSONResponse({"role": "worker", "model_alias": self.name, "pid": os.getpid()})
@@ -109,12 +142,23 @@ class Fake:
         n = int(body.get("max_tokens") or self.args.tokens)
         if not body.get("stream"):
             text = " ".join(f"t{i}" for i in range(n))
-            return JSONResponse({
-                "id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()), "model": self.name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
-                "pid": os.getpid(),
-            })
+            return JSONResponse(
+                {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion",
+                    "created": int(time.time()),
+                    "model": self.name,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": text},
+                            "finish_reason": "length",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1},
+                    "pid": os.getpid(),
+                }
+            )
         return StreamingResponse(self._stream(n), media_type="text/event-stream")
 
     async def _stream(self, n: int) -> AsyncIterator[bytes]:
@@ -123,8 +167,13 @@ class Fake:
             for i in range(n):
                 if i == self.args.crash_after:
                     os.kill(os.getpid(), signal.SIGKILL)
-                chunk = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": self.name,
-                         "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+                chunk = {
+                    "id": "chatcmpl-fake",
+                    "object": "chat.completion.chunk",
+                    "created": 0,
+                    "model": self.name,
+                    "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
+                }
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
                 if self.args.token_delay:
                     await asyncio.sleep(self.args.token_delay)
@@ -144,8 +193,12 @@ class Fake:
         seen = {"path": request.url.path, "model": self.name, "sha256": hashlib.sha256(body).hexdigest(),
                 "content_type": request.headers.get("content-type", ""), "pid": os.getpid()}
         if request.url.path == "/v1/audio/speech":  # chunked audio, no content-length
-            return StreamingResponse(self._audio(), media_type="audio/mpeg", headers={"x-seen": json.dumps(seen)})
-        if body.startswith(b"{") and json.loads(body).get("stream"):  # llama-server's native stream: no [DONE]
+            return StreamingResponse(
+                self._audio(), media_type="audio/mpeg", headers={"x-seen": json.dumps(seen)}
+            )
+        if body.startswith(b"{") and json.loads(body).get(
+            "stream"
+        ):  # llama-server's native stream: no [DONE]
             return StreamingResponse(self._native_stream(), media_type="text/event-stream")
         return JSONResponse(seen)
 
@@ -180,8 +233,10 @@ class Fake:
 
 
 def _not_found() -> Response:
-    return JSONResponse({"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": 404}},
-                        status_code=404)
+    return JSONResponse(
+        {"error": {"message": "Not Found", "type": "not_found_error", "param": None, "code": 404}},
+        status_code=404,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

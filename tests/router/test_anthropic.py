@@ -30,14 +30,28 @@ from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_heal
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
 KEY = "sk-test"
-WEATHER: Any = {"name": "get_weather", "description": "Weather in a city",
-           "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
-                                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-                            "required": ["city", "days"], "additionalProperties": False}}
-THINK_TEMPLATE = ("{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-                  "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
-                  "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}")
-IMAGE: Any = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+WEATHER: Any = {
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {
+            "city": {"enum": ["Paris", "Rome"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
+THINK_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
+IMAGE: Any = {
+    "type": "image",
+    "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="},
+}
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +105,12 @@ def client(base: str) -> anthropic.Anthropic:
 
 
 def _raw(base: str, path: str, body: dict[str, Any], **headers: str) -> httpx.Response:
-    return httpx.post(base + path, json=body, headers={"x-api-key": KEY, "anthropic-version": "2023-06-01", **headers},
-                      timeout=60)
+    return httpx.post(
+        base + path,
+        json=body,
+        headers={"x-api-key": KEY, "anthropic-version": "2023-06-01", **headers},
+        timeout=60,
+    )
 
 
 # --------------------------------------------------------------------------- create and stream
@@ -102,7 +120,12 @@ def test_create_has_anthropic_shape(client: anthropic.Anthropic) -> None:
     msg = client.messages.create(model="tiny", max_tokens=5, system="be brief", metadata={"user_id": "u1"},
                                  messages=[{"role": "user", "content": "hello"}],
                                  extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 5})
-    assert msg.type == "message" and msg.role == "assistant" and msg.id.startswith("msg_") and msg.model == "tiny"
+    assert (
+        msg.type == "message"
+        and msg.role == "assistant"
+        and msg.id.startswith("msg_")
+        and msg.model == "tiny"
+    )
     assert msg.stop_reason in ("end_turn", "max_tokens") and msg.stop_sequence is None
     assert all(b.type == "text" for b in msg.content)
     assert 0 < msg.usage.output_tokens <= 5 and msg.usage.input_tokens > 0
@@ -157,9 +180,13 @@ def test_stop_sequences(client: anthropic.Anthropic) -> None:
 
 
 def test_forced_tool_call_input_validates(client: anthropic.Anthropic) -> None:
-    msg = client.messages.create(model="tiny", max_tokens=120, tools=[WEATHER],
-                                 tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
-                                 messages=[{"role": "user", "content": "weather in Paris?"}])
+    msg = client.messages.create(
+        model="tiny",
+        max_tokens=120,
+        tools=[WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        messages=[{"role": "user", "content": "weather in Paris?"}],
+    )
     calls = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use" and len(calls) == 1, msg.content
     assert calls[0].name == "get_weather" and calls[0].id
@@ -182,8 +209,13 @@ def test_streamed_tool_input_is_partial_json(client: anthropic.Anthropic) -> Non
 
 def test_two_turn_tool_loop(client: anthropic.Anthropic) -> None:
     messages: list[Any] = [{"role": "user", "content": "weather in Rome?"}]
-    first = client.messages.create(model="tiny", max_tokens=120, tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True},
-                                   messages=messages)
+    first = client.messages.create(
+        model="tiny",
+        max_tokens=120,
+        tools=[WEATHER],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        messages=messages,
+    )
     (call,) = [b for b in first.content if b.type == "tool_use"]
     messages += [{"role": "assistant", "content": first.content},
                  {"role": "user", "content": [
@@ -193,7 +225,10 @@ def test_two_turn_tool_loop(client: anthropic.Anthropic) -> None:
     assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
     n_prompt = second.usage.input_tokens + (second.usage.cache_read_input_tokens or 0)
     assert n_prompt > first.usage.input_tokens
-    assert client.messages.count_tokens(model="tiny", tools=[WEATHER], messages=messages).input_tokens == n_prompt
+    assert (
+        client.messages.count_tokens(model="tiny", tools=[WEATHER], messages=messages).input_tokens
+        == n_prompt
+    )
 
 
 def test_output_config_json_schema(client: anthropic.Anthropic) -> None:
@@ -274,12 +309,20 @@ def test_errors_parse_as_sdk_exceptions(base: str, client: anthropic.Anthropic) 
         client.messages.count_tokens(model="tiny", messages=[])
 
 
-def test_errors_from_outside_the_routes_are_in_anthropic_envelope(base: str, client: anthropic.Anthropic) -> None:
+def test_errors_from_outside_the_routes_are_in_anthropic_envelope(
+    base: str, client: anthropic.Anthropic
+) -> None:
     with pytest.raises(anthropic.APIStatusError) as e:  # the body-size limit (--max-body-size 100000)
-        client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x" * 200_000}])
+        client.messages.create(
+            model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x" * 200_000}]
+        )
     assert e.value.status_code == 413 and e.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
     r = httpx.get(base + "/v1/messages", headers={"x-api-key": KEY}, timeout=10)  # Starlette's 405
-    assert r.status_code == 405 and r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
+    assert (
+        r.status_code == 405
+        and r.json()["type"] == "error"
+        and r.json()["error"]["type"] == "invalid_request_error"
+    )
 
 
 def test_bearer_auth_and_anthropic_version_are_accepted(base: str) -> None:
@@ -289,7 +332,10 @@ def test_bearer_auth_and_anthropic_version_are_accepted(base: str) -> None:
     assert r.status_code == 200 and r.json()["type"] == "message"
     r = httpx.post(base + "/v1/messages", json=body, timeout=60)
     assert r.status_code == 401
-    assert r.json() == {"type": "error", "error": {"type": "authentication_error", "message": "Invalid API Key"}}
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": "Invalid API Key"},
+    }
 
 
 BAD: list[tuple[dict[str, Any], str]] = [
@@ -297,10 +343,22 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"service_tier": "auto"}, "service_tier"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}, "'document'"),
-    ({"messages": [{"role": "user", "content": [{"type": "redacted_thinking", "data": "x"}]}]}, "'redacted_thinking'"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "citations": [{}]}]}]}, "citations"),
-    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}]},
-     "assistant message"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "redacted_thinking", "data": "x"}]}]},
+        "'redacted_thinking'",
+    ),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "citations": [{}]}]}]},
+        "citations",
+    ),
+    (
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "f", "input": {}}]}
+            ]
+        },
+        "assistant message",
+    ),
     ({"messages": [{"role": "system", "content": "x"}]}, "role"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "'web_search_20250305'"),
     ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "input_schema"),
@@ -309,8 +367,13 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"thinking": {"type": "enabled"}}, "budget_tokens"),
     ({"output_config": {"effort": "extreme"}}, "effort"),
     ({"thinking": {"type": "adaptive"}, "tool_choice": {"type": "any"}, "tools": [WEATHER]}, "thinking"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1},
-      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "output_config.format"),
+    (
+        {
+            "thinking": {"type": "enabled", "budget_tokens": 1},
+            "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}},
+        },
+        "output_config.format",
+    ),
     ({"thinking": {"type": "disabled"}, "output_config": {"effort": "low"}}, "effort"),
     ({"output_config": {"format": {"type": "json_object"}}}, "output_config"),
     ({"temperature": 1.5}, "temperature"),
@@ -331,21 +394,42 @@ def test_unsupported_fields_are_400_naming_them(base: str, extra: dict[str, Any]
 # --------------------------------------------------------------------------- fuzz
 
 
-LEAF = st.none() | st.booleans() | st.integers(-3, 3000) | st.floats(-2, 2, allow_nan=False) | st.text(max_size=6)
-ANY_JSON = st.recursive(LEAF, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
-                        max_leaves=6)
+LEAF = (
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 3000)
+    | st.floats(-2, 2, allow_nan=False)
+    | st.text(max_size=6)
+)
+ANY_JSON = st.recursive(
+    LEAF,
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+    max_leaves=6,
+)
 TEXT = st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=12)})
 BLOCK = st.one_of(
     TEXT,
     TEXT,
     st.just(IMAGE),
-    st.fixed_dictionaries({"type": st.just("tool_use"), "id": st.text(min_size=1, max_size=4),
-                           "name": st.sampled_from(["get_weather", "x"]),
-                           "input": st.dictionaries(st.text(max_size=4), LEAF, max_size=2)}),
-    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": st.text(max_size=4),
-                           "content": st.text(max_size=8) | st.lists(TEXT, max_size=2)},
-                          optional={"is_error": st.booleans()}),
-    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": st.text(max_size=8), "signature": st.just("")}),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_use"),
+            "id": st.text(min_size=1, max_size=4),
+            "name": st.sampled_from(["get_weather", "x"]),
+            "input": st.dictionaries(st.text(max_size=4), LEAF, max_size=2),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("tool_result"),
+            "tool_use_id": st.text(max_size=4),
+            "content": st.text(max_size=8) | st.lists(TEXT, max_size=2),
+        },
+        optional={"is_error": st.booleans()},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("thinking"), "thinking": st.text(max_size=8), "signature": st.just("")}
+    ),
     st.fixed_dictionaries({"type": st.sampled_from(["document", "server_tool_use", "search_result"])}),
 )
 ROLE = st.sampled_from(["user", "assistant"])
@@ -357,29 +441,53 @@ SCHEMA = st.fixed_dictionaries({"type": st.just("object")}, optional={
     "properties": st.dictionaries(st.sampled_from(["a", "b"]), st.sampled_from(
         [{"type": "integer"}, {"type": "string"}, {"enum": [1, 2]}, {"type": "boolean"}]), max_size=2),
     "required": st.just(["a"])}) | ANY_JSON
-TOOL_CHOICE = st.one_of(st.fixed_dictionaries({"type": st.sampled_from(["auto", "any"])},
-                                              optional={"disable_parallel_tool_use": st.booleans()}),
-                        st.just({"type": "none"}),
-                        st.fixed_dictionaries({"type": st.just("tool"), "name": st.sampled_from(["get_weather", "x"])}))
+TOOL_CHOICE = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["auto", "any"])}, optional={"disable_parallel_tool_use": st.booleans()}
+    ),
+    st.just({"type": "none"}),
+    st.fixed_dictionaries({"type": st.just("tool"), "name": st.sampled_from(["get_weather", "x"])}),
+)
 REQUEST = st.fixed_dictionaries(
-    {"model": st.sampled_from(["tiny", "thinker", "tiny", "nope"]), "max_tokens": st.integers(1, 6),
-     "messages": MESSAGES | st.lists(MESSAGE, max_size=2)},
+    {
+        "model": st.sampled_from(["tiny", "thinker", "tiny", "nope"]),
+        "max_tokens": st.integers(1, 6),
+        "messages": MESSAGES | st.lists(MESSAGE, max_size=2),
+    },
     optional={
         "system": st.text(max_size=8) | st.lists(TEXT, max_size=2),
         "stop_sequences": st.lists(st.text(max_size=3), max_size=2),
         "stream": st.booleans(),
-        "tools": st.lists(st.just(WEATHER) | st.fixed_dictionaries({"name": st.sampled_from(["x", "y", "x", "a b"]),
-                                                                     "input_schema": SCHEMA}), max_size=2),
+        "tools": st.lists(
+            st.just(WEATHER)
+            | st.fixed_dictionaries(
+                {"name": st.sampled_from(["x", "y", "x", "a b"]), "input_schema": SCHEMA}
+            ),
+            max_size=2,
+        ),
         "tool_choice": TOOL_CHOICE,
-        "thinking": st.sampled_from([{"type": "adaptive"}, {"type": "disabled"},
-                                     {"type": "enabled", "budget_tokens": 1}, {"type": "enabled"}]),
-        "output_config": st.fixed_dictionaries({}, optional={
-            "format": st.fixed_dictionaries({"type": st.just("json_schema"), "schema": SCHEMA}),
-            "effort": st.sampled_from(["low", "medium", "high", "max", "none"])}),
+        "thinking": st.sampled_from(
+            [
+                {"type": "adaptive"},
+                {"type": "disabled"},
+                {"type": "enabled", "budget_tokens": 1},
+                {"type": "enabled"},
+            ]
+        ),
+        "output_config": st.fixed_dictionaries(
+            {},
+            optional={
+                "format": st.fixed_dictionaries({"type": st.just("json_schema"), "schema": SCHEMA}),
+                "effort": st.sampled_from(["low", "medium", "high", "max", "none"]),
+            },
+        ),
         "metadata": st.fixed_dictionaries({}, optional={"user_id": st.text(max_size=5)}),
-        "temperature": st.floats(-0.5, 1.5, allow_nan=False), "top_p": st.floats(0, 1), "top_k": st.integers(-1, 50),
+        "temperature": st.floats(-0.5, 1.5, allow_nan=False),
+        "top_p": st.floats(0, 1),
+        "top_k": st.integers(-1, 50),
         "unknown": ANY_JSON,
-    })
+    },
+)
 
 
 @st.composite
@@ -403,4 +511,7 @@ def test_fuzzed_requests_never_get_a_5xx(base: str, body: dict[str, Any], path: 
         err = r.json()
         assert err["type"] == "error" and set(err["error"]) == {"type", "message"}, err
     elif body.get("stream") is True and path == "/v1/messages":
-        assert "event: error" not in r.text and r.text.rstrip().endswith('"type": "message_stop"}'), (body, r.text)
+        assert "event: error" not in r.text and r.text.rstrip().endswith('"type": "message_stop"}'), (
+            body,
+            r.text,
+        )

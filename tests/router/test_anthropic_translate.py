@@ -29,19 +29,38 @@ def create(**fields: Any) -> CreateMessage:
 
 
 def test_conversation_with_tools_thinking_and_results() -> None:
-    req = create(system=[{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}], messages=[
-        {"role": "user", "content": [{"type": "text", "text": "q"}]},
-        {"role": "assistant", "content": [{"type": "thinking", "thinking": "hmm", "signature": "x"},
-                                          {"type": "text", "text": "calling"},
-                                          {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "oops", "is_error": True},
-                                     {"type": "text", "text": "go on"}]},
-    ])
+    req = create(
+        system=[{"type": "text", "text": "S1"}, {"type": "text", "text": "S2"}],
+        messages=[
+            {"role": "user", "content": [{"type": "text", "text": "q"}]},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": "x"},
+                    {"type": "text", "text": "calling"},
+                    {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "oops", "is_error": True},
+                    {"type": "text", "text": "go on"},
+                ],
+            },
+        ],
+    )
     assert chat_body(req, "m")["messages"] == [
         {"role": "system", "content": "S1\nS2"},
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": "calling", "reasoning_content": "hmm",
-         "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+        {
+            "role": "assistant",
+            "content": "calling",
+            "reasoning_content": "hmm",
+            "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "t1", "content": "Error: oops"},
         {"role": "user", "content": "go on"},
     ]
@@ -53,35 +72,57 @@ def test_image_blocks_become_image_url_parts() -> None:
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}},
         {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}]}])
     assert chat_body(req, "m")["messages"][0]["content"] == [
-        {"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
-        {"type": "image_url", "image_url": {"url": "https://x/y.png"}}]
+        {"type": "text", "text": "what?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+    ]
 
 
-@pytest.mark.parametrize(("choice", "expected"), [
-    (None, {"tool_choice": "auto"}),
-    ({"type": "auto"}, {"tool_choice": "auto"}),
-    ({"type": "any", "disable_parallel_tool_use": True}, {"tool_choice": "required", "parallel_tool_calls": False}),
-    ({"type": "tool", "name": "f"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}}),
-    ({"type": "none"}, {"tool_choice": "none"}),
-])
+@pytest.mark.parametrize(
+    ("choice", "expected"),
+    [
+        (None, {"tool_choice": "auto"}),
+        ({"type": "auto"}, {"tool_choice": "auto"}),
+        (
+            {"type": "any", "disable_parallel_tool_use": True},
+            {"tool_choice": "required", "parallel_tool_calls": False},
+        ),
+        ({"type": "tool", "name": "f"}, {"tool_choice": {"type": "function", "function": {"name": "f"}}}),
+        ({"type": "none"}, {"tool_choice": "none"}),
+    ],
+)
 def test_tool_choice(choice: dict[str, Any] | None, expected: dict[str, Any]) -> None:
     body = chat_body(create(tools=[TOOL], **({"tool_choice": choice} if choice else {})), "m")
-    assert body["tools"] == [{"type": "function", "function": {"name": "f", "parameters": TOOL["input_schema"]}}]
+    assert body["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": TOOL["input_schema"]}}
+    ]
     assert {k: body[k] for k in ("tool_choice", "parallel_tool_calls") if k in body} == expected
 
 
-@pytest.mark.parametrize(("fields", "budget", "kwargs"), [
-    ({}, None, None),
-    ({"thinking": {"type": "disabled"}}, None, {"enable_thinking": False}),
-    ({"thinking": {"type": "adaptive"}}, None, {"enable_thinking": True}),
-    ({"thinking": {"type": "enabled", "budget_tokens": 30}}, 30, {"enable_thinking": True}),
-    ({"output_config": {"effort": "low"}}, 25, None),
-    ({"output_config": {"effort": "medium"}, "thinking": {"type": "enabled", "budget_tokens": 30}}, 30,
-     {"enable_thinking": True}),
-    ({"output_config": {"effort": "high"}}, None, None),
-    ({"output_config": {"effort": "high"}, "thinking": {"type": "disabled"}}, None, {"enable_thinking": False}),
-])
-def test_thinking_and_effort(fields: dict[str, Any], budget: int | None, kwargs: dict[str, Any] | None) -> None:
+@pytest.mark.parametrize(
+    ("fields", "budget", "kwargs"),
+    [
+        ({}, None, None),
+        ({"thinking": {"type": "disabled"}}, None, {"enable_thinking": False}),
+        ({"thinking": {"type": "adaptive"}}, None, {"enable_thinking": True}),
+        ({"thinking": {"type": "enabled", "budget_tokens": 30}}, 30, {"enable_thinking": True}),
+        ({"output_config": {"effort": "low"}}, 25, None),
+        (
+            {"output_config": {"effort": "medium"}, "thinking": {"type": "enabled", "budget_tokens": 30}},
+            30,
+            {"enable_thinking": True},
+        ),
+        ({"output_config": {"effort": "high"}}, None, None),
+        (
+            {"output_config": {"effort": "high"}, "thinking": {"type": "disabled"}},
+            None,
+            {"enable_thinking": False},
+        ),
+    ],
+)
+def test_thinking_and_effort(
+    fields: dict[str, Any], budget: int | None, kwargs: dict[str, Any] | None
+) -> None:
     body = chat_body(create(**fields), "m")
     assert body.get("thinking_budget_tokens") == budget and body.get("chat_template_kwargs") == kwargs
 
@@ -90,18 +131,25 @@ def test_sampling_stop_format_and_user() -> None:
     schema = {"type": "object"}
     body = chat_body(create(stop_sequences=["END"], temperature=0.2, top_k=5, metadata={"user_id": "u"},
                             output_config={"format": {"type": "json_schema", "schema": schema}}), "m")
-    assert body["stop"] == ["END"] and body["temperature"] == 0.2 and body["top_k"] == 5 and body["user"] == "u"
+    assert (
+        body["stop"] == ["END"] and body["temperature"] == 0.2 and body["top_k"] == 5 and body["user"] == "u"
+    )
     assert body["response_format"] == {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": schema, "strict": True}}
-    assert body["stream"] is True and body["stream_options"] == {"include_usage": True} and body["max_tokens"] == 100
+    assert (
+        body["stream"] is True
+        and body["stream_options"] == {"include_usage": True}
+        and body["max_tokens"] == 100
+    )
 
 
 def test_count_body_renders_what_the_chat_request_renders() -> None:
     raw = {"model": "m", "system": "S", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]}
     body = count_body(parse_request(CountTokensRequest, json.dumps(raw).encode()), "m")
     assert body["messages"][0] == {"role": "system", "content": "S"} and len(body["tools"]) == 1
-    none = count_body(parse_request(CountTokensRequest, json.dumps({**raw, "tool_choice": {"type": "none"}}).encode()),
-                      "m")
+    none = count_body(
+        parse_request(CountTokensRequest, json.dumps({**raw, "tool_choice": {"type": "none"}}).encode()), "m"
+    )
     assert "tools" not in none  # tool_choice none: the worker does not render them
 
 
@@ -122,7 +170,9 @@ def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extr
     return {"choices": [choice], **extra} if delta is not None or finish else {"choices": [], **extra}
 
 
-def fold(chunks: list[dict[str, Any]], stop: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def fold(
+    chunks: list[dict[str, Any]], stop: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     b = MessageBuilder("m", stop)
     events = b.start()
     for c in chunks:
@@ -132,16 +182,36 @@ def fold(chunks: list[dict[str, Any]], stop: tuple[str, ...] = ()) -> tuple[dict
 
 
 def test_blocks_in_order_with_paired_start_and_stop() -> None:
-    msg, events = fold([
-        chunk({"role": "assistant", "content": None}),
-        chunk({"reasoning_content": "th"}), chunk({"reasoning_content": "ink"}),
-        chunk({"content": "hi"}),
-        chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": ""}}]}),
-        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}),
-        chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
-        chunk(finish="tool_calls"),
-        chunk(usage={"prompt_tokens": 10, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 4}}),
-    ])
+    msg, events = fold(
+        [
+            chunk({"role": "assistant", "content": None}),
+            chunk({"reasoning_content": "th"}),
+            chunk({"reasoning_content": "ink"}),
+            chunk({"content": "hi"}),
+            chunk(
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": ""},
+                        }
+                    ]
+                }
+            ),
+            chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"a": '}}]}),
+            chunk({"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}),
+            chunk(finish="tool_calls"),
+            chunk(
+                usage={
+                    "prompt_tokens": 10,
+                    "completion_tokens": 7,
+                    "prompt_tokens_details": {"cached_tokens": 4},
+                }
+            ),
+        ]
+    )
     assert msg["content"] == [{"type": "thinking", "thinking": "think", "signature": ""},
                               {"type": "text", "text": "hi"},
                               {"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}}]
@@ -223,7 +293,9 @@ async def _drive(chunks: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_silence_gets_pings_and_the_stream_ends_normally(monkeypatch: pytest.MonkeyPatch) -> None:
-    events = asyncio.run(_drive([chunk({"content": "a"}), chunk({"content": "b"}), chunk(finish="stop")], monkeypatch))
+    events = asyncio.run(
+        _drive([chunk({"content": "a"}), chunk({"content": "b"}), chunk(finish="stop")], monkeypatch)
+    )
     assert events[:2] == ["message_start", "ping"] and events[-2:] == ["message_delta", "message_stop"]
     assert events.count("content_block_delta") == 2 and events.count("ping") >= 3
 

@@ -16,8 +16,9 @@ CLIS = {"omni-router": "router.cli", "omni-worker": "worker.server.cli"}
 
 def _run(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+    )
 
 
 @pytest.mark.parametrize("module", CLIS.values())
@@ -34,7 +35,12 @@ def test_worker_help_shows_choices_not_str() -> None:
     for choices in ("auto|on|off", "auto|llama_cpp|torch", "auto|deepseek|deepseek-legacy|none", "N|auto|all",
                     "none|mean|cls|last|rank"):
         assert choices in text
-    for flag in ("--n-predict, --predict", "--temp, --temperature", "--reasoning-format", "--chat-template-file"):
+    for flag in (
+        "--n-predict, --predict",
+        "--temp, --temperature",
+        "--reasoning-format",
+        "--chat-template-file",
+    ):
         assert flag in text
     assert "0 or -1: never" in text
 

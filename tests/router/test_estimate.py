@@ -44,7 +44,9 @@ def test_hf_estimate_uses_config_json_and_the_models_dtype() -> None:
 def test_on_a_gpu_the_offloaded_share_is_vram() -> None:
     est = compute(ModelPreset("t", backend="llama_cpp", model=GGUF, ctx_size=1024), has_gpu=True)
     assert est.vram_bytes > GGUF.stat().st_size and est.ram_bytes == OVERHEAD_BYTES["llama_cpp"]
-    cpu = compute(ModelPreset("t", backend="llama_cpp", model=GGUF, ctx_size=1024, n_gpu_layers=0), has_gpu=True)
+    cpu = compute(
+        ModelPreset("t", backend="llama_cpp", model=GGUF, ctx_size=1024, n_gpu_layers=0), has_gpu=True
+    )
     assert cpu.vram_bytes == 0
 
 
@@ -56,8 +58,11 @@ def test_the_memory_key_replaces_the_estimate_and_the_learned_peak() -> None:
     assert book.estimate(p).source == "preset"
     q = ModelPreset("u", backend="cmd", cmd="x ${PORT}")
     book.learn(q, 9 * M, 2 * M)
-    assert (book.estimate(q).ram_bytes, book.estimate(q).vram_bytes, book.estimate(q).source) == (9 * M, 2 * M,
-                                                                                                  "measured")
+    assert (book.estimate(q).ram_bytes, book.estimate(q).vram_bytes, book.estimate(q).source) == (
+        9 * M,
+        2 * M,
+        "measured",
+    )
 
 
 @pytest.mark.parametrize(("text", "expected"), [("512M", 512 * M), ("20GiB", 20 << 30), ("1.5g", 3 << 29),

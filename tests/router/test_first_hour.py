@@ -42,7 +42,9 @@ def test_a_file_that_is_not_a_gguf_is_one_spawn_for_one_sdk_call_bug_it_was_thre
     client, attempts = _counting_client(r.base)
     for _ in range(2):
         with pytest.raises(openai.InternalServerError) as e:
-            client.chat.completions.create(model="bad", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            client.chat.completions.create(
+                model="bad", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
         assert e.value.response.headers.get("x-should-retry") == "false"
         assert "retry-after" not in e.value.response.headers
         err = e.value.response.json()["error"]
@@ -54,12 +56,16 @@ def test_a_file_that_is_not_a_gguf_is_one_spawn_for_one_sdk_call_bug_it_was_thre
     assert (status["value"], status["permanent"], status["exit_code"]) == ("failed", True, 1)
     assert status["error"] == "invalid magic characters: 'not ', expected 'GGUF'"
     assert any("bad.gguf" in line for line in status["log_tail"])
-    assert client.chat.completions.create(model="good", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert client.chat.completions.create(
+        model="good", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
 
     # An explicit load tries again; so does a request once the file has changed.
     with r.client() as c:
         assert c.post("/models/load", json={"model": "bad"}).status_code == 200
-    wait_until(lambda: _spawns(r, "bad") == 2 and r.status("bad") == "failed", 60, what="explicit reload failed")
+    wait_until(
+        lambda: _spawns(r, "bad") == 2 and r.status("bad") == "failed", 60, what="explicit reload failed"
+    )
     bad.write_bytes(GGUF.read_bytes())
     client.chat.completions.create(model="bad", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert _spawns(r, "bad") == 3 and r.status("bad") == "loaded"
@@ -96,17 +102,23 @@ def test_the_load_shows_its_phases_and_the_router_logs_the_load_time(router_fact
                 phases.append(phase)
             if st["value"] == "loaded":
                 break
-    assert phases[:4] == ["unloaded", "estimating memory", "spawning", "starting"], phases  # (the tiny model's
+    assert phases[:4] == ["unloaded", "estimating memory", "spawning", "starting"], (
+        phases
+    )  # (the tiny model's
     # own phases pass between two polls of /health; bench/first_load.py shows them on SmolLM2)
     assert phases[-1] == "loaded"
     log = r.log()
-    assert "model a: memory estimate" in log and "model a: loaded in" in log and "the worker's own load" in log
+    assert (
+        "model a: memory estimate" in log and "model a: loaded in" in log and "the worker's own load" in log
+    )
 
 
 def test_a_chat_completion_after_a_permanent_failure_of_another_model_is_served(router_factory: Factory,
                                                                                tmp_path: Path) -> None:
     bad = tmp_path / "cut.gguf"
-    bad.write_bytes(GGUF.read_bytes()[:4000])  # a header, then nothing: llama.cpp's "not within the file bounds"
+    bad.write_bytes(
+        GGUF.read_bytes()[:4000]
+    )  # a header, then nothing: llama.cpp's "not within the file bounds"
     r = router_factory(f'{preset_defaults(256)}[models.cut]\nmodel = "{bad}"\n[models.a]\nmodel = "{GGUF}"\n')
     with r.client(timeout=60) as c:
         resp = c.post("/v1/chat/completions", json=chat("cut"))
@@ -116,17 +128,24 @@ def test_a_chat_completion_after_a_permanent_failure_of_another_model_is_served(
     assert "failed to load" in msg and "\n" not in msg
 
 
-def test_hints_name_the_preset_key_through_the_router_bug_they_named_worker_flags(router_factory: Factory) -> None:
+def test_hints_name_the_preset_key_through_the_router_bug_they_named_worker_flags(
+    router_factory: Factory,
+) -> None:
     """Bug: through the router, "Start it with `--embeddings`" and "try increasing --ctx-size"
     gave advice for a process the user never starts. Reproduced with embeddings on a chat model
     and a prompt longer than a slot (ctx-size 256 / parallel 2 = 128 cells)."""
     r = router_factory(f'{preset_defaults(256)}[models.chat]\nmodel = "{GGUF}"\n')
     with r.client(timeout=60) as c:
         emb = c.post("/v1/embeddings", json={"model": "chat", "input": "hi"}).json()["error"]["message"]
-        long = c.post("/v1/chat/completions", json=chat("chat", messages=[{"role": "user", "content": "word " * 300}]))
+        long = c.post(
+            "/v1/chat/completions", json=chat("chat", messages=[{"role": "user", "content": "word " * 300}])
+        )
     assert "Set `embedding = true` in the preset of model 'chat'" in emb and "--embeddings" not in emb
     msg = long.json()["error"]["message"]
-    assert long.status_code == 400 and "raise `ctx-size` (or lower `parallel`) in the preset of model 'chat'" in msg
+    assert (
+        long.status_code == 400
+        and "raise `ctx-size` (or lower `parallel`) in the preset of model 'chat'" in msg
+    )
     assert "ctx-size 256 / parallel 2 = 128 cells" in msg and "--ctx-size" not in msg
 
 
@@ -134,7 +153,9 @@ def test_worker_flags_in_a_preset_reach_the_worker(router_factory: Factory) -> N
     """`n-predict` (any omni-worker flag by its long name) caps every request's tokens."""
     r = router_factory(f'{preset_defaults(256)}[models.a]\nmodel = "{GGUF}"\nn-predict = 3\ntemp = 0\n')
     with r.client(timeout=60) as c:
-        body = c.post("/v1/chat/completions", json={"model": "a", "messages": [{"role": "user", "content": "hi"}]})
+        body = c.post(
+            "/v1/chat/completions", json={"model": "a", "messages": [{"role": "user", "content": "hi"}]}
+        )
         props = c.get("/props", params={"model": "a"}).json()
     assert body.status_code == 200, body.text
     assert body.json()["usage"]["completion_tokens"] <= 3
@@ -158,11 +179,17 @@ def test_a_missing_model_file_fails_that_model_only_bug_it_stopped_the_router(ro
     assert card["status"]["value"] == "failed" and card["status"]["permanent"] is True
     client, attempts = _counting_client(r.base)
     with pytest.raises(openai.InternalServerError, match="does not exist"):
-        client.chat.completions.create(model="ghost", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        client.chat.completions.create(
+            model="ghost", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
     assert attempts == [500] and _spawns(r, "ghost") == 0
-    assert client.chat.completions.create(model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert client.chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     ghost.parent.mkdir()
     ghost.write_bytes(GGUF.read_bytes())  # beside the preset file, where the message said
-    assert client.chat.completions.create(model="ghost", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert client.chat.completions.create(
+        model="ghost", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     log = r.log()
     assert "httpcore" not in log and "model a: loaded in" in log

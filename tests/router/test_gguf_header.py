@@ -23,8 +23,11 @@ def _smollm2() -> Path | None:
     return path if path.is_file() else None
 
 
-FILES = [p for p in (ROOT / "models" / "tiny-llama-f32.gguf", ROOT / "models" / "tiny-llama-f16.gguf", _smollm2())
-         if p is not None and p.is_file()]
+FILES = [
+    p
+    for p in (ROOT / "models" / "tiny-llama-f32.gguf", ROOT / "models" / "tiny-llama-f16.gguf", _smollm2())
+    if p is not None and p.is_file()
+]
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])

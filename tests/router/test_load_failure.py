@@ -26,25 +26,58 @@ NOT_GGUF = [
 ]
 
 
-@pytest.mark.parametrize(("tail", "code", "reason", "was_ready", "cause", "is_permanent"), [
-    (TRUNCATED, 1, "exited with code 1", False,
-     "tensor 'token_embd.weight' data is not within the file bounds, model is corrupted or incomplete", True),
-    # the same cause whichever the router saw first (the race of issue 25)
-    (TRUNCATED, None, "the worker reported a failed load (500): ...", False,
-     "tensor 'token_embd.weight' data is not within the file bounds, model is corrupted or incomplete", True),
-    (NOT_GGUF, 1, "exited with code 1", False, "invalid magic characters: 'not ', expected 'GGUF'", True),
-    (["ERROR worker.engine.engine: model load failed: unsupported architecture 'mamba'"], 1, "exited with code 1",
-     False, "unsupported architecture 'mamba'", True),
-    (["omni-worker: error: unknown option --lora: omni-worker does not implement it"], 2, "exited with code 2", False,
-     "unknown option --lora: omni-worker does not implement it", True),
-    # killed while loading (the OOM killer, say): may do better next time
-    (["loading..."], -9, "exited with code -9", False, "exited with code -9", False),
-    (["loading..."], None, "not ready after 300s", False, "not ready after 300s", False),
-    # a crash after it served is a crash, not a bad file
-    (["Traceback (most recent call last):", "RuntimeError: boom"], 1, "exited with code 1", True,
-     "exited with code 1", False),
-    (["fake worker a"], 1, "exited with code 1", False, "exited with code 1", False),
-])
+@pytest.mark.parametrize(
+    ("tail", "code", "reason", "was_ready", "cause", "is_permanent"),
+    [
+        (
+            TRUNCATED,
+            1,
+            "exited with code 1",
+            False,
+            "tensor 'token_embd.weight' data is not within the file bounds, model is corrupted or incomplete",
+            True,
+        ),
+        # the same cause whichever the router saw first (the race of issue 25)
+        (
+            TRUNCATED,
+            None,
+            "the worker reported a failed load (500): ...",
+            False,
+            "tensor 'token_embd.weight' data is not within the file bounds, model is corrupted or incomplete",
+            True,
+        ),
+        (NOT_GGUF, 1, "exited with code 1", False, "invalid magic characters: 'not ', expected 'GGUF'", True),
+        (
+            ["ERROR worker.engine.engine: model load failed: unsupported architecture 'mamba'"],
+            1,
+            "exited with code 1",
+            False,
+            "unsupported architecture 'mamba'",
+            True,
+        ),
+        (
+            ["omni-worker: error: unknown option --lora: omni-worker does not implement it"],
+            2,
+            "exited with code 2",
+            False,
+            "unknown option --lora: omni-worker does not implement it",
+            True,
+        ),
+        # killed while loading (the OOM killer, say): may do better next time
+        (["loading..."], -9, "exited with code -9", False, "exited with code -9", False),
+        (["loading..."], None, "not ready after 300s", False, "not ready after 300s", False),
+        # a crash after it served is a crash, not a bad file
+        (
+            ["Traceback (most recent call last):", "RuntimeError: boom"],
+            1,
+            "exited with code 1",
+            True,
+            "exited with code 1",
+            False,
+        ),
+        (["fake worker a"], 1, "exited with code 1", False, "exited with code 1", False),
+    ],
+)
 def test_cause_and_permanence(tail: list[str], code: int | None, reason: str, was_ready: bool, cause: str,
                               is_permanent: bool) -> None:
     f = diagnose(tail, code, reason, was_ready=was_ready)

@@ -159,7 +159,9 @@ async def test_a_model_that_can_never_fit_is_refused_with_figures_and_not_failed
 
 
 @pytest.mark.asyncio
-async def test_queued_then_unload_or_every_waiter_leaving_returns_to_unloaded_and_undrains_the_busy_model() -> None:
+async def test_queued_then_unload_or_every_waiter_leaving_returns_to_unloaded_and_undrains_the_busy_model() -> (
+    None
+):
     """QUEUED -> UNLOADED (unload, waiters gone); READY -> DRAINING -> READY (queue emptied)."""
     async with rig(Limits(models_max=1)) as r:
         a, b = r.add("a"), r.add("b")
@@ -167,7 +169,9 @@ async def test_queued_then_unload_or_every_waiter_leaving_returns_to_unloaded_an
         a.admit()  # a request in flight: a cannot be evicted, so b waits and a drains
         waiting = asyncio.create_task(b.ensure_ready())
         await r.until(lambda: a.phase is Phase.DRAINING)
-        deadline = time.monotonic() + 10  # "queued" is shown once not granted within QUEUED_NOTICE_S (real time)
+        deadline = (
+            time.monotonic() + 10
+        )  # "queued" is shown once not granted within QUEUED_NOTICE_S (real time)
         while b.status()["progress"]["phase"] != "queued" and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         assert b.status()["progress"]["phase"] == "queued"
@@ -243,7 +247,9 @@ async def test_a_load_that_fails_after_the_spawn_stops_the_process_then_fails_wi
         await failed_with(asked, "not ready after 300s")
         st = h.status()
         assert h.phase is Phase.FAILED and st["failed"] is True and st["exit_code"] == 1
-        assert st["error"] == "not ready after 300s" and st["log_tail"][0].startswith("fake ")  # one line; the tail apart
+        assert st["error"] == "not ready after 300s" and st["log_tail"][0].startswith(
+            "fake "
+        )  # one line; the tail apart
 
 
 @pytest.mark.asyncio
@@ -415,7 +421,9 @@ async def test_a_reload_restarts_a_changed_model_once_idle_and_its_requests_wait
 
 
 @pytest.mark.asyncio
-async def test_a_reload_that_removes_a_model_lets_its_requests_finish_then_stops_it_and_ends_its_owner() -> None:
+async def test_a_reload_that_removes_a_model_lets_its_requests_finish_then_stops_it_and_ends_its_owner() -> (
+    None
+):
     """READY -> DRAINING -> STOPPING -> UNLOADED (removed: the owner ends)."""
     async with rig() as r:
         h = r.add("a")
@@ -469,7 +477,9 @@ async def test_the_peak_measured_while_up_is_the_next_loads_estimate() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_reload_applies_at_once_when_unloaded_requeues_when_queued_and_restarts_a_load_or_a_sleeper() -> None:
+async def test_a_reload_applies_at_once_when_unloaded_requeues_when_queued_and_restarts_a_load_or_a_sleeper() -> (
+    None
+):
     """UNLOADED|FAILED, QUEUED, STARTING (-> _Ready -> STOPPING), SLEEPING (-> STOPPING) on a reload."""
     async with rig(Limits(models_max=1)) as r:
         a, b = r.add("a"), r.add("b")
@@ -508,7 +518,9 @@ async def test_a_reload_applies_at_once_when_unloaded_requeues_when_queued_and_r
 
 
 @pytest.mark.asyncio
-async def test_a_request_for_a_removed_model_that_looked_it_up_before_the_reload_gets_a_404_not_a_wait() -> None:
+async def test_a_request_for_a_removed_model_that_looked_it_up_before_the_reload_gets_a_404_not_a_wait() -> (
+    None
+):
     async with rig() as r:
         h = r.add("a")
         h.reconfigure(None)

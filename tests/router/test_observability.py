@@ -25,7 +25,9 @@ GGUF16 = ROOT / "models" / "tiny-llama-f16.gguf"
 HF = ROOT / "models" / "tiny-llama"
 KEY = "obs-key"
 
-pytestmark = pytest.mark.skipif(not (GGUF.exists() and GGUF16.exists()), reason="tiny models not generated (make models)")
+pytestmark = pytest.mark.skipif(
+    not (GGUF.exists() and GGUF16.exists()), reason="tiny models not generated (make models)"
+)
 
 PRESET = f"""
 {preset_defaults(512)}
@@ -56,8 +58,9 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 def complete(r: RouterProc, model: str, n: int = 16, stream: bool = False, **extra: Any) -> httpx.Response:
     body = {"model": model, "prompt": "the quick brown fox", "max_tokens": n, "ignore_eos": True,
             "temperature": 0, "stream": stream, **extra}
-    resp = httpx.post(f"{r.base}/v1/completions", json=body, headers={**r.headers, **extra.pop("headers", {})},
-                      timeout=60)
+    resp = httpx.post(
+        f"{r.base}/v1/completions", json=body, headers={**r.headers, **extra.pop("headers", {})}, timeout=60
+    )
     assert resp.status_code == 200, resp.text
     return resp
 
@@ -104,9 +107,13 @@ def test_metrics_count_requests_tokens_a_load_and_an_eviction(router_factory: Fa
     assert value(final, "omni_router:model_state", model="a", state="unloaded") == 1.0
     assert value(final, "omni_router:model_state", model="b", state="loaded") == 1.0
     raw = httpx.get(f"{r.base}/metrics", params={"model": "b"}, headers=r.headers, timeout=10).text
-    assert "\nllamacpp:tokens_predicted_total 4\n" in raw  # ?model= is still the worker's own page (llama-server's text)
-    print(f"\nload a: {load_s:.3f}s; queue sum a: {value(after, 'omni_router:request_queue_seconds_sum', model='a'):.3f}s; "
-          f"e2e sum a (3 req): {value(after, 'omni_router:e2e_request_latency_seconds_sum', model='a'):.3f}s")
+    assert (
+        "\nllamacpp:tokens_predicted_total 4\n" in raw
+    )  # ?model= is still the worker's own page (llama-server's text)
+    print(
+        f"\nload a: {load_s:.3f}s; queue sum a: {value(after, 'omni_router:request_queue_seconds_sum', model='a'):.3f}s; "
+        f"e2e sum a (3 req): {value(after, 'omni_router:e2e_request_latency_seconds_sum', model='a'):.3f}s"
+    )
 
 
 def _events(directory: Path) -> list[dict[str, Any]]:
@@ -142,9 +149,14 @@ def test_profiling_writes_ordered_events_and_the_report_prints_the_table(router_
     assert stop.json()["workers"]["a"]["stopped"] == ["t1"]
 
     events = _events(event_dir)
-    r0 = [_ts(events, "req-0", "router", e) for e in ("received", "queued", "model_ready", "first_token", "finished")]
+    r0 = [
+        _ts(events, "req-0", "router", e)
+        for e in ("received", "queued", "model_ready", "first_token", "finished")
+    ]
     assert r0 == sorted(r0)
-    assert [e["state"] for e in events if e["event"] == "queued" and e["component"] == "router"] == ["unloaded"]
+    assert [e["state"] for e in events if e["event"] == "queued" and e["component"] == "router"] == [
+        "unloaded"
+    ]
     for rid in ids:
         rr = [_ts(events, rid, "router", e) for e in ("received", "model_ready", "first_token", "finished")]
         assert rr == sorted(rr), (rid, rr)
@@ -153,7 +165,11 @@ def test_profiling_writes_ordered_events_and_the_report_prints_the_table(router_
         assert ww == sorted(ww), (rid, ww)
         assert rr[0] <= ww[0] and ww[-1] <= rr[-1]  # the worker's part lies within the router's
         assert [e["n"] for e in events if e["request_id"] == rid and e["event"] == "tokens"] == [8, 16]
-        fin = [e for e in events if e["request_id"] == rid and e["event"] == "finished" and e["component"] == "router"]
+        fin = [
+            e
+            for e in events
+            if e["request_id"] == rid and e["event"] == "finished" and e["component"] == "router"
+        ]
         assert fin[0]["status"] == 200 and fin[0]["completion_tokens"] == 20
     n_before = len(events)
     complete(r, "a", 4)  # after the stop: nothing more is written
@@ -176,7 +192,10 @@ def test_profiling_writes_ordered_events_and_the_report_prints_the_table(router_
 def test_log_stream_delivers_worker_lines_as_written(router_factory: Factory) -> None:
     r = router_factory(PRESET, "--api-key", KEY)
     assert httpx.get(f"{r.base}/logs", params={"model": "a"}, timeout=10).status_code == 401
-    assert httpx.get(f"{r.base}/logs", params={"model": "nope"}, headers=r.headers, timeout=10).status_code == 404
+    assert (
+        httpx.get(f"{r.base}/logs", params={"model": "nope"}, headers=r.headers, timeout=10).status_code
+        == 404
+    )
     complete(r, "a", 4)
     history = httpx.get(f"{r.base}/logs", params={"model": "a"}, headers=r.headers, timeout=10).text
     assert "model loaded in" in history and "task 1 done" in history
@@ -219,21 +238,31 @@ def test_log_stream_delivers_worker_lines_as_written(router_factory: Factory) ->
 def test_metrics_count_sleeps_wakes_and_a_failed_load(router_factory: Factory, tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a model" * 100)
-    r = router_factory(PRESET + f'\n[models.bad]\nmodel = "{junk}"\nbackend = "llama_cpp"\n'
-                       + f'\n[models.s]\nmodel = "{GGUF}"\nbackend = "llama_cpp"\nctx-size = 8192\nparallel = 1\n')
+    r = router_factory(
+        PRESET
+        + f'\n[models.bad]\nmodel = "{junk}"\nbackend = "llama_cpp"\n'
+        + f'\n[models.s]\nmodel = "{GGUF}"\nbackend = "llama_cpp"\nctx-size = 8192\nparallel = 1\n'
+    )
     complete(r, "b", 2)
     assert httpx.post(f"{r.base}/models/sleep", json={"model": "b"}, timeout=10).status_code == 200
     r.wait_status("b", "sleeping")
     asleep = scrape(r)
     assert value(asleep, "omni_router:model_sleeps_total", model="b") == 1.0
     assert value(asleep, "omni_router:model_state", model="b", state="sleeping") == 1.0
-    assert ("llamacpp:tokens_predicted_total", frozenset({("model", "b")})) not in asleep  # never woken by a scrape
+    assert (
+        "llamacpp:tokens_predicted_total",
+        frozenset({("model", "b")}),
+    ) not in asleep  # never woken by a scrape
     assert r.status("b") == "sleeping"
     first_chunk, finish = threading.Event(), threading.Event()
 
     def stream_s() -> None:  # a long stream to look at the gauges while it runs
-        with httpx.stream("POST", f"{r.base}/v1/completions", timeout=60,
-                          json={"model": "s", "prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True}) as s:
+        with httpx.stream(
+            "POST",
+            f"{r.base}/v1/completions",
+            timeout=60,
+            json={"model": "s", "prompt": "x", "max_tokens": 8000, "ignore_eos": True, "stream": True},
+        ) as s:
             for line in s.iter_lines():
                 if line.startswith("data: "):
                     first_chunk.set()
@@ -249,10 +278,15 @@ def test_metrics_count_sleeps_wakes_and_a_failed_load(router_factory: Factory, t
     assert value(busy, "omni_router:requests_in_flight", model="s") == 1.0
     assert value(busy, "llamacpp:requests_processing", model="s") == 1.0
     assert value(busy, "llamacpp:n_busy_slots_per_decode", model="s") == 1.0
-    assert value(busy, "omni_router:time_to_first_token_seconds_count", model="s") == 0.0  # counted at the end
+    assert (
+        value(busy, "omni_router:time_to_first_token_seconds_count", model="s") == 0.0
+    )  # counted at the end
     wait_until(lambda: value(scrape(r), "omni_router:requests_in_flight", model="s") == 0.0, 10,
                what="the cancelled stream to end")
-    assert value(scrape(r), "omni_router:requests_total", model="s", route="/v1/completions", status="499") == 1.0
+    assert (
+        value(scrape(r), "omni_router:requests_total", model="s", route="/v1/completions", status="499")
+        == 1.0
+    )
     complete(r, "b", 2)  # wakes b
     awake = scrape(r)
     assert value(awake, "omni_router:model_wakes_total", model="b") == 1.0
@@ -260,20 +294,26 @@ def test_metrics_count_sleeps_wakes_and_a_failed_load(router_factory: Factory, t
     assert value(awake, "omni_router:model_loads_total", model="b") == 1.0  # a wake is not a load
     assert value(awake, "omni_router:requests_total", model="b", route="/v1/completions", status="200") == 2.0
 
-    resp = httpx.post(f"{r.base}/v1/completions", json={"model": "bad", "prompt": "x", "max_tokens": 1}, timeout=60)
+    resp = httpx.post(
+        f"{r.base}/v1/completions", json={"model": "bad", "prompt": "x", "max_tokens": 1}, timeout=60
+    )
     assert resp.status_code == 500  # a load that will fail again: not retryable (issue 25)
     failed = scrape(r)
     assert value(failed, "omni_router:model_loads_total", model="bad") == 1.0
     assert value(failed, "omni_router:model_load_failures_total", model="bad") == 1.0
     assert value(failed, "omni_router:model_load_seconds_count", model="bad") == 0.0
-    assert value(failed, "omni_router:requests_total", model="bad", route="/v1/completions", status="500") == 1.0
+    assert (
+        value(failed, "omni_router:requests_total", model="bad", route="/v1/completions", status="500") == 1.0
+    )
     assert value(failed, "omni_router:model_state", model="bad", state="failed") == 1.0
 
 
 def test_enable_torch_records_a_torch_profiler_trace(router_factory: Factory, tmp_path: Path) -> None:
     if not (HF / "config.json").exists():
         pytest.skip("tiny HF model not generated")
-    r = router_factory(f'[models.hf]\nmodel = "{HF}"\nbackend = "torch"\nctx-size = 256\nparallel = 1\nthreads = 1\n')
+    r = router_factory(
+        f'[models.hf]\nmodel = "{HF}"\nbackend = "torch"\nctx-size = 256\nparallel = 1\nthreads = 1\n'
+    )
     complete(r, "hf", 2)  # loaded: /start_profile reaches it at once
     body = {"run_id": "torch1", "event_dir": str(tmp_path), "enable_torch": True,
             "trace_path_template": "{event_dir}/{run_id}-{component}.trace.json"}
@@ -293,7 +333,9 @@ def test_enable_torch_records_a_torch_profiler_trace(router_factory: Factory, tm
 def test_queue_depth_while_loading_and_an_idle_stop(router_factory: Factory) -> None:
     """Fake workers (real subprocesses): a 2 s load to watch requests queue, and a server
     without the sleep contract that is stopped when idle (evicted, reason `idle`)."""
-    r = router_factory(fake_model("slow", "--load-time", "2") + fake_model("nosleep", "--no-sleep", extra="ttl = 1"))
+    r = router_factory(
+        fake_model("slow", "--load-time", "2") + fake_model("nosleep", "--no-sleep", extra="ttl = 1")
+    )
     with ThreadPoolExecutor(2) as ex:
         futures = [ex.submit(httpx.post, f"{r.base}/v1/chat/completions", json=chat("slow"), timeout=30)
                    for _ in range(2)]
@@ -308,7 +350,9 @@ def test_queue_depth_while_loading_and_an_idle_stop(router_factory: Factory) -> 
     s = scrape(r)
     assert value(s, "omni_router:requests_queued", model="slow") == 0.0
     assert value(s, "omni_router:request_queue_seconds_count", model="slow") == 2.0
-    assert value(s, "omni_router:request_queue_seconds_sum", model="slow") > 2 * 1.5  # both waited for the load
+    assert (
+        value(s, "omni_router:request_queue_seconds_sum", model="slow") > 2 * 1.5
+    )  # both waited for the load
 
     assert httpx.post(f"{r.base}/v1/chat/completions", json=chat("nosleep"), timeout=30).status_code == 200
     r.wait_status("nosleep", "unloaded", timeout=15)

@@ -23,21 +23,29 @@ def _load(tmp_path: Path, body: str) -> list[str]:
     return worker_argv(p, 1234, 1)
 
 
-@pytest.mark.parametrize(("body", "expected"), [
-    ("temp = 0.2", ["--temp", "0.2"]),
-    ("temperature = 0.2", ["--temp", "0.2"]),  # another spelling of the same flag
-    ("top-k = 20", ["--top-k", "20"]),
-    ("n = 7", ["--n-predict", "7"]),  # a short name
-    ("reasoning-format = none", ["--reasoning-format", "none"]),
-    ("cache-type-k = q8_0", ["--cache-type-k", "q8_0"]),
-    ("chat-template-file = /tmp/t.jinja", ["--chat-template-file", "/tmp/t.jinja"]),
-    ("no-slots = true", ["--no-slots"]),  # a --X/--no-X switch, off
-    ("slots = false", ["--no-slots"]),
-    ("props = true", ["--props"]),  # a plain switch
-    ("props = false", []),
-    ("LLAMA_ARG_TOP_K = 5", None),  # environment names exist only for the keys llama-server maps (not this one)
-])
-def test_a_worker_flag_in_a_preset_reaches_the_worker(tmp_path: Path, body: str, expected: list[str] | None) -> None:
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ("temp = 0.2", ["--temp", "0.2"]),
+        ("temperature = 0.2", ["--temp", "0.2"]),  # another spelling of the same flag
+        ("top-k = 20", ["--top-k", "20"]),
+        ("n = 7", ["--n-predict", "7"]),  # a short name
+        ("reasoning-format = none", ["--reasoning-format", "none"]),
+        ("cache-type-k = q8_0", ["--cache-type-k", "q8_0"]),
+        ("chat-template-file = /tmp/t.jinja", ["--chat-template-file", "/tmp/t.jinja"]),
+        ("no-slots = true", ["--no-slots"]),  # a --X/--no-X switch, off
+        ("slots = false", ["--no-slots"]),
+        ("props = true", ["--props"]),  # a plain switch
+        ("props = false", []),
+        (
+            "LLAMA_ARG_TOP_K = 5",
+            None,
+        ),  # environment names exist only for the keys llama-server maps (not this one)
+    ],
+)
+def test_a_worker_flag_in_a_preset_reaches_the_worker(
+    tmp_path: Path, body: str, expected: list[str] | None
+) -> None:
     if expected is None:
         with pytest.raises(PresetError, match="unknown key"):
             _load(tmp_path, body)

@@ -25,13 +25,23 @@ from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_heal
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
 
-TOOL = {"type": "function", "name": "get_weather", "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
-                       "additionalProperties": False}}
+TOOL = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
 
 
 def preset(event_log: Path) -> str:
-    slow = fake_cmd("--model", "slow", "--tokens", "400", "--token-delay", "0.02", "--event-log", str(event_log))
+    slow = fake_cmd(
+        "--model", "slow", "--tokens", "400", "--token-delay", "0.02", "--event-log", str(event_log)
+    )
     crash = fake_cmd("--model", "crash", "--tokens", "50", "--crash-after", "3")
     return f"""
 {preset_defaults(1024)}
@@ -71,9 +81,25 @@ class Router:
         log = (self.tmp / f"router{self.num_starts}.log").open("wb")
         self.num_starts += 1
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen([PY, "-m", "router.cli", "--preset", str(self.preset), "--port", str(self.port),
-                                 "--data-dir", str(self.data_dir), *self.args], cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                PY,
+                "-m",
+                "router.cli",
+                "--preset",
+                str(self.preset),
+                "--port",
+                str(self.port),
+                "--data-dir",
+                str(self.data_dir),
+                *self.args,
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         wait_healthy(proc, self.base, 30)
         return proc
 
@@ -105,9 +131,17 @@ def _raw(router: Router, method: str, path: str, **kw: Any) -> httpx.Response:
 
 
 def test_text_response_has_openai_shape(client: openai.OpenAI) -> None:
-    resp = client.responses.create(model="tiny", input="hello", instructions="be brief", max_output_tokens=4,
-                                   metadata={"k": "v"}, service_tier="default", temperature=0.5, top_logprobs=2,
-                                   extra_body={"repetition_penalty": 1.1, "top_k": 5})
+    resp = client.responses.create(
+        model="tiny",
+        input="hello",
+        instructions="be brief",
+        max_output_tokens=4,
+        metadata={"k": "v"},
+        service_tier="default",
+        temperature=0.5,
+        top_logprobs=2,
+        extra_body={"repetition_penalty": 1.1, "top_k": 5},
+    )
     assert resp.object == "response" and resp.id.startswith("resp_")
     assert resp.status in ("completed", "incomplete") and resp.completed_at is not None
     assert resp.model == "tiny" and resp.metadata == {"k": "v"} and resp.instructions == "be brief"
@@ -125,7 +159,9 @@ def test_text_response_has_openai_shape(client: openai.OpenAI) -> None:
 
 
 def test_max_output_tokens_gives_incomplete(client: openai.OpenAI) -> None:
-    resp = client.responses.create(model="tiny", input="hello", max_output_tokens=3, extra_body={"ignore_eos": True})
+    resp = client.responses.create(
+        model="tiny", input="hello", max_output_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert resp.status == "incomplete"
     assert resp.incomplete_details is not None and resp.incomplete_details.reason == "max_output_tokens"
     assert resp.usage is not None and resp.usage.output_tokens == 3
@@ -141,8 +177,12 @@ def test_stream_events_in_order_with_sequence_numbers(client: openai.OpenAI) -> 
     assert kinds[:2] == ["response.created", "response.in_progress"]
     assert kinds[2:4] == ["response.output_item.added", "response.content_part.added"]
     assert set(kinds[4:-4]) == {"response.output_text.delta"}
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                          "response.incomplete"]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert final.output_text == deltas and final.status == "incomplete"
 
@@ -191,7 +231,9 @@ def test_json_schema_output_validates(client: openai.OpenAI) -> None:
 
 def test_previous_response_id_replays_input_and_output(client: openai.OpenAI, router: Router) -> None:
     first = client.responses.create(model="tiny", input="one", instructions="SYS", max_output_tokens=3)
-    second = client.responses.create(model="tiny", input="two", previous_response_id=first.id, max_output_tokens=3)
+    second = client.responses.create(
+        model="tiny", input="two", previous_response_id=first.id, max_output_tokens=3
+    )
     assert second.usage is not None and first.usage is not None
     assert second.usage.input_tokens > first.usage.input_tokens
     items = client.responses.input_items.list(second.id)
@@ -208,7 +250,9 @@ def test_conversation_chains_items(client: openai.OpenAI) -> None:
     items = client.conversations.items.list(conv.id, order="asc")
     roles = [getattr(i, "role", None) for i in items.data]
     assert roles == ["user", "assistant", "user", "assistant"]
-    added = client.conversations.items.create(conv.id, items=[{"type": "message", "role": "user", "content": "x"}])
+    added = client.conversations.items.create(
+        conv.id, items=[{"type": "message", "role": "user", "content": "x"}]
+    )
     assert len(added.data) == 1
     page = client.conversations.items.list(conv.id, limit=2)
     assert len(page.data) == 2 and page.has_more and page.data[0].id == added.data[0].id
@@ -233,12 +277,17 @@ def test_retrieve_delete_and_store_false(client: openai.OpenAI) -> None:
 def test_background_poll_and_cancel_closes_the_upstream_stream(client: openai.OpenAI, router: Router) -> None:
     done = client.responses.create(model="tiny", input="hi", max_output_tokens=2, background=True)
     assert done.status == "queued" and done.background is True
-    final = wait_until(lambda: (r := client.responses.retrieve(done.id)).status not in ("queued", "in_progress") and r,
-                       30, what="background response to finish")
+    final = wait_until(
+        lambda: (r := client.responses.retrieve(done.id)).status not in ("queued", "in_progress") and r,
+        30,
+        what="background response to finish",
+    )
     assert final.status in ("completed", "incomplete") and final.output
 
     slow = client.responses.create(model="slow", input="hi", background=True)
-    wait_until(lambda: client.responses.retrieve(slow.id).output_text, 30, what="output from the slow upstream")
+    wait_until(
+        lambda: client.responses.retrieve(slow.id).output_text, 30, what="output from the slow upstream"
+    )
     with client.responses.retrieve(slow.id, stream=True, starting_after=2) as stream:  # resume, then cancel
         it = iter(stream)
         assert [next(it).sequence_number for _ in range(3)] == [3, 4, 5]
@@ -264,7 +313,12 @@ def test_background_stream(client: openai.OpenAI) -> None:
 
 def test_cmd_upstream_and_path_aliases(router: Router) -> None:
     for prefix in ("/v1", "", "/v3"):
-        r = _raw(router, "POST", f"{prefix}/responses", json={"model": "slow", "input": "hi", "max_output_tokens": 3})
+        r = _raw(
+            router,
+            "POST",
+            f"{prefix}/responses",
+            json={"model": "slow", "input": "hi", "max_output_tokens": 3},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["output_text"] == "t0 t1 t2 " and r.json()["status"] == "incomplete"
         assert _raw(router, "GET", f"{prefix}/responses/{r.json()['id']}").status_code == 200
@@ -341,7 +395,9 @@ def test_not_found_and_upstream_errors(client: openai.OpenAI, router: Router) ->
         client.responses.create(model="nope", input="hi")
     with pytest.raises(openai.NotFoundError):
         client.responses.input_items.list("resp_nope")
-    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]
+    image = [
+        {"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}
+    ]
     with pytest.raises(openai.BadRequestError):  # the text-only worker's own 400 comes back
         client.responses.create(model="tiny", input=image, max_output_tokens=2)  # type: ignore[arg-type]
 
@@ -356,7 +412,9 @@ def test_store_survives_a_router_restart(client: openai.OpenAI, router: Router) 
     again = router.client()
     assert again.responses.retrieve(resp.id).output_text == resp.output_text
     assert len(again.conversations.items.list(conv.id).data) == 1
-    chained = again.responses.create(model="tiny", input="more", previous_response_id=resp.id, max_output_tokens=2)
+    chained = again.responses.create(
+        model="tiny", input="more", previous_response_id=resp.id, max_output_tokens=2
+    )
     assert chained.status in ("completed", "incomplete")
 
 

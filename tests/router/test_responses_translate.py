@@ -25,25 +25,70 @@ TOOL_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "argument
 
 MESSAGES: list[tuple[str, list[dict[str, Any]], str | None, list[dict[str, Any]]]] = [
     ("a plain user turn", [{"role": "user", "content": "hi"}], None, [{"role": "user", "content": "hi"}]),
-    ("instructions are a system message", [{"role": "user", "content": "hi"}], "SYS",
-     [{"role": "system", "content": "SYS"}, {"role": "user", "content": "hi"}]),
-    ("developer is system, text parts join",
-     [{"role": "developer", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}],
-     None, [{"role": "system", "content": "ab"}]),
-    ("an image part becomes image_url",
-     [{"role": "user", "content": [{"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "u"}]}],
-     None, [{"role": "user", "content": [{"type": "text", "text": "see"},
-                                         {"type": "image_url", "image_url": {"url": "u", "detail": "auto"}}]}]),
-    ("a call joins the assistant turn before it",
-     [{"role": "assistant", "content": "ok"}, CALL, {"type": "function_call_output", "call_id": "c1", "output": "42"}],
-     None, [{"role": "assistant", "content": "ok", "tool_calls": [TOOL_CALL]},
-            {"role": "tool", "tool_call_id": "c1", "content": "42"}]),
-    ("a call alone is an assistant turn", [{"role": "user", "content": "q"}, CALL], None,
-     [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]}]),
-    ("reasoning goes to the next assistant turn",
-     [{"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
-      {"role": "assistant", "content": [{"type": "output_text", "text": "A"}]}],
-     None, [{"role": "assistant", "content": "A", "reasoning_content": "hmm"}]),
+    (
+        "instructions are a system message",
+        [{"role": "user", "content": "hi"}],
+        "SYS",
+        [{"role": "system", "content": "SYS"}, {"role": "user", "content": "hi"}],
+    ),
+    (
+        "developer is system, text parts join",
+        [
+            {
+                "role": "developer",
+                "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}],
+            }
+        ],
+        None,
+        [{"role": "system", "content": "ab"}],
+    ),
+    (
+        "an image part becomes image_url",
+        [
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "see"}, {"type": "input_image", "image_url": "u"}],
+            }
+        ],
+        None,
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "see"},
+                    {"type": "image_url", "image_url": {"url": "u", "detail": "auto"}},
+                ],
+            }
+        ],
+    ),
+    (
+        "a call joins the assistant turn before it",
+        [
+            {"role": "assistant", "content": "ok"},
+            CALL,
+            {"type": "function_call_output", "call_id": "c1", "output": "42"},
+        ],
+        None,
+        [
+            {"role": "assistant", "content": "ok", "tool_calls": [TOOL_CALL]},
+            {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        ],
+    ),
+    (
+        "a call alone is an assistant turn",
+        [{"role": "user", "content": "q"}, CALL],
+        None,
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [TOOL_CALL]}],
+    ),
+    (
+        "reasoning goes to the next assistant turn",
+        [
+            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "A"}]},
+        ],
+        None,
+        [{"role": "assistant", "content": "A", "reasoning_content": "hmm"}],
+    ),
 ]
 
 
@@ -73,7 +118,9 @@ BODIES: list[tuple[dict[str, Any], dict[str, Any]]] = [
 
 @pytest.mark.parametrize(("fields", "expected"), BODIES)
 def test_chat_body(fields: dict[str, Any], expected: dict[str, Any]) -> None:
-    body = chat_body(CreateResponse.model_validate({"model": "m", **fields}), "m", [{"role": "user", "content": "x"}])
+    body = chat_body(
+        CreateResponse.model_validate({"model": "m", **fields}), "m", [{"role": "user", "content": "x"}]
+    )
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert {k: body[k] for k in expected} == expected
 
@@ -107,13 +154,24 @@ def _chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **ext
 def test_builder_events_pair_up_in_order() -> None:
     b = ResponseBuilder("resp_1", {"model": "m"}, status="in_progress")
     events = b.start()
-    for c in [_chunk({"reasoning_content": "th"}), _chunk({"reasoning_content": "ink"}), _chunk({"content": "Hi"}),
-              _chunk({"tool_calls": [{"index": 0, "id": "call_a", "function": {"name": "f", "arguments": ""}}]}),
-              _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}),
-              _chunk({"tool_calls": [{"index": 1, "id": "call_b", "function": {"name": "g", "arguments": "[]"}}]}),
-              _chunk({}, "tool_calls"),
-              _chunk(None, usage={"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
-                                  "completion_tokens_details": {"reasoning_tokens": 2}})]:
+    for c in [
+        _chunk({"reasoning_content": "th"}),
+        _chunk({"reasoning_content": "ink"}),
+        _chunk({"content": "Hi"}),
+        _chunk({"tool_calls": [{"index": 0, "id": "call_a", "function": {"name": "f", "arguments": ""}}]}),
+        _chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}),
+        _chunk({"tool_calls": [{"index": 1, "id": "call_b", "function": {"name": "g", "arguments": "[]"}}]}),
+        _chunk({}, "tool_calls"),
+        _chunk(
+            None,
+            usage={
+                "prompt_tokens": 3,
+                "completion_tokens": 4,
+                "total_tokens": 7,
+                "completion_tokens_details": {"reasoning_tokens": 2},
+            },
+        ),
+    ]:
         events += b.feed(c)
     events += b.finish()
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
@@ -136,8 +194,13 @@ def test_builder_events_pair_up_in_order() -> None:
     assert snap["output"][0]["content"] == [{"type": "reasoning_text", "text": "think"}]
     assert [(o["call_id"], o["name"], o["arguments"]) for o in snap["output"][2:]] == [("call_a", "f", "{}"),
                                                                                       ("call_b", "g", "[]")]
-    assert snap["usage"] == {"input_tokens": 3, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 4,
-                             "output_tokens_details": {"reasoning_tokens": 2}, "total_tokens": 7}
+    assert snap["usage"] == {
+        "input_tokens": 3,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 4,
+        "output_tokens_details": {"reasoning_tokens": 2},
+        "total_tokens": 7,
+    }
 
 
 @pytest.mark.parametrize(("finish", "status", "reason"), [("stop", "completed", None),
@@ -168,7 +231,9 @@ def test_page(limit: int, order: str, after: str | None, ids: list[str], has_mor
     assert p["first_id"] == (ids[0] if ids else None) and p["last_id"] == (ids[-1] if ids else None)
 
 
-def _response(rid: str, prev: str | None = None, status: str = "completed", age_s: float = 0) -> dict[str, Any]:
+def _response(
+    rid: str, prev: str | None = None, status: str = "completed", age_s: float = 0
+) -> dict[str, Any]:
     return {"id": rid, "created_at": int(time.time() - age_s), "status": status, "previous_response_id": prev,
             "output": [{"id": f"out-{rid}"}]}
 

@@ -25,8 +25,10 @@ pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not gener
 
 # One slot with the whole context, on the CPU: a long stream really is long, and all of it is RAM.
 SETTINGS = "threads = 1\nparallel = 1\nctx-size = 4096\nn-gpu-layers = 0\nstop-timeout = 5\n"
-ESTIMATE = compute(ModelPreset("x", backend="llama_cpp", model=GGUF, ctx_size=4096, parallel=1, n_gpu_layers=0),
-                   has_gpu=False).ram_bytes
+ESTIMATE = compute(
+    ModelPreset("x", backend="llama_cpp", model=GGUF, ctx_size=4096, parallel=1, n_gpu_layers=0),
+    has_gpu=False,
+).ram_bytes
 
 
 def model(name: str, extra: str = "") -> str:
@@ -69,7 +71,9 @@ def test_a_ram_budget_for_two_evicts_the_lru_never_a_busy_model_and_refuses_a_mo
     budget = int(ESTIMATE * 2.2)  # two fit (charged the estimate each), a third never does
     preset = model("a") + model("b") + model("c") + model("huge", 'memory = "10GiB"')
     r = router_factory(preset, "--ram-budget", str(budget), "--models-max", "0")
-    wait_until(lambda: all(m["memory"]["estimated_bytes"] for m in r.models().values()), 10, what="the estimates")
+    wait_until(
+        lambda: all(m["memory"]["estimated_bytes"] for m in r.models().values()), 10, what="the estimates"
+    )
     assert {name: m["memory"]["estimated_bytes"] for name, m in r.models().items()} == {
         "a": ESTIMATE, "b": ESTIMATE, "c": ESTIMATE, "huge": 10 << 30}
 
@@ -122,7 +126,10 @@ def test_reload_during_a_stream_adds_restarts_once_idle_and_a_broken_preset_chan
         r.wait_status("a", "unloaded", timeout=30)  # restarted once idle...
         assert c.post("/v1/chat/completions", json=chat("a", max_tokens=2)).status_code == 200
         assert worker.pid not in [w.pid for w in r.workers()]
-        assert r.models()["a"]["status"]["args"][r.models()["a"]["status"]["args"].index("--ctx-size") + 1] == "2048"
+        assert (
+            r.models()["a"]["status"]["args"][r.models()["a"]["status"]["args"].index("--ctx-size") + 1]
+            == "2048"
+        )
         assert c.post("/v1/chat/completions", json=chat("b", max_tokens=2)).status_code == 200
 
         good = path.read_text()

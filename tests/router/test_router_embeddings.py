@@ -51,10 +51,14 @@ def test_embeddings_and_rerank_through_the_router(router_factory: Factory) -> No
         decoded = client.embeddings.create(model=model, input=TEXTS)  # base64 on the wire, decoded by the SDK
         assert floats.model == model and [d.index for d in floats.data] == [0, 1, 2]
         vectors[model] = np.array([d.embedding for d in floats.data])
-        assert np.array_equal(np.array([d.embedding for d in decoded.data], np.float32), vectors[model].astype(np.float32))
+        assert np.array_equal(
+            np.array([d.embedding for d in decoded.data], np.float32), vectors[model].astype(np.float32)
+        )
         assert floats.usage.prompt_tokens > 0
         assert "--embedding" in r.models()[model]["status"]["args"]
-    assert np.abs(vectors["embed-gguf"] - vectors["embed-hf"]).max() < 1e-4  # the twins agree through the router
+    assert (
+        np.abs(vectors["embed-gguf"] - vectors["embed-hf"]).max() < 1e-4
+    )  # the twins agree through the router
 
     with r.client(timeout=120) as c:
         native = c.post("/embedding", json={"model": "embed-gguf", "content": TEXTS[0]}).json()
@@ -65,11 +69,20 @@ def test_embeddings_and_rerank_through_the_router(router_factory: Factory) -> No
         assert body["model"] == "rerank-gguf" and len(body["results"]) == 2
         scores = [x["relevance_score"] for x in body["results"]]
         assert scores == sorted(scores, reverse=True)
-        assert c.post("/rerank", json={"model": "rerank-gguf", "query": "q", "documents": docs}).status_code == 200
+        assert (
+            c.post("/rerank", json={"model": "rerank-gguf", "query": "q", "documents": docs}).status_code
+            == 200
+        )
         # a model that does not rerank says so, in llama-server's words, through the router
         refused = c.post("/v1/rerank", json={"model": "embed-gguf", "query": "q", "documents": docs})
-        assert refused.status_code == 501 and "Set `reranking = true` in the preset" in refused.json()["error"]["message"]
-        chat = c.post("/v1/chat/completions", json={"model": "embed-hf", "messages": [{"role": "user", "content": "hi"}]})
+        assert (
+            refused.status_code == 501
+            and "Set `reranking = true` in the preset" in refused.json()["error"]["message"]
+        )
+        chat = c.post(
+            "/v1/chat/completions",
+            json={"model": "embed-hf", "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert chat.status_code == 501
 
 

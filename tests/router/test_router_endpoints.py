@@ -22,8 +22,19 @@ from router.http.form import boundary, form_field
 from tests.router.conftest import fake_model
 from tests.util import ROOT, free_port, stop_process, wait_healthy
 
-JSON_ROUTES = ["/completion", "/completions", "/infill", "/embedding", "/embeddings", "/v1/embeddings", "/rerank",
-               "/v1/rerank", "/reranking", "/v1/reranking", "/v1/images/generations"]
+JSON_ROUTES = [
+    "/completion",
+    "/completions",
+    "/infill",
+    "/embedding",
+    "/embeddings",
+    "/v1/embeddings",
+    "/rerank",
+    "/v1/rerank",
+    "/reranking",
+    "/v1/reranking",
+    "/v1/images/generations",
+]
 MULTIPART_ROUTES = ["/v1/audio/transcriptions", "/audio/transcriptions", "/v1/audio/translations"]
 
 
@@ -50,7 +61,10 @@ def _multipart(fields: dict[str, str], upload: bytes, sep: str = "XyZ-boundary")
     """A multipart body with the file part first (the router must look past it for `model`)."""
     parts = [f'--{sep}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
              "Content-Type: audio/wav\r\n\r\n".encode() + upload + b"\r\n"]
-    parts += [f'--{sep}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in fields.items()]
+    parts += [
+        f'--{sep}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+        for k, v in fields.items()
+    ]
     return b"".join(parts) + f"--{sep}--\r\n".encode(), f"multipart/form-data; boundary={sep}"
 
 
@@ -77,7 +91,9 @@ def test_multipart_uploads_route_by_the_form_model(base: str, path: str) -> None
 
 def test_multipart_without_model_is_400(base: str) -> None:
     body, content_type = _multipart({"language": "en"}, b"RIFF")
-    r = httpx.post(base + "/v1/audio/transcriptions", content=body, headers={"content-type": content_type}, timeout=30)
+    r = httpx.post(
+        base + "/v1/audio/transcriptions", content=body, headers={"content-type": content_type}, timeout=30
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
@@ -97,11 +113,22 @@ def test_streams_pass_through_unchanged(base: str) -> None:
 @pytest.mark.parametrize(
     ("content_type", "body", "expected"),
     [
-        (b'multipart/form-data; boundary="q"', b'--q\r\nContent-Disposition: form-data; name="model"\r\n\r\nm1\r\n--q--',
-         "m1"),
-        (b"multipart/form-data; boundary=q", b'--q\r\nContent-Disposition: form-data; name="x"\r\n\r\nm1\r\n--q--', None),
+        (
+            b'multipart/form-data; boundary="q"',
+            b'--q\r\nContent-Disposition: form-data; name="model"\r\n\r\nm1\r\n--q--',
+            "m1",
+        ),
+        (
+            b"multipart/form-data; boundary=q",
+            b'--q\r\nContent-Disposition: form-data; name="x"\r\n\r\nm1\r\n--q--',
+            None,
+        ),
         (b"multipart/form-data; boundary=q", b"--q--\r\n", None),
-        (b"multipart/form-data; boundary=q", b'--q\r\nContent-Disposition: form-data; name="model"\r\n\r\nm', None),
+        (
+            b"multipart/form-data; boundary=q",
+            b'--q\r\nContent-Disposition: form-data; name="model"\r\n\r\nm',
+            None,
+        ),
     ],
 )
 def test_form_field(content_type: bytes, body: bytes, expected: str | None) -> None:

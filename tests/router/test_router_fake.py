@@ -35,7 +35,9 @@ from tests.util import free_port, stop_process, wait_until
 Factory = Callable[..., RouterProc]
 
 
-def test_autoload_and_ten_concurrent_requests_spawn_one_worker(router_factory: Factory, tmp_path: Path) -> None:
+def test_autoload_and_ten_concurrent_requests_spawn_one_worker(
+    router_factory: Factory, tmp_path: Path
+) -> None:
     spawns = tmp_path / "spawns.txt"
     r = router_factory(fake_model("a", "--load-time", "1.0", "--spawn-log", str(spawns)) + fake_model("b"))
     with r.client() as c:
@@ -82,7 +84,9 @@ def test_models_max_1_alternating_never_aborts_a_running_stream(router_factory: 
         started = threading.Event()
         result: dict[str, Any] = {}
 
-        def run_stream(model: str = first, result: dict[str, Any] = result, started: threading.Event = started) -> None:
+        def run_stream(
+            model: str = first, result: dict[str, Any] = result, started: threading.Event = started
+        ) -> None:
             result["events"] = stream_chat(r, model, on_chunk=lambda n: started.set())
             result["done_at"] = time.monotonic()
 
@@ -111,7 +115,9 @@ def test_lru_picks_the_least_recently_used_idle_model(router_factory: Factory) -
     assert len(r.workers()) == 2
 
 
-def hold_stream(r: RouterProc, model: str, started: threading.Event, stop: threading.Event, out: list[str]) -> None:
+def hold_stream(
+    r: RouterProc, model: str, started: threading.Event, stop: threading.Event, out: list[str]
+) -> None:
     """Stream from `model` until `stop` is set, then leave (closing the connection)."""
     with r.client() as c, c.stream("POST", "/v1/chat/completions", json=chat(model, stream=True)) as resp:
         for line in resp.iter_lines():
@@ -299,7 +305,9 @@ def test_models_sse_props_and_openai_sdk(router_factory: Factory) -> None:
 
 def test_client_disconnect_cancels_the_upstream_stream(router_factory: Factory, tmp_path: Path) -> None:
     events = tmp_path / "events.txt"
-    r = router_factory(fake_model("a", "--tokens", "500", "--token-delay", "0.02", "--event-log", str(events)))
+    r = router_factory(
+        fake_model("a", "--tokens", "500", "--token-delay", "0.02", "--event-log", str(events))
+    )
     with r.client() as c, c.stream("POST", "/v1/chat/completions", json=chat("a", stream=True)) as resp:
         for i, _ in enumerate(resp.iter_lines()):
             if i == 4:
@@ -318,7 +326,11 @@ def test_remote_upstream_is_proxied_without_a_process(router_factory: Factory) -
         assert r.status("far") == "loaded"
         with r.client() as c:
             assert c.post("/v1/chat/completions", json=chat("far")).json()["pid"] == fake.pid
-            events = [e for e in c.post("/v1/chat/completions", json=chat("far", stream=True)).text.split("\n\n") if e]
+            events = [
+                e
+                for e in c.post("/v1/chat/completions", json=chat("far", stream=True)).text.split("\n\n")
+                if e
+            ]
             assert events[-1] == "data: [DONE]"
             assert c.post("/models/unload", json={"model": "far"}).status_code == 400
         assert r.workers() == []
@@ -349,7 +361,9 @@ def test_pinned_models_holding_every_slot_fail_a_load_fast(router_factory: Facto
 
 
 def test_a_busy_model_is_drained_so_a_queued_model_does_not_starve(router_factory: Factory) -> None:
-    r = router_factory(fake_model("a", "--tokens", "10", "--token-delay", "0.05") + fake_model("b"), "--models-max", "1")
+    r = router_factory(
+        fake_model("a", "--tokens", "10", "--token-delay", "0.05") + fake_model("b"), "--models-max", "1"
+    )
     stop = threading.Event()
     outcomes: list[str] = []
 
@@ -374,7 +388,9 @@ def test_a_busy_model_is_drained_so_a_queued_model_does_not_starve(router_factor
 def test_unload_during_load_fails_the_waiters_and_stops_the_worker(router_factory: Factory) -> None:
     r = router_factory(fake_model("a", "--load-time", "30"))
     result: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: result.update(resp=r.client().post("/v1/chat/completions", json=chat("a"))))
+    t = threading.Thread(
+        target=lambda: result.update(resp=r.client().post("/v1/chat/completions", json=chat("a")))
+    )
     t.start()
     wait_until(lambda: r.models()["a"]["status"].get("progress", {}).get("phase") == "weights", 10)
     with r.client() as c:
@@ -439,7 +455,9 @@ def test_the_httpx_upstream_path_used_for_https_remotes_proxies_too(router_facto
     assert "mid-stream" in json.loads(events[-1])["error"]["message"]
 
 
-def test_max_queue_0_blocks_no_load_bug_load_on_startup_and_models_load_did_nothing(router_factory: Factory) -> None:
+def test_max_queue_0_blocks_no_load_bug_load_on_startup_and_models_load_did_nothing(
+    router_factory: Factory,
+) -> None:
     """Bug: the `--max-queue` bound was checked for loads too. With `--max-queue 0` a
     load-on-startup model never loaded, `POST /models/load` answered success and did nothing,
     and every request got 503. The bound must limit waiting requests, never loads."""
@@ -458,7 +476,9 @@ def test_max_queue_0_blocks_no_load_bug_load_on_startup_and_models_load_did_noth
     assert r.models()["a"]["in_flight"] == 0 and r.models()["b"]["in_flight"] == 0
 
 
-def test_pinned_models_holding_every_slot_is_a_503_bug_it_was_a_crash_with_backoff(router_factory: Factory) -> None:
+def test_pinned_models_holding_every_slot_is_a_503_bug_it_was_a_crash_with_backoff(
+    router_factory: Factory,
+) -> None:
     """Bug: `SlotsFull` was raised inside the load, so the refused model turned `failed`, its
     failure count rose and backoff applied: the third request read "keeps crashing (exit code
     None)" for a worker that never started. Reproduced by asking three times for a model while
@@ -514,4 +534,6 @@ def test_models_report_the_worker_tree_memory_while_loading_and_loaded(router_fa
         assert c.post("/models/unload", json={"model": "a"}).json() == {"success": True}
     assert r.models()["b"]["memory"] == none
     after = r.models()["a"]["memory"]  # not running: nothing measured; the peak is the next estimate
-    assert after == {**none, "estimated_bytes": after["estimated_bytes"]} and after["estimated_bytes"] > 1 << 20
+    assert (
+        after == {**none, "estimated_bytes": after["estimated_bytes"]} and after["estimated_bytes"] > 1 << 20
+    )

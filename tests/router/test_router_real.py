@@ -59,15 +59,25 @@ def test_autoload_joins_one_worker_and_the_openai_sdk_works(router_factory: Fact
 
     with r.client(timeout=60) as c:  # the other proxied routes: model from the body or ?model=
         tokens = c.post("/tokenize?model=tiny-gguf", json={"content": "hello"}).json()["tokens"]
-        assert tokens and c.post("/detokenize", json={"model": "tiny-gguf", "tokens": tokens}).status_code == 200
-        assert c.post("/v1/completions", json={"model": "tiny-gguf", "prompt": "a", "max_tokens": 2}).status_code == 200
+        assert (
+            tokens and c.post("/detokenize", json={"model": "tiny-gguf", "tokens": tokens}).status_code == 200
+        )
+        assert (
+            c.post("/v1/completions", json={"model": "tiny-gguf", "prompt": "a", "max_tokens": 2}).status_code
+            == 200
+        )
         assert c.get("/props", params={"model": "tiny-gguf"}).json().get("role") != "router"
         assert c.get("/slots", params={"model": "tiny-gguf"}).status_code == 200
     client = openai.OpenAI(base_url=f"{r.base}/v1", api_key="unused")
-    out = client.chat.completions.create(model="tiny-gguf", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    out = client.chat.completions.create(
+        model="tiny-gguf", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+    )
     assert out.usage is not None and out.usage.completion_tokens == 5
-    chunks = list(client.chat.completions.create(model="tiny-gguf", messages=[{"role": "user", "content": "hi"}],
-                                                 max_tokens=5, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-gguf", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+        )
+    )
     assert chunks[-1].choices[0].finish_reason == "length"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
@@ -79,8 +89,12 @@ def test_models_max_1_alternating_real_models_never_aborts_a_stream(router_facto
         started = threading.Event()
         result: dict[str, Any] = {}
 
-        def run(model: str = first, result: dict[str, Any] = result, started: threading.Event = started) -> None:
-            result["events"] = stream_chat(r, model, on_chunk=lambda n: started.set(), timeout=60, max_tokens=40, ignore_eos=True)
+        def run(
+            model: str = first, result: dict[str, Any] = result, started: threading.Event = started
+        ) -> None:
+            result["events"] = stream_chat(
+                r, model, on_chunk=lambda n: started.set(), timeout=60, max_tokens=40, ignore_eos=True
+            )
             result["done_at"] = time.monotonic()
 
         t = threading.Thread(target=run)
@@ -93,7 +107,9 @@ def test_models_max_1_alternating_real_models_never_aborts_a_stream(router_facto
         assert resp.status_code == 200, resp.text
         events = result["events"]
         assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
-        finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]]
+        finish = [
+            json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]
+        ]
         assert finish[-1] == "length" and answered_at >= result["done_at"]
         assert r.status(second) == "loaded" and r.status(first) == "unloaded"
         assert len(r.workers()) == 1
@@ -164,8 +180,10 @@ def test_lru_victim_queue_full_and_api_key_with_real_workers(router_factory: Fac
     # Both slots busy with long streams: one b request waits (the LRU busy model is drained),
     # the next finds the queue full.
     streams = [r.client(timeout=60, headers=auth) for _ in range(2)]
-    responses = [s.stream("POST", "/v1/chat/completions", json=chat(m, stream=True, max_tokens=4000, ignore_eos=True))
-                 for s, m in zip(streams, ("a", "c"), strict=True)]
+    responses = [
+        s.stream("POST", "/v1/chat/completions", json=chat(m, stream=True, max_tokens=4000, ignore_eos=True))
+        for s, m in zip(streams, ("a", "c"), strict=True)
+    ]
     opened = [cm.__enter__() for cm in responses]
     for resp in opened:
         next(resp.iter_lines())
@@ -186,7 +204,9 @@ def test_lru_victim_queue_full_and_api_key_with_real_workers(router_factory: Fac
     t.join(60)
     assert waiting["code"] == 200
     client = openai.OpenAI(base_url=f"{r.base}/v1", api_key="sekret")
-    assert client.chat.completions.create(model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert client.chat.completions.create(
+        model="b", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{r.base}/v1", api_key="wrong").models.list()
 
@@ -198,7 +218,9 @@ def test_a_model_that_fails_to_load_is_failed_with_the_workers_exit_code(router_
     r = router_factory(f'[models.bad]\nmodel = "{bad}"\nbackend = "llama_cpp"\n')
     with r.client(timeout=60) as c:
         resp = c.post("/v1/chat/completions", json=chat("bad"))
-    assert resp.status_code == 500 and "failed to load" in resp.json()["error"]["message"]  # permanent: not a 503
+    assert (
+        resp.status_code == 500 and "failed to load" in resp.json()["error"]["message"]
+    )  # permanent: not a 503
     status = r.models()["bad"]["status"]
     assert (status["value"], status["failed"], status["exit_code"]) == ("failed", True, 1)
     assert any("bad.gguf" in line for line in status["log_tail"])
@@ -215,7 +237,9 @@ def test_llama_cpp_readme_preset_serves(router_factory: Factory) -> None:
             res = c.post("/v1/chat/completions", json=chat(name, max_tokens=4))
             assert res.status_code == 200, res.text
     args = r.models()["ggml-org/MY-MODEL-GGUF:Q8_0"]["status"]["args"]
-    assert args[args.index("--ctx-size") + 1] == "4096" and args[args.index("--chat-template") + 1] == "chatml"
+    assert (
+        args[args.index("--ctx-size") + 1] == "4096" and args[args.index("--chat-template") + 1] == "chatml"
+    )
     assert "--jinja" in args and args[args.index("--cache-ram") + 1] == "0"
     with r.client(timeout=60) as c:  # llama-server's token count, routed by the body's model
         body = {"model": "custom_model", "messages": [{"role": "user", "content": "Hello world"}]}
@@ -227,7 +251,12 @@ def test_slot_files_through_the_router(router_factory: Factory, tmp_path: Path) 
     r = router_factory(f'[models.tiny]\nmodel = "{GGUF}"\nctx-size = 512\nparallel = 1\nthreads = 1\n'
                        f'slot-save-path = "{tmp_path}"\n')
     with r.client(timeout=60) as c:
-        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "hello there", "max_tokens": 2}).status_code == 200
+        assert (
+            c.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "hello there", "max_tokens": 2}
+            ).status_code
+            == 200
+        )
         saved = c.post("/slots/0", params={"action": "save", "model": "tiny"}, json={"filename": "s0.bin"})
         assert saved.status_code == 200 and saved.json()["n_saved"] > 0, saved.text
         assert (tmp_path / "s0.bin").exists()
@@ -237,5 +266,7 @@ def test_slot_files_through_the_router(router_factory: Factory, tmp_path: Path) 
         bad = c.post("/slots/0?action=save&model=tiny", json={"filename": "../x.bin"})
         assert bad.status_code == 400 and "error" in bad.json()
         assert c.post("/slots/0?action=save&model=nope", json={"filename": "a"}).status_code == 404
-        odd = c.post("/slots/%C2%96m?action=save&model=tiny", json={"filename": "a"})  # forwarded still encoded
+        odd = c.post(
+            "/slots/%C2%96m?action=save&model=tiny", json={"filename": "a"}
+        )  # forwarded still encoded
         assert odd.status_code == 400 and odd.headers["content-type"].startswith("application/json"), odd.text

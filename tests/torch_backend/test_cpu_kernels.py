@@ -64,7 +64,9 @@ def test_silu_mul(kern: Kernels, rows: int, width: int, dtype: torch.dtype) -> N
 @DTYPES
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize(("h", "kvh", "d", "t"), [(12, 4, 64, 5), (8, 8, 32, 1), (4, 2, 128, 200)])
-def test_rope_store(kern: Kernels, qk_norm: bool, h: int, kvh: int, d: int, t: int, dtype: torch.dtype) -> None:
+def test_rope_store(
+    kern: Kernels, qk_norm: bool, h: int, kvh: int, d: int, t: int, dtype: torch.dtype
+) -> None:
     g = rng(h * d + t)
 
     def randn(*shape: int) -> torch.Tensor:
@@ -95,8 +97,13 @@ def test_rope_store(kern: Kernels, qk_norm: bool, h: int, kvh: int, d: int, t: i
 
 
 def reference_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, row_seq: torch.Tensor,
-    row_pos: torch.Tensor, window: int | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    row_seq: torch.Tensor,
+    row_pos: torch.Tensor,
+    window: int | None,
 ) -> torch.Tensor:
     """Row by row: the row's table entries 0..p gathered, SDPA under the window (float32)."""
     t, n_heads, d = q.shape
@@ -139,7 +146,17 @@ def attention_case(
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(
     ("h", "kvh", "d"),
-    [(4, 4, 64), (4, 2, 16), (12, 4, 64), (8, 2, 128), (10, 2, 32), (14, 2, 64), (32, 4, 64), (24, 2, 32), (6, 2, 80)],
+    [
+        (4, 4, 64),
+        (4, 2, 16),
+        (12, 4, 64),
+        (8, 2, 128),
+        (10, 2, 32),
+        (14, 2, 64),
+        (32, 4, 64),
+        (24, 2, 32),
+        (6, 2, 80),
+    ],
     ids=lambda v: str(v),
 )  # groups 1, 2, 3, 4, 5, 7, 8 and 12; head size 80: a partial output chunk
 def test_attention(kern: Kernels, h: int, kvh: int, d: int, window: int | None, dtype: torch.dtype) -> None:
@@ -161,17 +178,35 @@ def test_attention_rows_are_batch_invariant(kern: Kernels, window: int | None, d
     kern.attn(out, qkv, h, kvh, d, k_cache, v_cache, tables, row_seq, row_pos, window, 2)
     for t in range(len(row_seq)):
         one = torch.empty(1, h * d, dtype=dtype)
-        kern.attn(one, qkv[t : t + 1], h, kvh, d, k_cache, v_cache, tables, row_seq[t : t + 1], row_pos[t : t + 1], window, 1)
+        kern.attn(
+            one,
+            qkv[t : t + 1],
+            h,
+            kvh,
+            d,
+            k_cache,
+            v_cache,
+            tables,
+            row_seq[t : t + 1],
+            row_pos[t : t + 1],
+            window,
+            1,
+        )
         assert torch.equal(one[0], out[t]), t
     order = torch.randperm(len(row_seq), generator=rng(4))
     shuffled = torch.empty_like(out)
-    kern.attn(shuffled, qkv[order], h, kvh, d, k_cache, v_cache, tables, row_seq[order], row_pos[order], window, 2)
+    kern.attn(
+        shuffled, qkv[order], h, kvh, d, k_cache, v_cache, tables, row_seq[order], row_pos[order], window, 2
+    )
     assert torch.equal(shuffled, out[order])
     # Seq 0's cells copied to new cells (what a restored state reads).
     n = k_cache.shape[0]
     moved = tables.clone()
     moved[0, :70] = torch.arange(n, n + 70)
-    k_cache, v_cache = torch.cat([k_cache, k_cache[tables[0, :70]]]), torch.cat([v_cache, v_cache[tables[0, :70]]])
+    k_cache, v_cache = (
+        torch.cat([k_cache, k_cache[tables[0, :70]]]),
+        torch.cat([v_cache, v_cache[tables[0, :70]]]),
+    )
     again = torch.empty_like(out)
     kern.attn(again, qkv.clone(), h, kvh, d, k_cache, v_cache, moved, row_seq, row_pos, window, 2)
     assert torch.equal(again, out)
@@ -186,7 +221,9 @@ def test_attention_long_keys_one_thread(kern: Kernels) -> None:
     qkv = torch.randn(2, 8 * 64, generator=g) * 4  # peaky scores: the softmax max matters
     out = torch.empty(2, 4 * 64)
     kern.attn(out, qkv, 4, 2, 64, k_cache, v_cache, tables, row_seq, row_pos, None, 1)
-    want = reference_attention(qkv[:, : 4 * 64].view(2, 4, 64), k_cache, v_cache, tables, row_seq, row_pos, None)
+    want = reference_attention(
+        qkv[:, : 4 * 64].view(2, 4, 64), k_cache, v_cache, tables, row_seq, row_pos, None
+    )
     torch.testing.assert_close(out, want, atol=TOL, rtol=1e-5)
 
 

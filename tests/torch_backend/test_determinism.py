@@ -176,7 +176,9 @@ def test_recipe_is_exact_only_where_rows_are_invariant(
 def test_sample_takes_decode_rows_and_saved_rows_together(tiny_models: ModelPaths) -> None:
     backend = new_backend(tiny_models.hf_dir)
     greedy = SamplingParams(temperature=0.0)
-    backend.decode([BatchEntry(0, random_tokens(6, seed=6), 0, True), BatchEntry(1, random_tokens(9, seed=7), 0, True)])
+    backend.decode(
+        [BatchEntry(0, random_tokens(6, seed=6), 0, True), BatchEntry(1, random_tokens(9, seed=7), 0, True)]
+    )
     saved = backend.logits_row(1)
     assert saved.dtype == np.float32 and saved.shape == (backend.meta.n_vocab,)
     saved_copy = saved.copy()

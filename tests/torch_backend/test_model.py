@@ -32,7 +32,13 @@ def new_backend(
     kv_unified: bool = False,
 ) -> TorchBackend:
     backend = TorchBackend(
-        str(path), n_ctx=n_ctx, n_slots=n_slots, kv_unified=kv_unified, n_batch=128, device="cpu", dtype=dtype,
+        str(path),
+        n_ctx=n_ctx,
+        n_slots=n_slots,
+        kv_unified=kv_unified,
+        n_batch=128,
+        device="cpu",
+        dtype=dtype,
         cpu_kernels=kernels,
     )
     # The fused CPU kernels must really build here (CI has a C compiler), or half of the
@@ -57,7 +63,9 @@ def test_prompt_logits_match_transformers(
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cpu_prepacked_weights_match_plain_linear(dtype: str, hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
+def test_cpu_prepacked_weights_match_plain_linear(
+    dtype: str, hf_family: Callable[[str], tuple[Path, HFModel]]
+) -> None:
     """The parity tests above run prepacked (the CPU default); plain F.linear must agree."""
     if not can_prepack(torch.device("cpu"), getattr(torch, dtype)):
         pytest.skip(f"oneDNN has no {dtype} matmul on this CPU")
@@ -65,12 +73,20 @@ def test_cpu_prepacked_weights_match_plain_linear(dtype: str, hf_family: Callabl
     prompt = random_tokens(30, seed=3)
     logits = []
     for prepack in (True, False):
-        backend = TorchBackend(str(path), n_ctx=256, n_slots=4, n_batch=128, device="cpu", dtype=dtype, prepack=prepack)
+        backend = TorchBackend(
+            str(path), n_ctx=256, n_slots=4, n_batch=128, device="cpu", dtype=dtype, prepack=prepack
+        )
         model = backend._require_model()
         assert model.prepacked is prepack
         assert all(w.is_mkldnn is prepack for layer in model.layers for w in layer.w.values())
-        assert backend.decode([BatchEntry(0, prompt[:20], 0, True), BatchEntry(1, prompt, 0, True)]) is DecodeStatus.OK
-        assert backend.decode([BatchEntry(0, prompt[20:21], 20, True), BatchEntry(1, prompt[:1], 30, True)]) is DecodeStatus.OK
+        assert (
+            backend.decode([BatchEntry(0, prompt[:20], 0, True), BatchEntry(1, prompt, 0, True)])
+            is DecodeStatus.OK
+        )
+        assert (
+            backend.decode([BatchEntry(0, prompt[20:21], 20, True), BatchEntry(1, prompt[:1], 30, True)])
+            is DecodeStatus.OK
+        )
         logits.append(backend._logits.clone())
     tol = TOL if dtype == "float32" else 0.05
     torch.testing.assert_close(logits[0], logits[1], atol=tol, rtol=0)
@@ -86,8 +102,16 @@ def test_bfloat16_cpu_kernels_as_close_as_torch_ops(
     seqs = [random_tokens(20, seed=40 + s) for s in range(3)]
     steps = [
         [BatchEntry(0, seqs[0][:12], 0, True), BatchEntry(1, seqs[1][:5], 0, True)],
-        [BatchEntry(0, seqs[0][12:13], 12, True), BatchEntry(1, seqs[1][5:14], 5, True), BatchEntry(2, seqs[2], 0, True)],
-        [BatchEntry(0, seqs[0][13:14], 13, True), BatchEntry(1, seqs[1][14:15], 14, True), BatchEntry(2, [7], 20, True)],
+        [
+            BatchEntry(0, seqs[0][12:13], 12, True),
+            BatchEntry(1, seqs[1][5:14], 5, True),
+            BatchEntry(2, seqs[2], 0, True),
+        ],
+        [
+            BatchEntry(0, seqs[0][13:14], 13, True),
+            BatchEntry(1, seqs[1][14:15], 14, True),
+            BatchEntry(2, [7], 20, True),
+        ],
     ]
 
     def run(dtype: str, kernels: bool) -> torch.Tensor:
@@ -106,7 +130,9 @@ def test_bfloat16_cpu_kernels_as_close_as_torch_ops(
 
 
 def test_float16_on_a_cpu_without_onednn_fp16_runs_unpacked(tiny_models: ModelPaths) -> None:
-    backend = TorchBackend(str(tiny_models.hf_dir), n_ctx=64, n_slots=2, n_batch=32, device="cpu", dtype="float16")
+    backend = TorchBackend(
+        str(tiny_models.hf_dir), n_ctx=64, n_slots=2, n_batch=32, device="cpu", dtype="float16"
+    )
     assert backend._require_model().prepacked is can_prepack(torch.device("cpu"), torch.float16)
     assert backend.decode([BatchEntry(0, random_tokens(5, seed=4), 0, True)]) is DecodeStatus.OK
     assert torch.isfinite(backend._logits).all()
@@ -140,12 +166,19 @@ def test_mixed_batches_of_three_sequences_match(
     # Prefix reuse: keep 8 positions of seq 1 and continue it with different tokens.
     backend.seq_rm(1, 8)
     new_tail = random_tokens(6, seed=99)
-    assert backend.decode([BatchEntry(1, new_tail, 8, True), BatchEntry(0, seqs[0][14:15], 14, True)]) is DecodeStatus.OK
-    torch.testing.assert_close(backend._logits[0], hf_logits(hf, seqs[1][:8] + new_tail)[-1], atol=TOL, rtol=0)
+    assert (
+        backend.decode([BatchEntry(1, new_tail, 8, True), BatchEntry(0, seqs[0][14:15], 14, True)])
+        is DecodeStatus.OK
+    )
+    torch.testing.assert_close(
+        backend._logits[0], hf_logits(hf, seqs[1][:8] + new_tail)[-1], atol=TOL, rtol=0
+    )
     torch.testing.assert_close(backend._logits[1], refs[0][14], atol=TOL, rtol=0)
 
 
-def test_whole_pool_mask_path_matches_with_shared_cells(hf_family: Callable[[str], tuple[Path, HFModel]]) -> None:
+def test_whole_pool_mask_path_matches_with_shared_cells(
+    hf_family: Callable[[str], tuple[Path, HFModel]],
+) -> None:
     """The CUDA-graph attention form (whole pool under a sequence-bitmask mask, no gather) on the
     CPU, where sequences 1 and 3 share seq 0's first 6 cells (seq_cp) and then diverge."""
     import numpy as np
@@ -275,7 +308,9 @@ def replay(backend: TorchBackend, prompts: list[list[int]], steps: list[list[int
     out.append(backend._logits.float().cpu())
     pos = [len(p) for p in prompts]
     for toks in steps:
-        assert backend.decode([BatchEntry(i, [t], pos[i], True) for i, t in enumerate(toks)]) is DecodeStatus.OK
+        assert (
+            backend.decode([BatchEntry(i, [t], pos[i], True) for i, t in enumerate(toks)]) is DecodeStatus.OK
+        )
         out.append(backend._logits.float().cpu())
         pos = [p + 1 for p in pos]
     return out
@@ -291,7 +326,9 @@ def test_cuda_eager_and_graphs_match_cpu(tiny_models: ModelPaths) -> None:
     steps = [[t[k] for t in tokens] for k in range(11)]
     ref = replay(cpu, prompts, steps)
     for compile in (False, True):
-        gpu = TorchBackend(path, n_ctx=256, n_slots=4, n_batch=64, device="cuda", dtype="float32", compile=compile)
+        gpu = TorchBackend(
+            path, n_ctx=256, n_slots=4, n_batch=64, device="cuda", dtype="float32", compile=compile
+        )
         for got, want in zip(replay(gpu, prompts, steps), ref, strict=True):
             torch.testing.assert_close(got, want, atol=1e-3, rtol=0)
         gpu.sleep()

@@ -18,7 +18,9 @@ def logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, V, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-def draw(x: torch.Tensor, params: list[SamplingParams], seed: int = 7, masks: list[np.ndarray | None] | None = None) -> list[int]:
+def draw(
+    x: torch.Tensor, params: list[SamplingParams], seed: int = 7, masks: list[np.ndarray | None] | None = None
+) -> list[int]:
     states = [new_state(p, seed + i, n_ctx=128) for i, p in enumerate(params)]
     return [d.token for d in sample_rows(x, states, params, masks or [None] * len(params))]
 
@@ -59,7 +61,9 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
 def test_sampling_follows_the_softmax_distribution() -> None:
     x = torch.tensor([[0.0, 1.0, 2.0] + [-1e9] * (V - 3)])
     state = new_state(SAMPLED, 5, 128)
-    counts = np.bincount([sample_rows(x, [state], [SAMPLED], [None])[0].token for _ in range(3000)], minlength=3)
+    counts = np.bincount(
+        [sample_rows(x, [state], [SAMPLED], [None])[0].token for _ in range(3000)], minlength=3
+    )
     expected = torch.softmax(torch.tensor([0.0, 1.0, 2.0]), 0).numpy()
     assert np.allclose(counts[:3] / 3000, expected, atol=0.03)
 

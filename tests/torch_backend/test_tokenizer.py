@@ -61,7 +61,9 @@ def test_sentencepiece_style_pieces(tmp_path: Path) -> None:
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.add_special_tokens(["<s>", "</s>"])
     tok.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+    )
     hf = HFTokenizer(tmp_path)
     assert (hf.token_to_piece(5), hf.token_to_piece(3), hf.token_to_piece(4)) == (b" hello", b"\n", b"\xe2")
     assert hf.token_to_piece(2) == b"</s>" and hf.is_eog(2)

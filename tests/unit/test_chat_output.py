@@ -53,7 +53,11 @@ CASES: list[tuple[ChatOutputConfig, str, ParsedMessage]] = [
     (THINKS, "<think>\n\n</think>\n\nb", msg("b")),
     (THINKS, "x <think>a</think>", msg("x <think>a</think>")),
     (THINKS, "<think>unterminated", msg("", "unterminated")),
-    (THINKS_TOOLS, "<think>Need the weather.</think>\n\nChecking. " + F, msg("Checking.", "Need the weather.", ("f", '{"a": 1}'))),
+    (
+        THINKS_TOOLS,
+        "<think>Need the weather.</think>\n\nChecking. " + F,
+        msg("Checking.", "Need the weather.", ("f", '{"a": 1}')),
+    ),
     (THINKS_TOOLS, "<think>maybe " + F + "</think>ok", msg("ok", "maybe " + F)),
     (THINKS_TOOLS, "<think>r</think>\n<tool_call>{bad", msg("<tool_call>{bad", "r")),
     (THINKS_TOOLS, "<think>r</think>" + F + "<tool_call>{", msg(F + "<tool_call>{", "r")),

@@ -47,7 +47,9 @@ def test_the_twins_tokenizer_and_template_are_the_originals(twin: Path, tiny_mod
         a.chat_template, a.bos_token_id, a.eos_token_id, a.add_bos, a.eog_ids)
 
 
-def test_an_unsupported_tokenizer_pre_is_an_error_not_a_guess(tiny_models: ModelPaths, tmp_path: Path) -> None:
+def test_an_unsupported_tokenizer_pre_is_an_error_not_a_guess(
+    tiny_models: ModelPaths, tmp_path: Path
+) -> None:
     from worker.testing.gguf_to_hf import GGUFModel, hf_tokenizer_json, read_gguf
 
     model = read_gguf(tiny_models.gguf_f32)

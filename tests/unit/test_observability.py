@@ -36,15 +36,33 @@ def _run(trace: RequestTrace, chunks: list[bytes]) -> None:
     trace.end()
 
 
-@pytest.mark.parametrize(("chunks", "prompt", "completion"), [
-    ([b'{"usage":{"prompt_tokens":7,"completion_tokens":16,"total_tokens":23}}'], 7, 16),
-    ([b'data: {"choices":[{"text":"a"}]}\n\n',  # a stream without usage: llama-server timings per choice
-      b'data: {"timings":{"cache_n":2,"prompt_n":5,"predicted_n":9}}\n\n',
-      b'data: {"timings":{"cache_n":2,"prompt_n":0,"predicted_n":4}}\n\n'], 9, 13),
-    ([b'data: {"choices":[]}\n\n', b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n'], 3, 2),
-    ([b'{"content":"no counts here"}'], None, None),
-])
-def test_trace_counts_tokens_from_the_response(chunks: list[bytes], prompt: int | None, completion: int | None) -> None:
+@pytest.mark.parametrize(
+    ("chunks", "prompt", "completion"),
+    [
+        ([b'{"usage":{"prompt_tokens":7,"completion_tokens":16,"total_tokens":23}}'], 7, 16),
+        (
+            [
+                b'data: {"choices":[{"text":"a"}]}\n\n',  # a stream without usage: llama-server timings per choice
+                b'data: {"timings":{"cache_n":2,"prompt_n":5,"predicted_n":9}}\n\n',
+                b'data: {"timings":{"cache_n":2,"prompt_n":0,"predicted_n":4}}\n\n',
+            ],
+            9,
+            13,
+        ),
+        (
+            [
+                b'data: {"choices":[]}\n\n',
+                b'data: {"usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n',
+            ],
+            3,
+            2,
+        ),
+        ([b'{"content":"no counts here"}'], None, None),
+    ],
+)
+def test_trace_counts_tokens_from_the_response(
+    chunks: list[bytes], prompt: int | None, completion: int | None
+) -> None:
     t = RequestTrace("r1", "m", "/v1/completions")
     _run(t, chunks)
     assert (t.prompt_tokens, t.completion_tokens) == (prompt, completion)
@@ -57,7 +75,9 @@ def test_trace_counts_tokens_from_the_response(chunks: list[bytes], prompt: int 
     ([(b"x-request-id", b"x" * 200)], None),
     ([], None),
 ])
-def test_request_id_takes_a_sane_client_id_or_makes_one(headers: list[tuple[bytes, bytes]], expected: str | None) -> None:
+def test_request_id_takes_a_sane_client_id_or_makes_one(
+    headers: list[tuple[bytes, bytes]], expected: str | None
+) -> None:
     rid = request_id(headers)
     assert rid == expected if expected else (len(rid) > 8 and rid != request_id(headers))
 
@@ -74,23 +94,43 @@ def test_request_line_is_logfmt() -> None:
 
 
 def _ev(ts: float, event: str, component: str = "router", rid: str = "r", **kw: Any) -> dict[str, Any]:
-    return {"ts": ts, "event": event, "component": component, "request_id": rid, "pid": 1, "run_id": "x", **kw}
+    return {
+        "ts": ts,
+        "event": event,
+        "component": component,
+        "request_id": rid,
+        "pid": 1,
+        "run_id": "x",
+        **kw,
+    }
 
 
 def test_report_splits_a_request_into_stages() -> None:
     w = "worker-m"
     events = [
-        _ev(0.0, "received", model="m"), _ev(0.1, "queued", state="unloaded"), _ev(2.1, "model_ready"),
-        _ev(2.2, "received", w), _ev(2.2, "queued", w), _ev(2.3, "slot_assigned", w), _ev(2.5, "prefill_done", w),
-        _ev(2.5, "first_token", w), _ev(3.5, "finished", w), _ev(2.6, "first_token"), _ev(3.6, "finished", status=200),
+        _ev(0.0, "received", model="m"),
+        _ev(0.1, "queued", state="unloaded"),
+        _ev(2.1, "model_ready"),
+        _ev(2.2, "received", w),
+        _ev(2.2, "queued", w),
+        _ev(2.3, "slot_assigned", w),
+        _ev(2.5, "prefill_done", w),
+        _ev(2.5, "first_token", w),
+        _ev(3.5, "finished", w),
+        _ev(2.6, "first_token"),
+        _ev(3.6, "finished", status=200),
         # a second request: waited for a slot of a loaded model (queue, not load)
-        _ev(5.0, "received", rid="q", model="m"), _ev(5.0, "queued", rid="q", state="loaded"),
-        _ev(5.4, "model_ready", rid="q"), _ev(5.5, "finished", rid="q", status=200),
+        _ev(5.0, "received", rid="q", model="m"),
+        _ev(5.0, "queued", rid="q", state="loaded"),
+        _ev(5.4, "model_ready", rid="q"),
+        _ev(5.5, "finished", rid="q", status=200),
     ]
     tls = timelines(reversed(events))
     assert [t.request_id for t in tls] == ["r", "q"]
     s = tls[0].stages()
-    assert s == pytest.approx({"load": 2.0, "queue": 0.1, "prefill": 0.2, "decode": 1.0, "ttft": 2.6, "total": 3.6})
+    assert s == pytest.approx(
+        {"load": 2.0, "queue": 0.1, "prefill": 0.2, "decode": 1.0, "ttft": 2.6, "total": 3.6}
+    )
     assert tls[1].stages() == pytest.approx({"queue": 0.4, "total": 0.5})
     assert summary(tls)["queue"] == pytest.approx([0.1, 0.4])
     out = io.StringIO()
@@ -158,6 +198,14 @@ def test_generation_trace_events_per_task(tmp_path: Path) -> None:
     for e in (json.loads(line) for line in path.read_text().splitlines()):
         assert e["request_id"] == "rid" and e["component"] == "worker-m"
         by_task.setdefault(e["index"], []).append(e["event"])
-    assert by_task[0] == ["queued", "slot_assigned", "prefill_done", "first_token", "tokens", "tokens", "finished"]
+    assert by_task[0] == [
+        "queued",
+        "slot_assigned",
+        "prefill_done",
+        "first_token",
+        "tokens",
+        "tokens",
+        "finished",
+    ]
     assert by_task[1] == ["queued", "slot_assigned", "prefill_done", "first_token", "finished"]
     assert by_task[2] == ["queued", "slot_assigned", "first_token", "cancelled"]

@@ -75,7 +75,12 @@ def test_common_prefix_len_matches_a_plain_loop_for_lists_and_tuples() -> None:
     for _ in range(2000):
         a = [rng.randint(0, 3) for _ in range(rng.randint(0, 400))]
         b = a[: rng.randint(0, len(a))] + [rng.randint(0, 3) for _ in range(rng.randint(0, 400))]
-        assert common_prefix_len(a, b) == common_prefix_len(tuple(a), b) == common_prefix_len(b, a) == plain(a, b)
+        assert (
+            common_prefix_len(a, b)
+            == common_prefix_len(tuple(a), b)
+            == common_prefix_len(b, a)
+            == plain(a, b)
+        )
 
 
 def test_a_pinned_entry_survives_eviction_until_unpinned() -> None:

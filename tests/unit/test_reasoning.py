@@ -110,7 +110,9 @@ def test_trimmed_stream(pieces: list[str], expected: list[str]) -> None:
 
 
 @pytest.mark.parametrize(("text", "markers", "starts_inside", "reasoning", "content"), CASES)
-def test_split(text: str, markers: ReasoningMarkers, starts_inside: bool, reasoning: str | None, content: str) -> None:
+def test_split(
+    text: str, markers: ReasoningMarkers, starts_inside: bool, reasoning: str | None, content: str
+) -> None:
     assert split_reasoning(text, markers, starts_inside=starts_inside) == (reasoning, content)
 
 

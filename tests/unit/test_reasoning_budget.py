@@ -38,8 +38,9 @@ def run(budget: int, pieces: list[str], *, starts_inside: bool = False) -> list[
     # budget 0, block opened by the output: closed right after the start marker
     (0, ["<think>", "a", "b", "c"], False, 1),
 ])
-def test_the_end_marker_is_forced_once_the_budget_is_spent(budget: int, pieces: list[str], starts_inside: bool,
-                                                         forced_at: int | None) -> None:
+def test_the_end_marker_is_forced_once_the_budget_is_spent(
+    budget: int, pieces: list[str], starts_inside: bool, forced_at: int | None
+) -> None:
     out = run(budget, pieces, starts_inside=starts_inside)
     if forced_at is None:
         assert out == [SAMPLED] * len(pieces)

@@ -52,7 +52,9 @@ def hermes(name: str, args: str | None = None, *, key: str = "arguments") -> str
     return f"<tool_call>\n{body}\n</tool_call>"
 
 
-NESTED = '{"q": "a {b} [c] \\"d\\" }", "n": {"x": [1, {"y": null}], "z": -1.5e3}, "u": "héllo 世界 \\u00e9 \\\\"}'
+NESTED = (
+    '{"q": "a {b} [c] \\"d\\" }", "n": {"x": [1, {"y": null}], "z": -1.5e3}, "u": "héllo 世界 \\u00e9 \\\\"}'
+)
 WEATHER = '{"city": "Paris", "unit": "celsius"}'
 
 # (format, text, parallel, content, calls). Malformed cases: content is the whole text, stripped.
@@ -64,36 +66,127 @@ CASES: list[tuple[ToolFormat, str, bool, str, list[tuple[str, str]]]] = [
     (H, hermes("get_weather", WEATHER), True, "", [call("get_weather", WEATHER)]),
     (H, hermes("f", NESTED), True, "", [call("f", NESTED)]),
     (H, hermes("f"), True, "", [call("f", "{}")]),
-    (H, hermes("f", "{ \n \"a\" :  1 ,\"b\":[ ]\n}"), True, "", [call("f", "{ \n \"a\" :  1 ,\"b\":[ ]\n}")]),
-    (H, '<tool_call>{"arguments": {"a": "}"}, "name": "late"}</tool_call>', True, "", [call("late", '{"a": "}"}')]),
-    (H, '<tool_call>{"name": "f", "id": "x", "meta": [1, {"k": "}"}], "n": 3.5, "t": true, "arguments": {}, '
-        '"z": null}</tool_call>', True, "", [call("f", "{}")]),
+    (H, hermes("f", '{ \n "a" :  1 ,"b":[ ]\n}'), True, "", [call("f", '{ \n "a" :  1 ,"b":[ ]\n}')]),
+    (
+        H,
+        '<tool_call>{"arguments": {"a": "}"}, "name": "late"}</tool_call>',
+        True,
+        "",
+        [call("late", '{"a": "}"}')],
+    ),
+    (
+        H,
+        '<tool_call>{"name": "f", "id": "x", "meta": [1, {"k": "}"}], "n": 3.5, "t": true, "arguments": {}, '
+        '"z": null}</tool_call>',
+        True,
+        "",
+        [call("f", "{}")],
+    ),
     (H, '<tool_call>{"name": "f\\u00e9\\"q", "arguments": {}}</tool_call>', True, "", [call('fé"q', "{}")]),
-    (H, "Let me check.\n" + hermes("get_weather", WEATHER), True, "Let me check.", [call("get_weather", WEATHER)]),
-    (H, hermes("a", '{"x": 1}') + "\n" + hermes("b", '{"y": 2}'), True, "", [call("a", '{"x": 1}'), call("b", '{"y": 2}')]),
+    (
+        H,
+        "Let me check.\n" + hermes("get_weather", WEATHER),
+        True,
+        "Let me check.",
+        [call("get_weather", WEATHER)],
+    ),
+    (
+        H,
+        hermes("a", '{"x": 1}') + "\n" + hermes("b", '{"y": 2}'),
+        True,
+        "",
+        [call("a", '{"x": 1}'), call("b", '{"y": 2}')],
+    ),
     (H, hermes("a", '{"x": 1}') + "\n" + hermes("b", '{"y": 2}'), False, "", [call("a", '{"x": 1}')]),
-    (H, "A " + hermes("a", "{}") + " B " + hermes("b", "{}") + " C\n", True, "A  B  C", [call("a", "{}"), call("b", "{}")]),
+    (
+        H,
+        "A " + hermes("a", "{}") + " B " + hermes("b", "{}") + " C\n",
+        True,
+        "A  B  C",
+        [call("a", "{}"), call("b", "{}")],
+    ),
     (H, "Text </tool_call> and <tool", True, "Text </tool_call> and <tool", []),
     # hermes, malformed: all content
-    (H, '<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>', True,
-     '<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>', []),
-    (H, 'Hi <tool_call>\n{"name": "f", "arguments": {}}\n', True, 'Hi <tool_call>\n{"name": "f", "arguments": {}}', []),
-    (H, 'Hi <tool_call>\n{"name": "f", "arguments": {"a": "b', True, 'Hi <tool_call>\n{"name": "f", "arguments": {"a": "b', []),
+    (
+        H,
+        '<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>',
+        True,
+        '<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>',
+        [],
+    ),
+    (
+        H,
+        'Hi <tool_call>\n{"name": "f", "arguments": {}}\n',
+        True,
+        'Hi <tool_call>\n{"name": "f", "arguments": {}}',
+        [],
+    ),
+    (
+        H,
+        'Hi <tool_call>\n{"name": "f", "arguments": {"a": "b',
+        True,
+        'Hi <tool_call>\n{"name": "f", "arguments": {"a": "b',
+        [],
+    ),
     (H, "<tool_call>", True, "<tool_call>", []),
     (H, '<tool_call>{"arguments": {}}</tool_call>', True, '<tool_call>{"arguments": {}}</tool_call>', []),
-    (H, '<tool_call>{"name": 3, "arguments": {}}</tool_call>', True, '<tool_call>{"name": 3, "arguments": {}}</tool_call>', []),
-    (H, '<tool_call>{"name": "", "arguments": {}}</tool_call>', True, '<tool_call>{"name": "", "arguments": {}}</tool_call>', []),
-    (H, '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>', True,
-     '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>', []),
-    (H, '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', True,
-     '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
-    (H, '<tool_call>{"name": "f", "arguments": {}} oops</tool_call>', True,
-     '<tool_call>{"name": "f", "arguments": {}} oops</tool_call>', []),
-    (H, '<tool_call>{"name": "f", "name": "g"}</tool_call>', True, '<tool_call>{"name": "f", "name": "g"}</tool_call>', []),
+    (
+        H,
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        True,
+        '<tool_call>{"name": 3, "arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        H,
+        '<tool_call>{"name": "", "arguments": {}}</tool_call>',
+        True,
+        '<tool_call>{"name": "", "arguments": {}}</tool_call>',
+        [],
+    ),
+    (
+        H,
+        '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>',
+        True,
+        '<tool_call>{"name": "f", "arguments": "{}"}</tool_call>',
+        [],
+    ),
+    (
+        H,
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+        True,
+        '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
+        [],
+    ),
+    (
+        H,
+        '<tool_call>{"name": "f", "arguments": {}} oops</tool_call>',
+        True,
+        '<tool_call>{"name": "f", "arguments": {}} oops</tool_call>',
+        [],
+    ),
+    (
+        H,
+        '<tool_call>{"name": "f", "name": "g"}</tool_call>',
+        True,
+        '<tool_call>{"name": "f", "name": "g"}</tool_call>',
+        [],
+    ),
     (H, '<tool_call>{"name": "f",}</tool_call>', True, '<tool_call>{"name": "f",}</tool_call>', []),
-    (H, '<tool_call>{"name": "f", "x": tru}</tool_call>', True, '<tool_call>{"name": "f", "x": tru}</tool_call>', []),
-    (H, 'ok ' + hermes("a", "{}") + ' <tool_call>{"name": "b", "arguments": {', True,
-     'ok ' + hermes("a", "{}") + ' <tool_call>{"name": "b", "arguments": {', []),
+    (
+        H,
+        '<tool_call>{"name": "f", "x": tru}</tool_call>',
+        True,
+        '<tool_call>{"name": "f", "x": tru}</tool_call>',
+        [],
+    ),
+    (
+        H,
+        "ok " + hermes("a", "{}") + ' <tool_call>{"name": "b", "arguments": {',
+        True,
+        "ok " + hermes("a", "{}") + ' <tool_call>{"name": "b", "arguments": {',
+        [],
+    ),
     (H, '<tool_call>[{"name": "f"}]</tool_call>', True, '<tool_call>[{"name": "f"}]</tool_call>', []),
     # ---- llama3
     (L, "The answer is 4.", True, "The answer is 4.", []),
@@ -101,8 +194,13 @@ CASES: list[tuple[ToolFormat, str, bool, str, list[tuple[str, str]]]] = [
     (L, '{"name": "get_weather", "parameters": ' + WEATHER + "}", True, "", [call("get_weather", WEATHER)]),
     (L, '\n {"name": "f", "arguments": ' + NESTED + "}\n", True, "", [call("f", NESTED)]),
     (L, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', True, "", [call("f", '{"a": 1}')]),
-    (L, '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": ";"}};', True, "",
-     [call("a", "{}"), call("b", '{"x": ";"}')]),
+    (
+        L,
+        '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": ";"}};',
+        True,
+        "",
+        [call("a", "{}"), call("b", '{"x": ";"}')],
+    ),
     (L, '{"name": "a", "parameters": {}}\n{"name": "b"}', True, "", [call("a", "{}"), call("b", "{}")]),
     (L, '{"name": "a", "parameters": {}}\n{"name": "b"}', False, "", [call("a", "{}")]),
     (L, "<|python", True, "<|python", []),
@@ -112,29 +210,76 @@ CASES: list[tuple[ToolFormat, str, bool, str, list[tuple[str, str]]]] = [
     (L, '{"name": "f", "parameters": {}} thanks', True, '{"name": "f", "parameters": {}} thanks', []),
     (L, '<|python_tag|>brave_search.call(query="x")', True, '<|python_tag|>brave_search.call(query="x")', []),
     (L, '{"name": "f", "parameters": 3}', True, '{"name": "f", "parameters": 3}', []),
-    (L, '{"name": "f", "arguments": {}, "parameters": {}}', True, '{"name": "f", "arguments": {}, "parameters": {}}', []),
+    (
+        L,
+        '{"name": "f", "arguments": {}, "parameters": {}}',
+        True,
+        '{"name": "f", "arguments": {}, "parameters": {}}',
+        [],
+    ),
     # ---- mistral
     (M, "Bonjour.", True, "Bonjour.", []),
-    (M, '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + WEATHER + "}]", True, "", [call("get_weather", WEATHER)]),
-    (M, 'Checking. [TOOL_CALLS] [ {"name": "a", "arguments": {"x": "]"}} , {"name": "b", "arguments": '
-        + NESTED + "} ]\n", True, "Checking.", [call("a", '{"x": "]"}'), call("b", NESTED)]),
-    (M, '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]', False, "", [call("a", "{}")]),
+    (
+        M,
+        '[TOOL_CALLS][{"name": "get_weather", "arguments": ' + WEATHER + "}]",
+        True,
+        "",
+        [call("get_weather", WEATHER)],
+    ),
+    (
+        M,
+        'Checking. [TOOL_CALLS] [ {"name": "a", "arguments": {"x": "]"}} , {"name": "b", "arguments": '
+        + NESTED
+        + "} ]\n",
+        True,
+        "Checking.",
+        [call("a", '{"x": "]"}'), call("b", NESTED)],
+    ),
+    (
+        M,
+        '[TOOL_CALLS][{"name": "a", "arguments": {}}, {"name": "b", "arguments": {}}]',
+        False,
+        "",
+        [call("a", "{}")],
+    ),
     (M, "[TOOL_CALLS]get_weather[ARGS]" + WEATHER, True, "", [call("get_weather", WEATHER)]),
-    (M, "Sure [TOOL_CALLS] f.x-1 [ARGS] " + NESTED + "\n[TOOL_CALLS]g[ARGS]{}", True, "Sure",
-     [call("f.x-1", NESTED), call("g", "{}")]),
-    (M, '[TOOL_CALLS]a[ARGS]{"k": 1}[TOOL_CALLS][{"name": "b", "arguments": {}}]', True, "",
-     [call("a", '{"k": 1}'), call("b", "{}")]),
+    (
+        M,
+        "Sure [TOOL_CALLS] f.x-1 [ARGS] " + NESTED + "\n[TOOL_CALLS]g[ARGS]{}",
+        True,
+        "Sure",
+        [call("f.x-1", NESTED), call("g", "{}")],
+    ),
+    (
+        M,
+        '[TOOL_CALLS]a[ARGS]{"k": 1}[TOOL_CALLS][{"name": "b", "arguments": {}}]',
+        True,
+        "",
+        [call("a", '{"k": 1}'), call("b", "{}")],
+    ),
     (M, "[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{}", False, "", [call("a", "{}")]),
     (M, "Use [TOOL_CALL", True, "Use [TOOL_CALL", []),
     # mistral, malformed: all content
-    (M, '[TOOL_CALLS][{"name": "a", "arguments": {}},]', True, '[TOOL_CALLS][{"name": "a", "arguments": {}},]', []),
+    (
+        M,
+        '[TOOL_CALLS][{"name": "a", "arguments": {}},]',
+        True,
+        '[TOOL_CALLS][{"name": "a", "arguments": {}},]',
+        [],
+    ),
     (M, "[TOOL_CALLS][]", True, "[TOOL_CALLS][]", []),
     (M, "[TOOL_CALLS]get_weather{}", True, "[TOOL_CALLS]get_weather{}", []),
     (M, "[TOOL_CALLS]get weather[ARGS]{}", True, "[TOOL_CALLS]get weather[ARGS]{}", []),
     (M, "[TOOL_CALLS][ARGS]{}", True, "[TOOL_CALLS][ARGS]{}", []),
     (M, "[TOOL_CALLS]f[ARGS][1]", True, "[TOOL_CALLS]f[ARGS][1]", []),
     (M, "[TOOL_CALLS]f[ARGS]{} and more", True, "[TOOL_CALLS]f[ARGS]{} and more", []),
-    (M, '[TOOL_CALLS][{"name": "a", "arguments": {}}] done', True, '[TOOL_CALLS][{"name": "a", "arguments": {}}] done', []),
+    (
+        M,
+        '[TOOL_CALLS][{"name": "a", "arguments": {}}] done',
+        True,
+        '[TOOL_CALLS][{"name": "a", "arguments": {}}] done',
+        [],
+    ),
     (M, '[TOOL_CALLS]f[ARGS]{"a": 1', True, '[TOOL_CALLS]f[ARGS]{"a": 1', []),
 ]
 
@@ -169,7 +314,9 @@ def test_tool_call_equality_ignores_id() -> None:
 
 
 @pytest.mark.parametrize(("fmt", "text", "parallel", "content", "calls"), CASES, ids=IDS)
-def test_parse(fmt: ToolFormat, text: str, parallel: bool, content: str, calls: list[tuple[str, str]]) -> None:
+def test_parse(
+    fmt: ToolFormat, text: str, parallel: bool, content: str, calls: list[tuple[str, str]]
+) -> None:
     got_content, got_calls = parse_tool_calls(fmt, text, parallel=parallel)
     assert (got_content, [(c.name, c.arguments) for c in got_calls]) == (content, calls)
 

@@ -81,9 +81,21 @@ backend = "llama_cpp"
     port = free_port()
     log_path = tmp / "router.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port), "--api-key", API_KEY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "router.cli",
+        "--preset",
+        str(preset),
+        "--port",
+        str(port),
+        "--api-key",
+        API_KEY,
+    ]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     r = Router(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         wait_healthy(proc, r.base, 30, lambda: r.log()[-3000:])

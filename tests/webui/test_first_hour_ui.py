@@ -49,19 +49,35 @@ cmd = "{fake_cmd('--model', 'slow', '--load-time', '4')}"
     port = free_port()
     log_path = tmp / "router.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port), "--api-key", API_KEY]
+    cmd = [
+        sys.executable,
+        "-m",
+        "router.cli",
+        "--preset",
+        str(preset),
+        "--port",
+        str(port),
+        "--api-key",
+        API_KEY,
+    ]
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     r = Router(proc, f"http://127.0.0.1:{port}", log_path)
     try:
         wait_healthy(proc, r.base, 30, lambda: r.log()[-3000:])
-        wait_until(lambda: r.models()["tiny"]["status"]["value"] == "loaded", 60, what="tiny loaded at startup")
+        wait_until(
+            lambda: r.models()["tiny"]["status"]["value"] == "loaded", 60, what="tiny loaded at startup"
+        )
         yield r
     finally:
         stop_process(proc)
 
 
-def test_a_wrong_api_key_is_said_so_in_the_dialog_bug_it_stayed_open_silently(page: Page, router: Router) -> None:
+def test_a_wrong_api_key_is_said_so_in_the_dialog_bug_it_stayed_open_silently(
+    page: Page, router: Router
+) -> None:
     page.goto(router.base)
     dialog = page.locator("#apikey-dialog")
     expect(dialog).to_be_visible()

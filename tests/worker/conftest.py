@@ -105,8 +105,19 @@ def worker_process(
 ) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     """A private worker process (for lifecycle tests that signal or break it)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "worker.server.cli", "--model", str(model), "--port", str(port), "--threads", "1",
-           "--metrics", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "worker.server.cli",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--threads",
+        "1",
+        "--metrics",
+        *args,
+    ]
     log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in finally)
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -89,7 +89,10 @@ def test_a_burst_with_a_common_prefix_evaluates_it_once(default_worker: tuple[st
     prefix = random_prompts(2, (200,))[0]
     suffixes = random_prompts(3, (8,) * N_SLOTS)
     prompts = [prefix + s for s in suffixes]
-    evaluated, shared = metric(url, "omni:prompt_rows_evaluated_total"), metric(url, "omni:prompt_rows_shared_total")
+    evaluated, shared = (
+        metric(url, "omni:prompt_rows_evaluated_total"),
+        metric(url, "omni:prompt_rows_shared_total"),
+    )
     burst = one_request(url, prompts)
     evaluated = metric(url, "omni:prompt_rows_evaluated_total") - evaluated
     shared = metric(url, "omni:prompt_rows_shared_total") - shared

@@ -64,7 +64,9 @@ RERANKERS = [(b, m) for m in ("llama", "qwen3-reranker") for b in BACKENDS]
 
 
 @pytest.fixture(scope="module", params=RERANKERS, ids=[f"{b}-{m}" for b, m in RERANKERS])
-def reranker(request: pytest.FixtureRequest, tiny_models: ModelPaths, tiny_reranker: ModelPaths) -> Iterator[str]:
+def reranker(
+    request: pytest.FixtureRequest, tiny_models: ModelPaths, tiny_reranker: ModelPaths
+) -> Iterator[str]:
     backend, kind = request.param
     yield from _start(backend, tiny_models if kind == "llama" else tiny_reranker, "--reranking")
 
@@ -107,9 +109,13 @@ def test_openai_sdk_float_and_base64(embed: str) -> None:
     a = np.array([d.embedding for d in floats.data])
     assert a.shape == (len(TEXTS), 64)
     np.testing.assert_allclose(np.linalg.norm(a, axis=1), 1.0, atol=1e-6)  # L2 by default, as llama-server
-    decoded = [np.frombuffer(base64.b64decode(str(d.embedding)), "<f4") for d in b64.data]  # asked for: left encoded
+    decoded = [
+        np.frombuffer(base64.b64decode(str(d.embedding)), "<f4") for d in b64.data
+    ]  # asked for: left encoded
     assert np.array_equal(np.array(decoded), a.astype(np.float32))
-    assert np.array_equal(np.array([d.embedding for d in default.data], dtype=np.float32), a.astype(np.float32))
+    assert np.array_equal(
+        np.array([d.embedding for d in default.data], dtype=np.float32), a.astype(np.float32)
+    )
     n_tokens = sum(len(_tokens(embed, t)) for t in TEXTS)
     assert floats.usage.prompt_tokens == floats.usage.total_tokens == n_tokens
     raw = _post(embed, "/v1/embeddings", {"input": "a", "encoding_format": "base64"}).json()["data"][0]
@@ -125,8 +131,12 @@ def test_native_shapes_and_normalization(embed: str) -> None:
     assert all(len(x["embedding"]) == 1 and len(x["embedding"][0]) == 64 for x in body)  # one pooled vector
     native = np.array([x["embedding"][0] for x in body])
     assert np.array_equal(native, _vectors(embed, TEXTS[:2]))
-    assert r.json() == _post(embed, "/embeddings", {"input": TEXTS[:2]}).json()  # llama-server: /embeddings is native
-    raw = np.array(_post(embed, "/embedding", {"content": TEXTS[0], "embd_normalize": -1}).json()[0]["embedding"][0])
+    assert (
+        r.json() == _post(embed, "/embeddings", {"input": TEXTS[:2]}).json()
+    )  # llama-server: /embeddings is native
+    raw = np.array(
+        _post(embed, "/embedding", {"content": TEXTS[0], "embd_normalize": -1}).json()[0]["embedding"][0]
+    )
     np.testing.assert_allclose(raw / np.linalg.norm(raw), native[0], atol=1e-6)
     taxicab = np.array(_vectors(embed, TEXTS[0], embd_normalize=1)[0])
     np.testing.assert_allclose(np.abs(taxicab).sum(), 1.0, atol=1e-5)
@@ -146,8 +156,12 @@ def test_object_inputs_as_llama_server_takes(embed: str) -> None:
     hello = _vectors(embed, "hello world")
     parts = {"content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "world"}]}
     assert np.array_equal(_vectors(embed, parts), hello)
-    assert np.array_equal(_vectors(embed, ["a", {"prompt_string": "hello world"}, parts])[1:], np.vstack([hello, hello]))
-    r = _post(embed, "/v1/embeddings", {"input": {"content": [{"type": "image_url", "image_url": {"url": "x"}}]}})
+    assert np.array_equal(
+        _vectors(embed, ["a", {"prompt_string": "hello world"}, parts])[1:], np.vstack([hello, hello])
+    )
+    r = _post(
+        embed, "/v1/embeddings", {"input": {"content": [{"type": "image_url", "image_url": {"url": "x"}}]}}
+    )
     assert r.status_code == 400 and "not supported by this model" in r.json()["error"]["message"]
 
 
@@ -159,8 +173,12 @@ def test_same_vector_alone_or_batched(embed: str) -> None:
     batched = _vectors(embed, [*TEXTS[1:], TEXTS[0], *same_length], embd_normalize=-1)[len(TEXTS) - 1]
     diff = float(np.abs(batched - alone).max())
     print(f"alone vs batched: max abs diff {diff:.3g}")
-    assert diff == 0.0  # torch on the CPU: batch-invariant rows; llama.cpp: mean-pooled sequences never share a call
-    one = _vectors(embed, [[42]], embd_normalize=-1)[0]  # one-token inputs: llama.cpp's one-row kernel either way
+    assert (
+        diff == 0.0
+    )  # torch on the CPU: batch-invariant rows; llama.cpp: mean-pooled sequences never share a call
+    one = _vectors(embed, [[42]], embd_normalize=-1)[
+        0
+    ]  # one-token inputs: llama.cpp's one-row kernel either way
     assert np.array_equal(_vectors(embed, [[42], [43], [44], TEXTS[1]], embd_normalize=-1)[0], one)
 
 
@@ -173,7 +191,9 @@ def test_inputs_of_one_request_share_engine_steps(embed: str) -> None:
 
     steps = _metric(embed, "llamacpp:n_decode_total")
     with ThreadPoolExecutor(8) as ex:  # concurrent requests: whatever waits at a step shares it
-        codes = list(ex.map(lambda i: _post(embed, "/v1/embeddings", {"input": [i + 1] * 120}).status_code, range(8)))
+        codes = list(
+            ex.map(lambda i: _post(embed, "/v1/embeddings", {"input": [i + 1] * 120}).status_code, range(8))
+        )
     assert codes == [200] * 8
     n_steps = _metric(embed, "llamacpp:n_decode_total") - steps
     print(f"8 concurrent one-input requests: {n_steps:.0f} engine steps")  # timing: not asserted
@@ -190,8 +210,19 @@ def test_separate_requests_share_an_engine_step(backend: str, tiny_models: Model
     from worker.engine.task import EmbeddingEvent, Task
     from worker.server.embeddings import _PARAMS
 
-    options = BackendOptions(n_ctx=1024, n_slots=N_SLOTS, n_batch=125, n_ubatch=125, threads=1, cache_type_k="f32",
-                             cache_type_v="f32", flash_attn="off", dtype="float32", embedding=True, pooling="mean")
+    options = BackendOptions(
+        n_ctx=1024,
+        n_slots=N_SLOTS,
+        n_batch=125,
+        n_ubatch=125,
+        threads=1,
+        cache_type_k="f32",
+        cache_type_v="f32",
+        flash_attn="off",
+        dtype="float32",
+        embedding=True,
+        pooling="mean",
+    )
     model = _args(backend, tiny_models)[0]
     metrics = WorkerMetrics()
     engine = Engine(lambda progress: load_backend(backend, str(model), options, progress), N_SLOTS, metrics)  # type: ignore[arg-type]
@@ -219,7 +250,9 @@ def test_gguf_and_hf_twins_agree(tiny_models: ModelPaths) -> None:
     for pooling in ("mean", "last", "cls"):
         out = []
         for backend in BACKENDS:
-            for url in _start(backend, tiny_models, "--embedding", "--pooling", pooling, "--ubatch-size", "128"):
+            for url in _start(
+                backend, tiny_models, "--embedding", "--pooling", pooling, "--ubatch-size", "128"
+            ):
                 inputs: list[object] = [*TEXTS, long_input] if pooling == "last" else list(TEXTS)
                 steps = _metric(url, "llamacpp:n_decode_total")
                 out.append(_vectors(url, inputs))
@@ -239,7 +272,10 @@ def test_pooling_none_gives_token_vectors(tiny_models: ModelPaths) -> None:
         rows = _post(url, "/embedding", {"content": TEXTS[0]}).json()[0]["embedding"]
         assert len(rows) == n and all(len(r) == 64 for r in rows)
         r = _post(url, "/v1/embeddings", {"input": TEXTS[0]})
-        assert r.status_code == 400 and "Pooling type 'none' is not OAI compatible" in r.json()["error"]["message"]
+        assert (
+            r.status_code == 400
+            and "Pooling type 'none' is not OAI compatible" in r.json()["error"]["message"]
+        )
 
 
 @pytest.mark.parametrize(
@@ -264,7 +300,11 @@ def test_bad_requests(embed: str, body: dict[str, object], status: int, needle: 
     err = r.json()["error"]
     assert needle in err["message"]
     if status == 400 and "context size" in needle:
-        assert err["type"] == "exceed_context_size_error" and err["n_ctx"] == 256 and err["n_prompt_tokens"] == 300
+        assert (
+            err["type"] == "exceed_context_size_error"
+            and err["n_ctx"] == 256
+            and err["n_prompt_tokens"] == 300
+        )
 
 
 def test_an_embedding_worker_does_not_generate(embed: str) -> None:
@@ -272,7 +312,10 @@ def test_an_embedding_worker_does_not_generate(embed: str) -> None:
                        ("/v1/completions", {"prompt": "hi"}), ("/completion", {"prompt": "hi"})]:
         r = _post(embed, path, body)
         assert r.status_code == 501
-        assert r.json()["error"]["message"] == "This server does not support completions. Start it without `--embeddings`"
+        assert (
+            r.json()["error"]["message"]
+            == "This server does not support completions. Start it without `--embeddings`"
+        )
     r = _post(embed, "/rerank", {"query": "a", "documents": ["b"]})
     assert r.status_code == 501 and "Start it with `--reranking`" in r.json()["error"]["message"]
     assert _post(embed, "/tokenize", {"content": "hi"}).status_code == 200
@@ -297,7 +340,9 @@ def test_a_generating_worker_has_no_embeddings(tiny_models: ModelPaths) -> None:
         (["--rerank", "--pooling", "mean"], "--rerank pools with rank"),
     ],
 )
-def test_cli_refuses_pooling_it_cannot_honour(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_pooling_it_cannot_honour(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as exc:
         worker_main(["-m", "models/tiny-llama-f32.gguf", *argv])
     assert exc.value.code == 2
@@ -327,7 +372,9 @@ def test_rerank_scores_are_the_rank_pooled_prompt(reranker: str) -> None:
     assert body["object"] == "list" and body["model"] == "m"
     results = body["results"]
     assert sorted(x["index"] for x in results) == list(range(len(DOCS)))
-    assert [x["relevance_score"] for x in results] == sorted((x["relevance_score"] for x in results), reverse=True)
+    assert [x["relevance_score"] for x in results] == sorted(
+        (x["relevance_score"] for x in results), reverse=True
+    )
     is_qwen = _is_qwen3_reranker(reranker)
     q = _post(reranker, "/tokenize", {"content": QUERY, "parse_special": False}).json()["tokens"]
     n_tokens = 0
@@ -337,9 +384,13 @@ def test_rerank_scores_are_the_rank_pooled_prompt(reranker: str) -> None:
             text = QWEN3_RERANK_TEMPLATE.replace("{query}", QUERY).replace("{document}", doc)
             prompt = _post(reranker, "/tokenize", {"content": text, "parse_special": True}).json()["tokens"]
         else:
-            prompt = q + _post(reranker, "/tokenize", {"content": doc, "parse_special": False}).json()["tokens"]
+            prompt = (
+                q + _post(reranker, "/tokenize", {"content": doc, "parse_special": False}).json()["tokens"]
+            )
         n_tokens += len(prompt)
-        direct = _post(reranker, "/embedding", {"content": prompt, "embd_normalize": -1}).json()[0]["embedding"]
+        direct = _post(reranker, "/embedding", {"content": prompt, "embd_normalize": -1}).json()[0][
+            "embedding"
+        ]
         assert len(direct) == 1 and len(direct[0]) == (2 if is_qwen else 1)
         assert direct[0][0] == pytest.approx(x["relevance_score"], abs=1e-6)
         if is_qwen:
@@ -363,9 +414,16 @@ def test_rerank_top_n_documents_aliases_and_tei(reranker: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "body", [{"documents": ["a"]}, {"query": 1, "documents": ["a"]}, {"query": "q", "documents": []},
-             {"query": "q", "documents": None}, {"query": "q", "documents": 123}, {"query": "q", "documents": [1, 2]},
-             {"query": "q", "documents": ["a"], "top_n": -1}],
+    "body",
+    [
+        {"documents": ["a"]},
+        {"query": 1, "documents": ["a"]},
+        {"query": "q", "documents": []},
+        {"query": "q", "documents": None},
+        {"query": "q", "documents": 123},
+        {"query": "q", "documents": [1, 2]},
+        {"query": "q", "documents": ["a"], "top_n": -1},
+    ],
 )
 def test_rerank_bad_requests(reranker: str, body: dict[str, object]) -> None:
     r = _post(reranker, "/rerank", body)
@@ -373,12 +431,16 @@ def test_rerank_bad_requests(reranker: str, body: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3-reranker"])
-def test_rerank_gguf_and_hf_twins_agree(kind: str, tiny_models: ModelPaths, tiny_reranker: ModelPaths) -> None:
+def test_rerank_gguf_and_hf_twins_agree(
+    kind: str, tiny_models: ModelPaths, tiny_reranker: ModelPaths
+) -> None:
     require_backend("torch")
     out = []
     for backend in BACKENDS:
         for url in _start(backend, tiny_models if kind == "llama" else tiny_reranker, "--reranking"):
             out.append(np.array(_scores(url)))
     diff = float(np.abs(out[0] - out[1]).max())
-    print(f"rerank scores ({kind}): GGUF vs HF max abs diff {diff:.3g}; scores {np.round(out[0], 4).tolist()}")
+    print(
+        f"rerank scores ({kind}): GGUF vs HF max abs diff {diff:.3g}; scores {np.round(out[0], 4).tolist()}"
+    )
     assert diff < 1e-4

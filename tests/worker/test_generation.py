@@ -115,8 +115,11 @@ def test_stop_string_across_token_boundary(worker: Worker) -> None:
     data = complete(worker, prompt, stop=[stop], max_tokens=24)
     assert data["choices"][0]["text"] == expected
     assert data["choices"][0]["finish_reason"] == "stop"
-    deltas, _ = stream_texts(worker, "/v1/completions",
-                             {"prompt": prompt, "temperature": 0, "max_tokens": 24, "ignore_eos": True, "stop": stop})
+    deltas, _ = stream_texts(
+        worker,
+        "/v1/completions",
+        {"prompt": prompt, "temperature": 0, "max_tokens": 24, "ignore_eos": True, "stop": stop},
+    )
     # No delta ever carried the beginning of the stop string: the stream is exactly the prefix.
     assert "".join(deltas) == expected
 

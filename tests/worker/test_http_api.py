@@ -27,10 +27,17 @@ MSG = [{"role": "user", "content": "hi"}]
         (CHAT, {"messages": []}, "messages"),
         (CHAT, {}, "messages"),
         (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-         "messages"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages",
+        ),
         (CHAT, {"messages": MSG, "stop": [1, 2]}, "stop"),
-        (CHAT, {"messages": MSG, "logit_bias": [[1]]}, "logit_bias"),  # a text key is tokenized (llama-server)
+        (
+            CHAT,
+            {"messages": MSG, "logit_bias": [[1]]},
+            "logit_bias",
+        ),  # a text key is tokenized (llama-server)
         (COMPLETIONS, {"prompt": "x", "max_tokens": -3}, "max_tokens"),
         (COMPLETIONS, {"prompt": "x", "top_p": 2}, "top_p"),
         (COMPLETIONS, {"prompt": "x", "n": -1}, "n"),
@@ -108,7 +115,9 @@ def test_health_props_models_slots(worker: Worker) -> None:
     assert "<|im_start|>" in props["chat_template"]
     slots = worker.get("/slots").json()
     assert [s["id"] for s in slots] == list(range(N_SLOTS))
-    assert {"n_ctx", "is_processing", "id_task", "n_decoded"} <= set(slots[0]) and "params" not in slots[0]  # idle
+    assert {"n_ctx", "is_processing", "id_task", "n_decoded"} <= set(slots[0]) and "params" not in slots[
+        0
+    ]  # idle
     assert worker.get("/v1/models").json()["data"][0]["object"] == "model"
 
 
@@ -134,6 +143,12 @@ def test_detokenize_writes_control_tokens_as_llama_server_does(worker: Worker) -
 def test_metrics(worker: Worker) -> None:
     worker.post(COMPLETIONS, {"prompt": "metrics", "max_tokens": 2})
     text = worker.get("/metrics").text
-    for name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total", "llamacpp:prompt_seconds_total",
-                 "llamacpp:requests_processing", "llamacpp:requests_deferred", "llamacpp:n_busy_slots_per_decode"):
+    for name in (
+        "llamacpp:prompt_tokens_total",
+        "llamacpp:tokens_predicted_total",
+        "llamacpp:prompt_seconds_total",
+        "llamacpp:requests_processing",
+        "llamacpp:requests_deferred",
+        "llamacpp:n_busy_slots_per_decode",
+    ):
         assert name in text

@@ -100,7 +100,10 @@ def test_full_kv_cache_preempts_instead_of_failing(tiny_models: ModelPaths) -> N
     args = ("--parallel", "4", "--ctx-size", "256", "--kv-unified", *EXACT_GGUF_ARGS)
     with worker_process(tiny_models.gguf_f32, *args) as (_, url):
         prompts = [f"request number {i} wants room" for i in range(4)]
-        solo = [_complete(url, prompt=p, max_tokens=100, cache_prompt=False)["choices"][0]["text"] for p in prompts]
+        solo = [
+            _complete(url, prompt=p, max_tokens=100, cache_prompt=False)["choices"][0]["text"]
+            for p in prompts
+        ]
         # One request with four prompts: all four tasks reach the engine at once.
         together = _complete(url, prompt=prompts, max_tokens=100, cache_prompt=False)
         assert [c["text"] for c in together["choices"]] == solo

@@ -22,10 +22,48 @@ from worker.testing.tiny_models import ModelPaths
 KEY = "s3cret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 LLAMA_SERVER_FLAGS = [
-    "-a", "tiny", "--tags", "a, b", "-c", "512", "-np", "2", "-b", "64", "-ub", "64", "-t", "1", "-ngl", "all",
-    "-fa", "off", "-ctk", "f32", "-ctv", "f32", "-cram", "0", "--jinja", "--no-context-shift", "--offline",
-    "--temp", "0", "-n", "5", "--top-k", "3", "--seed", "7", "--repeat-penalty", "1.0",
-    "--api-key", KEY, "--no-slots", "--sleep-idle-seconds", "1",
+    "-a",
+    "tiny",
+    "--tags",
+    "a, b",
+    "-c",
+    "512",
+    "-np",
+    "2",
+    "-b",
+    "64",
+    "-ub",
+    "64",
+    "-t",
+    "1",
+    "-ngl",
+    "all",
+    "-fa",
+    "off",
+    "-ctk",
+    "f32",
+    "-ctv",
+    "f32",
+    "-cram",
+    "0",
+    "--jinja",
+    "--no-context-shift",
+    "--offline",
+    "--temp",
+    "0",
+    "-n",
+    "5",
+    "--top-k",
+    "3",
+    "--seed",
+    "7",
+    "--repeat-penalty",
+    "1.0",
+    "--api-key",
+    KEY,
+    "--no-slots",
+    "--sleep-idle-seconds",
+    "1",
 ]
 
 
@@ -82,7 +120,10 @@ def test_api_key_guards_every_route_but_health(url: str) -> None:
     r = httpx.get(f"{url}/v1/models", timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 401
-    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code == 401
+    assert (
+        httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code
+        == 401
+    )
     card = httpx.get(f"{url}/v1/models", headers={"X-Api-Key": KEY}, timeout=10).json()["data"][0]
     assert card["id"] == "tiny" and card["tags"] == ["a", "b"]
 
@@ -95,7 +136,9 @@ def test_slots_and_metrics_are_501_when_off(url: str) -> None:
 
 
 def test_sleep_idle_seconds_sleeps_and_a_request_wakes(url: str) -> None:
-    wait_until(lambda: httpx.get(f"{url}/health", timeout=10).json()["is_sleeping"], 10, what="the idle sleep")
+    wait_until(
+        lambda: httpx.get(f"{url}/health", timeout=10).json()["is_sleeping"], 10, what="the idle sleep"
+    )
     assert _complete(url)["usage"]["completion_tokens"] == 5  # type: ignore[index]
     assert httpx.get(f"{url}/health", timeout=10).json()["is_sleeping"] is False
 

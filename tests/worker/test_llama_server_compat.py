@@ -74,8 +74,13 @@ def test_infill_lays_out_prefix_prompt_suffix_with_fim_tokens(fim_url: tuple[str
         ids: list[int] = post(url, "/tokenize", {"content": text, "parse_special": False}).json()["tokens"]
         return ids
 
-    body = {"input_prefix": "def add(a, b):\n", "prompt": "    return", "input_suffix": "\n\nprint(add(1, 2))\n",
-            "n_predict": 3, "return_tokens": True}
+    body = {
+        "input_prefix": "def add(a, b):\n",
+        "prompt": "    return",
+        "input_suffix": "\n\nprint(add(1, 2))\n",
+        "n_predict": 3,
+        "return_tokens": True,
+    }
     r = post(url, "/infill", body)
     assert r.status_code == 200, r.text
     expected = [fim["pre"], *tokens(body["input_prefix"]), *tokens(body["prompt"]), fim["suf"],  # type: ignore[arg-type]
@@ -87,7 +92,9 @@ def test_infill_lays_out_prefix_prompt_suffix_with_fim_tokens(fim_url: tuple[str
     # other files go first, each after a snippet line (the model has no file separator token)
     extra = [{"filename": "util.py", "text": "X = 1\n"}]
     with_extra = post(url, "/infill", {**body, "input_extra": extra}).json()
-    assert with_extra["tokens_evaluated"] == len(expected) + len(tokens("\n\n--- snippet ---\n\n")) + len(tokens("X = 1\n"))
+    assert with_extra["tokens_evaluated"] == len(expected) + len(tokens("\n\n--- snippet ---\n\n")) + len(
+        tokens("X = 1\n")
+    )
 
 
 @pytest.mark.parametrize("chunk", [{}, {"filename": "ok"}, {"filename": 123}, {"filename": 123, "text": 456}])
@@ -151,12 +158,19 @@ def test_slot_actions_and_props_are_501_without_their_flags(tiny_models: ModelPa
 def test_fail_on_no_slot_is_503_while_every_slot_is_busy(tiny_models: ModelPaths) -> None:
     with serve("-m", str(tiny_models.gguf_f32), "-c", "2048", "-np", "1", "--slots") as u:
         assert httpx.get(f"{u}/slots?fail_on_no_slot=1", timeout=10).status_code == 200
-        with httpx.stream("POST", f"{u}/completion", json={"prompt": "a", "n_predict": 2000, "ignore_eos": True,
-                                                            "stream": True}, timeout=60) as stream:
+        with httpx.stream(
+            "POST",
+            f"{u}/completion",
+            json={"prompt": "a", "n_predict": 2000, "ignore_eos": True, "stream": True},
+            timeout=60,
+        ) as stream:
             lines = stream.iter_lines()  # kept: a dropped iterator closes the stream (and cancels the task)
             next(lines)  # generating now
-            r = wait_until(lambda: (r := httpx.get(f"{u}/slots?fail_on_no_slot=1", timeout=10)).status_code == 503 and r,
-                           10, what="GET /slots?fail_on_no_slot=1 to see the busy slot")
+            r = wait_until(
+                lambda: (r := httpx.get(f"{u}/slots?fail_on_no_slot=1", timeout=10)).status_code == 503 and r,
+                10,
+                what="GET /slots?fail_on_no_slot=1 to see the busy slot",
+            )
             assert r.json()["error"]["message"] == "no slot available"
 
 
@@ -168,7 +182,9 @@ def test_cors_localhost_only_and_preflight_without_api_key(url: str) -> None:
     ok = httpx.options(f"{url}/completion", headers={"Origin": "http://localhost:3000", **pre}, timeout=10)
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:3000"
     assert ok.headers["access-control-allow-methods"] == "GET, POST, DELETE, OPTIONS"
-    evil = httpx.options(f"{url}/completion", headers={"Origin": "http://localhost.evil.com", **pre}, timeout=10)
+    evil = httpx.options(
+        f"{url}/completion", headers={"Origin": "http://localhost.evil.com", **pre}, timeout=10
+    )
     assert evil.status_code == 200 and "access-control-allow-origin" not in evil.headers
     got = httpx.get(f"{url}/health", headers={"Origin": "http://[::1]:8080"}, timeout=10)
     assert got.headers["access-control-allow-origin"] == "http://[::1]:8080"
@@ -179,9 +195,13 @@ def test_metrics_are_llama_servers(url: str) -> None:
     r = httpx.get(f"{url}/metrics", timeout=10)
     assert b"Process-Start-Time-Unix" in [k for k, _ in r.headers.raw]  # llama-server's casing
     text = r.text
-    for name, kind in (("llamacpp:prompt_tokens_total", "counter"), ("llamacpp:prompt_tokens_cached_total", "counter"),
-                       ("llamacpp:n_tokens_max", "counter"), ("llamacpp:predicted_tokens_seconds", "gauge"),
-                       ("llamacpp:n_busy_slots_per_decode", "gauge")):
+    for name, kind in (
+        ("llamacpp:prompt_tokens_total", "counter"),
+        ("llamacpp:prompt_tokens_cached_total", "counter"),
+        ("llamacpp:n_tokens_max", "counter"),
+        ("llamacpp:predicted_tokens_seconds", "gauge"),
+        ("llamacpp:n_busy_slots_per_decode", "gauge"),
+    ):
         assert f"# TYPE {name} {kind}\n" in text and f"# HELP {name} " in text
     assert "omni:requests_total" in text
     # the throughput gauges cover the time since the last scrape: nothing ran since
@@ -218,7 +238,9 @@ def test_assistant_prefill_continues_the_last_message(url: str) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["__verbose"]["prompt"].endswith("<|im_start|>assistant\nWh")
     parts = [{"type": "text", "text": "Wh"}, {"type": "text", "text": "ill"}]
-    r = post(url, "/v1/chat/completions", {**body, "messages": _messages(("user", "hi"), ("assistant", parts))})
+    r = post(
+        url, "/v1/chat/completions", {**body, "messages": _messages(("user", "hi"), ("assistant", parts))}
+    )
     assert r.json()["__verbose"]["prompt"].endswith("<|im_start|>assistant\nWh\n\nill")
     explicit = {**body, "add_generation_prompt": False, "continue_final_message": True}
     assert post(url, "/v1/chat/completions", explicit).json()["__verbose"]["prompt"].endswith("assistant\nWh")
@@ -248,11 +270,17 @@ def test_first_stream_chunk_has_null_content_and_progress(url: str) -> None:
     assert "timings" in events[-1] and events[-1]["choices"] == []
 
 
-@pytest.mark.parametrize(("path", "body"), [
-    ("/chat/completions/input_tokens", {"messages": [{"role": "user", "content": "Hello world"}]}),
-    ("/v1/responses/input_tokens", {"input": "Hello world"}),
-    ("/v1/messages/count_tokens", {"messages": [{"role": "user", "content": "Hello world"}], "system": "Be brief"}),
-])
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/chat/completions/input_tokens", {"messages": [{"role": "user", "content": "Hello world"}]}),
+        ("/v1/responses/input_tokens", {"input": "Hello world"}),
+        (
+            "/v1/messages/count_tokens",
+            {"messages": [{"role": "user", "content": "Hello world"}], "system": "Be brief"},
+        ),
+    ],
+)
 def test_input_token_counts(url: str, path: str, body: object) -> None:
     r = post(url, path, body)
     assert r.status_code == 200, r.text
@@ -331,12 +359,25 @@ def test_cors_proxy_forwards_only_the_named_headers(tiny_models: ModelPaths, url
     try:
         proxy = f"/cors-proxy?url=http://127.0.0.1:{target.server_port}/x"
         assert httpx.get(url + proxy, timeout=10).status_code == 403  # off by default
-        with serve("-m", str(tiny_models.gguf_f32), "-c", "256", "-np", "1", "--ui-mcp-proxy", "--api-key", "k") as u:
-            r = httpx.get(u + proxy, timeout=10, headers={
-                "Authorization": "Bearer k", "Cookie": "s=1", "X-Llama-Server-Proxy-Header-Authorization": "Bearer t",
-                "x-llama-server-proxy-header-accept": "application/json"})
+        with serve(
+            "-m", str(tiny_models.gguf_f32), "-c", "256", "-np", "1", "--ui-mcp-proxy", "--api-key", "k"
+        ) as u:
+            r = httpx.get(
+                u + proxy,
+                timeout=10,
+                headers={
+                    "Authorization": "Bearer k",
+                    "Cookie": "s=1",
+                    "X-Llama-Server-Proxy-Header-Authorization": "Bearer t",
+                    "x-llama-server-proxy-header-accept": "application/json",
+                },
+            )
             assert r.status_code == 200 and r.text == "ok"
-            assert seen["authorization"] == "Bearer t" and seen["accept"] == "application/json" and "cookie" not in seen
+            assert (
+                seen["authorization"] == "Bearer t"
+                and seen["accept"] == "application/json"
+                and "cookie" not in seen
+            )
             assert httpx.get(u + "/cors-proxy?url=file:///etc/passwd", headers={"X-Api-Key": "k"},
                              timeout=10).status_code == 400
     finally:
@@ -347,7 +388,9 @@ def test_cors_proxy_forwards_only_the_named_headers(tiny_models: ModelPaths, url
 def test_reasoning_off_sets_enable_thinking_a_request_overrides(tiny_models: ModelPaths) -> None:
     template = "{% if enable_thinking is defined %}[think={{ enable_thinking }}]{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
     msgs = [{"role": "user", "content": "hi"}]
-    with serve("-m", str(tiny_models.gguf_f32), "-c", "256", "-np", "1", "--chat-template", template, "-rea", "off") as u:
+    with serve(
+        "-m", str(tiny_models.gguf_f32), "-c", "256", "-np", "1", "--chat-template", template, "-rea", "off"
+    ) as u:
         assert post(u, "/apply-template", {"messages": msgs}).json()["prompt"] == "[think=False]hi"
         body = {"messages": msgs, "chat_template_kwargs": {"enable_thinking": True}}
         assert post(u, "/apply-template", body).json()["prompt"] == "[think=True]hi"
@@ -362,7 +405,9 @@ def test_post_sampling_probs(tiny_models: ModelPaths, backend: str) -> None:
         for tok in out["completion_probabilities"]:  # type: ignore[attr-defined]
             top = tok["top_probs"]
             assert 0 < tok["prob"] <= 1 and 0 < len(top) <= 5  # top_k 5 leaves at most 5 candidates
-            assert all(0 < p["prob"] <= 1 for p in top) and sum(p["prob"] for p in top) == pytest.approx(1.0, abs=1e-4)
+            assert all(0 < p["prob"] <= 1 for p in top) and sum(p["prob"] for p in top) == pytest.approx(
+                1.0, abs=1e-4
+            )
             assert tok["id"] in [p["id"] for p in top]
         greedy = native(u, **{**body, "temperature": 0}, post_sampling_probs=True)["completion_probabilities"]
         assert all(t["prob"] == 1.0 for t in greedy)  # type: ignore[attr-defined]

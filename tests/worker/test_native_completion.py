@@ -74,7 +74,10 @@ def test_token_and_mixed_prompts(url: str) -> None:
     by_ids = _post(url, prompt=ids)
     mixed = _post(url, prompt=["hello", *_tokenize(url, " world", False)])
     assert by_ids["content"] == mixed["content"] and by_ids["tokens_evaluated"] == len(ids)
-    assert _post(url, prompt=_tokenize(url, "hello world", True))["content"] == _post(url, prompt="hello world")["content"]
+    assert (
+        _post(url, prompt=_tokenize(url, "hello world", True))["content"]
+        == _post(url, prompt="hello world")["content"]
+    )
 
 
 def test_several_prompts_give_an_array(url: str) -> None:

@@ -30,7 +30,10 @@ PERSON = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "integer", "minimum": 0, "maximum": 99999}},
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "zip": {"type": "integer", "minimum": 0, "maximum": 99999},
+            },
             "required": ["city"],
         },
         "active": {"type": "boolean"},
@@ -54,7 +57,11 @@ TIME = {
     "type": "function",
     "function": {
         "name": "get_time",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}, "required": ["zone"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+            "required": ["zone"],
+        },
     },
 }
 SCHEMAS = {"get_weather": WEATHER["function"]["parameters"], "get_time": TIME["function"]["parameters"]}
@@ -71,7 +78,13 @@ def stream_chat(url: str, **body: Any) -> tuple[list[dict[str, Any]], dict[str, 
     """The chunks' deltas of choice 0, and the usage chunk."""
     deltas: list[dict[str, Any]] = []
     usage = None
-    payload = {"messages": MSG, "max_tokens": 200, "stream": True, "stream_options": {"include_usage": True}, **body}
+    payload = {
+        "messages": MSG,
+        "max_tokens": 200,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **body,
+    }
     with httpx.stream("POST", url + "/v1/chat/completions", json=payload, timeout=120) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -100,7 +113,12 @@ def assemble(deltas: list[dict[str, Any]]) -> dict[str, Any]:
                 call["name"] = tc["function"]["name"]
             call["arguments"] += tc["function"].get("arguments") or ""
         finish = d["finish_reason"] or finish
-    return {"content": content, "reasoning": reasoning, "calls": [calls[i] for i in sorted(calls)], "finish": finish}
+    return {
+        "content": content,
+        "reasoning": reasoning,
+        "calls": [calls[i] for i in sorted(calls)],
+        "finish": finish,
+    }
 
 
 def check_call(name: str, arguments: str) -> None:
@@ -113,8 +131,14 @@ def check_call(name: str, arguments: str) -> None:
 @pytest.mark.parametrize("form", ["openai", "llama-server"])
 def test_json_schema_output_validates_for_many_seeds(worker: Worker, form: str) -> None:
     field: dict[str, Any] = (
-        {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}}
-        if form == "openai" else {"json_schema": PERSON}
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+            }
+        }
+        if form == "openai"
+        else {"json_schema": PERSON}
     )
     for seed in range(20 if form == "openai" else 5):
         body = chat(worker, temperature=1.0, seed=seed, max_tokens=300, **field)
@@ -125,7 +149,9 @@ def test_json_schema_output_validates_for_many_seeds(worker: Worker, form: str) 
 
 def test_json_object_is_an_object(worker: Worker) -> None:
     for seed in range(3):
-        body = chat(worker, temperature=1.0, seed=seed, max_tokens=300, response_format={"type": "json_object"})
+        body = chat(
+            worker, temperature=1.0, seed=seed, max_tokens=300, response_format={"type": "json_object"}
+        )
         content = body["choices"][0]["message"]["content"]
         if body["choices"][0]["finish_reason"] == "stop":  # an object's strings may run past max_tokens
             assert isinstance(json.loads(content), dict)
@@ -133,10 +159,14 @@ def test_json_object_is_an_object(worker: Worker) -> None:
 
 
 def test_completions_take_json_schema_and_grammar(worker: Worker) -> None:
-    r = worker.post("/v1/completions", {"prompt": "Answer:", "max_tokens": 20, "json_schema": {"enum": ["yes", "no"]}})
+    r = worker.post(
+        "/v1/completions", {"prompt": "Answer:", "max_tokens": 20, "json_schema": {"enum": ["yes", "no"]}}
+    )
     assert r.status_code == 200, r.text
     assert json.loads(r.json()["choices"][0]["text"]) in ("yes", "no")
-    r = worker.post("/v1/completions", {"prompt": "Answer:", "max_tokens": 20, "grammar": 'root ::= "a"{5,5}'})
+    r = worker.post(
+        "/v1/completions", {"prompt": "Answer:", "max_tokens": 20, "grammar": 'root ::= "a"{5,5}'}
+    )
     assert r.json()["choices"][0]["text"] == "aaaaa"
     assert r.json()["choices"][0]["finish_reason"] == "stop"
     metrics = {line.split()[0]: float(line.split()[1]) for line in worker.get("/metrics").text.splitlines()
@@ -146,7 +176,9 @@ def test_completions_take_json_schema_and_grammar(worker: Worker) -> None:
 
 def test_grammar_completes_before_max_tokens_with_ignore_eos(worker: Worker) -> None:
     # The grammar is done after 3 characters: the task stops there, ignore_eos or not.
-    r = worker.post("/v1/completions", {"prompt": "x", "max_tokens": 30, "ignore_eos": True, "grammar": 'root ::= "abc"'})
+    r = worker.post(
+        "/v1/completions", {"prompt": "x", "max_tokens": 30, "ignore_eos": True, "grammar": 'root ::= "abc"'}
+    )
     assert r.json()["choices"][0]["text"] == "abc"
 
 
@@ -162,7 +194,9 @@ def test_constrained_and_free_requests_together(worker: Worker) -> None:
     import concurrent.futures
 
     def free(seed: int) -> str:
-        r = worker.post("/v1/completions", {"prompt": "Hello", "max_tokens": 16, "seed": seed, "temperature": 0})
+        r = worker.post(
+            "/v1/completions", {"prompt": "Hello", "max_tokens": 16, "seed": seed, "temperature": 0}
+        )
         return str(r.json()["choices"][0]["text"])
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -208,7 +242,9 @@ def test_parallel_tool_calls_allow_several_calls_or_one(worker: Worker) -> None:
         assert len(body["choices"][0]["message"]["tool_calls"]) == 1
     # Without the bias to end, random weights chain calls until max_tokens cuts one (the output is
     # then content: a cut call is not a call); every complete one before it is valid.
-    body = chat(worker, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=0, max_tokens=120)
+    body = chat(
+        worker, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=0, max_tokens=120
+    )
     c = body["choices"][0]
     assert c["finish_reason"] == "length" and not c["message"].get("tool_calls")
     text = c["message"]["content"]
@@ -230,7 +266,9 @@ def test_streamed_tool_calls_reassemble_to_the_non_streamed_ones(worker: Worker)
     assert all(c["id"].startswith("call_") for c in got["calls"])
     # index, id and name come first, then argument fragments
     first = next(d for d in deltas if d.get("tool_calls"))
-    assert first["tool_calls"][0]["function"]["name"] and first["tool_calls"][0]["function"]["arguments"] == ""
+    assert (
+        first["tool_calls"][0]["function"]["name"] and first["tool_calls"][0]["function"]["arguments"] == ""
+    )
 
 
 def test_tool_choice_none_and_auto_answer_text(worker: Worker) -> None:
@@ -243,8 +281,17 @@ def test_tool_choice_none_and_auto_answer_text(worker: Worker) -> None:
 def test_tool_result_messages_render(worker: Worker) -> None:
     messages = [
         *MSG,
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "12 degrees"},
     ]
     r = worker.post("/v1/chat/completions", {"messages": messages, "tools": [WEATHER], "max_tokens": 4})
@@ -254,7 +301,13 @@ def test_tool_result_messages_render(worker: Worker) -> None:
 def test_openai_sdk_tool_call_and_json_schema(worker: Worker) -> None:
     client = openai.OpenAI(base_url=worker.url + "/v1", api_key="unused", timeout=120)
     resp = client.chat.completions.create(
-        model="m", messages=MSG, tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=1.0, seed=7,  # type: ignore[arg-type,list-item]
+        model="m",
+        messages=MSG,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=200,
+        temperature=1.0,
+        seed=7,  # type: ignore[arg-type,list-item]
         parallel_tool_calls=False,
     )
     call = resp.choices[0].message.tool_calls[0]  # type: ignore[index]
@@ -285,23 +338,38 @@ def test_reasoning_is_split_from_content(worker: Worker) -> None:
     msg = body["choices"][0]["message"]
     assert msg["reasoning_content"] and "<think>" not in msg["content"]
     assert msg["content"].isalpha()
-    assert 0 < body["usage"]["completion_tokens_details"]["reasoning_tokens"] <= body["usage"]["completion_tokens"]
+    assert (
+        0
+        < body["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        <= body["usage"]["completion_tokens"]
+    )
     deltas, usage = stream_chat(worker.url, grammar=THINKING, temperature=1.0, seed=2, max_tokens=60)
     got = assemble(deltas)
     assert (got["reasoning"], got["content"]) == (msg["reasoning_content"], msg["content"])
-    assert usage is not None and usage["completion_tokens_details"] == body["usage"]["completion_tokens_details"]
+    assert (
+        usage is not None and usage["completion_tokens_details"] == body["usage"]["completion_tokens_details"]
+    )
 
 
 def test_reasoning_format_none_keeps_think_in_content(worker: Worker) -> None:
-    msg = chat(worker, grammar=THINKING, temperature=1.0, seed=2, max_tokens=60, reasoning_format="none")["choices"][0]["message"]
+    msg = chat(worker, grammar=THINKING, temperature=1.0, seed=2, max_tokens=60, reasoning_format="none")[
+        "choices"
+    ][0]["message"]
     assert msg["content"].startswith("<think>") and not msg.get("reasoning_content")
 
 
 # --------------------------------------------------------------------------- bad input
 
 BAD = [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "hiccup"}}}},
-     "response_format.json_schema.schema"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "hiccup"}},
+            }
+        },
+        "response_format.json_schema.schema",
+    ),
     ({"response_format": {"type": "json_object", "schema": 123}}, "response_format.schema"),
     ({"response_format": {"type": "sound"}}, "response_format.type"),
     ({"json_schema": {"type": 123}}, "json_schema"),
@@ -310,9 +378,24 @@ BAD = [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]},
-     "tools[0].function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools[0].function.parameters"),
+    (
+        {
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "f",
+                        "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}},
+                    },
+                }
+            ]
+        },
+        "tools[0].function.parameters",
+    ),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+        "tools[0].function.parameters",
+    ),
     ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
     ({"tools": [WEATHER], "tool_choice": "required", "json_schema": {"type": "string"}}, "json_schema"),
@@ -339,7 +422,9 @@ def test_completions_bad_grammar_is_400(worker: Worker) -> None:
 @pytest.fixture(scope="module", params=["chatml", "llama3", "mistral-v7"])
 def family_worker(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> Iterator[Worker]:
     model, extra = worker_args("llama_cpp", tiny_models)
-    with worker_process(model, "--parallel", "2", "--ctx-size", "2048", "--chat-template", request.param, *extra) as (_, url):
+    with worker_process(
+        model, "--parallel", "2", "--ctx-size", "2048", "--chat-template", request.param, *extra
+    ) as (_, url):
         yield Worker(url, "llama_cpp")
 
 
@@ -351,8 +436,14 @@ def test_forced_calls_parse_in_every_template_family(family_worker: Worker) -> N
         assert c["finish_reason"] == "tool_calls", c
         for tc in c["message"]["tool_calls"]:
             check_call(tc["function"]["name"], tc["function"]["arguments"])
-        deltas, _ = stream_chat(family_worker.url, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0,
-                                seed=seed, **eos_bias(family_worker))
+        deltas, _ = stream_chat(
+            family_worker.url,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            temperature=1.0,
+            seed=seed,
+            **eos_bias(family_worker),
+        )
         got = assemble(deltas)
         assert [(x["name"], x["arguments"]) for x in got["calls"]] == [
             (tc["function"]["name"], tc["function"]["arguments"]) for tc in c["message"]["tool_calls"]]

@@ -68,7 +68,12 @@ def _slot(i: int, cache: list[int], used: float, busy: bool = False) -> Slot:
     ],
 )
 def test_pick_slot(
-    caches: list[list[int]], busy: list[int], prompt: list[int], id_slot: int, cache_prompt: bool, expected: int | None
+    caches: list[list[int]],
+    busy: list[int],
+    prompt: list[int],
+    id_slot: int,
+    cache_prompt: bool,
+    expected: int | None,
 ) -> None:
     idle = [_slot(i, c, used=float(i)) for i, c in enumerate(caches) if i not in busy]
     reuse = [common_prefix_len(s.cache, prompt) if cache_prompt else 0 for s in idle]
@@ -123,5 +128,11 @@ def test_backend_options_are_each_backends_constructor_keywords(kind: str) -> No
         from worker.backends.llama_cpp import LlamaCppBackend as cls
     else:
         from worker.backends.torch_backend import TorchBackend as cls
-    taken = set(inspect.signature(cls.__init__).parameters) - {"self", "model_path", "progress", "prepack", "cpu_kernels"}  # test-only switches
+    taken = set(inspect.signature(cls.__init__).parameters) - {
+        "self",
+        "model_path",
+        "progress",
+        "prepack",
+        "cpu_kernels",
+    }  # test-only switches
     assert set(BackendOptions().kwargs_for(kind)) == taken  # type: ignore[arg-type]  # kind is one of the Literal values

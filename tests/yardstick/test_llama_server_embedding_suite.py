@@ -30,22 +30,37 @@ HARNESS = ROOT / "scripts" / "llama_server_suite.py"
 EXIT_UNAVAILABLE = 3  # llama_server_suite.EXIT_UNAVAILABLE
 E, R = "unit/test_embedding.py", "unit/test_rerank.py"
 EXPECTED_PASS = [
-    *(f"{E}::{t}" for t in (
-        "test_embedding_single", "test_embedding_multiple", "test_embedding_multiple_with_fa",
-        "test_embedding_content_text_same_as_string", *(f"test_embedding_invalid_input[input{i}]" for i in range(6)),
-        "test_embedding_pooling_mean", "test_embedding_pooling_mean_multiple", "test_embedding_pooling_none_oai",
-        "test_embedding_openai_library_single", "test_embedding_openai_library_multiple",
-        "test_same_prompt_give_same_result",
-    )),
+    *(
+        f"{E}::{t}"
+        for t in (
+            "test_embedding_single",
+            "test_embedding_multiple",
+            "test_embedding_multiple_with_fa",
+            "test_embedding_content_text_same_as_string",
+            *(f"test_embedding_invalid_input[input{i}]" for i in range(6)),
+            "test_embedding_pooling_mean",
+            "test_embedding_pooling_mean_multiple",
+            "test_embedding_pooling_none_oai",
+            "test_embedding_openai_library_single",
+            "test_embedding_openai_library_multiple",
+            "test_same_prompt_give_same_result",
+        )
+    ),
     *(f"{R}::test_invalid_rerank_req[{p}]" for p in ("documents0", "None", "123", "documents3")),
-    *(f"{R}::test_rerank_{kind}top_n[{case}]" for kind in ("", "tei_") for case in ("None-4", "2-2", "4-4", "99-4")),
+    *(
+        f"{R}::test_rerank_{kind}top_n[{case}]"
+        for kind in ("", "tei_")
+        for case in ("None-4", "2-2", "4-4", "99-4")
+    ),
 ]
 TEST_TIMEOUT_S = 60
 RUN_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def suite_results(tiny_models: ModelPaths, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+def suite_results(
+    tiny_models: ModelPaths, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, str]]:
     out = tmp_path_factory.mktemp("suite") / "results.json"
     cmd = [sys.executable, str(HARNESS), "--server", "ours", "--model", str(tiny_models.gguf_f32),
            "--json", str(out), "--test-timeout", str(TEST_TIMEOUT_S), "--timeout", str(RUN_TIMEOUT_S), E, R]

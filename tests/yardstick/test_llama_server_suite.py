@@ -77,7 +77,9 @@ RUN_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def suite_results(tiny_models: ModelPaths, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, str]]:
+def suite_results(
+    tiny_models: ModelPaths, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, str]]:
     """Run the four tests once against omni-worker: nodeid -> {outcome, message}."""
     out = tmp_path_factory.mktemp("suite") / "results.json"
     cmd = [sys.executable, str(HARNESS), "--server", "ours", "--model", str(tiny_models.gguf_f32),

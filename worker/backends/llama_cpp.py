@@ -228,7 +228,9 @@ class LlamaCppBackend:
             # n_seq_max but n_ubatch outputs, and aborts (ggml_can_mul_mat) unless they agree.
             self.n_ubatch = max(self.n_ubatch - self.n_ubatch % self.n_seq_max, self.n_seq_max)
             self.n_batch = max(self.n_batch, self.n_ubatch) if self.n_batch > n_ubatch else self.n_ubatch
-            log.info("embeddings: ubatch size %d (a multiple of the %d sequences)", self.n_ubatch, self.n_seq_max)
+            log.info(
+                "embeddings: ubatch size %d (a multiple of the %d sequences)", self.n_ubatch, self.n_seq_max
+            )
         self._n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers
         self._threads = threads or _default_threads()
         self._type_k = KV_TYPES[cache_type_k]
@@ -243,7 +245,9 @@ class LlamaCppBackend:
         self._abort = threading.Event()
         self._model: Any = None
         self._ctx: Any = None
-        self._outputs: list[tuple[np.ndarray | None, int]] = []  # per logits entry: (copied row | None, batch row)
+        self._outputs: list[
+            tuple[np.ndarray | None, int]
+        ] = []  # per logits entry: (copied row | None, batch row)
         self._pieces: dict[int, bytes] = {}
         self._eog_ids: list[int] | None = None
 
@@ -292,7 +296,9 @@ class LlamaCppBackend:
             cp.n_ctx = n_ctx
         else:  # a stream of n_ctx / n_slots cells per slot, and one more for staging
             if n_ctx < self._n_slots:
-                raise ValueError(f"--ctx-size {n_ctx} gives less than one cell to each of {self._n_slots} slots")
+                raise ValueError(
+                    f"--ctx-size {n_ctx} gives less than one cell to each of {self._n_slots} slots"
+                )
             cp.n_ctx = n_ctx // self._n_slots * self.n_seq_max
         cp.n_batch = self.n_batch
         cp.n_ubatch = self.n_ubatch
@@ -322,8 +328,15 @@ class LlamaCppBackend:
             rank = self.pooling == "rank"
             causal = bool(ll.llama_get_causal_attn(ctx))
             self.pools_in_pieces = self.pooling == "last" or (rank and causal)
-            self._n_embd_out = int(ll.llama_model_n_cls_out(self._model) if rank else ll.llama_model_n_embd_out(self._model))
-        log.info("context: %d cells, %d per sequence, flash attention %s", self.n_ctx, self.n_ctx_seq, self.flash_attn)
+            self._n_embd_out = int(
+                ll.llama_model_n_cls_out(self._model) if rank else ll.llama_model_n_embd_out(self._model)
+            )
+        log.info(
+            "context: %d cells, %d per sequence, flash attention %s",
+            self.n_ctx,
+            self.n_ctx_seq,
+            self.flash_attn,
+        )
         self._progress("warming up", 1.0)
         self._warmup()
 
@@ -332,7 +345,11 @@ class LlamaCppBackend:
         bos = ll.llama_vocab_bos(self._vocab)
         tok = bos if bos >= 0 else 0
         buf = _BatchBuffers(1)
-        buf.fill([BatchEntry(seq_id=0, tokens=[tok], pos=0, logits=True)], np.arange(1, dtype=np.int32), self._embedding)
+        buf.fill(
+            [BatchEntry(seq_id=0, tokens=[tok], pos=0, logits=True)],
+            np.arange(1, dtype=np.int32),
+            self._embedding,
+        )
         ll.llama_decode(self._ctx, buf.batch)
         ll.llama_memory_clear(self._mem, True)
 
@@ -416,7 +433,9 @@ class LlamaCppBackend:
             if self._grammar_tok is None:
                 from llguidance.llamacpp import lltokenizer_from_vocab
 
-                self._grammar_tok = lltokenizer_from_vocab(self._vocab, n_vocab=self.n_vocab, eos_token=self._eog_tokens())
+                self._grammar_tok = lltokenizer_from_vocab(
+                    self._vocab, n_vocab=self.n_vocab, eos_token=self._eog_tokens()
+                )
             return self._grammar_tok
 
     def _eog_tokens(self) -> list[int]:
@@ -567,7 +586,10 @@ class LlamaCppBackend:
         if self._ctx is None:
             return False
         n = len(state)
-        return int(ll.llama_state_seq_set_data(self._ctx, (ctypes.c_uint8 * n).from_buffer(state), n, seq_id)) == n
+        return (
+            int(ll.llama_state_seq_set_data(self._ctx, (ctypes.c_uint8 * n).from_buffer(state), n, seq_id))
+            == n
+        )
 
     def new_sampler(self, params: SamplingParams, seed: int) -> Any:
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_params(no_perf=True))
@@ -586,7 +608,11 @@ class LlamaCppBackend:
             add(
                 chain,
                 ll.llama_sampler_init_penalties(
-                    self.n_vocab, last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+                    self.n_vocab,
+                    last_n,
+                    params.repeat_penalty,
+                    params.frequency_penalty,
+                    params.presence_penalty,
                 ),
             )
         if params.is_greedy:

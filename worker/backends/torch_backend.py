@@ -147,8 +147,10 @@ class TorchBackend:
         self._files = checkpoint_files(self._path)
         names = tensor_names(self._files)
         if self.pooling == "rank" and any(n.startswith(("score.", "classifier.")) for n in names):
-            raise ValueError("rank pooling through a sequence-classification head (score/classifier weights) is "
-                             "not implemented; llama.cpp's rank for a llama-family model without a head is what runs")
+            raise ValueError(
+                "rank pooling through a sequence-classification head (score/classifier weights) is "
+                "not implemented; llama.cpp's rank for a llama-family model without a head is what runs"
+            )
         self._layout = {
             "qkv_bias": any(n.endswith("self_attn.q_proj.bias") for n in names),
             "o_bias": any(n.endswith("self_attn.o_proj.bias") for n in names),
@@ -219,7 +221,9 @@ class TorchBackend:
         if model.kernels is None or not model.prepacked or self.dtype != torch.float32:
             return RowRecipe()
         if not model.matmuls_row_invariant(self.n_batch):
-            log.warning("oneDNN's float32 matmuls are not batch invariant on this CPU: rows reproduce to rounding")
+            log.warning(
+                "oneDNN's float32 matmuls are not batch invariant on this CPU: rows reproduce to rounding"
+            )
             return RowRecipe()
         return RowRecipe.exact()
 
@@ -239,7 +243,11 @@ class TorchBackend:
 
             self._progress("capturing CUDA graphs", 0.0)
             self._graphs = DecodeGraphs(
-                self._require_model(), self._require_kv(), self.n_seq_max, self._group, self.cfg.sliding_window
+                self._require_model(),
+                self._require_kv(),
+                self.n_seq_max,
+                self._group,
+                self.cfg.sliding_window,
             )
 
     def _warm_up(self) -> None:
@@ -316,18 +324,28 @@ class TorchBackend:
             if self._graphs is not None:  # captured graphs point at the old RoPE tables
                 self._graphs = None
                 self._alloc_graphs()
-        if self._graphs is not None and self.pooling is None and self._graphs.can_run(n_tok, len(entries), len(rows)):
+        if (
+            self._graphs is not None
+            and self.pooling is None
+            and self._graphs.can_run(n_tok, len(entries), len(rows))
+        ):
             self._logits = self._graphs.run(tokens, starts, cells, seqs)
             return DecodeStatus.OK
         dev = self.device
         plan = kv.plan(seqs, starts, counts, self._group, self.cfg.sliding_window, sdpa=model.kernels is None)
         if self.pooling is not None:
             hidden = model.hidden_states(
-                torch.from_numpy(tokens).to(dev), plan.row_pos, torch.from_numpy(cells).to(dev), plan, kv.k, kv.v
+                torch.from_numpy(tokens).to(dev),
+                plan.row_pos,
+                torch.from_numpy(cells).to(dev),
+                plan,
+                kv.k,
+                kv.v,
             )
             ends = np.cumsum(counts)
             self._embeddings = [
-                self._pool(hidden[end - len(e.tokens) : end]) for e, end in zip(entries, ends.tolist(), strict=True)
+                self._pool(hidden[end - len(e.tokens) : end])
+                for e, end in zip(entries, ends.tolist(), strict=True)
                 if e.logits
             ]
             return DecodeStatus.OK

@@ -1,14 +1,14 @@
 """The engine: one thread that owns the backend, with slot-based continuous batching.
 
-    engine        the thread and its step: reap, admit, plan, decode, commit, sample
-    scheduler     the slots, the queue of waiting tasks; admit, plan, commit, postprocess (the one writer of status)
-    kv            KV placement: copy, save, restore, offload between slots and the prompt cache
-    policy        pure scheduling decisions (which prompt pieces go in this step's batch)
-    slot          one KV sequence and the task it serves
-    task          a request as the engine sees it, and the events it streams back
-    prompt_cache  the host-RAM prompt cache (`--cache-ram`)
-    slot_file     llama-server's slot files (`--slot-save-path`)
-    grammar       constrained decoding: per-slot token masks (llguidance)
-    reasoning_budget  thinking_budget_tokens: the reasoning block's end forced after N tokens
-    metrics       the worker's Prometheus metrics (llama-server's `llamacpp:` set and our `omni:` one)
+engine        the thread and its step: reap, admit, plan, decode, commit, sample
+scheduler     the slots, the queue of waiting tasks; admit, plan, commit, postprocess (the one writer of status)
+kv            KV placement: copy, save, restore, offload between slots and the prompt cache
+policy        pure scheduling decisions (which prompt pieces go in this step's batch)
+slot          one KV sequence and the task it serves
+task          a request as the engine sees it, and the events it streams back
+prompt_cache  the host-RAM prompt cache (`--cache-ram`)
+slot_file     llama-server's slot files (`--slot-save-path`)
+grammar       constrained decoding: per-slot token masks (llguidance)
+reasoning_budget  thinking_budget_tokens: the reasoning block's end forced after N tokens
+metrics       the worker's Prometheus metrics (llama-server's `llamacpp:` set and our `omni:` one)
 """

@@ -61,7 +61,11 @@ def strict_schema(schema: Any) -> Any:
         return schema
     out = {k: strict_schema(v) for k, v in schema.items()}
     is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"])
-    if (is_object or "properties" in out) and "additionalProperties" not in out and "patternProperties" not in out:
+    if (
+        (is_object or "properties" in out)
+        and "additionalProperties" not in out
+        and "patternProperties" not in out
+    ):
         out["additionalProperties"] = False
     return out
 

@@ -111,8 +111,12 @@ class KvBook:
         if entry.logits is not None:
             slot.logits, slot.n_logits = entry.logits, len(entry.tokens)
         self._metrics.prompt_cache_restored.inc(n_reused)
-        log.info("prompt cache: restored %d tokens into slot %d (%d of them reused)", len(entry.tokens), slot.id,
-                 n_reused)
+        log.info(
+            "prompt cache: restored %d tokens into slot %d (%d of them reused)",
+            len(entry.tokens),
+            slot.id,
+            n_reused,
+        )
         return True
 
     def park(self, slot: Slot) -> CachedPrompt | None:

@@ -78,12 +78,20 @@ class WorkerMetrics:
         self.requests = Counter("omni:requests", "Generation tasks finished", ["reason"], registry=r)
         self.embeddings = Counter("omni:embeddings", "Embedding and rerank inputs evaluated", registry=r)
         self.kv_cells_used = Gauge("omni:kv_cache_tokens", "KV cells in use", registry=r)
-        self.kv_usage_ratio = Gauge("omni:kv_cache_usage_ratio", "KV cells in use / KV cells in all", registry=r)
-        self.prefix_hit_tokens = Counter(
-            "omni:prefix_cache_hit_tokens", "Prompt tokens found in a slot's KV cache (not decoded again)", registry=r
+        self.kv_usage_ratio = Gauge(
+            "omni:kv_cache_usage_ratio", "KV cells in use / KV cells in all", registry=r
         )
-        self.prompt_cache_bytes = Gauge("omni:prompt_cache_bytes", "Host RAM held by the prompt cache", registry=r)
-        self.prompt_cache_entries = Gauge("omni:prompt_cache_entries", "Prompts saved in the prompt cache", registry=r)
+        self.prefix_hit_tokens = Counter(
+            "omni:prefix_cache_hit_tokens",
+            "Prompt tokens found in a slot's KV cache (not decoded again)",
+            registry=r,
+        )
+        self.prompt_cache_bytes = Gauge(
+            "omni:prompt_cache_bytes", "Host RAM held by the prompt cache", registry=r
+        )
+        self.prompt_cache_entries = Gauge(
+            "omni:prompt_cache_entries", "Prompts saved in the prompt cache", registry=r
+        )
         self.prompt_cache_restored = Counter(
             "omni:prompt_cache_reused_tokens", "Prompt tokens reused from the prompt cache", registry=r
         )
@@ -91,21 +99,37 @@ class WorkerMetrics:
             "omni:prompt_rows_evaluated", "Prompt rows decoded (counted as they are decoded)", registry=r
         )
         self.prompt_rows_shared = Counter(
-            "omni:prompt_rows_shared", "Prompt rows taken from another slot instead of being decoded", registry=r
+            "omni:prompt_rows_shared",
+            "Prompt rows taken from another slot instead of being decoded",
+            registry=r,
         )
         self.requests_parked = Counter(
-            "omni:requests_parked", "Requests prefilled while every slot was busy (first token sent early)", registry=r
+            "omni:requests_parked",
+            "Requests prefilled while every slot was busy (first token sent early)",
+            registry=r,
         )
-        self.grammar_masks = Counter("omni:grammar_masks", "Next-token masks computed for constrained slots", registry=r)
+        self.grammar_masks = Counter(
+            "omni:grammar_masks", "Next-token masks computed for constrained slots", registry=r
+        )
         self.grammar_mask_seconds = Counter(
             "omni:grammar_mask_seconds", "Time spent computing grammar masks (beside the decode)", registry=r
         )
         self.grammar_wait_seconds = Counter(
-            "omni:grammar_wait_seconds", "Time the engine waited for grammar masks after its decode", registry=r
+            "omni:grammar_wait_seconds",
+            "Time the engine waited for grammar masks after its decode",
+            registry=r,
         )
 
-    def on_task_done(self, *, n_evaluated: int, n_cached: int, prompt_s: float, n_decoded: int, predicted_s: float,
-                     n_tokens: int) -> None:
+    def on_task_done(
+        self,
+        *,
+        n_evaluated: int,
+        n_cached: int,
+        prompt_s: float,
+        n_decoded: int,
+        predicted_s: float,
+        n_tokens: int,
+    ) -> None:
         """A task finished (engine thread): its prompt and generation go into the totals and the window."""
         self.prompt_tokens.inc(n_evaluated)
         self.prompt_tokens_cached.inc(n_cached)
@@ -125,32 +149,63 @@ class WorkerMetrics:
         with self._lock:
             w, self._window = self._window, _Window()
         counters = [
-            ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", self.prompt_tokens),
-            ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", self.prompt_tokens_cached),
+            (
+                "prompt_tokens_total",
+                "Number of prompt tokens processed, excluding cached tokens",
+                self.prompt_tokens,
+            ),
+            (
+                "prompt_tokens_cached_total",
+                "Number of prompt tokens reused from the cache",
+                self.prompt_tokens_cached,
+            ),
             ("prompt_seconds_total", "Total time spent processing prompts", self.prompt_seconds),
             ("tokens_predicted_total", "Number of generation tokens processed", self.tokens_predicted),
-            ("tokens_predicted_seconds_total", "Total time spent generating tokens", self.tokens_predicted_seconds),
+            (
+                "tokens_predicted_seconds_total",
+                "Total time spent generating tokens",
+                self.tokens_predicted_seconds,
+            ),
             ("n_decode_total", "Total number of llama_decode() calls", self.n_decode),
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)", self.n_tokens_max),
         ]
         spec = [
             ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated"),
-            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model"),
+            (
+                "spec_decode_num_accepted_tokens_total",
+                "Speculative: Total draft tokens accepted by the target model",
+            ),
             ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps"),
         ]
         gauges = [
-            ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", _rate(w.prompt_tokens, w.prompt_seconds)),
-            ("predicted_tokens_seconds", "Average generation throughput in tokens/s",
-             _rate(w.decode_steps, w.decode_seconds)),
+            (
+                "prompt_tokens_seconds",
+                "Average prompt throughput in tokens/s",
+                _rate(w.prompt_tokens, w.prompt_seconds),
+            ),
+            (
+                "predicted_tokens_seconds",
+                "Average generation throughput in tokens/s",
+                _rate(w.decode_steps, w.decode_seconds),
+            ),
             ("requests_processing", "Number of requests processing", self.requests_processing.value),
             ("requests_deferred", "Number of requests deferred", self.requests_deferred.value),
-            ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call",
-             self.n_busy_slots.value / max(self.n_decode.value, 1.0)),
+            (
+                "n_busy_slots_per_decode",
+                "Average number of busy slots per llama_decode() call",
+                self.n_busy_slots.value / max(self.n_decode.value, 1.0),
+            ),
         ]
         lines: list[str] = []
 
         def add(kind: str, name: str, help: str, value: float) -> None:
-            lines.extend((f"# HELP llamacpp:{name} {help}", f"# TYPE llamacpp:{name} {kind}", f"llamacpp:{name} {_number(value)}"))
+            lines.extend(
+                (
+                    f"# HELP llamacpp:{name} {help}",
+                    f"# TYPE llamacpp:{name} {kind}",
+                    f"llamacpp:{name} {_number(value)}",
+                )
+            )
 
         for name, help, v in counters:
             add("counter", name, help, v.value)

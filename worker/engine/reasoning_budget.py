@@ -33,8 +33,13 @@ class ReasoningBudget:
         return BudgetTracker(self)
 
 
-def reasoning_budget(value: int | None, markers: ReasoningMarkers | None, starts_inside: bool, has_grammar: bool,
-                     tokenize: Callable[[str], list[int]]) -> ReasoningBudget | None:
+def reasoning_budget(
+    value: int | None,
+    markers: ReasoningMarkers | None,
+    starts_inside: bool,
+    has_grammar: bool,
+    tokenize: Callable[[str], list[int]],
+) -> ReasoningBudget | None:
     """A request's budget; None when it asks for none (None or -1), when its reasoning is not
     parsed (`reasoning_format: none`) or when it has a grammar (see the module docstring)."""
     if value is None or value < 0 or markers is None or has_grammar:

@@ -64,8 +64,13 @@ def read(path: Path, model: str) -> tuple[SlotFile, int]:
     start = len(MAGIC) + 4
     try:
         h = json.loads(data[start : start + n])
-        f = SlotFile([int(t) for t in h["tokens"]], int(h["n_prompt_rows"]), int(h["prompt_class"]), str(h["model"]),
-                     data[start + n :])
+        f = SlotFile(
+            [int(t) for t in h["tokens"]],
+            int(h["n_prompt_rows"]),
+            int(h["prompt_class"]),
+            str(h["model"]),
+            data[start + n :],
+        )
     except (ValueError, KeyError, TypeError):
         raise SlotFileError(f"{path.name!r} is damaged (bad header)") from None
     if f.model != model:

@@ -155,8 +155,12 @@ class Task:
         self.is_cancelled = False
         self.generated: list[int] = []
         self.sampler: Any = None
-        self.matcher = params.grammar.matcher() if params.grammar is not None else None  # owned like the sampler
-        self.budget = params.reasoning_budget.tracker() if params.reasoning_budget is not None else None  # likewise
+        self.matcher = (
+            params.grammar.matcher() if params.grammar is not None else None
+        )  # owned like the sampler
+        self.budget = (
+            params.reasoning_budget.tracker() if params.reasoning_budget is not None else None
+        )  # likewise
         self.output = TextOutput(params.stop)
         self.stats = TaskStats(n_prompt=len(prompt), t_arrival=time.monotonic())
         self.n_preempted = 0
@@ -170,7 +174,9 @@ class Task:
         """Engine thread: a ProgressEvent, if the request asked for them, while the prompt is computed."""
         if self.params.return_progress and not self.generated:
             st = self.stats
-            is_started = processed > st.n_cached and st.t_start > 0  # the first report comes before any decode
+            is_started = (
+                processed > st.n_cached and st.t_start > 0
+            )  # the first report comes before any decode
             elapsed_ms = (time.monotonic() - st.t_start) * 1e3 if is_started else 0.0
             total = len(self.prompt)
             self.emit(ProgressEvent(total, st.n_cached, min(processed, total), elapsed_ms))

@@ -25,15 +25,23 @@ class RequireAPIKey:
     """`--api-key`: `Authorization: Bearer KEY` or `X-Api-Key: KEY` on every route but the public
     ones (the worker's: /health, llama-server's rule); keys are compared in constant time."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...], *,
-                 public_paths: frozenset[str] = WORKER_PUBLIC_PATHS, public_prefixes: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: tuple[str, ...],
+        *,
+        public_paths: frozenset[str] = WORKER_PUBLIC_PATHS,
+        public_prefixes: tuple[str, ...] = (),
+    ) -> None:
         self._app = app
         self._keys = [k.encode() for k in keys]
         self._public_paths = public_paths
         self._public_prefixes = public_prefixes
 
     def _is_public(self, path: str) -> bool:
-        return path in self._public_paths or (bool(self._public_prefixes) and path.startswith(self._public_prefixes))
+        return path in self._public_paths or (
+            bool(self._public_prefixes) and path.startswith(self._public_prefixes)
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] == "OPTIONS" or self._is_public(scope["path"]):

@@ -62,7 +62,9 @@ class SamplingParams:
     n: int = 1
     cache_prompt: bool = True
     id_slot: int = -1
-    post_sampling_probs: bool = False  # with logprobs: report the sampler chain's probabilities (llama-server's)
+    post_sampling_probs: bool = (
+        False  # with logprobs: report the sampler chain's probabilities (llama-server's)
+    )
     return_progress: bool = False  # stream ProgressEvents while the prompt is computed
     grammar: CompiledGrammar | None = None
     reasoning_budget: ReasoningCap | None = None  # thinking_budget_tokens

@@ -31,7 +31,9 @@ def resolve_logit_bias(raw: dict[str, float | bool | None] | list[list[Any]] | N
                        tokenize: Tokenize | None) -> dict[int, float]:
     """{token id: bias} from OpenAI's or llama-server's logit_bias; false/null is -inf (never).
     A key that is not a number is text: every one of its tokens gets the bias."""
-    pairs: list[tuple[int | str, Any]] = list(raw.items()) if isinstance(raw, dict) else [(p[0], p[1]) for p in raw or []]
+    pairs: list[tuple[int | str, Any]] = (
+        list(raw.items()) if isinstance(raw, dict) else [(p[0], p[1]) for p in raw or []]
+    )
     out: dict[int, float] = {}
     for key, bias in pairs:
         value = -math.inf if bias is None or bias is False else float(bias)
@@ -116,7 +118,11 @@ class _SamplingRequest(OpenAIBaseModel):
     def _bias_pairs(cls, v: Any) -> Any:
         if isinstance(v, list):
             for pair in v:
-                if len(pair) != 2 or not isinstance(pair[0], int | str) or not isinstance(pair[1], int | float | None):
+                if (
+                    len(pair) != 2
+                    or not isinstance(pair[0], int | str)
+                    or not isinstance(pair[1], int | float | None)
+                ):
                     raise ValueError("logit_bias entries must be [token id or string, bias or false]")
         return v
 
@@ -148,7 +154,9 @@ class _SamplingRequest(OpenAIBaseModel):
             repeat_penalty=d.repeat_penalty if rep is None else rep,
             repeat_last_n=d.repeat_last_n if self.repeat_last_n is None else self.repeat_last_n,
             presence_penalty=d.presence_penalty if self.presence_penalty is None else self.presence_penalty,
-            frequency_penalty=d.frequency_penalty if self.frequency_penalty is None else self.frequency_penalty,
+            frequency_penalty=d.frequency_penalty
+            if self.frequency_penalty is None
+            else self.frequency_penalty,
             seed=d.seed if self.seed is None or self.seed < 0 else self.seed,
             logit_bias=resolve_logit_bias(self.logit_bias, tokenize),
             max_tokens=max_tokens,
@@ -196,9 +204,11 @@ class ChatCompletionRequest(_SamplingRequest):
     thinking_budget_tokens: int | None = Field(default=None, ge=-1)  # llama.cpp's; -1: no cap
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
-    continue_final_message: bool | None = None  # vLLM's; None: llama-server's prefill rule (a last assistant message)
+    continue_final_message: bool | None = None
 
-    def to_sampling_params(self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None
+    ) -> SamplingParams:
         d = defaults or SamplingParams()
         max_tokens: int | None
         if self.max_completion_tokens is not None:
@@ -241,13 +251,20 @@ class CompletionRequest(_SamplingRequest):
             return [list(p)]  # type: ignore[arg-type]  # all() above narrowed it to ints; mypy cannot see that
         return list(p)  # type: ignore[arg-type]  # the validator admits only str or int-list items here
 
-    def to_sampling_params(self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None
+    ) -> SamplingParams:
         n_lp = self.logprobs if self.logprobs is not None else (self.n_probs or 0)
         use_lp = self.logprobs is not None or bool(self.n_probs)
         d = defaults or SamplingParams()
         # Like llama-server (not OpenAI's 16): no max_tokens means until EOS or the context is full.
-        return self._common_params(d, logprobs=use_lp, top_logprobs=n_lp, max_tokens=self._max_new_tokens(d.max_tokens),
-                                   tokenize=tokenize)
+        return self._common_params(
+            d,
+            logprobs=use_lp,
+            top_logprobs=n_lp,
+            max_tokens=self._max_new_tokens(d.max_tokens),
+            tokenize=tokenize,
+        )
 
 
 NativePrompt = str | list[int] | list[str | int]  # one prompt: text, token ids, or both mixed
@@ -271,11 +288,18 @@ def _json_prompt(obj: dict[str, Any]) -> str:
 class _NativeSamplingRequest(_SamplingRequest):
     """llama-server's native endpoints: `n_probs` top log-probabilities per token."""
 
-    def to_sampling_params(self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None) -> SamplingParams:
+    def to_sampling_params(
+        self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None
+    ) -> SamplingParams:
         d = defaults or SamplingParams()
         n = self.n_probs or 0
-        return self._common_params(d, logprobs=n > 0, top_logprobs=n, max_tokens=self._max_new_tokens(d.max_tokens),
-                                   tokenize=tokenize)
+        return self._common_params(
+            d,
+            logprobs=n > 0,
+            top_logprobs=n,
+            max_tokens=self._max_new_tokens(d.max_tokens),
+            tokenize=tokenize,
+        )
 
 
 class NativeCompletionRequest(_NativeSamplingRequest):
@@ -307,7 +331,9 @@ class NativeCompletionRequest(_NativeSamplingRequest):
             elif isinstance(x, str) or is_mixed:
                 out.append(x)
             else:
-                raise ValueError("each prompt must be a string, a list of token ids, a list of both, or a JSON prompt")
+                raise ValueError(
+                    "each prompt must be a string, a list of token ids, a list of both, or a JSON prompt"
+                )
         return out
 
 
@@ -359,7 +385,11 @@ class ResponsesInputTokensRequest(OpenAIBaseModel):
     model: str | None = None
 
     def chat_messages(self) -> list[ChatMessage]:
-        items = [ChatMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+        items = (
+            [ChatMessage(role="user", content=self.input)]
+            if isinstance(self.input, str)
+            else list(self.input)
+        )
         system = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         return system + items
 

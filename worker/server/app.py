@@ -154,8 +154,12 @@ async def infill(request: Request) -> Response:
     backend = ready_backend(state)
     missing = backend.meta.fim.missing()
     if missing:
-        raise APIError("Infill is not supported by this model: " + " ".join(f"{k} token is missing." for k in missing),
-                       status_code=501, type="not_supported_error", code=501)
+        raise APIError(
+            "Infill is not supported by this model: " + " ".join(f"{k} token is missing." for k in missing),
+            status_code=501,
+            type="not_supported_error",
+            code=501,
+        )
     req = parse_model(InfillRequest, await request.body())
     params = sampling_params(state, backend, req)
     params = await with_output_constraint(backend, req, params)
@@ -164,8 +168,12 @@ async def infill(request: Request) -> Response:
         return backend.tokenize(text, False, False)
 
     parts = InfillParts(
-        prefix=await native_tokens(backend, req.input_prefix, "input_prefix", add_special=False, parse_special=False),
-        suffix=await native_tokens(backend, req.input_suffix, "input_suffix", add_special=False, parse_special=False),
+        prefix=await native_tokens(
+            backend, req.input_prefix, "input_prefix", add_special=False, parse_special=False
+        ),
+        suffix=await native_tokens(
+            backend, req.input_suffix, "input_suffix", add_special=False, parse_special=False
+        ),
         prompt=tokenize(req.prompt),
         extra=[(c.filename, c.text) for c in req.input_extra],
     )
@@ -237,7 +245,9 @@ async def apply_template(request: Request) -> Response:
     state = worker_state(request)
     backend = ready_backend(state)
     req = parse_model(ApplyTemplateRequest, await request.body())
-    text = render_chat(state, backend, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs)
+    text = render_chat(
+        state, backend, req.messages, req.tools, req.add_generation_prompt, req.chat_template_kwargs
+    )
     return JSONResponse({"prompt": text})
 
 
@@ -320,7 +330,9 @@ async def metrics(request: Request) -> Response:
     if not state.is_metrics_on:
         raise not_enabled("metrics", "--metrics")
     response = Response(state.metrics.render(), media_type=CONTENT_TYPE)
-    response.raw_headers.append((b"Process-Start-Time-Unix", str(state.metrics.t_start).encode()))  # llama-server's casing
+    response.raw_headers.append(
+        (b"Process-Start-Time-Unix", str(state.metrics.t_start).encode())
+    )  # llama-server's casing
     return response
 
 

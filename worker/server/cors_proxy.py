@@ -19,7 +19,9 @@ from worker.protocol.errors import APIError
 
 PREFIX = "x-llama-server-proxy-header-"
 _TIMEOUT_S = 600.0  # llama-server's read/write timeouts
-_HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-encoding", "content-length"})
+_HOP_BY_HOP = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-encoding", "content-length"}
+)
 
 
 def proxied_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
@@ -29,7 +31,11 @@ def proxied_headers(headers: list[tuple[str, str]]) -> dict[str, str]:
 
 async def cors_proxy(request: Request, *, is_enabled: bool) -> Response:
     if not is_enabled:
-        raise APIError("this feature is disabled (start with --ui-mcp-proxy)", status_code=403, type="not_supported_error")
+        raise APIError(
+            "this feature is disabled (start with --ui-mcp-proxy)",
+            status_code=403,
+            type="not_supported_error",
+        )
     url = request.query_params.get("url", "")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:

@@ -80,7 +80,9 @@ class EmbeddingJob:
             while pending:
                 index, event = await self._queue.get()
                 if isinstance(event, ErrorEvent):
-                    raise APIError(event.message, status_code=event.status_code, type=cast(ErrorType, event.type))
+                    raise APIError(
+                        event.message, status_code=event.status_code, type=cast(ErrorType, event.type)
+                    )
                 if isinstance(event, EmbeddingEvent):
                     out[index] = event
                     pending -= 1
@@ -175,14 +177,21 @@ async def _one_input(backend: Vocab, item: Any, param: str) -> list[int]:
                 raise APIError('"content" must be an array of content parts', param=param)
             kinds = {p.get("type", "text") for p in parts} - {"text"}
             if kinds:
-                raise APIError(f"content part type {sorted(kinds)[0]!r} is not supported by this model (text only)",
-                               param=param, type="not_supported_error")
+                raise APIError(
+                    f"content part type {sorted(kinds)[0]!r} is not supported by this model (text only)",
+                    param=param,
+                    type="not_supported_error",
+                )
             text = "".join(str(p.get("text", "")) for p in parts)
             return await native_tokens(backend, text, param)
         if "multimodal_data" in item:
-            raise APIError("Multimodal data provided, but model does not support multimodal requests.", param=param)
+            raise APIError(
+                "Multimodal data provided, but model does not support multimodal requests.", param=param
+            )
         item = item.get("prompt_string")
-    if isinstance(item, str) or (isinstance(item, list) and all(isinstance(x, str) or _is_id(x) for x in item)):
+    if isinstance(item, str) or (
+        isinstance(item, list) and all(isinstance(x, str) or _is_id(x) for x in item)
+    ):
         return await native_tokens(backend, item, param)
     raise APIError(_BAD_INPUT, param=param)
 
@@ -214,17 +223,25 @@ async def _embeddings(request: Request, *, is_oai: bool) -> Response:
         raise APIError("The format to return the embeddings in. Can be either float or base64",
                        param="encoding_format")
     if req.dimensions is not None:
-        raise APIError("dimensions is not supported: this model's embeddings have a fixed size", param="dimensions")
+        raise APIError(
+            "dimensions is not supported: this model's embeddings have a fixed size", param="dimensions"
+        )
     prompts = await _input_prompts(backend, req.input if req.input is not None else req.content)
     events = await EmbeddingJob(state.engine, prompts).results()
     kind = req.embd_normalize if req.embd_normalize is not None else state.embd_normalize
-    vectors = [e.vectors if backend.pooling == "none" else normalize(e.vectors[0], kind)[None] for e in events]
+    vectors = [
+        e.vectors if backend.pooling == "none" else normalize(e.vectors[0], kind)[None] for e in events
+    ]
     if not is_oai:
         return JSONResponse([{"index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)])
     is_b64 = req.encoding_format == "base64"
     data = []
     for i, v in enumerate(vectors):
-        item: dict[str, Any] = {"embedding": _b64(v[0]) if is_b64 else v[0].tolist(), "index": i, "object": "embedding"}
+        item: dict[str, Any] = {
+            "embedding": _b64(v[0]) if is_b64 else v[0].tolist(),
+            "index": i,
+            "object": "embedding",
+        }
         if is_b64:
             item["encoding_format"] = "base64"
         data.append(item)
@@ -313,7 +330,10 @@ def routes() -> list[Route]:
         Route("/v1/embeddings", embeddings_oai, methods=["POST"]),
         Route("/embeddings", embeddings_native, methods=["POST"]),
         Route("/embedding", embeddings_native, methods=["POST"]),
-        *(Route(p, rerank, methods=["POST"]) for p in ("/rerank", "/v1/rerank", "/reranking", "/v1/reranking")),
+        *(
+            Route(p, rerank, methods=["POST"])
+            for p in ("/rerank", "/v1/rerank", "/reranking", "/v1/reranking")
+        ),
     ]
 
 

@@ -68,14 +68,26 @@ def token_probs(info: NativeInfo, ev: TokenEvent, post_sampling: bool = False) -
     }
 
 
-def generation_settings(p: SamplingParams, *, is_stream: bool, banned: tuple[int, ...] = ()) -> dict[str, Any]:
+def generation_settings(
+    p: SamplingParams, *, is_stream: bool, banned: tuple[int, ...] = ()
+) -> dict[str, Any]:
     n_predict = -1 if p.max_tokens is None else p.max_tokens
     bias = {**dict.fromkeys(banned, -math.inf), **p.logit_bias}
     return {
-        "seed": -1 if p.seed is None else p.seed, "temperature": p.temperature, "top_k": p.top_k,
-        "top_p": p.top_p, "min_p": p.min_p, "repeat_last_n": p.repeat_last_n, "repeat_penalty": p.repeat_penalty,
-        "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty, "stop": list(p.stop),
-        "max_tokens": n_predict, "n_predict": n_predict, "ignore_eos": p.ignore_eos, "stream": is_stream,
+        "seed": -1 if p.seed is None else p.seed,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_last_n": p.repeat_last_n,
+        "repeat_penalty": p.repeat_penalty,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "stop": list(p.stop),
+        "max_tokens": n_predict,
+        "n_predict": n_predict,
+        "ignore_eos": p.ignore_eos,
+        "stream": is_stream,
         # -inf (never) is null, as llama-server writes it
         "logit_bias": [{"token": t, "bias": b if math.isfinite(b) else None} for t, b in bias.items()],
         "n_probs": p.top_logprobs,
@@ -137,7 +149,8 @@ class NativeResults:
             "generation_settings": self._settings,
             "prompt": self.info.prompts[index // self.gen.params.n],
             "has_new_line": "\n" in content,
-            "truncated": ev.reason == "length" and ev.stats.n_prompt + ev.stats.n_decoded >= self.info.n_ctx > 0,
+            "truncated": ev.reason == "length"
+            and ev.stats.n_prompt + ev.stats.n_decoded >= self.info.n_ctx > 0,
             "stop_type": _stop_type(ev),
             "stopping_word": ev.stop_word or "",
             "tokens_cached": ev.stats.n_prompt + ev.stats.n_decoded,
@@ -159,9 +172,18 @@ async def stream_native(gen: Generation, results: NativeResults) -> AsyncIterato
                            "id_slot": gen.params.id_slot})
             yield sse(results.final(index, ev))
         elif isinstance(ev, ProgressEvent):
-            yield sse({"index": index, "content": "", "tokens": [], "stop": False, "id_slot": gen.params.id_slot,
-                       "tokens_predicted": 0, "tokens_evaluated": ev.total,
-                       **progress(ev, results.info.timings_per_token)})
+            yield sse(
+                {
+                    "index": index,
+                    "content": "",
+                    "tokens": [],
+                    "stop": False,
+                    "id_slot": gen.params.id_slot,
+                    "tokens_predicted": 0,
+                    "tokens_evaluated": ev.total,
+                    **progress(ev, results.info.timings_per_token),
+                }
+            )
         else:
             gen.cancel()
             yield sse(error_payload(ev))
@@ -189,8 +211,16 @@ def run_native(state: WorkerState, backend: Vocab, req: NativeCompletionRequest 
     texts = [b"".join(backend.token_to_piece(t) for t in p).decode(errors="replace") for p in token_prompts]
     gen = Generation(state.engine, token_prompts, params, quiet_tokens=not req.stream)
     banned = state.eog_ids if params.ignore_eos else ()  # the backends ban them: echoed as llama-server does
-    info = NativeInfo(req.model or state.model_id, backend.token_to_piece, texts, req.return_tokens, req.stream,
-                      req.timings_per_token, backend.n_ctx_seq, banned)
+    info = NativeInfo(
+        req.model or state.model_id,
+        backend.token_to_piece,
+        texts,
+        req.return_tokens,
+        req.stream,
+        req.timings_per_token,
+        backend.n_ctx_seq,
+        banned,
+    )
     results = NativeResults(gen, info)
     if req.stream:
         return event_stream(gen, stream_native(gen, results))

@@ -84,7 +84,12 @@ def timings(stats: TaskStats) -> dict[str, Any]:
 def progress(ev: ProgressEvent, with_timings: bool) -> dict[str, Any]:
     """llama-server's `prompt_progress` (and, with timings_per_token, the timings so far)."""
     out: dict[str, Any] = {
-        "prompt_progress": {"total": ev.total, "cache": ev.cache, "processed": ev.processed, "time_ms": ev.time_ms}
+        "prompt_progress": {
+            "total": ev.total,
+            "cache": ev.cache,
+            "processed": ev.processed,
+            "time_ms": ev.time_ms,
+        }
     }
     if with_timings:
         n = ev.processed - ev.cache
@@ -97,7 +102,9 @@ def progress(ev: ProgressEvent, with_timings: bool) -> dict[str, Any]:
     return out
 
 
-def usage(gen: Generation, finishes: dict[int, FinishEvent], n_reasoning: int | None = None) -> dict[str, Any]:
+def usage(
+    gen: Generation, finishes: dict[int, FinishEvent], n_reasoning: int | None = None
+) -> dict[str, Any]:
     """`n_reasoning`: the reasoning tokens of a chat completion's choices (None: not a chat)."""
     n_prompt = sum(len(p) for p in gen.prompts)
     n_completion = sum(f.stats.n_decoded for f in finishes.values())
@@ -209,7 +216,12 @@ class Choices:
     `chat`: parse each chat choice's text into reasoning, content and tool calls."""
 
     def __init__(
-        self, gen: Generation, info: ResponseInfo, *, echo: list[str] | None = None, chat: ChatOutputConfig | None = None
+        self,
+        gen: Generation,
+        info: ResponseInfo,
+        *,
+        echo: list[str] | None = None,
+        chat: ChatOutputConfig | None = None,
     ) -> None:
         self.gen = gen
         self.info = info
@@ -250,7 +262,9 @@ class Choices:
         first = self.choices[0].finish
         return timings(first.stats) if first else None
 
-    def _body(self, object: str, choices: list[dict[str, Any]], n_reasoning: int | None = None) -> dict[str, Any]:
+    def _body(
+        self, object: str, choices: list[dict[str, Any]], n_reasoning: int | None = None
+    ) -> dict[str, Any]:
         return {
             "id": self.info.id,
             "object": object,
@@ -324,10 +338,21 @@ async def stream_chat(
             elif isinstance(d, ReasoningDelta):
                 out.append(chunk(index, {"reasoning_content": d.text}, **extra))
             elif isinstance(d, ToolCallStart):
-                call = {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": ""}}
+                call = {
+                    "index": d.index,
+                    "id": d.id,
+                    "type": "function",
+                    "function": {"name": d.name, "arguments": ""},
+                }
                 out.append(chunk(index, {"tool_calls": [call]}, **extra))
             elif isinstance(d, ToolArgsDelta):
-                out.append(chunk(index, {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]}, **extra))
+                out.append(
+                    chunk(
+                        index,
+                        {"tool_calls": [{"index": d.index, "function": {"arguments": d.text}}]},
+                        **extra,
+                    )
+                )
         if lp is not None and not out:
             out.append(chunk(index, {}, logprobs=lp))
         return out
@@ -375,7 +400,12 @@ async def stream_chat(
 
 
 async def stream_completion(
-    gen: Generation, info: ResponseInfo, *, include_usage: bool, echo: list[str] | None, timings_per_token: bool = False
+    gen: Generation,
+    info: ResponseInfo,
+    *,
+    include_usage: bool,
+    echo: list[str] | None,
+    timings_per_token: bool = False,
 ) -> AsyncIterator[bytes]:
     want_lp = gen.params.logprobs
     head = {"id": info.id, "object": "text_completion", "created": info.created, "model": info.model}

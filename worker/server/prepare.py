@@ -76,8 +76,13 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
         legacy_reasoning=reasoning == "deepseek-legacy",
     )
     chat = output if output.tool_format is not None or output.reasoning is not None else None
-    budget = reasoning_budget(req.thinking_budget_tokens, markers, output.starts_in_reasoning, params.grammar is not None,
-                              lambda t: backend.tokenize(t, False, True))
+    budget = reasoning_budget(
+        req.thinking_budget_tokens,
+        markers,
+        output.starts_in_reasoning,
+        params.grammar is not None,
+        lambda t: backend.tokenize(t, False, True),
+    )
     if budget is not None:
         params = dataclasses.replace(params, reasoning_budget=budget)
     tokens = await tokenize_text(backend, text, True, True)
@@ -106,7 +111,9 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 _CONTINUE_MARK = "\u2063omni-continue\u2063"  # cut the rendered prompt here to continue the last message
 
 
-def continues_final_message(messages: list[ChatMessage], continue_final: bool | None, add_generation_prompt: bool) -> bool:
+def continues_final_message(
+    messages: list[ChatMessage], continue_final: bool | None, add_generation_prompt: bool
+) -> bool:
     """llama-server's rule (server-common.cpp): a last assistant message is continued (prefill)
     unless continue_final_message says otherwise; two trailing assistant messages, continuing
     while adding a generation prompt, or continuing tool calls are 400s."""
@@ -115,13 +122,17 @@ def continues_final_message(messages: list[ChatMessage], continue_final: bool | 
         if last.role != "assistant":
             return False
         if len(messages) >= 2 and messages[-2].role == "assistant":
-            raise APIError("Cannot have 2 or more assistant messages at the end of the list.", param="messages")
+            raise APIError(
+                "Cannot have 2 or more assistant messages at the end of the list.", param="messages"
+            )
         return True
     if continue_final and add_generation_prompt:
         raise APIError("Cannot set both add_generation_prompt and continue_final_message to true.",
                        param="continue_final_message")
     if continue_final and last.role == "assistant" and last.tool_calls:
-        raise APIError("Cannot continue an assistant message that contains tool calls.", param="continue_final_message")
+        raise APIError(
+            "Cannot continue an assistant message that contains tool calls.", param="continue_final_message"
+        )
     return continue_final and last.role == "assistant"
 
 
@@ -151,8 +162,10 @@ def render_chat(
         raise APIError(f"chat template error: {e}", param="messages") from None
     if continue_final:
         if _CONTINUE_MARK not in text:
-            raise APIError("the chat template does not render the final assistant message: it cannot be continued",
-                           param="messages")
+            raise APIError(
+                "the chat template does not render the final assistant message: it cannot be continued",
+                param="messages",
+            )
         text = text[: text.index(_CONTINUE_MARK)]
     bos = backend.meta.bos_token
     if backend.meta.add_bos and bos and text.startswith(bos):
@@ -160,7 +173,9 @@ def render_chat(
     return text
 
 
-def _chat_grammar(backend: Vocab, tools: ToolSet | None, fmt: ToolFormat, c: Constraint | None) -> Grammar | None:
+def _chat_grammar(
+    backend: Vocab, tools: ToolSet | None, fmt: ToolFormat, c: Constraint | None
+) -> Grammar | None:
     """The chat request's one grammar: a forced tool call, a JSON answer or a call (tool_choice
     auto with a JSON schema), or the output constraint alone. Blocking: run it in a thread."""
     if tools is None or not tools.is_active:
@@ -185,7 +200,9 @@ def reasoning_format(state: WorkerState, value: str | None) -> str:
 def sampling_params(state: WorkerState, backend: Vocab, req: Any) -> SamplingParams:
     """The request's SamplingParams, logit_bias text keys tokenized (no specials)."""
     try:
-        params: SamplingParams = req.to_sampling_params(state.defaults, lambda text: backend.tokenize(text, False, False))
+        params: SamplingParams = req.to_sampling_params(
+            state.defaults, lambda text: backend.tokenize(text, False, False)
+        )
     except ValueError as e:
         raise APIError(str(e), param="logit_bias") from None
     return params

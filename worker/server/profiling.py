@@ -192,7 +192,9 @@ async def _stop(request: Request) -> Response:
     out: dict[str, Any] = {"stopped": [r.run_id for r in stopped]}
     torch_run = _TORCH.run
     if torch_run is not None and any(r.run_id == torch_run.run_id for r in stopped):
-        out["torch_trace"] = await asyncio.wrap_future(state.engine.call(lambda: _TORCH.stop(PROFILER.component)))
+        out["torch_trace"] = await asyncio.wrap_future(
+            state.engine.call(lambda: _TORCH.stop(PROFILER.component))
+        )
     return JSONResponse(out)
 
 

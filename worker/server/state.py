@@ -34,7 +34,9 @@ class WorkerState:
     aliases: tuple[str, ...] = ()  # -a a,b: every name the model answers to (model_id is the first, sorted)
     is_slots_on: bool = True  # GET /slots (--slots / --no-slots)
     is_metrics_on: bool = True  # GET /metrics (omni-worker --metrics; the CLI's default is off)
-    template_kwargs: dict[str, Any] = field(default_factory=dict)  # --reasoning on|off: enable_thinking (a request's win)
+    template_kwargs: dict[str, Any] = field(
+        default_factory=dict
+    )  # --reasoning on|off: enable_thinking (a request's win)
     is_cors_proxy_on: bool = False  # --ui-mcp-proxy: GET/POST /cors-proxy (403 without it, as llama-server)
     is_props_on: bool = False  # --props: POST /props answers (501 without it, as llama-server)
     slot_save_path: str | None = None  # --slot-save-path: POST /slots/{id}?action=save|restore

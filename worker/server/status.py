@@ -40,7 +40,10 @@ def _default_params(d: SamplingParams) -> dict[str, Any]:
 def props(state: WorkerState, backend: Vocab) -> dict[str, Any]:
     m = backend.meta
     return {
-        "default_generation_settings": {"n_ctx": backend.n_ctx_seq, "params": _default_params(state.defaults)},
+        "default_generation_settings": {
+            "n_ctx": backend.n_ctx_seq,
+            "params": _default_params(state.defaults),
+        },
         "total_slots": state.engine.n_slots,
         "model_alias": state.model_id,
         "model_path": state.model_path,

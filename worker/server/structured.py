@@ -70,7 +70,9 @@ def check_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool) -> To
                            param=f"{where}.type")
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise APIError(f"{where}.function.name must be a non-empty string", param=f"{where}.function.name")
+            raise APIError(
+                f"{where}.function.name must be a non-empty string", param=f"{where}.function.name"
+            )
         params = fn.get("parameters")
         if params is not None and not (isinstance(params, dict) and params.get("type", "object") == "object"):
             raise APIError(f"{where}.function.parameters must be a JSON schema of type object",
@@ -129,7 +131,9 @@ def _response_format(fmt: dict[str, Any]) -> Constraint | None:
         return None
     if kind == "json_object":
         schema = fmt.get("schema", {"type": "object"})
-        return Constraint("json_schema", schema, "response_format.schema" if "schema" in fmt else "response_format")
+        return Constraint(
+            "json_schema", schema, "response_format.schema" if "schema" in fmt else "response_format"
+        )
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if spec is None and "schema" in fmt:  # llama-server's flat form
@@ -138,8 +142,10 @@ def _response_format(fmt: dict[str, Any]) -> Constraint | None:
             raise APIError("response_format.json_schema must be an object with a 'schema'",
                            param="response_format.json_schema")
         return Constraint("json_schema", spec.get("schema", {}), "response_format.json_schema.schema")
-    raise APIError(f"response_format type {kind!r} is not supported: use 'text', 'json_object' or 'json_schema'",
-                   param="response_format.type")
+    raise APIError(
+        f"response_format type {kind!r} is not supported: use 'text', 'json_object' or 'json_schema'",
+        param="response_format.type",
+    )
 
 
 def compile_constraint(backend: Vocab, c: Constraint) -> Grammar:
@@ -190,7 +196,12 @@ def tool_call_lark(backend: Vocab, fmt: ToolFormat, tools: ToolSet, content: Con
     call_json = json_schema_lark(schemas[0] if len(schemas) == 1 else {"anyOf": schemas})
     lit = _Literals(backend)
     if fmt is ToolFormat.HERMES:
-        call, sep, head, tail = f'{lit("<tool_call>")} "\\n" json_call "\\n" {lit("</tool_call>")}', '"\\n"', "", ""
+        call, sep, head, tail = (
+            f'{lit("<tool_call>")} "\\n" json_call "\\n" {lit("</tool_call>")}',
+            '"\\n"',
+            "",
+            "",
+        )
     elif fmt is ToolFormat.MISTRAL:
         call, sep, head, tail = "json_call", '", "', f'{lit("[TOOL_CALLS]")} "["', '"]"'
     else:

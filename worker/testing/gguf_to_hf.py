@@ -118,7 +118,9 @@ def hf_config(model: GGUFModel) -> dict[str, Any]:
     head_dim = int(model.get("llama.rope.dimension_count", n_embd // n_head))
     theta = float(model.get("llama.rope.freq_base", 10000.0))
     if model.get("llama.rope.scaling.type") not in (None, "none"):
-        raise ConversionError(f"llama.rope.scaling.type {model.get('llama.rope.scaling.type')!r} is not supported")
+        raise ConversionError(
+            f"llama.rope.scaling.type {model.get('llama.rope.scaling.type')!r} is not supported"
+        )
     eps = float(np.float32(model.need("llama.attention.layer_norm_rms_epsilon")))
     return {
         "architectures": ["LlamaForCausalLM"],
@@ -152,7 +154,9 @@ def hf_tokenizer_json(model: GGUFModel) -> str:
 
     kind = model.need("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ConversionError(f"tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, byte-level BPE)")
+        raise ConversionError(
+            f"tokenizer.ggml.model {kind!r} is not supported (supported: gpt2, byte-level BPE)"
+        )
     pre = str(model.get("tokenizer.ggml.pre", "gpt-2"))
     if pre not in _PRE_TOKENIZERS:
         raise ConversionError(

@@ -83,8 +83,9 @@ SPECS = {
     # ~135 MB in F16: benchmarks. Tied embeddings exercise the "no output.weight" GGUF path.
     "small": ModelSpec("small-llama", 8192, 768, 12, 12, 4, 1536, 8192, tie_embeddings=True, seed=4321),
     # ~1 MB: rerank tests (a classifier head on both backends).
-    "tiny-reranker": ModelSpec("tiny-qwen3-reranker", 1024, 64, 2, 4, 2, 192, 4096, tie_embeddings=False, seed=2468,
-                               arch="qwen3"),
+    "tiny-reranker": ModelSpec(
+        "tiny-qwen3-reranker", 1024, 64, 2, 4, 2, 192, 4096, tie_embeddings=False, seed=2468, arch="qwen3"
+    ),
 }
 
 
@@ -132,7 +133,9 @@ def _corpus(seed: int, n_lines: int) -> list[str]:
         elif kind < 0.9:
             line = rng.choice(_CODE)
         else:
-            line = f"<|im_start|>{rng.choice(['user', 'assistant', 'system'])}\n{rng.choice(_WORDS)}<|im_end|>"
+            line = (
+                f"<|im_start|>{rng.choice(['user', 'assistant', 'system'])}\n{rng.choice(_WORDS)}<|im_end|>"
+            )
         lines.append(line)
     return lines
 
@@ -186,13 +189,17 @@ def make_weights(spec: ModelSpec, n_vocab: int) -> dict[str, np.ndarray]:
     h, kv = spec.hidden, spec.kv_heads * spec.head_dim
 
     def lin(rows: int, cols: int) -> np.ndarray:
-        out: np.ndarray = (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(np.float32)
+        out: np.ndarray = (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(
+            np.float32
+        )
         return out
 
     def norm(n: int) -> np.ndarray:
         return (1.0 + 0.1 * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
 
-    w: dict[str, np.ndarray] = {"model.embed_tokens.weight": rng.standard_normal((n_vocab, h), dtype=np.float32)}
+    w: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.standard_normal((n_vocab, h), dtype=np.float32)
+    }
     for i in range(spec.layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(h)
@@ -275,7 +282,9 @@ def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, 
         config["use_sliding_window"] = False
         (out_dir / "README.md").write_text("# Qwen3-Reranker (tiny, random weights, for tests)\n")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n"
+    )
     (out_dir / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
     tok.save(str(out_dir / "tokenizer.json"))
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -335,7 +344,9 @@ def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, n
         p, b = f"model.layers.{i}.", f"blk.{i}."
         put(b + "attn_norm.weight", weights[p + "input_layernorm.weight"])
         q, k = weights[p + "self_attn.q_proj.weight"], weights[p + "self_attn.k_proj.weight"]
-        put(b + "attn_q.weight", q if is_qwen3 else _permute_qk(q, spec.heads))  # qwen3: NEOX RoPE, HF's layout
+        put(
+            b + "attn_q.weight", q if is_qwen3 else _permute_qk(q, spec.heads)
+        )  # qwen3: NEOX RoPE, HF's layout
         put(b + "attn_k.weight", k if is_qwen3 else _permute_qk(k, spec.kv_heads))
         if is_qwen3:
             put(b + "attn_q_norm.weight", weights[p + "self_attn.q_norm.weight"])

@@ -19,7 +19,9 @@ class FimTokens:
 
     def missing(self) -> list[str]:
         """The kinds /infill needs that the model lacks (empty: infill works)."""
-        return [kind for kind, t in (("prefix", self.pre), ("suffix", self.suf), ("middle", self.mid)) if t < 0]
+        return [
+            kind for kind, t in (("prefix", self.pre), ("suffix", self.suf), ("middle", self.mid)) if t < 0
+        ]
 
 
 # llama.cpp's names for FIM tokens in a vocabulary without FIM metadata (llama-vocab.cpp)

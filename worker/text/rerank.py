@@ -36,5 +36,9 @@ def is_qwen3_reranker(model_dir: Path) -> bool:
         readme = ""
     if "# qwen3-reranker" in readme:
         return True
-    hints = [model_dir.resolve().name, str(cfg.get("_name_or_path", "")), *map(str, cfg.get("architectures") or [])]
+    hints = [
+        model_dir.resolve().name,
+        str(cfg.get("_name_or_path", "")),
+        *map(str, cfg.get("architectures") or []),
+    ]
     return any("qwen3-reranker" in h.lower() for h in hints)

@@ -192,7 +192,11 @@ def _parse_mistral(text: str) -> tuple[str, list[ToolCall]]:
             raise _Malformed
 
 
-_PARSERS = {ToolFormat.HERMES: _parse_hermes, ToolFormat.LLAMA3: _parse_llama3, ToolFormat.MISTRAL: _parse_mistral}
+_PARSERS = {
+    ToolFormat.HERMES: _parse_hermes,
+    ToolFormat.LLAMA3: _parse_llama3,
+    ToolFormat.MISTRAL: _parse_mistral,
+}
 
 
 def _call_object(text: str, i: int) -> tuple[ToolCall, int]:
@@ -472,7 +476,11 @@ _MOVES = {
     (_S.ARRAY_NEXT, "]"): (1, _S.NEXT_SEGMENT),
     (_S.ARGS_SEEK, "{"): (0, _S.ARGS),
 }
-_AFTER_OBJECT = {ToolFormat.HERMES: _S.CLOSE, ToolFormat.LLAMA3: _S.SEPARATOR, ToolFormat.MISTRAL: _S.ARRAY_NEXT}
+_AFTER_OBJECT = {
+    ToolFormat.HERMES: _S.CLOSE,
+    ToolFormat.LLAMA3: _S.SEPARATOR,
+    ToolFormat.MISTRAL: _S.ARRAY_NEXT,
+}
 
 
 @dataclass(slots=True)

@@ -100,7 +100,9 @@ def _build(cc: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir)
     os.close(fd)
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True)
+        subprocess.run(
+            [cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, check=True
+        )
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -148,9 +150,22 @@ class Kernels:
         """RoPE on q (in place in qkv) and k (into k_cache[cells]); v copied into v_cache[cells].
         q_norm/k_norm: per-head RMSNorm weights applied first (Qwen3), or None."""
         self._rope_store(
-            qkv.data_ptr(), qkv.shape[0], qkv.stride(0), n_heads, n_kv_heads, head_dim, cos.data_ptr(),
-            sin.data_ptr(), positions.data_ptr(), cells.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(), eps, nt,
+            qkv.data_ptr(),
+            qkv.shape[0],
+            qkv.stride(0),
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            positions.data_ptr(),
+            cells.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            None if q_norm is None else q_norm.data_ptr(),
+            None if k_norm is None else k_norm.data_ptr(),
+            eps,
+            nt,
             _bf(qkv),
         )
 
@@ -167,9 +182,24 @@ class Kernels:
         """Attention of every row of q (q heads first in each row, any row stride) into out: row t
         over the cells tables[row_seq[t], 0..row_pos[t]] (see omni_attn in cpu_kernels.c)."""
         self._attn(
-            out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), q.shape[0], n_heads, n_kv_heads, head_dim,
-            k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), row_seq.data_ptr(),
-            row_pos.data_ptr(), window or 0, head_dim**-0.5, nt, _bf(q),
+            out.data_ptr(),
+            out.stride(0),
+            q.data_ptr(),
+            q.stride(0),
+            q.shape[0],
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            row_seq.data_ptr(),
+            row_pos.data_ptr(),
+            window or 0,
+            head_dim**-0.5,
+            nt,
+            _bf(q),
         )
 
 

@@ -68,7 +68,9 @@ class DecodeGraphs:
 
     def _forward(self, bs: int, span: int) -> Tensor:
         seq_ids, positions = self.seq_ids[:bs], self.positions[:bs]
-        mask = pool_mask(self.cell_seqs[:span], self.cell_pos[:span], seq_ids, positions, self.group, self.window)
+        mask = pool_mask(
+            self.cell_seqs[:span], self.cell_pos[:span], seq_ids, positions, self.group, self.window
+        )
         plan = AttnPlan(self.cells[:0], seq_ids, positions, [AttnGroup(slice(0, bs), None, mask)])
         logits: Tensor = self.model(
             self.tokens[:bs], positions, self.cells[:bs], plan, self.rows[:bs], self.kv.k, self.kv.v
@@ -95,7 +97,9 @@ class DecodeGraphs:
     def can_run(self, n_tokens: int, n_entries: int, n_rows: int) -> bool:
         return n_tokens == n_entries == n_rows and n_tokens <= self.sizes[-1]
 
-    def run(self, tokens: np.ndarray, positions: np.ndarray, cells: np.ndarray, seq_ids: np.ndarray) -> Tensor:
+    def run(
+        self, tokens: np.ndarray, positions: np.ndarray, cells: np.ndarray, seq_ids: np.ndarray
+    ) -> Tensor:
         n = len(tokens)
         if int(positions.max()) >= self.n_pos:
             raise ValueError(f"position {int(positions.max())} beyond the captured RoPE table ({self.n_pos})")
@@ -105,7 +109,9 @@ class DecodeGraphs:
         span = next(x for x in self.spans if x >= top)
         pad = bs - n  # padding rows repeat row 0 but write the scratch cell (module doc)
         self.tokens[:bs].copy_(torch.from_numpy(np.concatenate([tokens, np.repeat(tokens[:1], pad)])))
-        self.positions[:bs].copy_(torch.from_numpy(np.concatenate([positions, np.repeat(positions[:1], pad)])))
+        self.positions[:bs].copy_(
+            torch.from_numpy(np.concatenate([positions, np.repeat(positions[:1], pad)]))
+        )
         self.cells[:bs].copy_(torch.from_numpy(np.concatenate([cells, np.full(pad, self.kv.scratch_cell)])))
         self.seq_ids[:bs].copy_(torch.from_numpy(np.concatenate([seq_ids, np.repeat(seq_ids[:1], pad)])))
         self.cell_seqs[:span].copy_(torch.from_numpy(self.kv.cell_seqs[:span]))

@@ -156,7 +156,9 @@ class KVCache:
             token_seq, positions = seqs, starts
         else:
             token_seq = np.repeat(seqs, counts)
-            positions = np.arange(n, dtype=np.int64) + np.repeat(starts - (np.cumsum(counts) - counts), counts)
+            positions = np.arange(n, dtype=np.int64) + np.repeat(
+                starts - (np.cumsum(counts) - counts), counts
+            )
         self.refs[cells] = 1
         self.tables[token_seq, positions] = cells
         if unique:

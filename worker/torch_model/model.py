@@ -200,7 +200,14 @@ def _param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 class Layer(nn.Module):
     def __init__(
-        self, cfg: ModelConfig, *, qkv_bias: bool, o_bias: bool, qk_norm: bool, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: ModelConfig,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        dtype: torch.dtype,
+        device: torch.device,
     ) -> None:
         super().__init__()
         h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
@@ -227,7 +234,14 @@ class Layer(nn.Module):
             param.data = param.data.new_empty(0)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, cells: Tensor, plan: AttnPlan
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        cells: Tensor,
+        plan: AttnPlan,
     ) -> Tensor:
         cfg, t = self.cfg, x.shape[0]
         eps = cfg.rms_norm_eps
@@ -256,9 +270,24 @@ class Layer(nn.Module):
         cfg = self.cfg
         eps, h, kvh, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         qkv = linear(kern.rms_norm(x, self.input_norm, eps, nt), self.w["qkv"], self.qkv_bias)
-        kern.rope_store(qkv, h, kvh, d, cos, sin, positions, cells, k_cache, v_cache, self.q_norm, self.k_norm, eps, nt)
+        kern.rope_store(
+            qkv, h, kvh, d, cos, sin, positions, cells, k_cache, v_cache, self.q_norm, self.k_norm, eps, nt
+        )
         o = qkv.new_empty((x.shape[0], h * d))
-        kern.attn(o, qkv, h, kvh, d, k_cache, v_cache, plan.tables, plan.row_seq, plan.row_pos, cfg.sliding_window, nt)
+        kern.attn(
+            o,
+            qkv,
+            h,
+            kvh,
+            d,
+            k_cache,
+            v_cache,
+            plan.tables,
+            plan.row_seq,
+            plan.row_pos,
+            cfg.sliding_window,
+            nt,
+        )
         x = linear_add(o, self.w["o"], self.o_bias, x)
         gate_up = linear(kern.rms_norm(x, self.post_norm, eps, nt), self.w["gate_up"])
         return linear_add(kern.silu_mul(gate_up, nt), self.w["down"], None, x)
@@ -288,7 +317,11 @@ class Model(nn.Module):
             for _ in range(cfg.num_layers)
         )
         self.norm = _param((cfg.hidden_size,), dtype, device)
-        self.lm_head = self.embed if cfg.tie_word_embeddings else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        self.lm_head = (
+            self.embed
+            if cfg.tie_word_embeddings
+            else _param((cfg.vocab_size, cfg.hidden_size), dtype, device)
+        )
         self.w: dict[str, Tensor] = {"lm_head": self.lm_head}  # see Layer.w
         self.cos = torch.empty(0)
         self.sin = torch.empty(0)
@@ -324,8 +357,11 @@ class Model(nn.Module):
         counts = [m for m in PROBE_ROWS if m <= max_rows]
         gen = torch.Generator().manual_seed(0)
         cases = [
-            (layer.w["qkv"], layer.qkv_bias, False), (layer.w["o"], layer.o_bias, True),
-            (layer.w["gate_up"], None, False), (layer.w["down"], None, True), (self.w["lm_head"], None, False),
+            (layer.w["qkv"], layer.qkv_bias, False),
+            (layer.w["o"], layer.o_bias, True),
+            (layer.w["gate_up"], None, False),
+            (layer.w["down"], None, True),
+            (self.w["lm_head"], None, False),
         ]
         return all(_rows_agree(w, bias, add, counts, self.dtype, gen) for w, bias, add in cases)
 
@@ -365,13 +401,25 @@ class Model(nn.Module):
 
     @torch.inference_mode()
     def hidden_states(
-        self, tokens: Tensor, positions: Tensor, cells: Tensor, plan: AttnPlan, k_cache: Tensor, v_cache: Tensor
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cells: Tensor,
+        plan: AttnPlan,
+        k_cache: Tensor,
+        v_cache: Tensor,
     ) -> Tensor:
         """Every row's final-normed hidden state [T, H] (what llama.cpp's embeddings pool)."""
         return self._final_norm(self._trunk(tokens, positions, cells, plan, k_cache, v_cache))
 
     def _trunk(
-        self, tokens: Tensor, positions: Tensor, cells: Tensor, plan: AttnPlan, k_cache: Tensor, v_cache: Tensor
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        cells: Tensor,
+        plan: AttnPlan,
+        k_cache: Tensor,
+        v_cache: Tensor,
     ) -> Tensor:
         x = F.embedding(tokens, self.embed)
         kern = self.kernels

@@ -115,7 +115,9 @@ def _apply_penalties(x: Tensor, states: Sequence[SamplerState], params: Sequence
     x[r, t] = v
 
 
-def _draw(x: Tensor, states: Sequence[SamplerState], params: Sequence[SamplingParams]) -> tuple[Tensor, Tensor, Tensor]:
+def _draw(
+    x: Tensor, states: Sequence[SamplerState], params: Sequence[SamplingParams]
+) -> tuple[Tensor, Tensor, Tensor]:
     """top_k -> top_p -> min_p -> temperature -> one draw per row; returns (token ids [S], the final
     probabilities [S, K] of the candidates [S, K], most likely first)."""
     n_vocab = x.shape[1]

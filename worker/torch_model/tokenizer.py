@@ -30,7 +30,11 @@ _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode table (byte-level BPE vocabularies)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -123,6 +127,7 @@ class HFTokenizer:
 
     def fim_tokens(self) -> FimTokens:
         """Fill-in-the-middle tokens found by their usual names (as llama.cpp does for a GGUF without them)."""
+
         def find(kind: str) -> int:
             ids = (self._tok.token_to_id(text) for text in FIM_TOKEN_TEXTS[kind])
             return next((i for i in ids if i is not None), -1)

@@ -47,7 +47,11 @@ def iter_tensors(
     dev = torch.device(device)
     for path in files:
         # safetensors can place tensors on a CUDA device directly; conversion happens there.
-        open_device = f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}" if dev.type == "cuda" else "cpu"
+        open_device = (
+            f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
+            if dev.type == "cuda"
+            else "cpu"
+        )
         with safe_open(str(path), framework="pt", device=open_device) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensor = f.get_tensor(name)
