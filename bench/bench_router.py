@@ -247,7 +247,8 @@ def main() -> None:
     print(f"  wake from sleep -> first token {lc['wake_ttft_s'] * 1000:5.1f} ms"
           f" = {lc['wake_over_cold'] * 100:.1f}% of cold (target <= 25%)")
     print(
-        f"  swap A->B (models-max 1)    {sw['swap_s'] * 1000:8.1f} ms; B cold alone {sw['cold_request_s'] * 1000:.1f} ms;"
+        f"  swap A->B (models-max 1)    {sw['swap_s'] * 1000:8.1f} ms; "
+        f"B cold alone {sw['cold_request_s'] * 1000:.1f} ms;"
         f" swap overhead {sw['swap_overhead_s'] * 1000:.1f} ms (target < 2000 ms + load)"
     )
     if args.json:

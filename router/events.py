@@ -10,7 +10,8 @@ model on connect (a snapshot). Request events are `request` (`{"model", "path", 
 "is_cancelled", "trace"}`; `trace` is the `router.observability.request_trace.RequestTrace`, not JSON), one
 per proxied request when it ends. Lifecycle details for router.observability.metrics: `load_started` (a spawn
 begins), `wake_started`, `evicted` (`{"model", "reason"}`: `lru`, `idle`).
-Subscribers: /models/sse, router.observability.metrics, the request log (router.observability.logs), router.observability.profiling.
+Subscribers: /models/sse, router.observability.metrics, the request log (router.observability.logs),
+router.observability.profiling.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """omni-worker: one model behind an OpenAI-compatible HTTP server, with slot-based continuous batching.
 
-    protocol/     what router and worker share: the error envelope, request types, the CORS/API-key front, profile logs
+    protocol/     what router and worker share: the error envelope, request types, the CORS/API-key front,
+                  profile logs
     text/         pure text handling: chat templates, detokenizing, stop strings, tool calls, reasoning
     torch_model/  our own PyTorch Llama-family model (the torch backend's forward pass, KV pages, sampler)
     backends/     the Backend Protocol (engine-only) and its thread-safe Vocab; llama.cpp and torch behind it

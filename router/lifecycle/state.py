@@ -37,7 +37,8 @@ class Phase(StrEnum):
         SPAWNING                Spawned                                STARTING
         SPAWNING                LoadFailed (spawn error)               FAILED
         SPAWNING                unload                                 SPAWNING_THEN_STOP (a process may
-                                                                                  be on its way: never orphan it)
+                                                                                  be on its way:
+                                                                                  never orphan it)
         SPAWNING_THEN_STOP      Spawned                                STOPPING
         SPAWNING_THEN_STOP      LoadFailed                             UNLOADED
         STARTING|WAKING         Progress                               (same)     (progress shown)

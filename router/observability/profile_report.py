@@ -132,7 +132,10 @@ def write_report(tls: list[RequestTimeline], out: TextIO, *, with_timelines: boo
                     if k not in ("ts", "event", "request_id", "component", "pid", "run_id") and v is not None
                 }
                 detail = " ".join(f"{k}={v}" for k, v in extra.items())
-                line = f"  {(float(e['ts']) - t0) * 1e3:10.3f} ms  {e['component']:<24} {e['event']:<14} {detail}"
+                line = (
+                    f"  {(float(e['ts']) - t0) * 1e3:10.3f} ms  "
+                    f"{e['component']:<24} {e['event']:<14} {detail}"
+                )
                 out.write(line.rstrip() + "\n")
             out.write("\n")
     rows = summary(tls)

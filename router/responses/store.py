@@ -121,7 +121,8 @@ class Store:
             )
             db.execute("DELETE FROM conversations WHERE created_at < ?", (cutoff,))
             db.execute(
-                "DELETE FROM conversations WHERE id IN (SELECT id FROM conversations ORDER BY created_at DESC, "
+                "DELETE FROM conversations WHERE id IN "
+                "(SELECT id FROM conversations ORDER BY created_at DESC, "
                 "rowid DESC LIMIT -1 OFFSET ?)",
                 (self.max_entries,),
             )

@@ -82,7 +82,8 @@ def test_kill_9_mid_stream_gives_every_client_an_error_event_then_respawns(route
         assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200  # respawned
     assert r.status("a") == "loaded" and r.models()["a"]["meta"]["pid"] != worker.pid
     report(
-        f"kill -9 mid-stream: {n_clients} streams, {n_clients} SSE error events, 0 hung; next request respawned"
+        f"kill -9 mid-stream: {n_clients} streams, {n_clients} SSE error events, 0 hung; "
+        "next request respawned"
     )
 
 
@@ -130,8 +131,8 @@ def test_a_worker_ignoring_sigterm_is_killed_after_stop_timeout_when_the_router_
     elapsed = time.monotonic() - t0
     assert 0.9 < elapsed < 10
     report(
-        f"worker ignoring SIGTERM: router stopped, worker SIGKILLed {elapsed:.1f}s after the router's SIGTERM "
-        "(stop-timeout 1 s)"
+        f"worker ignoring SIGTERM: router stopped, worker SIGKILLed {elapsed:.1f}s "
+        "after the router's SIGTERM (stop-timeout 1 s)"
     )
 
 

@@ -95,7 +95,8 @@ def test_every_route_but_health_and_static_files_needs_the_key(
 
 
 def test_keys_are_compared_in_constant_time_against_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The router's key check is the worker's (worker.protocol.front), configured with the router's public paths.
+    # The router's key check is the worker's (worker.protocol.front), configured with the router's
+    # public paths.
     async def app(scope: Any, receive: Any, send: Any) -> None: ...
 
     guard = front.RequireAPIKey(app, ("k1", "k2", "k3"), public_paths=PUBLIC_PATHS)

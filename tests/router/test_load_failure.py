@@ -17,10 +17,10 @@ TRUNCATED = [
     "06:50:51.367 INFO worker: exit 1",
 ]
 NOT_GGUF = [
-    "06:50:53.199 WARNING worker.llama_cpp: llama.cpp: gguf_init_from_reader: invalid magic characters: 'not ', "
-    "expected 'GGUF'",
-    "06:50:53.199 WARNING worker.llama_cpp: llama.cpp: llama_model_load: error loading model: llama_model_loader: "
-    "failed to load model from /tmp/junk.gguf",
+    "06:50:53.199 WARNING worker.llama_cpp: llama.cpp: gguf_init_from_reader: "
+    "invalid magic characters: 'not ', expected 'GGUF'",
+    "06:50:53.199 WARNING worker.llama_cpp: llama.cpp: llama_model_load: error loading model: "
+    "llama_model_loader: failed to load model from /tmp/junk.gguf",
     "06:50:53.199 ERROR worker.engine.engine: model load failed: llama.cpp failed to load '/tmp/junk.gguf' "
     "(not a valid GGUF model?)",
 ]

@@ -159,7 +159,7 @@ async def test_a_model_that_can_never_fit_is_refused_with_figures_and_not_failed
 
 
 @pytest.mark.asyncio
-async def test_queued_then_unload_or_every_waiter_leaving_returns_to_unloaded_and_undrains_the_busy_model() -> (
+async def test_queued_then_unload_or_every_waiter_leaving_returns_to_unloaded_and_undrains_the_busy_model() -> (  # noqa: E501  # the test's name is its description
     None
 ):
     """QUEUED -> UNLOADED (unload, waiters gone); READY -> DRAINING -> READY (queue emptied)."""
@@ -333,7 +333,8 @@ async def test_a_sleep_that_fails_or_a_server_that_cannot_sleep_is_stopped_inste
 
 @pytest.mark.asyncio
 async def test_idle_tiers_sleep_after_ttl_then_stop_after_unload_after() -> None:
-    """READY -> (ttl) FALLING_ASLEEP -> SLEEPING -> (unload-after) STOPPING; READY -> (unload-after) STOPPING."""
+    """READY -> (ttl) FALLING_ASLEEP -> SLEEPING -> (unload-after) STOPPING;
+    READY -> (unload-after) STOPPING."""
     async with rig(idle=IdleDefaults(sleep_idle_seconds=0.02, unload_idle_seconds=0.2)) as r:
         h = r.add("a")
         await r.up(h)
@@ -477,7 +478,7 @@ async def test_the_peak_measured_while_up_is_the_next_loads_estimate() -> None:
 
 
 @pytest.mark.asyncio
-async def test_a_reload_applies_at_once_when_unloaded_requeues_when_queued_and_restarts_a_load_or_a_sleeper() -> (
+async def test_a_reload_applies_at_once_when_unloaded_requeues_when_queued_and_restarts_a_load_or_a_sleeper() -> (  # noqa: E501  # the test's name is its description
     None
 ):
     """UNLOADED|FAILED, QUEUED, STARTING (-> _Ready -> STOPPING), SLEEPING (-> STOPPING) on a reload."""

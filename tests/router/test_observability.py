@@ -111,7 +111,8 @@ def test_metrics_count_requests_tokens_a_load_and_an_eviction(router_factory: Fa
         "\nllamacpp:tokens_predicted_total 4\n" in raw
     )  # ?model= is still the worker's own page (llama-server's text)
     print(
-        f"\nload a: {load_s:.3f}s; queue sum a: {value(after, 'omni_router:request_queue_seconds_sum', model='a'):.3f}s; "
+        f"\nload a: {load_s:.3f}s; "
+        f"queue sum a: {value(after, 'omni_router:request_queue_seconds_sum', model='a'):.3f}s; "
         f"e2e sum a (3 req): {value(after, 'omni_router:e2e_request_latency_seconds_sum', model='a'):.3f}s"
     )
 

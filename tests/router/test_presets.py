@@ -306,7 +306,8 @@ def test_demo_presets_parse_to_the_same_models(name: str) -> None:
         (["--bogus"], r"^omni-router: error: No such option: --bogus.*$"),
         (
             ["--preset", "{good}", "--ram-budget", "lots"],
-            r"^omni-router: error: Invalid value for --ram-budget: expected a size like 512M, 20GiB or a number of bytes$",
+            r"^omni-router: error: Invalid value for --ram-budget: "
+            r"expected a size like 512M, 20GiB or a number of bytes$",
         ),
         ([], r"^omni-router: error: no models: give --preset FILE and/or --models-dir DIR$"),
     ],

@@ -42,7 +42,8 @@ def _run(trace: RequestTrace, chunks: list[bytes]) -> None:
         ([b'{"usage":{"prompt_tokens":7,"completion_tokens":16,"total_tokens":23}}'], 7, 16),
         (
             [
-                b'data: {"choices":[{"text":"a"}]}\n\n',  # a stream without usage: llama-server timings per choice
+                # a stream without usage: llama-server timings per choice
+                b'data: {"choices":[{"text":"a"}]}\n\n',
                 b'data: {"timings":{"cache_n":2,"prompt_n":5,"predicted_n":9}}\n\n',
                 b'data: {"timings":{"cache_n":2,"prompt_n":0,"predicted_n":4}}\n\n',
             ],

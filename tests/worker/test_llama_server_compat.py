@@ -386,7 +386,10 @@ def test_cors_proxy_forwards_only_the_named_headers(tiny_models: ModelPaths, url
 
 
 def test_reasoning_off_sets_enable_thinking_a_request_overrides(tiny_models: ModelPaths) -> None:
-    template = "{% if enable_thinking is defined %}[think={{ enable_thinking }}]{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    template = (
+        "{% if enable_thinking is defined %}[think={{ enable_thinking }}]{% endif %}"
+        "{% for m in messages %}{{ m.content }}{% endfor %}"
+    )
     msgs = [{"role": "user", "content": "hi"}]
     with serve(
         "-m", str(tiny_models.gguf_f32), "-c", "256", "-np", "1", "--chat-template", template, "-rea", "off"

@@ -95,7 +95,8 @@ def test_gguf_path_never_imports_torch() -> None:
     import sys
 
     code = (
-        "import sys, worker.server.cli, worker.server.app, worker.backends.llama_cpp, worker.text.chat_template; "
+        "import sys, worker.server.cli, worker.server.app, worker.backends.llama_cpp, "
+        "worker.text.chat_template; "
         "from worker.backends import resolve_kind; assert resolve_kind('auto', 'x.gguf') == 'llama_cpp'; "
         "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
     )

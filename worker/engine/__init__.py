@@ -1,7 +1,8 @@
 """The engine: one thread that owns the backend, with slot-based continuous batching.
 
 engine        the thread and its step: reap, admit, plan, decode, commit, sample
-scheduler     the slots, the queue of waiting tasks; admit, plan, commit, postprocess (the one writer of status)
+scheduler     the slots, the queue of waiting tasks; admit, plan, commit, postprocess
+              (the one writer of status)
 kv            KV placement: copy, save, restore, offload between slots and the prompt cache
 policy        pure scheduling decisions (which prompt pieces go in this step's batch)
 slot          one KV sequence and the task it serves

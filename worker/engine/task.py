@@ -11,8 +11,8 @@ prompt is evaluated it gets one `EmbeddingEvent` through `on_embedding` (or an `
 through `emit`) and is done.
 
 The task, not the slot, owns what must survive preemption: the generated tokens, the sampler
-(penalty history, RNG), the grammar's parser state, the detokenizer and the stop-string matcher. A preempted task is
-re-admitted with `prompt + generated` as its prompt and continues where it stopped.
+(penalty history, RNG), the grammar's parser state, the detokenizer and the stop-string matcher.
+A preempted task is re-admitted with `prompt + generated` as its prompt and continues where it stopped.
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def check_prompt(tokens: list[int], backend: Vocab) -> None:
         raise APIError("The prompt is empty (no tokens)", param="prompt")
     if len(tokens) >= backend.n_ctx_seq:
         raise APIError(
-            f"the request exceeds the available context size ({len(tokens)} prompt tokens, n_ctx {backend.n_ctx_seq}); "
+            f"the request exceeds the available context size ({len(tokens)} prompt tokens, "
+            f"n_ctx {backend.n_ctx_seq}); "
             "try increasing --ctx-size",
             type="exceed_context_size_error",
             extra={"n_prompt_tokens": len(tokens), "n_ctx": backend.n_ctx_seq},

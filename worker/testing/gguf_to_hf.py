@@ -208,7 +208,8 @@ def hf_tokenizer_config(model: GGUFModel) -> dict[str, Any]:
 
 
 def convert(gguf_path: Path, out_dir: Path) -> None:
-    """Write the HF twin of `gguf_path` into `out_dir` (replaced atomically: a crash leaves no half folder)."""
+    """Write the HF twin of `gguf_path` into `out_dir`
+    (replaced atomically: a crash leaves no half folder)."""
     from safetensors.numpy import save_file
 
     model = read_gguf(gguf_path)

@@ -292,7 +292,8 @@ def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, 
 
 def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray], f16: bool,
                fim: dict[str, int] | None = None) -> None:
-    """`fim`: {"pre"|"suf"|"mid"|...: token id} written as tokenizer.ggml.fim_*_token_id (FIM variant only)."""
+    """`fim`: {"pre"|"suf"|"mid"|...: token id} written as tokenizer.ggml.fim_*_token_id
+    (FIM variant only)."""
     import gguf
 
     tokens, merges = _vocab_and_merges(tok)

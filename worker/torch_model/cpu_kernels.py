@@ -16,9 +16,9 @@ model.py). Consecutive rows of one sequence (a prompt piece) share each pass ove
 a 1000-token prefill runs about as fast as SDPA.
 
 Build: `cc -O3 -march=native -fopenmp -shared` on first use, cached under
-`$OMNI_KERNEL_CACHE` (default `~/.cache/omni-router/kernels`, else a per-user temp dir) by a hash of the source, the
-flags, the compiler's version and the CPU's feature flags; written to a temp file and renamed,
-so workers starting together do not race. Loaded after torch, the library's OpenMP calls bind to
+`$OMNI_KERNEL_CACHE` (default `~/.cache/omni-router/kernels`, else a per-user temp dir) by a hash
+of the source, the flags, the compiler's version and the CPU's feature flags; written to a temp file
+and renamed, so workers starting together do not race. Loaded after torch, the library's OpenMP calls bind to
 the libgomp torch ships (same soname): one thread pool.
 
 Fallback: no compiler, a failed build, `OMNI_CPU_KERNELS=0`, float16 or odd head shapes, and

@@ -1,11 +1,11 @@
 """Vectorised sampling over a batch of logits rows, in llama.cpp's sampler-chain order.
 
-Per row: mask (False = forbidden) -> logit_bias (+ EOG bans for ignore_eos) -> penalties (repeat / presence / frequency
-over the last `repeat_last_n` accepted tokens) -> greedy argmax when temperature <= 0, else
-top_k -> top_p -> min_p -> temperature -> draw. Each stage is one tensor op over all rows; the
-only per-row Python work is gathering sparse bias/penalty entries and drawing one uniform per
-row from that request's own `torch.Generator` (so a seed reproduces the same tokens whatever
-else shares the batch). Logprobs come from the raw logits (log-softmax before any stage).
+Per row: mask (False = forbidden) -> logit_bias (+ EOG bans for ignore_eos) -> penalties (repeat /
+presence / frequency over the last `repeat_last_n` accepted tokens) -> greedy argmax when
+temperature <= 0, else top_k -> top_p -> min_p -> temperature -> draw. Each stage is one tensor op
+over all rows; the only per-row Python work is gathering sparse bias/penalty entries and drawing one
+uniform per row from that request's own `torch.Generator` (so a seed reproduces the same tokens
+whatever else shares the batch). Logprobs come from the raw logits (log-softmax before any stage).
 
 Penalty arithmetic is llama.cpp's: logit <= 0 ? logit * repeat : logit / repeat, then
 - count * frequency - (count > 0) * presence.

@@ -126,7 +126,8 @@ class HFTokenizer:
         self._pieces: dict[int, bytes] = {}
 
     def fim_tokens(self) -> FimTokens:
-        """Fill-in-the-middle tokens found by their usual names (as llama.cpp does for a GGUF without them)."""
+        """Fill-in-the-middle tokens found by their usual names
+        (as llama.cpp does for a GGUF without them)."""
 
         def find(kind: str) -> int:
             ids = (self._tok.token_to_id(text) for text in FIM_TOKEN_TEXTS[kind])
