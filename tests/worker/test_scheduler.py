@@ -83,13 +83,14 @@ class StatefulKVRecorder(KVRecorder):
 
 
 def make(
-    n_slots: int = 2, n_ctx: int = 128, n_batch: int = 16, prompt_cache: PromptCache | None = None, **kv: Any
+    n_slots: int = 2, n_ctx: int = 128, n_batch: int = 16, prompt_cache: PromptCache | None = None,
+    *, reuse_history: bool = True, **kv: Any,
 ) -> tuple[Scheduler, KVRecorder]:
     kind = StatefulKVRecorder if prompt_cache is not None else KVRecorder
     rec = kind(n_ctx, n_batch, n_slots, **kv)
     if prompt_cache is not None:
         prompt_cache.decode_class = rec.recipe.decode_class
-    return Scheduler(cast(Backend, rec), n_slots, WorkerMetrics(), prompt_cache), rec
+    return Scheduler(cast(Backend, rec), n_slots, WorkerMetrics(), prompt_cache, reuse_history=reuse_history), rec
 
 
 def task(prompt: list[int], **params: Any) -> Task:
@@ -207,8 +208,8 @@ def test_a_cached_prompt_without_saved_logits_redoes_one_valid_piece(recipe: Row
     assert [(e.pos, len(e.tokens)) for _, e in plan.entries] == [(100 - redone, redone)]
 
 
-def test_a_long_prompt_does_not_reuse_rows_of_a_short_prompt_computed_by_another_kernel() -> None:
-    b, kv = make(n_slots=1, n_ctx=512, n_batch=256, recipe=FA_ON)
+def test_strict_reuse_takes_no_rows_of_a_short_prompt_computed_by_another_kernel() -> None:
+    b, kv = make(n_slots=1, n_ctx=512, n_batch=256, recipe=FA_ON, reuse_history=False)
     short = list(range(100, 140))  # 40 tokens: one piece, the per-row kernel
     b.enqueue(task(short))
     step(b, kv)
@@ -216,6 +217,64 @@ def test_a_long_prompt_does_not_reuse_rows_of_a_short_prompt_computed_by_another
     b.enqueue(task([*short, *range(300, 360)]))  # 100 tokens: the tiled kernel from row 0
     plan = step(b, kv)
     assert [(e.pos, len(e.tokens)) for _, e in plan.entries] == [(0, 100)]
+
+
+@pytest.mark.parametrize(("recipe", "n_new", "pieces"), [
+    (FA_ON, 60, [(40, 60)]),  # the rest is a short prompt of its own: one piece
+    (FA_ON, 150, [(40, 150)]),  # a long one: pieces of 64 rows or more (here one)
+    (FA_OFF, 1, [(39, 2)]),  # rows of the same class: a strict reuse, the recipe's last piece (2 rows)
+    (RowRecipe.exact(), 5, [(40, 5)]),
+])
+def test_history_reuse_takes_a_finished_prompts_rows_and_computes_only_the_rest(
+    recipe: RowRecipe, n_new: int, pieces: list[tuple[int, int]]
+) -> None:
+    b, kv = make(n_slots=1, n_ctx=512, n_batch=256, recipe=recipe)
+    short = list(range(100, 140))  # 40 tokens: one piece, the per-row kernel (FA_ON)
+    b.enqueue(task(short))
+    step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task([*short, *range(300, 300 + n_new)]))
+    plan = step(b, kv)
+    assert [(e.pos, len(e.tokens)) for _, e in plan.entries] == pieces
+
+
+@pytest.mark.parametrize("reuse_history", [True, False])
+def test_a_short_prompt_reuses_a_finished_short_prompts_rows_of_its_own_class(reuse_history: bool) -> None:
+    """A system prompt computed for one question stands in for another's (the per-row kernel
+    gives a row the same bits in any piece of 2+ rows): a strict reuse, also with --strict-reuse."""
+    b, kv = make(n_slots=1, n_ctx=512, n_batch=256, recipe=FA_ON, reuse_history=reuse_history)
+    system = list(range(100, 130))
+    b.enqueue(task([*system, *range(200, 214)]))  # 44 tokens
+    step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task([*system, *range(300, 320)]))  # 50 tokens, the same class
+    plan = step(b, kv)
+    assert [(e.pos, len(e.tokens)) for _, e in plan.entries] == [(30, 20)]
+    assert b.slots[0].prompt_class == FA_ON.prompt_class(50)
+
+
+def test_a_conversation_turn_reuses_the_previous_answer_and_computes_only_the_new_message() -> None:
+    """Regression (issue 24): turn 2 re-evaluated the previous answer, whose KV rows were
+    decode rows, and with flash attention a whole 64-row piece."""
+    b, kv = make(n_slots=1, n_ctx=512, n_batch=256, recipe=FA_ON)
+    turn1 = list(range(100, 180))  # 80 tokens: tiled pieces
+    b.enqueue(task(turn1))
+    for _ in range(12):  # the prompt, then 11 generated tokens (decode rows)
+        step(b, kv)
+    answer = b.slots[0].task.generated if b.slots[0].task else []
+    assert len(answer) == 12
+    b.slots[0].release()  # finished: the last sampled token was never decoded
+    turn2 = [*turn1, *answer, *range(400, 417)]
+    b.enqueue(task(turn2))
+    plan = step(b, kv)
+    assert [(e.pos, len(e.tokens)) for _, e in plan.entries] == [(80 + 11, 1 + 17)]
+    assert b.slots[0].rows == (len(turn2), -1)  # MIXED_CLASS: no strict reuse takes these rows
+    while b.slots[0].is_prefill:
+        step(b, kv)
+    b.slots[0].release()
+    b.enqueue(task(turn2))  # the same turn again: sampled from the logits saved at its end
+    plan = step(b, kv)
+    assert not plan.entries and plan.from_saved == [b.slots[0]]
 
 
 def test_a_prefix_is_copied_from_a_busy_slot() -> None:

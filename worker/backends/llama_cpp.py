@@ -16,7 +16,7 @@ sequence a ubatch holds: flash attention runs a per-row kernel below 64 rows and
 from 64 (different float32/float16 accumulation), attention without it and the matmuls run
 other kernels for one row than for several, and llama.cpp splits a batch of sequences with
 unequal row counts into ubatches of equal counts. So the recipe tells the engine to cut
-prompts in pieces of >= 64 rows (< 64 tokens: one piece) with flash attention, >= 2 rows
+prompts in pieces of >= 64 rows (< 64 tokens: >= 2 rows) with flash attention, >= 2 rows
 without, and `decode` runs all one-row entries (decode rows) in one llama_decode and the
 prompt pieces in others, grouping pieces only where llama.cpp's split of the group keeps
 every row in its class (`_keeps_classes` replays that split). What stays: a

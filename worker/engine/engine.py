@@ -14,10 +14,11 @@ slots); where KV rows go is worker/engine/kv.py's. This module is the thread, it
 commands, and the output side of each token (`_read_token`: grammar, detokenizer, stop strings,
 the token event), whose verdict the scheduler applies.
 
-Determinism: a request's greedy output does not depend on what else runs, on what ran before
-or on the slot it lands in. Floating point is not associative, so that holds only if every
-number of a request is computed by the same kernels, reducing in the same order, whatever the
-batch. What we do, and why:
+Determinism: a request's greedy output does not depend on what else runs or on the slot it
+lands in; it may depend on what ran before only through rows it reuses from finished requests
+(a history reuse, below), and on the torch CPU path not even then. Floating point is not
+associative, so that holds only if every number of a request is computed by the same kernels,
+reducing in the same order, whatever the batch. What we do, and why:
 
 - A KV stream per slot (llama-server's default; `--kv-unified` opts out). In one shared pool
   a sequence's cells sit wherever llama.cpp found room, so its attention sums in an order that
@@ -33,9 +34,26 @@ batch. What we do, and why:
   recipe (which pieces a prompt is cut in, which cached rows may stand in for which) that
   makes every prompt row's kernels a function of the prompt alone; the scheduler plans by it
   and the backend runs the ubatches it promises (worker/backends/llama_cpp.py).
-- Reuse only of equal rows. Prefix reuse, sharing and the prompt cache give a request only
-  rows of the class it would compute itself; a prompt that is entirely cached is sampled from
-  the logits saved when it was first computed, not from a re-decoded last row.
+- Reuse of equal rows from what runs now. Sharing with a slot that is busy (prefilling or
+  generating) gives a request only rows of the class it would compute itself; a prompt that is
+  entirely cached is sampled from the logits saved when it was first computed, not from a
+  re-decoded last row. Rows of the same class left by a finished request are taken the same
+  way (the last piece is then redone as the recipe says, and the answer is bitwise a fresh one's).
+- History reuse of rows left by finished requests (an idle slot, the prompt cache; issue 24).
+  A conversation's next turn holds its earlier turns, whose answers are decode rows, and a new
+  question starts with a system prompt that another question computed in other pieces: no fresh
+  prompt computes those rows the same way on llama.cpp. Recomputing them cost a chat turn 5-10x
+  llama-server's prompt time, so they are reused as they are and only the rest of the prompt
+  is computed (cut by the recipe as a prompt of its own). On llama.cpp the answer may then
+  differ at float rounding level from the same prompt sent to a fresh worker: it depends on
+  what ran before, never on what runs beside it. `--strict-reuse` turns this off.
+  Measured on SmolLM2-135M Q4_1 (2-core AVX2): a decode row computed beside another sequence
+  and a prompt row in a piece under 64 rows are bitwise equal (its quantized matmuls give
+  every row the same bits whatever the row count, and flash attention's per-row kernel reads
+  the cells in order); a piece of 64+ rows (the tiled kernel) and a lone decode past 256 cells
+  (split-KV) are not (logits up to 0.5-0.7 apart, same greedy pick). Making every row equal
+  would mean prompts in pieces under 64 rows: 2.9x slower prefill of 1,500 tokens (63-row vs
+  512-row pieces), so we do not.
 
 What it costs, measured on the 2-core box (small-llama F16): a KV stream per slot is faster
 than one pool (a decode step of 8 rows of ~100 cells: 14.9 vs 22.0 ms); prompts of 64+ tokens
@@ -106,9 +124,12 @@ class Engine:
         on_load_failed: Callable[[], None] | None = None,
         *,
         cache_ram_mib: int = 0,
+        strict_reuse: bool = False,
     ) -> None:
-        """`cache_ram_mib`: the host-RAM prompt cache (worker/engine/prompt_cache.py); 0 off, -1 unbounded."""
+        """`cache_ram_mib`: the host-RAM prompt cache (worker/engine/prompt_cache.py); 0 off, -1 unbounded.
+        `strict_reuse`: reuse no row of another class, not even a finished request's (Determinism)."""
         self._factory = factory
+        self._strict_reuse = strict_reuse
         self._cache_ram_mib = cache_ram_mib
         self._on_load_failed = on_load_failed
         self._metrics = metrics
@@ -218,7 +239,9 @@ class Engine:
         use_cache = mib != 0 and self._backend.supports_seq_state
         decode_class = self._backend.recipe.decode_class
         prompt_cache = PromptCache(None if mib < 0 else mib << 20, decode_class=decode_class) if use_cache else None
-        self._scheduler = Scheduler(self._backend, self.n_slots, self._metrics, prompt_cache)
+        self._scheduler = Scheduler(
+            self._backend, self.n_slots, self._metrics, prompt_cache, reuse_history=not self._strict_reuse
+        )
         self.status = LoadStatus("ready", 1.0, is_ready=True)
         b = self._backend
         log.info(

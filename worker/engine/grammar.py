@@ -35,6 +35,7 @@ weights say.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import time
 from collections.abc import Sequence
@@ -103,7 +104,16 @@ class Grammar:
 
 def compile_grammar(tokenizer: llguidance.LLTokenizer, kind: str, text: Any) -> Grammar:
     """`kind`: json_schema (`text` is the schema, a dict), gbnf, lark or regex (`text` a string).
-    Slow for very large grammars (up to ~1 s): call it off the event loop."""
+    Slow for very large grammars (up to ~1 s): call it off the event loop. A compiled grammar is
+    kept (LRU) and given again for the same text: an agent loop or a chat UI sends the same
+    tools and schema with every call, and compiling them was most of such a request's overhead."""
+    key = text if isinstance(text, str) else json.dumps(text)  # key order kept: it orders the output
+    return _compile_cached(tokenizer, kind, key, isinstance(text, str))
+
+
+@functools.lru_cache(maxsize=128)
+def _compile_cached(tokenizer: llguidance.LLTokenizer, kind: str, key: str, is_text: bool) -> Grammar:
+    text = key if is_text else json.loads(key)
     try:
         if kind == "json_schema":
             source = json_schema_grammar(text)

@@ -1,8 +1,11 @@
 """Pure scheduling decisions for the engine (no I/O, no backend calls, no logging).
 
 - `common_prefix_len` and `reusable`: how much of a cached sequence a new one may keep. Equal
-  tokens are not enough: the rows must also be of the same class (`RowRecipe`), or reusing
-  them would change the result.
+  tokens are not enough for a strict reuse: the rows must also be of the same class
+  (`RowRecipe`), or reusing them would change the result. A history reuse (a finished
+  request's rows: a conversation's earlier turns, a shared system prompt) takes every row of
+  the common prefix, whatever its class (`MIXED_CLASS` marks such a sequence); see
+  worker/engine/engine.py, Determinism.
 - `pick_slot`: the idle slot for a new task. An explicit `id_slot` wins if that slot is idle;
   otherwise the one whose own cache it may reuse most, else the lowest-numbered idle slot:
   llama.cpp splits a decode into one ubatch per run of consecutive sequence ids, so busy slots
@@ -20,6 +23,9 @@ from collections.abc import Sequence
 from worker.engine.slot import Slot
 
 Rows = tuple[int, int]  # (n_prompt_rows, prompt_class); the rows after them are decode rows
+# The class of a sequence that continues rows of other classes (a history reuse): a strict reuse
+# never takes its rows, since no fresh prompt computes that mix.
+MIXED_CLASS = -1
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:

@@ -80,11 +80,14 @@ class PromptCache:
             shorter.logits is None or len(longer.tokens) == n
         )
 
-    def best(self, prompt: Sequence[int], wanted: Rows) -> tuple[CachedPrompt | None, int]:
-        """The entry whose rows the prompt may reuse most, and how many (0: none)."""
+    def best(self, prompt: Sequence[int], wanted: Rows, *, any_class: bool = False) -> tuple[CachedPrompt | None, int]:
+        """The entry whose rows the prompt may reuse most, and how many (0: none). `any_class`:
+        a history reuse, every row of the common prefix counts (policy.MIXED_CLASS)."""
         best_id, best_n = -1, 0
         for eid, entry in self._entries.items():
-            n = reusable(common_prefix_len(entry.tokens, prompt), entry.rows, wanted, self.decode_class)
+            n = common_prefix_len(entry.tokens, prompt)
+            if not any_class:
+                n = reusable(n, entry.rows, wanted, self.decode_class)
             if n > best_n:
                 best_id, best_n = eid, n
         if best_id < 0:

@@ -14,10 +14,15 @@ decoded in one batch. A prompt whose every row is cached, with the logits saved 
 first computed, is sampled without any decode at all.
 
 Reuse is by row class, not by tokens alone (`RowRecipe`, worker/backends/base.py): on a
-backend whose kernels depend on batch shapes, only rows computed the way this request would
-compute them may stand in for its own, and prompts are cut in pieces the recipe allows. That,
-and a KV stream per slot, is what makes a request's greedy output independent of what else
-runs (see worker/engine/engine.py).
+backend whose kernels depend on batch shapes, rows that requests running now compute or hold
+stand in for a new request's own only where they were computed the way it would compute them
+(a strict reuse), and prompts are cut in pieces the recipe allows. That, and a KV stream per
+slot, is what makes a request's greedy output independent of what else runs (see
+worker/engine/engine.py). Rows left by finished requests (an idle slot, the prompt cache) are
+reused whatever their class (a history reuse, unless `reuse_history` is off): a conversation's
+next turn continues on its earlier turns' rows, generated ones included, and a new question
+on the rows of a system prompt another question computed. Then only the rest of the prompt is
+computed, cut by the recipe as if it were a prompt of its own.
 
 Planning (`plan`). One token per generating slot, then prompt pieces, oldest request first.
 Short prompts (up to `SHORT_PROMPT` tokens, a ubatch of them per step) go in at once, so a
@@ -55,6 +60,7 @@ from worker.backends.base import Backend, BatchEntry, Sample
 from worker.engine.kv import KvBook
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.policy import (
+    MIXED_CLASS,
     PrefillBudget,
     Rows,
     common_prefix_len,
@@ -98,9 +104,13 @@ class Plan:
 
 class Scheduler:
     def __init__(
-        self, backend: Backend, n_slots: int, metrics: WorkerMetrics, prompt_cache: PromptCache | None = None
+        self, backend: Backend, n_slots: int, metrics: WorkerMetrics, prompt_cache: PromptCache | None = None,
+        *, reuse_history: bool = True,
     ) -> None:
+        """`reuse_history` off (`--strict-reuse`): finished requests' rows too are reused only
+        where they are of the class the new prompt would compute (see the module doc)."""
         self._backend = backend
+        self.reuse_history = reuse_history
         self._metrics = metrics
         self._recipe = backend.recipe
         self.prompt_cache = prompt_cache
@@ -189,9 +199,16 @@ class Scheduler:
         return len(task.prompt), self._recipe.prompt_class(len(task.prompt))
 
     def _reuse(self, slot: Slot, tokens: list[int], wanted: Rows) -> int:
-        """How many of `tokens`' rows `slot`'s cache can stand in for."""
+        """How many of `tokens`' rows `slot`'s cache can stand in for (strict: rows of the class
+        `wanted` would compute)."""
         n = common_prefix_len(slot.cache, tokens)
         return reusable(n, slot.rows, wanted, self._recipe.decode_class) if n else 0
+
+    def _reuse_left(self, slot: Slot, tokens: list[int], wanted: Rows) -> int:
+        """As `_reuse`, but an idle slot's rows (a finished request's) all count with `reuse_history`."""
+        if self.reuse_history and slot.is_idle:
+            return common_prefix_len(slot.cache, tokens)
+        return self._reuse(slot, tokens, wanted)
 
     def _place(self, task: Task, candidates: list[Slot]) -> bool:
         """Put `task` in one of the idle `candidates`, with the best prefix it can get."""
@@ -201,7 +218,7 @@ class Scheduler:
         tokens = task.tokens()
         wanted = self._wanted(task)
         p = task.params
-        own = [self._reuse(s, tokens, wanted) if p.cache_prompt else 0 for s in idle]
+        own = [self._reuse_left(s, tokens, wanted) if p.cache_prompt else 0 for s in idle]
         slot = pick_slot(idle, own, id_slot=p.id_slot if candidates is self.slots else -1, n_slots=len(self.slots))
         if slot is None:
             return False
@@ -220,9 +237,10 @@ class Scheduler:
         """Take a longer prefix from another slot or the prompt cache, or wait for one being
         computed; returns what `slot` now holds of `tokens` (and its saved logits, if any)."""
         others = [s for s in self._all if s is not slot]
-        src = max(others, key=lambda s: self._reuse(s, tokens, wanted), default=None)
-        n_src = self._reuse(src, tokens, wanted) if src is not None else 0
-        entry, n_entry = self.prompt_cache.best(tokens, wanted) if self.prompt_cache is not None else (None, 0)
+        src = max(others, key=lambda s: self._reuse_left(s, tokens, wanted), default=None)
+        n_src = self._reuse_left(src, tokens, wanted) if src is not None else 0
+        cache = self.prompt_cache
+        entry, n_entry = cache.best(tokens, wanted, any_class=self.reuse_history) if cache is not None else (None, 0)
         pending, n_pending = self._pending_source(others, tokens, wanted)
         if n_pending >= max(n_keep, n_src, n_entry) + _MIN_SHARE_GAIN:
             self.kv.save_tail(slot, 0)
@@ -256,15 +274,25 @@ class Scheduler:
         """`slot` holds `tokens[:n_keep]` (from wherever) and now serves `task`."""
         n = len(tokens)
         n_prompt = len(task.prompt)
+        is_history = False
         if n_keep == n and logits is not None:
             pass  # every row cached and the logits saved: sample them, decode nothing
         elif n_keep >= n_prompt and n > n_prompt:
             n_keep = min(n_keep, n - 1)  # what is left are generated tokens: decode rows
         else:  # at least one valid piece of prompt to decode, for its logits
-            n_keep = max(0, min(n_keep, n_prompt - self._recipe.min_piece(n_prompt)))
+            n_equal = min(n_keep, self._reuse(slot, tokens, self._wanted(task)))
+            n_strict = max(0, min(n_equal, n_prompt - self._recipe.min_piece(n_prompt)))
+            # A history reuse (rows of another class among those given) keeps them all and
+            # computes the rest, one row at least; equal rows alone keep the recipe's last piece.
+            is_history = self.reuse_history and n_keep > n_equal and min(n_keep, n_prompt - 1) > n_strict
+            n_keep = min(n_keep, n_prompt - 1) if is_history else n_strict
         self.kv.truncate(slot, n_keep)
-        slot.n_prompt_rows = min(slot.n_prompt_rows, n_keep)
-        slot.prompt_class = self._recipe.prompt_class(n_prompt)
+        if is_history:  # rows of several classes: no fresh prompt computes this mix
+            slot.n_prompt_rows, slot.prompt_class = n_keep, MIXED_CLASS
+        else:
+            slot.n_prompt_rows = min(slot.n_prompt_rows, n_keep)
+            slot.prompt_class = self._recipe.prompt_class(n_prompt)
+        slot.n_reused = n_keep
         slot.task = task
         slot.feed = tokens[n_keep:] if slot.source is None else list(tokens)
         slot.is_prefill = True
@@ -311,7 +339,7 @@ class Scheduler:
         cap = self._backend.n_batch - len(decoding)
         if self._prefill_cap is not None:
             cap = min(cap, self._prefill_cap)
-        long = [len(s.task.prompt) for s in prefilling if s.task is not None and len(s.task.prompt) > SHORT_PROMPT]
+        long = [_rows_to_compute(s) for s in prefilling if _rows_to_compute(s) > SHORT_PROMPT]
         budget = self.budget.grant(len(decoding), cap, self._recipe.min_piece(long[0])) if long else 0
         used = short_used = 0  # rows of long prompts (against the budget), of short ones
         for s in prefilling:
@@ -322,7 +350,7 @@ class Scheduler:
                 continue
             assert s.task is not None
             whole = s.task.is_embedding and not self._backend.pools_in_pieces
-            is_short = len(s.task.prompt) <= SHORT_PROMPT or whole
+            is_short = _rows_to_compute(s) <= SHORT_PROMPT or whole
             room = cap - used - short_used
             limit = min(room, self._backend.n_ubatch - short_used) if is_short else min(room, budget - used)
             n = self._piece(s, limit) if not whole else len(s.feed) if len(s.feed) <= limit else 0
@@ -359,8 +387,9 @@ class Scheduler:
         # So can a prompt that no number of pieces in [min_piece, max_piece] adds up to (68 rows,
         # pieces of 64 rows at least and at most): it would wait forever.
         max_piece = min(self._backend.n_batch, self._backend.n_ubatch)
-        min_piece = self._recipe.min_piece(n_prompt)
-        if min_piece > max_piece or -(-n_prompt // max_piece) * min_piece > n_prompt:
+        n_rows = _rows_to_compute(slot)  # the recipe cuts what is computed as a prompt of its own
+        min_piece = self._recipe.min_piece(n_rows)
+        if min_piece > max_piece or -(-n_rows // max_piece) * min_piece > n_rows:
             min_piece = max(2, max_piece // 2) if not self._recipe.exact_rows else 1
         return piece_len(end - len(slot.cache), budget, min_piece, max_piece)
 
@@ -481,3 +510,8 @@ class Scheduler:
 
 def _arrival(slot: Slot) -> float:
     return slot.task.stats.t_arrival if slot.task else 0.0
+
+
+def _rows_to_compute(slot: Slot) -> int:
+    """The prompt rows the slot's task computes itself (those it found cached are not)."""
+    return len(slot.task.prompt) - slot.n_reused if slot.task else 0

@@ -32,6 +32,7 @@ class Slot:
     cache: list[int] = field(default_factory=list)
     n_prompt_rows: int = 0  # cache[:n_prompt_rows] are prompt rows of `prompt_class`, the rest decode rows
     prompt_class: int = 0
+    n_reused: int = 0  # rows the task found cached at admission; it computes the rest of its prompt
     logits: np.ndarray | None = None  # the logits at position n_logits-1, where a prompt ended
     n_logits: int = 0
     task: Task | None = None

@@ -130,6 +130,11 @@ def serve(
         8192, "--cache-ram", "-cram", min=-1,
         help="host-RAM prompt cache for idle slots' KV, in MiB (0: off, -1: no limit); llama.cpp backend",
     ),
+    strict_reuse: bool = typer.Option(
+        False, "--strict-reuse",
+        help="reuse only KV rows computed as a fresh prompt would compute them (an answer never depends on "
+        "what ran before); default: a conversation's earlier turns and shared prompts are reused",
+    ),
     reasoning_format: str = typer.Option(
         "auto", "--reasoning-format", metavar="auto|deepseek|deepseek-legacy|none",
         help="where <think> text goes (a request's reasoning_format wins)",
@@ -295,6 +300,7 @@ def serve(
         _loader(kind, model, options, chat_template or chat_template_file, lambda: state), parallel, metrics,
         on_load_failed,
         cache_ram_mib=cache_ram,
+        strict_reuse=strict_reuse,
     )
     aliases = tuple(sorted(set(_split(alias))))  # llama-server keeps them in a std::set
     state = WorkerState(
