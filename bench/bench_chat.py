@@ -123,7 +123,9 @@ async def chat_turn(client: httpx.AsyncClient, messages: list[dict[str, str]], m
     turn.e2e_ms = (time.perf_counter() - t0) * 1e3
     turn.n_tokens = int(usage.get("completion_tokens", 0))
     if turn.prompt_n < 0 and usage:
-        turn.prompt_n = int(usage["prompt_tokens"]) - int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+        turn.prompt_n = int(usage["prompt_tokens"]) - int(
+            (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        )
     return turn
 
 
@@ -145,7 +147,10 @@ async def conversation(client: httpx.AsyncClient, workload: str, idx: int, round
         system = rag_system()
         for k in range(turns):
             q = RAG_QUESTIONS[(idx * turns + k + round_idx) % len(RAG_QUESTIONS)]
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": f"[{tag}.{k}] {q}"}]
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"[{tag}.{k}] {q}"},
+            ]
             conv.turns.append(await chat_turn(client, messages, max_tokens))
     else:  # agent
         messages = [
@@ -162,7 +167,9 @@ async def conversation(client: httpx.AsyncClient, workload: str, idx: int, round
     return conv
 
 
-async def run_cell(server: Server, workload: str, n: int, round_idx: int, args: argparse.Namespace) -> list[Conversation]:
+async def run_cell(
+    server: Server, workload: str, n: int, round_idx: int, args: argparse.Namespace
+) -> list[Conversation]:
     # No keep-alive: an idle connection the server closed meanwhile would fail the next turn.
     limits = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=server.base_url, timeout=600, limits=limits) as client:
@@ -176,10 +183,13 @@ def cell_stats(convs: list[Conversation], wall_s: float) -> dict[str, Any]:
     per_turn = []
     for k in range(n_turns):
         ts = [c.turns[k] for c in convs if len(c.turns) > k]
-        per_turn.append({
-            "ttft_p50": percentile([t.ttft_ms for t in ts], 50), "ttft_p99": percentile([t.ttft_ms for t in ts], 99),
-            "prompt_n": median([float(t.prompt_n) for t in ts]),
-        })
+        per_turn.append(
+            {
+                "ttft_p50": percentile([t.ttft_ms for t in ts], 50),
+                "ttft_p99": percentile([t.ttft_ms for t in ts], 99),
+                "prompt_n": median([float(t.prompt_n) for t in ts]),
+            }
+        )
     tokens = sum(t.n_tokens for c in convs for t in c.turns)
     all_ttft = [t.ttft_ms for c in convs for t in c.turns[1:]] or [t.ttft_ms for c in convs for t in c.turns]
     return {
@@ -202,13 +212,17 @@ def svg_plot(path: Path, series: dict[str, list[float]], title: str) -> None:
         x = pad + (w - 2 * pad) * (i / max(1, n - 1))
         return x, h - pad - (h - 2 * pad) * (y / y_max)
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">',
-             f'<rect width="{w}" height="{h}" fill="white"/>',
-             f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
-             f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
-             f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
-             f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle">turn</text>',
-             f'<text x="14" y="{h / 2}" transform="rotate(-90 14 {h / 2})" text-anchor="middle">TTFT p50 (ms)</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<rect width="{w}" height="{h}" fill="white"/>',
+        f'<text x="{w / 2}" y="20" text-anchor="middle" font-size="14">{title}</text>',
+        f'<line x1="{pad}" y1="{h - pad}" x2="{w - pad}" y2="{h - pad}" stroke="black"/>',
+        f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{h - pad}" stroke="black"/>',
+        f'<text x="{w / 2}" y="{h - 12}" text-anchor="middle">turn</text>',
+        f'<text x="14" y="{h / 2}" transform="rotate(-90 14 {h / 2})" '
+        'text-anchor="middle">TTFT p50 (ms)</text>',
+    ]
     for k in range(5):
         y = y_max * k / 4
         _, py = xy(0, y)
@@ -252,8 +266,10 @@ def report(result: dict[str, Any], names: list[str], args: argparse.Namespace) -
     lines = []
     for workload in result["workloads"]:
         lines.append(f"\n### {workload}\n")
-        lines.append("| N | server | TTFT p50 / p99 (turns 2+) ms | TTFT p50 per turn ms | prompt rows per turn | "
-                     "e2e per conversation s | tokens/s | answers differing |")
+        lines.append(
+            "| N | server | TTFT p50 / p99 (turns 2+) ms | TTFT p50 per turn ms | prompt rows per turn | "
+            "e2e per conversation s | tokens/s | answers differing |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|")
         for n in result["cells"]:
             for name in names:
@@ -269,16 +285,20 @@ def report(result: dict[str, Any], names: list[str], args: argparse.Namespace) -
                            for a, b in zip(ca, cb, strict=False)) if name != names[0] else 0
                 total = sum(len(c) for s in ss for c in s["texts"])
                 lines.append(
-                    f"| {n} | {name} | {median([s['ttft_p50'] for s in ss]):.0f} / {median([s['ttft_p99'] for s in ss]):.0f} | "
+                    f"| {n} | {name} | {median([s['ttft_p50'] for s in ss]):.0f} / "
+                    f"{median([s['ttft_p99'] for s in ss]):.0f} | "
                     f"{', '.join(f'{x:.0f}' for x in per_turn)} | {', '.join(f'{x:.0f}' for x in rows)} | "
                     f"{median([s['e2e_s'] for s in ss]):.2f} | {median([s['tok_s'] for s in ss]):.1f} | "
-                    f"{diff}/{total} |")
+                    f"{diff}/{total} |"
+                )
         for n in result["cells"]:
             a, b = (samples.get((workload, n, x), []) for x in names[:2])
             if a and b:
                 lines.append(
-                    f"\nN={n}: ours/llama-server TTFT p50 {median([s['ttft_p50'] for s in a]) / median([s['ttft_p50'] for s in b]):.2f}x, "
-                    f"e2e {median([s['e2e_s'] for s in a]) / median([s['e2e_s'] for s in b]):.2f}x")
+                    f"\nN={n}: ours/llama-server TTFT p50 "
+                    f"{median([s['ttft_p50'] for s in a]) / median([s['ttft_p50'] for s in b]):.2f}x, "
+                    f"e2e {median([s['e2e_s'] for s in a]) / median([s['e2e_s'] for s in b]):.2f}x"
+                )
     return "\n".join(lines)
 
 
@@ -316,8 +336,13 @@ def main() -> None:
     print(report(result, names, args))
     if args.svg is not None and "multiturn" in result["workloads"]:
         n0 = result["cells"][0]
-        series = {name: [median([s["per_turn"][k]["ttft_p50"] for s in result["samples"][("multiturn", n0, name)]])
-                         for k in range(args.turns)] for name in names}
+        series = {
+            name: [
+                median([s["per_turn"][k]["ttft_p50"] for s in result["samples"][("multiturn", n0, name)]])
+                for k in range(args.turns)
+            ]
+            for name in names
+        }
         svg_plot(args.svg, series, f"TTFT per turn, multi-turn chat, N={n0} (SmolLM2-135M Q4_1)")
         print(f"plot: {args.svg}")
 

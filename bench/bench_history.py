@@ -63,7 +63,10 @@ def main() -> None:
                     messages.append({"role": "assistant", "content": a})
     finally:
         server.stop()
-    print(f"{n_turns} turns ({n_reused} with reused rows): {n_differ} greedy answers differ from a fresh prompt's")
+    print(
+        f"{n_turns} turns ({n_reused} with reused rows): {n_differ} greedy answers differ "
+        f"from a fresh prompt's"
+    )
 
 
 if __name__ == "__main__":

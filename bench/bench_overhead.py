@@ -35,9 +35,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "completion (token ids)": ("/v1/completions", {"prompt": list(range(100, 148))}),
     "chat (template)": ("/v1/chat/completions", {"messages": MESSAGES}),
     "chat + tools": ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS}),
-    "chat + json grammar": ("/v1/chat/completions", {"messages": MESSAGES, "response_format": {"type": "json_object"}}),
-    "chat + tools + json grammar": ("/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS,
-                                                             "response_format": {"type": "json_object"}}),
+    "chat + json grammar": (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "response_format": {"type": "json_object"}},
+    ),
+    "chat + tools + json grammar": (
+        "/v1/chat/completions",
+        {"messages": MESSAGES, "tools": TOOLS, "response_format": {"type": "json_object"}},
+    ),
 }
 
 

@@ -45,12 +45,21 @@ def chat(url: str, messages: list[dict[str, str]], **kw: Any) -> dict[str, Any]:
 
 def tokens(url: str, messages: list[dict[str, str]]) -> list[int]:
     prompt = httpx.post(url + "/apply-template", json={"messages": messages}, timeout=30).json()["prompt"]
-    r = httpx.post(url + "/tokenize", json={"content": prompt, "add_special": True, "parse_special": True}, timeout=30)
+    r = httpx.post(
+        url + "/tokenize", json={"content": prompt, "add_special": True, "parse_special": True}, timeout=30
+    )
     return list(r.json()["tokens"])
 
 
 def complete(url: str, prompt: list[int], **kw: Any) -> dict[str, Any]:
-    body = {"prompt": prompt, "n_predict": 8, "temperature": 0, "ignore_eos": True, "return_tokens": True, **kw}
+    body = {
+        "prompt": prompt,
+        "n_predict": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_tokens": True,
+        **kw,
+    }
     r = httpx.post(url + "/completion", json=body, timeout=120)
     assert r.status_code == 200, r.text
     return dict(r.json())
@@ -68,7 +77,9 @@ def test_each_turn_computes_only_its_new_tokens(chat_worker: tuple[str, str]) ->
             assert r["timings"]["prompt_n"] == 1 + len(new), (backend, turn, r["timings"])
         prompt = prompt + r["tokens"]
     if backend == "torch":  # every row bitwise alike: the reused rows are a fresh prompt's
-        assert complete(url, prompt[:-8])["tokens"] == complete(url, prompt[:-8], cache_prompt=False)["tokens"]
+        assert (
+            complete(url, prompt[:-8])["tokens"] == complete(url, prompt[:-8], cache_prompt=False)["tokens"]
+        )
 
 
 def test_each_chat_turn_reuses_the_previous_turn(chat_worker: tuple[str, str]) -> None:

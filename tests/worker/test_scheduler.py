@@ -29,7 +29,13 @@ FA_OFF = RowRecipe()
 
 class KVRecorder:
     def __init__(
-        self, n_ctx: int, n_batch: int, n_slots: int, *, unified: bool = False, recipe: RowRecipe | None = None,
+        self,
+        n_ctx: int,
+        n_batch: int,
+        n_slots: int,
+        *,
+        unified: bool = False,
+        recipe: RowRecipe | None = None,
         n_ubatch: int | None = None,
     ) -> None:
         self.n_seq_max = n_slots + 1
@@ -90,7 +96,9 @@ def make(
     rec = kind(n_ctx, n_batch, n_slots, **kv)
     if prompt_cache is not None:
         prompt_cache.decode_class = rec.recipe.decode_class
-    return Scheduler(cast(Backend, rec), n_slots, WorkerMetrics(), prompt_cache, reuse_history=reuse_history), rec
+    return Scheduler(
+        cast(Backend, rec), n_slots, WorkerMetrics(), prompt_cache, reuse_history=reuse_history
+    ), rec
 
 
 def task(prompt: list[int], **params: Any) -> Task:
@@ -533,8 +541,12 @@ def test_prompt_longer_than_batch_size_is_prefilled_regression(tiny_models: Mode
     # so with `--batch-size 32` a 33-token prompt never fit a step and was never prefilled.
     from tests.worker.conftest import worker_process
 
-    with worker_process(tiny_models.gguf_f32, "--parallel", "2", "--ctx-size", "1024", "--batch-size", "32") as (_, url):
+    with worker_process(
+        tiny_models.gguf_f32, "--parallel", "2", "--ctx-size", "1024", "--batch-size", "32"
+    ) as (_, url):
         for n in (40, 300):  # a short prompt (one piece with flash attention), a long one (budgeted pieces)
-            r = httpx.post(url + "/v1/completions", json={"prompt": list(range(10, 10 + n)), "max_tokens": 4}, timeout=60)
+            r = httpx.post(
+                url + "/v1/completions", json={"prompt": list(range(10, 10 + n)), "max_tokens": 4}, timeout=60
+            )
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 4

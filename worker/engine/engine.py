@@ -238,7 +238,9 @@ class Engine:
         mib = self._cache_ram_mib
         use_cache = mib != 0 and self._backend.supports_seq_state
         decode_class = self._backend.recipe.decode_class
-        prompt_cache = PromptCache(None if mib < 0 else mib << 20, decode_class=decode_class) if use_cache else None
+        prompt_cache = (
+            PromptCache(None if mib < 0 else mib << 20, decode_class=decode_class) if use_cache else None
+        )
         self._scheduler = Scheduler(
             self._backend, self.n_slots, self._metrics, prompt_cache, reuse_history=not self._strict_reuse
         )
@@ -246,8 +248,12 @@ class Engine:
         b = self._backend
         log.info(
             "model loaded in %.2f s: %d slots of %d cells (%s KV), staging %s, prompt cache %s",
-            time.monotonic() - t0, self.n_slots, b.n_ctx_seq, "unified" if b.kv_unified else "per-slot",
-            "on" if self._scheduler.staging is not None else "off", "off" if prompt_cache is None else f"{mib} MiB",
+            time.monotonic() - t0,
+            self.n_slots,
+            b.n_ctx_seq,
+            "unified" if b.kv_unified else "per-slot",
+            "on" if self._scheduler.staging is not None else "off",
+            "off" if prompt_cache is None else f"{mib} MiB",
         )
         return True
 
@@ -404,7 +410,9 @@ class Engine:
         if slots:
             tasks = [s.task for s in slots if s.task is not None]
             rows = self._wait_masks(masks) if masks is not None else [None] * len(tasks)
-            items = [SampleItem(t.sampler, i, mask=m) for i, (t, m) in enumerate(zip(tasks, rows, strict=True))]
+            items = [
+                SampleItem(t.sampler, i, mask=m) for i, (t, m) in enumerate(zip(tasks, rows, strict=True))
+            ]
             for item, slot in zip(items[len(to_sample) :], plan.from_saved, strict=True):
                 item.logits_index, item.logits = -1, slot.logits
             samples = backend.sample(items, [t.params for t in tasks])
@@ -468,14 +476,28 @@ class Engine:
         st.t_end = time.monotonic()
         task.emit(FinishEvent(verdict.reason, task.output.finish(), verdict.stop_word, st))
         m = self._metrics
-        m.on_task_done(n_evaluated=st.n_evaluated, n_cached=st.n_cached, prompt_s=st.prompt_ms / 1e3,
-                       n_decoded=st.n_decoded, predicted_s=st.predicted_ms / 1e3, n_tokens=st.n_prompt + st.n_decoded)
+        m.on_task_done(
+            n_evaluated=st.n_evaluated,
+            n_cached=st.n_cached,
+            prompt_s=st.prompt_ms / 1e3,
+            n_decoded=st.n_decoded,
+            predicted_s=st.predicted_ms / 1e3,
+            n_tokens=st.n_prompt + st.n_decoded,
+        )
         m.prefix_hit_tokens.inc(st.n_cached)
         m.requests.labels(verdict.reason).inc()
         tps = st.n_decoded / (st.predicted_ms / 1e3) if st.predicted_ms > 0 else 0.0
         log.info(
-            "task %d done on slot %d: %s; prompt %d tokens (%d cached) in %.1f ms; %d tokens in %.1f ms (%.1f t/s)",
-            task.id, slot_id, verdict.reason, st.n_prompt, st.n_cached, st.prompt_ms, st.n_decoded, st.predicted_ms,
+            "task %d done on slot %d: %s; prompt %d tokens (%d cached) in %.1f ms; "
+            "%d tokens in %.1f ms (%.1f t/s)",
+            task.id,
+            slot_id,
+            verdict.reason,
+            st.n_prompt,
+            st.n_cached,
+            st.prompt_ms,
+            st.n_decoded,
+            st.predicted_ms,
             tps,
         )
 
@@ -489,8 +511,14 @@ class Engine:
         self._free_sampler(task)
         task.on_embedding(EmbeddingEvent(vectors, st))
         m = self._metrics
-        m.on_task_done(n_evaluated=st.n_evaluated, n_cached=st.n_cached, prompt_s=st.prompt_ms / 1e3, n_decoded=0,
-                       predicted_s=0.0, n_tokens=st.n_prompt)
+        m.on_task_done(
+            n_evaluated=st.n_evaluated,
+            n_cached=st.n_cached,
+            prompt_s=st.prompt_ms / 1e3,
+            n_decoded=0,
+            predicted_s=0.0,
+            n_tokens=st.n_prompt,
+        )
         m.embeddings.inc()
 
     def _free_sampler(self, task: Task) -> None:

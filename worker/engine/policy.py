@@ -139,7 +139,9 @@ class PrefillBudget:
     def spend(self, n_rows: int) -> None:
         self.credit = max(0.0, self.credit - n_rows)
 
-    def observe(self, step_ms: float, n_budget_rows: int, n_other_prompt_rows: int, n_decode_rows: int) -> None:
+    def observe(
+        self, step_ms: float, n_budget_rows: int, n_other_prompt_rows: int, n_decode_rows: int
+    ) -> None:
         """A step took `step_ms`: decode rows, rows of long prompts (budgeted) and of short ones."""
         steady, self._steady = self._steady, n_decode_rows > 0 and n_budget_rows + n_other_prompt_rows == 0
         if n_decode_rows == 0 or n_other_prompt_rows:
@@ -148,7 +150,11 @@ class PrefillBudget:
             # Only after another such step: llama.cpp rebuilds its graph when shapes change,
             # and the step after a piece pays for it; the target is the steady decode step.
             if steady or self.decode_ms is None:
-                self.decode_ms = step_ms if self.decode_ms is None else self.decode_ms + self.alpha * (step_ms - self.decode_ms)
+                self.decode_ms = (
+                    step_ms
+                    if self.decode_ms is None
+                    else self.decode_ms + self.alpha * (step_ms - self.decode_ms)
+                )
         elif self.decode_ms is not None:
             if step_ms > (1 + self.share) * self.decode_ms:
                 self.rows = max(1.0, self.rows * 0.8)

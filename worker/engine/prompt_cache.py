@@ -80,7 +80,9 @@ class PromptCache:
             shorter.logits is None or len(longer.tokens) == n
         )
 
-    def best(self, prompt: Sequence[int], wanted: Rows, *, any_class: bool = False) -> tuple[CachedPrompt | None, int]:
+    def best(
+        self, prompt: Sequence[int], wanted: Rows, *, any_class: bool = False
+    ) -> tuple[CachedPrompt | None, int]:
         """The entry whose rows the prompt may reuse most, and how many (0: none). `any_class`:
         a history reuse, every row of the common prefix counts (policy.MIXED_CLASS)."""
         best_id, best_n = -1, 0
@@ -104,7 +106,9 @@ class PromptCache:
         self.n_bytes = 0
 
     def _shrink(self) -> None:
-        while (self.limit_bytes is not None and self.n_bytes > self.limit_bytes) or len(self._entries) > self.max_entries:
+        while (self.limit_bytes is not None and self.n_bytes > self.limit_bytes) or len(
+            self._entries
+        ) > self.max_entries:
             victim = next((eid for eid, e in self._entries.items() if not e.is_pinned), None)
             self._drop(next(iter(self._entries)) if victim is None else victim)
 

@@ -152,7 +152,9 @@ class Scheduler:
             if s.task is not None and s.task.is_cancelled:
                 task = s.release()
                 assert task is not None
-                log.info("task %d cancelled (slot %d freed after %d tokens)", task.id, s.id, task.stats.n_decoded)
+                log.info(
+                    "task %d cancelled (slot %d freed after %d tokens)", task.id, s.id, task.stats.n_decoded
+                )
                 dropped.append(task)
         if any(t.is_cancelled for t in self.waiting):
             for t in self.waiting:
@@ -174,7 +176,12 @@ class Scheduler:
                 if s.task is None and s.cache:
                     self.kv.offload(s)
         staging = self.staging
-        if staging is not None and staging.is_idle and self.waiting and not any(s.is_idle for s in self.slots):
+        if (
+            staging is not None
+            and staging.is_idle
+            and self.waiting
+            and not any(s.is_idle for s in self.slots)
+        ):
             task = next((t for t in self.waiting if not t.generated), None)
             if task is not None and self._place(task, [staging]):
                 self.waiting.remove(task)
@@ -219,7 +226,9 @@ class Scheduler:
         wanted = self._wanted(task)
         p = task.params
         own = [self._reuse_left(s, tokens, wanted) if p.cache_prompt else 0 for s in idle]
-        slot = pick_slot(idle, own, id_slot=p.id_slot if candidates is self.slots else -1, n_slots=len(self.slots))
+        slot = pick_slot(
+            idle, own, id_slot=p.id_slot if candidates is self.slots else -1, n_slots=len(self.slots)
+        )
         if slot is None:
             return False
         n_keep = own[idle.index(slot)]
@@ -240,18 +249,29 @@ class Scheduler:
         src = max(others, key=lambda s: self._reuse_left(s, tokens, wanted), default=None)
         n_src = self._reuse_left(src, tokens, wanted) if src is not None else 0
         cache = self.prompt_cache
-        entry, n_entry = cache.best(tokens, wanted, any_class=self.reuse_history) if cache is not None else (None, 0)
+        entry, n_entry = (
+            cache.best(tokens, wanted, any_class=self.reuse_history) if cache is not None else (None, 0)
+        )
         pending, n_pending = self._pending_source(others, tokens, wanted)
         if n_pending >= max(n_keep, n_src, n_entry) + _MIN_SHARE_GAIN:
             self.kv.save_tail(slot, 0)
             slot.source, slot.source_task, slot.n_source = pending, pending.task, n_pending
-            log.info("task %d: waits for slot %d to compute %d shared prompt tokens", task.id, pending.id, n_pending)
+            log.info(
+                "task %d: waits for slot %d to compute %d shared prompt tokens",
+                task.id,
+                pending.id,
+                n_pending,
+            )
             return 0, None
         if src is not None and n_src >= max(n_keep + _MIN_REUSE_GAIN, n_entry):
             self.kv.save_tail(slot, 0)
             self.kv.copy(src, slot, n_src)
             return n_src, slot.logits if slot.n_logits == n_src == len(tokens) else None
-        if entry is not None and n_entry >= n_keep + _MIN_REUSE_GAIN and self.kv.restore(slot, entry, n_entry):
+        if (
+            entry is not None
+            and n_entry >= n_keep + _MIN_REUSE_GAIN
+            and self.kv.restore(slot, entry, n_entry)
+        ):
             return n_entry, slot.logits if slot.n_logits == n_entry == len(tokens) else None
         self.kv.save_tail(slot, n_keep)
         return n_keep, logits
@@ -265,12 +285,19 @@ class Scheduler:
                 continue
             target = s.cache + s.feed if s.source is None else t.tokens()
             n = common_prefix_len(target, tokens)
-            n = reusable(n, (len(t.prompt), self._recipe.prompt_class(len(t.prompt))), wanted, self._recipe.decode_class)
+            n = reusable(
+                n,
+                (len(t.prompt), self._recipe.prompt_class(len(t.prompt))),
+                wanted,
+                self._recipe.decode_class,
+            )
             if n > n_best:
                 best, n_best = s, n
         return best, n_best
 
-    def _assign(self, slot: Slot, task: Task, tokens: list[int], n_keep: int, logits: np.ndarray | None) -> None:
+    def _assign(
+        self, slot: Slot, task: Task, tokens: list[int], n_keep: int, logits: np.ndarray | None
+    ) -> None:
         """`slot` holds `tokens[:n_keep]` (from wherever) and now serves `task`."""
         n = len(tokens)
         n_prompt = len(task.prompt)
@@ -368,7 +395,12 @@ class Scheduler:
             free -= n
         self.budget.spend(used)
         plan.n_budget_rows = used
-        if not plan and self.n_busy() > 0 and self._backend.kv_unified and not any(s.source for s in self._all):
+        if (
+            not plan
+            and self.n_busy() > 0
+            and self._backend.kv_unified
+            and not any(s.source for s in self._all)
+        ):
             self._preempt_youngest()  # prompts fill the pool and nothing can move
         return plan
 
@@ -425,7 +457,9 @@ class Scheduler:
         n_prompt = plan.n_prompt_rows
         if n_prompt > 1:
             self._prefill_cap = n_prompt // 2
-            log.warning("llama_decode: no KV room for the batch; retrying with %d prompt tokens", n_prompt // 2)
+            log.warning(
+                "llama_decode: no KV room for the batch; retrying with %d prompt tokens", n_prompt // 2
+            )
         else:
             self._preempt_youngest()
 
@@ -442,7 +476,11 @@ class Scheduler:
         for slot, entry in plan.entries:
             n = len(entry.tokens)
             # A piece of prompt (one row is a decode row, unless every row is alike).
-            is_prompt = slot.is_prefill and (n > 1 or self._recipe.exact_rows) and slot.n_prompt_rows == len(slot.cache)
+            is_prompt = (
+                slot.is_prefill
+                and (n > 1 or self._recipe.exact_rows)
+                and slot.n_prompt_rows == len(slot.cache)
+            )
             slot.cache.extend(entry.tokens)
             if is_prompt:
                 slot.n_prompt_rows = len(slot.cache)
@@ -453,7 +491,9 @@ class Scheduler:
                 slot.task.report_progress(len(slot.cache))
             if entry.logits:
                 is_sampled = slot.task is not None and not slot.task.is_embedding
-                if is_prompt and is_sampled:  # the prompt ends here: keep its logits for a later identical prompt
+                if (
+                    is_prompt and is_sampled
+                ):  # the prompt ends here: keep its logits for a later identical prompt
                     slot.logits, slot.n_logits = self._backend.logits_row(len(to_sample)), len(slot.cache)
                 to_sample.append(slot)
         if n_rows:
@@ -486,8 +526,9 @@ class Scheduler:
                 (p.max_tokens is not None and task.stats.n_decoded >= p.max_tokens)
                 or len(slot.cache) + 1 >= self._backend.n_ctx_seq
             ):
-                # Full once prompt + generated tokens fill the slot, as llama-server counts (n_past + 1 >= n_ctx);
-                # the last token would need no cell, but a full slot then holds exactly n_ctx tokens there too.
+                # Full once prompt + generated tokens fill the slot, as llama-server counts
+                # (n_past + 1 >= n_ctx); the last token would need no cell, but a full slot then
+                # holds exactly n_ctx tokens there too.
                 verdict = Verdict("length")
             if verdict.is_final:
                 slot.release()

@@ -83,68 +83,122 @@ def _watch_parent(pid: int, server: _Server) -> None:
         time.sleep(0.25)
 
 
-_NO_HUB = "omni-worker does not download models (there is no model hub here): pass a local GGUF file or HF folder with -m"
+_NO_HUB = (
+    "omni-worker does not download models (there is no model hub here): "
+    "pass a local GGUF file or HF folder with -m"
+)
 
 
 @cli.command()
 def serve(
     model: str | None = typer.Option(None, "--model", "-m", help="GGUF file or HF model directory"),
-    backend: str = typer.Option("auto", "--backend", metavar="auto|llama_cpp|torch", help="auto: llama.cpp for a .gguf file, torch for an HF folder"),
-    alias: str | None = typer.Option(
-        None, "--alias", "-a", help="model id reported by the API; comma-separated aliases: the first, sorted, is the id"
+    backend: str = typer.Option(
+        "auto",
+        "--backend",
+        metavar="auto|llama_cpp|torch",
+        help="auto: llama.cpp for a .gguf file, torch for an HF folder",
     ),
-    tags: str | None = typer.Option(None, "--tags", help="comma-separated model tags (reported in /v1/models)"),
+    alias: str | None = typer.Option(
+        None,
+        "--alias",
+        "-a",
+        help="model id reported by the API; comma-separated aliases: the first, sorted, is the id",
+    ),
+    tags: str | None = typer.Option(
+        None, "--tags", help="comma-separated model tags (reported in /v1/models)"
+    ),
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port"),
     uds: str | None = typer.Option(None, "--uds", help="listen on a unix socket instead of a port"),
     parallel: int = typer.Option(4, "--parallel", "-np", min=1, help="number of slots"),
     ctx_size: int = typer.Option(
-        4096, "--ctx-size", "-c", min=0,
+        4096,
+        "--ctx-size",
+        "-c",
+        min=0,
         help="KV cache cells in all (0: the model's); each slot gets ctx-size / parallel unless --kv-unified",
     ),
     kv_unified: bool = typer.Option(
-        False, "--kv-unified", "-kvu",
+        False,
+        "--kv-unified",
+        "-kvu",
         help="one KV cache that any slot may fill (llama.cpp: numerics then depend on what else runs)",
     ),
     batch_size: int = typer.Option(2048, "--batch-size", "-b", min=1, help="max tokens per decode step"),
     ubatch_size: int = typer.Option(512, "--ubatch-size", "-ub", min=1, help="physical batch size"),
     n_gpu_layers: str | None = typer.Option(
-        None, "--n-gpu-layers", "--gpu-layers", "-ngl", metavar="N|auto|all", help="layers on the GPU (default: all)"
+        None,
+        "--n-gpu-layers",
+        "--gpu-layers",
+        "-ngl",
+        metavar="N|auto|all",
+        help="layers on the GPU (default: all)",
     ),
     threads: int | None = typer.Option(None, "--threads", "-t", min=1),
-    chat_template: str | None = typer.Option(None, "--chat-template", help="template file, builtin name or Jinja"),
+    chat_template: str | None = typer.Option(
+        None, "--chat-template", help="template file, builtin name or Jinja"
+    ),
     chat_template_file: str | None = typer.Option(None, "--chat-template-file", help="Jinja template file"),
     jinja: bool = typer.Option(
-        True, "--jinja/--no-jinja",
+        True,
+        "--jinja/--no-jinja",
         help="templates are always Jinja; --no-jinja is accepted and changes nothing (a warning says so)",
     ),
-    cache_type_k: str = typer.Option("f16", "--cache-type-k", "-ctk", metavar="f16|f32|bf16|q8_0|q4_0|...",
-                                     help="KV cache type for K (llama.cpp backend)"),
-    cache_type_v: str = typer.Option("f16", "--cache-type-v", "-ctv", metavar="f16|f32|bf16|q8_0|q4_0|...",
-                                     help="KV cache type for V (llama.cpp backend)"),
+    cache_type_k: str = typer.Option(
+        "f16",
+        "--cache-type-k",
+        "-ctk",
+        metavar="f16|f32|bf16|q8_0|q4_0|...",
+        help="KV cache type for K (llama.cpp backend)",
+    ),
+    cache_type_v: str = typer.Option(
+        "f16",
+        "--cache-type-v",
+        "-ctv",
+        metavar="f16|f32|bf16|q8_0|q4_0|...",
+        help="KV cache type for V (llama.cpp backend)",
+    ),
     flash_attn: str = typer.Option("auto", "--flash-attn", "-fa", metavar="auto|on|off"),
     device: str | None = typer.Option(None, "--device", help="torch backend: cpu, cuda, ..."),
     dtype: str | None = typer.Option(None, "--dtype", help="torch backend: float32, bfloat16, ..."),
-    compile: bool = typer.Option(False, "--compile", help="torch backend on CUDA: CUDA graphs for decode steps (ignored, with a warning, on CPU)"),
+    compile: bool = typer.Option(
+        False,
+        "--compile",
+        help="torch backend on CUDA: CUDA graphs for decode steps (ignored, with a warning, on CPU)",
+    ),
     cache_ram: int = typer.Option(
-        8192, "--cache-ram", "-cram", min=-1,
+        8192,
+        "--cache-ram",
+        "-cram",
+        min=-1,
         help="host-RAM prompt cache for idle slots' KV, in MiB (0: off, -1: no limit); llama.cpp backend",
     ),
     strict_reuse: bool = typer.Option(
-        False, "--strict-reuse",
+        False,
+        "--strict-reuse",
         help="reuse only KV rows computed as a fresh prompt would compute them (an answer never depends on "
         "what ran before); default: a conversation's earlier turns and shared prompts are reused",
     ),
     reasoning_format: str = typer.Option(
-        "auto", "--reasoning-format", metavar="auto|deepseek|deepseek-legacy|none",
+        "auto",
+        "--reasoning-format",
+        metavar="auto|deepseek|deepseek-legacy|none",
         help="where <think> text goes (a request's reasoning_format wins)",
     ),
     reasoning: str = typer.Option(
-        "auto", "--reasoning", "-rea", metavar="on|off|auto",
-        help="the chat template's enable_thinking (a request's chat_template_kwargs win); auto: the template's default",
+        "auto",
+        "--reasoning",
+        "-rea",
+        metavar="on|off|auto",
+        help=(
+            "the chat template's enable_thinking (a request's chat_template_kwargs win); auto: "
+            "the template's default"
+        ),
     ),
     # -- sampling defaults (a request's own fields win; GET /props reports these) --
-    n_predict: int = typer.Option(-1, "--n-predict", "--predict", "-n", help="default and cap of max_tokens (-1: none)"),
+    n_predict: int = typer.Option(
+        -1, "--n-predict", "--predict", "-n", help="default and cap of max_tokens (-1: none)"
+    ),
     temperature: float = typer.Option(0.8, "--temp", "--temperature", min=0.0),
     top_k: int = typer.Option(40, "--top-k"),
     top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0),
@@ -156,27 +210,42 @@ def serve(
     seed: int = typer.Option(-1, "--seed", "-s", help="default seed (-1: a random one per request)"),
     # -- embedding models --
     embedding: bool = typer.Option(
-        False, "--embedding", "--embeddings", help="an embedding model: /v1/embeddings, /embedding; no generation",
+        False,
+        "--embedding",
+        "--embeddings",
+        help="an embedding model: /v1/embeddings, /embedding; no generation",
     ),
     pooling: str | None = typer.Option(
-        None, "--pooling", metavar="none|mean|cls|last|rank", help="(default: the model's own)",
+        None,
+        "--pooling",
+        metavar="none|mean|cls|last|rank",
+        help="(default: the model's own)",
     ),
-    rerank: bool = typer.Option(False, "--rerank", "--reranking", help="a reranker: --embedding --pooling rank, /rerank"),
+    rerank: bool = typer.Option(
+        False, "--rerank", "--reranking", help="a reranker: --embedding --pooling rank, /rerank"
+    ),
     # -- HTTP server --
     api_key: str | None = typer.Option(None, "--api-key", help="comma-separated keys; /health stays public"),
     api_key_file: str | None = typer.Option(None, "--api-key-file", help="a file of keys, one per line"),
     cors_origins: str = typer.Option(
-        "*", "--cors-origins",
+        "*",
+        "--cors-origins",
         help="* (any Origin is echoed back, as llama-server), localhost, or comma-separated origins",
     ),
     slots: bool = typer.Option(True, "--slots/--no-slots", help="GET /slots (501 with --no-slots)"),
     metrics_on: bool = typer.Option(False, "--metrics", help="GET /metrics (Prometheus); 501 without it"),
     sleep_idle_seconds: float = typer.Option(
-        -1, "--sleep-idle-seconds",
-        help="free the model after this many idle seconds (0 or -1: never, as omni-router's 0); a request wakes it"
+        -1,
+        "--sleep-idle-seconds",
+        help=(
+            "free the model after this many idle seconds (0 or -1: never, as omni-router's 0); a "
+            "request wakes it"
+        ),
     ),
     context_shift: bool = typer.Option(
-        False, "--context-shift/--no-context-shift", help="omni-worker never shifts context (--no-context-shift)"
+        False,
+        "--context-shift/--no-context-shift",
+        help="omni-worker never shifts context (--no-context-shift)",
     ),
     offline: bool = typer.Option(False, "--offline", help="accepted: omni-worker never goes online"),
     hf_repo: str | None = typer.Option(None, "--hf-repo", "-hf", "-hfr", hidden=True),
@@ -184,25 +253,51 @@ def serve(
     model_url: str | None = typer.Option(None, "--model-url", "-mu", hidden=True),
     parent_pid: int | None = typer.Option(None, "--parent-pid", help="exit when this process is gone"),
     http_impl: str = typer.Option(
-        "auto", "--http", metavar="auto|httptools|h11",
-        help="uvicorn's HTTP implementation: auto (httptools, the fastest), httptools, or h11 (slower; the only "
-             "one that sends header names as cased by us, e.g. Process-Start-Time-Unix, as llama-server does)",
+        "auto",
+        "--http",
+        metavar="auto|httptools|h11",
+        help="uvicorn's HTTP implementation: auto (httptools, the fastest), httptools, "
+        "or h11 (slower; the only one that sends header names as cased by us, "
+        "e.g. Process-Start-Time-Unix, as llama-server does)",
     ),
     ui_mcp_proxy: bool = typer.Option(
-        False, "--ui-mcp-proxy/--no-ui-mcp-proxy",
-        help="/cors-proxy?url= for a web UI's MCP client (experimental, as llama-server's: never with untrusted clients)",
+        False,
+        "--ui-mcp-proxy/--no-ui-mcp-proxy",
+        help=(
+            "/cors-proxy?url= for a web UI's MCP client (experimental, as llama-server's: never "
+            "with untrusted clients)"
+        ),
     ),
-    props: bool = typer.Option(False, "--props", help="POST /props (it changes nothing, as in llama-server); 501 without"),
+    props: bool = typer.Option(
+        False, "--props", help="POST /props (it changes nothing, as in llama-server); 501 without"
+    ),
     slot_save_path: str | None = typer.Option(
         None, "--slot-save-path", help="directory for POST /slots/{id}?action=save|restore (501 without it)"
     ),
-    version: bool = typer.Option(False, "--version", is_eager=True, callback=lambda v: _print_version(v),
-                                 help="print the version and exit"),
-    flags_json: bool = typer.Option(False, "--flags-json", is_eager=True, hidden=True, callback=lambda ctx, v: _print_flags(ctx, v),
-                                    help="print every option as JSON and exit (the router's presets read it)"),
+    version: bool = typer.Option(
+        False,
+        "--version",
+        is_eager=True,
+        callback=lambda v: _print_version(v),
+        help="print the version and exit",
+    ),
+    flags_json: bool = typer.Option(
+        False,
+        "--flags-json",
+        is_eager=True,
+        hidden=True,
+        callback=lambda ctx, v: _print_flags(ctx, v),
+        help="print every option as JSON and exit (the router's presets read it)",
+    ),
     verbose: bool = typer.Option(
-        False, "--verbose", "-v", "--log-verbose",
-        help="every chat completion carries llama-server's `__verbose` object (the prompt as the model saw it)",
+        False,
+        "--verbose",
+        "-v",
+        "--log-verbose",
+        help=(
+            "every chat completion carries llama-server's `__verbose` object (the prompt as the "
+            "model saw it)"
+        ),
     ),
 ) -> None:
     """Serve one model with continuous batching over N slots (llama-server's flags, same names)."""
@@ -212,11 +307,14 @@ def serve(
         flag = "--hf-repo" if hf_repo else "--hf-file" if hf_file else "--model-url"
         raise typer.BadParameter(_NO_HUB, param_hint=flag)
     if model is None:
-        raise typer.BadParameter("a model is required: -m PATH (a GGUF file or HF folder)", param_hint="--model")
+        raise typer.BadParameter(
+            "a model is required: -m PATH (a GGUF file or HF folder)", param_hint="--model"
+        )
     if context_shift:
         raise typer.BadParameter(
-            "omni-worker does not shift context: a request stops with finish_reason length when its slot is full "
-            "(leave it out or pass --no-context-shift)", param_hint="--context-shift",
+            "omni-worker does not shift context: a request stops with finish_reason length "
+            "when its slot is full (leave it out or pass --no-context-shift)",
+            param_hint="--context-shift",
         )
     if reasoning not in ("on", "off", "auto"):
         raise typer.BadParameter(f"{reasoning!r} is not one of on, off, auto", param_hint="--reasoning")
@@ -225,9 +323,14 @@ def serve(
     if slot_save_path is not None and not os.path.isdir(slot_save_path):
         raise typer.BadParameter(f"{slot_save_path!r} is not a directory", param_hint="--slot-save-path")
     if chat_template and chat_template_file:
-        raise typer.BadParameter("give --chat-template or --chat-template-file, not both", param_hint="--chat-template-file")
+        raise typer.BadParameter(
+            "give --chat-template or --chat-template-file, not both", param_hint="--chat-template-file"
+        )
     if not jinja:
-        log.warning("--no-jinja: omni-worker always renders chat templates with Jinja (the model's, or --chat-template)")
+        log.warning(
+            "--no-jinja: omni-worker always renders chat templates with Jinja "
+            "(the model's, or --chat-template)"
+        )
     if backend not in ("auto", "llama_cpp", "torch"):
         raise typer.BadParameter(f"{backend!r} is not one of auto, llama_cpp, torch", param_hint="--backend")
     if batch_size < parallel:
@@ -245,7 +348,9 @@ def serve(
             raise typer.BadParameter("--rerank pools with rank: leave --pooling out", param_hint="--pooling")
         embedding, pooling = True, "rank"
     if pooling is not None and not embedding:
-        raise typer.BadParameter("pools an embedding model's outputs: add --embedding", param_hint="--pooling")
+        raise typer.BadParameter(
+            "pools an embedding model's outputs: add --embedding", param_hint="--pooling"
+        )
     if embedding:
         # As llama-server: a prompt is pooled in one ubatch, so a batch is one ubatch; and the
         # tasks are stateless, so there is no prompt cache to keep.
@@ -304,10 +409,22 @@ def serve(
     )
     aliases = tuple(sorted(set(_split(alias))))  # llama-server keeps them in a std::set
     state = WorkerState(
-        engine, metrics, aliases[0] if aliases else _default_model_id(model), model, kind,
-        reasoning_format=reasoning_format, defaults=defaults, tags=_split(tags), aliases=aliases,
-        is_slots_on=slots, is_metrics_on=metrics_on, is_embedding=embedding, is_verbose=verbose, is_props_on=props,
-        slot_save_path=slot_save_path, is_cors_proxy_on=ui_mcp_proxy,
+        engine,
+        metrics,
+        aliases[0] if aliases else _default_model_id(model),
+        model,
+        kind,
+        reasoning_format=reasoning_format,
+        defaults=defaults,
+        tags=_split(tags),
+        aliases=aliases,
+        is_slots_on=slots,
+        is_metrics_on=metrics_on,
+        is_embedding=embedding,
+        is_verbose=verbose,
+        is_props_on=props,
+        slot_save_path=slot_save_path,
+        is_cors_proxy_on=ui_mcp_proxy,
         template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
     )
     engine.start()  # the model loads while the HTTP stack is imported
@@ -324,13 +441,24 @@ def serve(
         lifespan="off",
         timeout_graceful_shutdown=1,
     )
-    server = _Server(config, on_exit=lambda: engine.stop(timeout=0))  # failing in-flight requests ends their streams
+    server = _Server(
+        config, on_exit=lambda: engine.stop(timeout=0)
+    )  # failing in-flight requests ends their streams
     if sleep_idle_seconds > 0:
-        threading.Thread(target=_sleep_when_idle, args=(engine, sleep_idle_seconds, server), name="idle-sleep",
-                         daemon=True).start()
+        threading.Thread(
+            target=_sleep_when_idle, args=(engine, sleep_idle_seconds, server), name="idle-sleep", daemon=True
+        ).start()
     if parent_pid is not None:
-        threading.Thread(target=_watch_parent, args=(parent_pid, server), name="parent-watch", daemon=True).start()
-    log.info("omni-worker: model %s (backend %s), %d slots, listening on %s", model, kind, parallel, uds or f"{host}:{port}")
+        threading.Thread(
+            target=_watch_parent, args=(parent_pid, server), name="parent-watch", daemon=True
+        ).start()
+    log.info(
+        "omni-worker: model %s (backend %s), %d slots, listening on %s",
+        model,
+        kind,
+        parallel,
+        uds or f"{host}:{port}",
+    )
     hosts = _split(host)
     if uds is None and len(hosts) > 1:  # llama-server's --host a,b: one listening socket per address
         try:
@@ -401,7 +529,9 @@ def _api_keys(keys: str | None, path: str | None) -> tuple[str, ...]:
         try:
             lines = Path(path).read_text().splitlines()
         except OSError as e:
-            raise typer.BadParameter(f"cannot read {path}: {e.strerror}", param_hint="--api-key-file") from None
+            raise typer.BadParameter(
+                f"cannot read {path}: {e.strerror}", param_hint="--api-key-file"
+            ) from None
         out += tuple(line.strip() for line in lines if line.strip())
     return out
 
@@ -413,7 +543,9 @@ def _gpu_layers(value: str | None) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise typer.BadParameter(f"{value!r} is not a number, auto or all", param_hint="--n-gpu-layers") from None
+        raise typer.BadParameter(
+            f"{value!r} is not a number, auto or all", param_hint="--n-gpu-layers"
+        ) from None
 
 
 def _sleep_when_idle(engine: Engine, idle_s: float, server: _Server) -> None:
@@ -428,7 +560,11 @@ def _sleep_when_idle(engine: Engine, idle_s: float, server: _Server) -> None:
 
 
 def _loader(
-    kind: str, model: str, options: BackendOptions, chat_template: str | None, state: Callable[[], WorkerState]
+    kind: str,
+    model: str,
+    options: BackendOptions,
+    chat_template: str | None,
+    state: Callable[[], WorkerState],
 ) -> Callable[[Progress], Backend]:
     """The engine's backend factory: load the model, then its chat template (engine thread)."""
 
@@ -450,10 +586,15 @@ def main(argv: list[str] | None = None) -> None:
     """Console-script entry point (`omni-worker`): a bad or unknown flag is one line and exit 2."""
     command = typer.main.get_command(cli)
     try:
-        command.main(args=argv if argv is not None else sys.argv[1:], prog_name="omni-worker", standalone_mode=False)
+        command.main(
+            args=argv if argv is not None else sys.argv[1:], prog_name="omni-worker", standalone_mode=False
+        )
     except NoSuchOption as e:
-        print(f"omni-worker: error: unknown option {e.option_name}: omni-worker does not implement it "
-              "(see omni-worker --help for the llama-server flags it takes)", file=sys.stderr)
+        print(
+            f"omni-worker: error: unknown option {e.option_name}: omni-worker does not implement it "
+            "(see omni-worker --help for the llama-server flags it takes)",
+            file=sys.stderr,
+        )
         sys.exit(2)
     except ClickException as e:
         print(f"omni-worker: error: {e.format_message()}", file=sys.stderr)
