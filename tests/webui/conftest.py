@@ -7,6 +7,7 @@ installs Debian's `chromium` where apt and root are available). Without it the t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -58,6 +59,26 @@ class Router:
         return {m["id"]: m for m in resp.json()["data"]}
 
 
+@contextlib.contextmanager
+def start_router(tmp: Path, preset: Path) -> Iterator[Router]:
+    """A real router on `preset` (the API key set), healthy; stopped on leaving."""
+    port = free_port()
+    log_path = tmp / "router.log"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port),
+           "--api-key", API_KEY]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    r = Router(proc, f"http://127.0.0.1:{port}", log_path)
+    try:
+        wait_healthy(proc, r.base, 30, lambda: r.log()[-3000:])
+        yield r
+    finally:
+        stop_process(proc)
+
+
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     reason = _why_no_browser()
@@ -78,30 +99,8 @@ alias = ["tiny-alias"]
 model = "{broken}"
 backend = "llama_cpp"
 """)
-    port = free_port()
-    log_path = tmp / "router.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "router.cli",
-        "--preset",
-        str(preset),
-        "--port",
-        str(port),
-        "--api-key",
-        API_KEY,
-    ]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    r = Router(proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        wait_healthy(proc, r.base, 30, lambda: r.log()[-3000:])
+    with start_router(tmp, preset) as r:
         yield r
-    finally:
-        stop_process(proc)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,13 @@ that takes 4 s to load) and `other` (a second GGUF preset, never loaded).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 
 from tests.router.conftest import fake_cmd
-from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_healthy, wait_until
-from tests.webui.conftest import API_KEY, GGUF, Router, _why_no_browser
+from tests.util import preset_defaults, wait_until
+from tests.webui.conftest import API_KEY, GGUF, Router, _why_no_browser, start_router
 
 pytest.importorskip("playwright")
 from playwright.sync_api import Page, expect
@@ -46,33 +43,11 @@ model = "{GGUF}"
 backend = "cmd"
 cmd = "{fake_cmd('--model', 'slow', '--load-time', '4')}"
 """)
-    port = free_port()
-    log_path = tmp / "router.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "router.cli",
-        "--preset",
-        str(preset),
-        "--port",
-        str(port),
-        "--api-key",
-        API_KEY,
-    ]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    r = Router(proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        wait_healthy(proc, r.base, 30, lambda: r.log()[-3000:])
+    with start_router(tmp, preset) as r:
         wait_until(
             lambda: r.models()["tiny"]["status"]["value"] == "loaded", 60, what="tiny loaded at startup"
         )
         yield r
-    finally:
-        stop_process(proc)
 
 
 def test_a_wrong_api_key_is_said_so_in_the_dialog_bug_it_stayed_open_silently(
