@@ -16,6 +16,10 @@ passed through to its command line.
 Every error is a `PresetError` whose message names the file, the line (INI) or the key path
 (TOML), and the valid values. Unknown keys ("did you mean 'parallel'?") and duplicate
 names/aliases are errors.
+
+Why one file of over 500 lines: INI and TOML, llama.cpp's key spellings (long, short,
+environment names, `no-X`), precedence and validation with file:line errors are one parser over
+one key table; omni-worker's own flags are read by router/worker_flags.py.
 """
 
 from __future__ import annotations

@@ -43,6 +43,10 @@ never waits for room. With one pool shared by all slots (`kv_unified`), the sche
 room before each step: first by moving idle slots' caches to the prompt cache (or dropping
 them), then by preempting the youngest request (requeued with what it generated; it resumes
 from its saved state when there is a prompt cache).
+
+Why one file of over 500 lines: admission (where a prefix comes from), planning and
+postprocess read and write the same slot and queue state, and this class is that state's only
+writer; moving rows between slots and caches is already worker/engine/kv.py's.
 """
 
 from __future__ import annotations

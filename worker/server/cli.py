@@ -4,6 +4,9 @@ The HTTP server is up at once; the engine thread loads the model meanwhile (/hea
 progress, then 200; 500 and a non-zero exit if loading fails). SIGTERM, SIGINT and the death of
 `--parent-pid` all take the same way out: fail in-flight requests, stop the server (1 s grace),
 free the model, exit 0 (hard exit: no waiting on library threads).
+
+Why one file of over 500 lines: llama-server's ~90 flags, each a typer option with its help
+text, are most of it; what they configure lives in the modules they are handed to.
 """
 
 from __future__ import annotations
