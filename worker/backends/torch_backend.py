@@ -279,8 +279,8 @@ class TorchBackend:
     def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
         return self.tokenizer.tokenize(text, add_special, parse_special)
 
-    def token_to_piece(self, token: int, special: bool = False) -> bytes:  # control tokens: always their text
-        return self.tokenizer.token_to_piece(token)
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        return self.tokenizer.token_to_piece(token, special)
 
     def is_eog(self, token: int) -> bool:
         return self.tokenizer.is_eog(token)

@@ -149,7 +149,12 @@ class HFTokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
-    def token_to_piece(self, token: int) -> bytes:
+    def token_to_piece(self, token: int, special: bool = False) -> bytes:
+        """The token's bytes. A special added token (llama.cpp's CONTROL type after conversion)
+        is empty unless `special`, as llama.cpp renders it: generated text never shows
+        `<|im_end|>` and the like, even with `ignore_eos`."""
+        if token in self._special:
+            return self._special[token].encode("utf-8") if special else b""
         piece = self._pieces.get(token)
         if piece is None:
             piece = self._piece(token)
@@ -157,8 +162,6 @@ class HFTokenizer:
         return piece
 
     def _piece(self, token: int) -> bytes:
-        if token in self._special:
-            return self._special[token].encode("utf-8")
         text = self._tok.id_to_token(token)
         if text is None:
             return b""
