@@ -185,8 +185,11 @@ def test_lru_victim_queue_full_and_api_key_with_real_workers(router_factory: Fac
         for s, m in zip(streams, ("a", "c"), strict=True)
     ]
     opened = [cm.__enter__() for cm in responses]
-    for resp in opened:
-        next(resp.iter_lines())
+    # Keep each line iterator alive: a dropped one closes its connection (httpcore closes the
+    # stream on GeneratorExit), and the stream would end at once as a client disconnect.
+    lines = [resp.iter_lines() for resp in opened]
+    for it in lines:
+        next(it)
     waiting: dict[str, int] = {}
     t = threading.Thread(target=lambda: waiting.update(code=r.client(timeout=60, headers=auth).post(
         "/v1/chat/completions", json=chat("b", max_tokens=2)).status_code))
@@ -197,6 +200,8 @@ def test_lru_victim_queue_full_and_api_key_with_real_workers(router_factory: Fac
     with r.client(timeout=60, headers=auth) as c:
         resp = c.post("/v1/chat/completions", json=chat("b", max_tokens=2))
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
+    # the victim drains: both streams go on
+    assert all(next(x for x in it if x).startswith("data: {") for it in lines)
     for cm in responses:  # the clients leave: their streams are cancelled, a slot frees up
         cm.__exit__(None, None, None)
     for s in streams:
