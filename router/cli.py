@@ -112,9 +112,9 @@ def serve(
     responses_max_entries: Annotated[
         int, typer.Option(min=0, help="stored responses (and conversations) kept; 0 = store nothing")
     ] = 10000,
-    responses_ttl: Annotated[float, typer.Option(min=1, help="seconds a stored response is kept")] = 30
-    * 24
-    * 3600.0,
+    responses_ttl: Annotated[
+        float, typer.Option(min=0, help="seconds a stored response is kept (0: no expiry)")
+    ] = 30 * 24 * 3600.0,
     max_body_size: Annotated[
         int, typer.Option(min=0, help="largest request body in bytes, larger is a 413 (0 = no limit)")
     ] = 100 * 1024 * 1024,

@@ -13,16 +13,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from worker.protocol.errors import APIError, parse_json
+from worker.protocol.strict import StrictModel, unknown_fields_message
 
 BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking")
 RESULT_BLOCK_TYPES = ("text", "image")
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Model(StrictModel):
+    """Unknown fields are a 400 naming them (the one rule, worker/protocol/strict.py)."""
 
 
 class CacheControl(_Model):
@@ -287,6 +288,10 @@ def parse_request(cls: type[R], raw: bytes) -> R:
     try:
         return cls.model_validate(data)
     except ValidationError as e:
+        unknown = [".".join(str(p) for p in x.get("loc", ()) if not (isinstance(p, str) and p in _UNION_TAGS))
+                   for x in e.errors() if x.get("type") == "extra_forbidden"]
+        if unknown:
+            raise APIError(unknown_fields_message(list(dict.fromkeys(unknown))), param=unknown[0]) from None
         err = max(e.errors(), key=lambda x: len(x.get("loc", ())))
         loc = ".".join(
             str(p)

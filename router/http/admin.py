@@ -1,5 +1,6 @@
 """The router's own routes (Starlette): /health, /v1/models, /models/load|unload|sleep|reload,
-/models/sse, /props, /metrics and /openapi.json. The log, profiling and Responses routes are
+/models/sse, /props, /metrics, /openapi.json, Dynamo's /dynamo/alpha/list-models and
+llama-server's /tools. The log, profiling and Responses routes are
 added beside them by their own modules (router.http.app wires them)."""
 
 from __future__ import annotations
@@ -51,10 +52,23 @@ class AdminRoutes:
             Route("/props", self.props),
             Route("/metrics", self.metrics_text),
             Route("/openapi.json", self.openapi),
+            Route("/dynamo/alpha/list-models", self.dynamo_list_models),
+            Route("/tools", self.tools),
         ]
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
+
+    async def dynamo_list_models(self, request: Request) -> Response:
+        """Dynamo's list of models by endpoint: a generation model serves both; an embedding
+        model or reranker neither (it is listed in /v1/models)."""
+        names = [h.name for h in self.pool.handles.values() if not (h.preset.embedding or h.preset.reranking)]
+        return JSONResponse({"chat_completion_models": names, "completion_models": names})
+
+    async def tools(self, request: Request) -> Response:
+        """llama-server's built-in tools (its `--tools`): none are configured here (with
+        `?model=`, the model's worker answers, router.http.front's PROXY_GET)."""
+        return JSONResponse([])
 
     async def list_models(self, request: Request) -> Response:
         if request.query_params.get("reload", "").lower() in ("1", "true", "yes", "on"):

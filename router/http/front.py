@@ -45,7 +45,9 @@ PROXY_POST: dict[str, str] = {
     "/v1/responses/input_tokens": "/v1/responses/input_tokens",
 }
 # GET routes proxied when `?model=` is given (without it, /props is the router's own)
-PROXY_GET: dict[str, str] = {"/props": "/props", "/slots": "/slots", "/metrics": "/metrics"}
+PROXY_GET: dict[str, str] = {
+    "/props": "/props", "/slots": "/slots", "/metrics": "/metrics", "/tools": "/tools",
+}
 _SLOT_ACTION = re.compile(r"^/slots/[^/]+$")  # POST /slots/{id}?action=save|restore|erase&model=
 PUBLIC_PATHS = frozenset({"/health", "/", "/index.html", "/favicon.ico"})
 PUBLIC_PREFIXES = ("/static/", "/webui/", "/assets/")

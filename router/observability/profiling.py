@@ -79,7 +79,7 @@ class RouterProfiling:
 
     async def _start(self, raw: bytes, *, events_only: bool) -> Response:
         req = parse_start(raw)
-        run = ProfileRun.from_request(req, events_only=events_only)
+        run = ProfileRun.from_request(req, events_only=events_only, profiles_dir=self._profiles_dir())
         self._check_paths(run)
         try:
             path = self.profiler.start(run)
@@ -98,8 +98,10 @@ class RouterProfiling:
         """An HTTP client picks where a run writes: never into the data dir, and a trace only as a
         `.json` file inside `event_dir` (a template could otherwise name any file, a preset too)."""
         event_dir = run.event_dir.resolve()
-        if self._data_dir is not None and event_dir.is_relative_to(self._data_dir.resolve()):
-            raise APIError("event_dir must not be inside the router's data dir", param="event_dir")
+        if (self._data_dir is not None and event_dir.is_relative_to(self._data_dir.resolve())
+                and not event_dir.is_relative_to(self._profiles_dir().resolve())):
+            raise APIError("event_dir must not be inside the router's data dir (but for its profiles/)",
+                           param="event_dir")
         try:
             trace = run.trace_path("router").resolve()
         except (KeyError, IndexError, AttributeError, ValueError) as e:
@@ -107,6 +109,10 @@ class RouterProfiling:
         if not trace.is_relative_to(event_dir) or not trace.name.endswith((".json", ".json.gz")):
             raise APIError("trace_path_template must name a .json file inside event_dir",
                            param="trace_path_template")
+
+    def _profiles_dir(self) -> Path:
+        """Where a run without `event_dir` writes: `<data dir>/profiles/<run_id>/events`."""
+        return (self._data_dir or Path(".")) / "profiles"
 
     async def stop_profile(self, request: Request) -> Response:
         req = parse_stop(await request.body())

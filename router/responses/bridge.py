@@ -31,9 +31,10 @@ class ChatBridge:
         self._requests = requests
 
     @contextlib.asynccontextmanager
-    async def open_chat(self, model: str, body: dict[str, Any],
-                        route: str = "/v1/responses") -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
-        """Admit one chat-completions stream for `model` and yield its parsed SSE chunks.
+    async def open_chat(self, model: str, body: dict[str, Any], route: str = "/v1/responses",
+                        rid: str | None = None) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        """Admit one chat-completions stream for `model` and yield its parsed SSE chunks
+        (`rid`: the client's X-Request-Id, else a new one).
 
         An upstream error status comes out as its own `APIError`; a cut stream as a final
         `{"error"}` chunk.
@@ -41,7 +42,7 @@ class ChatBridge:
         handle = self._pool.get(model)
         if handle is None:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
-        trace = self._requests.begin(request_id([]), handle, route)
+        trace = self._requests.begin(rid or request_id([]), handle, route)
         try:
             async with self._open_chat(model, handle, body, trace) as chunks:
                 yield chunks

@@ -4,10 +4,23 @@
 Responses stream events each chunk makes (with a monotonic `sequence_number`). Invariant: at
 most one output item is open at a time; a new kind of delta (reasoning, text, another tool
 call) closes the open one first, so `output_item.added` and `output_item.done` pair up in order.
+
+Tool calls: a call is `completed` only when its arguments are JSON; one cut short is
+`incomplete`. Text that comes after a call, or any text when the call is forced (tool_choice
+required or named: the upstream's grammar makes the whole output a call), is held to the end:
+when the output was cut by max_output_tokens it is the cut call's raw markup (the upstream
+gives an unparsable call back as text) and is dropped; otherwise it goes out then.
+`max_tool_calls` drops the calls past the N-th.
+
+Reasoning: `response.reasoning_text.*` always (OpenAI's raw reasoning events); when the client
+asked for a summary (`reasoning.summary`), the same text also goes out as the item's
+`summary_text` with `response.reasoning_summary_part.*` and `response.reasoning_summary_text.*`
+(we do not summarize: the summary is the reasoning itself; docs/compatibility.md).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +60,14 @@ class ResponseBuilder:
     incomplete_reason: str | None = None
     completed_at: int | None = None
     num_events: int = 0
+    max_tool_calls: int | None = None
+    is_call_forced: bool = False
+    wants_summary: bool = False
     _open: _Open | None = None
+    # text held back (see the module docstring)
+    _held: list[tuple[str, list[dict[str, Any]]]] = field(default_factory=list)
+    _num_calls: int = 0
+    _dropped_calls: set[int] = field(default_factory=set)  # chat tool indexes past max_tool_calls
 
     # ---- the object
 
@@ -103,10 +123,12 @@ class ResponseBuilder:
                 events += self._reasoning(delta["reasoning_content"])
             logprobs = ((choice.get("logprobs") or {}).get("content")) or []
             is_text_open = self._open is not None and self._open.kind == "message"
-            if delta.get("content") or (
-                logprobs and is_text_open
-            ):  # a token may end mid-character: no text yet
-                events += self._text(delta.get("content") or "", logprobs)
+            # a token may end mid-character: no text yet
+            if delta.get("content") or (logprobs and is_text_open):
+                if self.is_call_forced or self._num_calls:
+                    self._held.append((delta.get("content") or "", logprobs))
+                else:
+                    events += self._text(delta.get("content") or "", logprobs)
             for call in delta.get("tool_calls") or []:
                 events += self._tool_call(call)
             if choice.get("finish_reason") == "length":
@@ -114,7 +136,12 @@ class ResponseBuilder:
         return events
 
     def finish(self) -> list[dict[str, Any]]:
-        events = self._close()
+        events: list[dict[str, Any]] = []
+        held, self._held = self._held, []
+        if not self.incomplete_reason:  # else: the cut call's markup
+            for text, logprobs in held:
+                events += self._text(text, logprobs)
+        events += self._close()
         self.completed_at = int(time.time())
         if self.incomplete_reason:
             self.status = "incomplete"
@@ -144,33 +171,31 @@ class ResponseBuilder:
     def _reasoning(self, text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if self._open is None or self._open.kind != "reasoning":
-            events += self._begin(
-                "reasoning",
-                ReasoningItem(
-                    type="reasoning",
-                    id=new_id("rs"),
-                    summary=[],
-                    content=[ReasoningText(type="reasoning_text", text="")],
-                    status="in_progress",
-                ),
-            )
-            events.append(
-                self._part_event("response.content_part.added", {"type": "reasoning_text", "text": ""})
-            )
+            summary = [ReasoningText(type="summary_text", text="")] if self.wants_summary else []
+            events += self._begin("reasoning", ReasoningItem(
+                type="reasoning", id=new_id("rs"), summary=summary,
+                content=[ReasoningText(type="reasoning_text", text="")], status="in_progress"))
+            events.append(self._part_event("response.content_part.added",
+                                           {"type": "reasoning_text", "text": ""}))
+            if self.wants_summary:
+                events.append(self._summary_event("response.reasoning_summary_part.added",
+                                                  part={"type": "summary_text", "text": ""}))
         assert self._open is not None
         item = self.output[self._open.index]
         assert isinstance(item, ReasoningItem) and item.content
         item.content[0].text += text
-        return [
-            *events,
-            self._event(
-                "response.reasoning_text.delta",
-                item_id=item.id,
-                output_index=self._open.index,
-                content_index=0,
-                delta=text,
-            ),
-        ]
+        events.append(self._event("response.reasoning_text.delta", item_id=item.id,
+                                  output_index=self._open.index,
+                                  content_index=0, delta=text))
+        if item.summary:
+            item.summary[0].text += text
+            events.append(self._summary_event("response.reasoning_summary_text.delta", delta=text))
+        return events
+
+    def _summary_event(self, kind: str, **data: Any) -> dict[str, Any]:
+        assert self._open is not None
+        item = self.output[self._open.index]
+        return self._event(kind, item_id=item.id, output_index=self._open.index, summary_index=0, **data)
 
     def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
@@ -215,7 +240,13 @@ class ResponseBuilder:
         events: list[dict[str, Any]] = []
         index = int(call.get("index", 0))
         fn = call.get("function") or {}
+        if index in self._dropped_calls:
+            return events
         if self._open is None or self._open.kind != "function_call" or self._open.tool_index != index:
+            if self.max_tool_calls is not None and self._num_calls >= self.max_tool_calls:
+                self._dropped_calls.add(index)  # the soft cap: this call is not part of the response
+                return events
+            self._num_calls += 1
             events += self._begin("function_call", FunctionCallItem(
                 type="function_call", id=new_id("fc"), call_id=call.get("id") or new_id("call"),
                 name=fn.get("name") or "", arguments="", status="in_progress"), index)
@@ -227,7 +258,8 @@ class ResponseBuilder:
         if fn.get("arguments"):
             item.arguments += fn["arguments"]
             events.append(self._event("response.function_call_arguments.delta", item_id=item.id,
-                                      output_index=self._open.index, delta=fn["arguments"]))
+                                      output_index=self._open.index, call_id=item.call_id,
+                                      delta=fn["arguments"]))
         return events
 
     def _part_event(self, kind: str, part: dict[str, Any]) -> dict[str, Any]:
@@ -241,7 +273,9 @@ class ResponseBuilder:
             return []
         op, self._open = self._open, None
         item = self.output[op.index]
-        item.status = status or ("incomplete" if self.incomplete_reason else "completed")  # type: ignore[assignment]  # each item type has its own status Literal; these values are valid for all
+        is_cut = isinstance(item, FunctionCallItem) and not _is_json(item.arguments)
+        # each item type has its own status Literal; these values are valid for all
+        item.status = status or ("incomplete" if self.incomplete_reason or is_cut else "completed")  # type: ignore[assignment]
         ids = {"item_id": item.id, "output_index": op.index}
         events = []
         if isinstance(item, ReasoningItem) and item.content:
@@ -249,6 +283,12 @@ class ResponseBuilder:
             events += [self._event("response.reasoning_text.done", **ids, content_index=0, text=text),
                        self._event("response.content_part.done", **ids, content_index=0,
                                    part={"type": "reasoning_text", "text": text})]
+            if item.summary:
+                summary = item.summary[0].text
+                events += [self._event("response.reasoning_summary_text.done", **ids, summary_index=0,
+                                       text=summary),
+                           self._event("response.reasoning_summary_part.done", **ids, summary_index=0,
+                                       part={"type": "summary_text", "text": summary})]
         elif isinstance(item, MessageItem) and isinstance(item.content, list):
             part = item.content[0]
             assert isinstance(part, OutputText)
@@ -257,10 +297,18 @@ class ResponseBuilder:
                        self._event("response.content_part.done", **ids, content_index=0,
                                    part=part.model_dump(mode="json"))]
         elif isinstance(item, FunctionCallItem):
-            events.append(self._event("response.function_call_arguments.done", **ids, name=item.name,
-                                      arguments=item.arguments))
+            events.append(self._event("response.function_call_arguments.done", **ids, call_id=item.call_id,
+                                      name=item.name, arguments=item.arguments))
         events.append(self._event("response.output_item.done", output_index=op.index, item=dump_item(item)))
         return events
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _usage(u: dict[str, Any]) -> dict[str, Any]:

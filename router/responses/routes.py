@@ -3,20 +3,23 @@ Server's path): `/responses[...]` and `/conversations[...]`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Scope
 
+from router.observability.request_trace import request_id
 from router.responses.service import ResponsesService
 from router.responses.store import page
 from router.responses.wire import AddItems, CreateConversation, CreateResponse
 from worker.protocol.errors import APIError, parse_model
 
 PREFIXES = ("/v1", "", "/v3")
+T = TypeVar("T")
 ResolveModel = Callable[[str | None, Scope], str]  # 404 / 400 for a model the router cannot serve
 
 
@@ -34,9 +37,36 @@ def _page_args(request: Request) -> dict[str, Any]:
     return {"limit": limit, "order": order, "after": q.get("after")}
 
 
-def _event_stream(body: AsyncIterator[bytes]) -> Response:
+def _event_stream(body: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> Response:
     return StreamingResponse(body, media_type="text/event-stream",
-                             headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+                             headers={"cache-control": "no-cache", "x-accel-buffering": "no",
+                                      **(headers or {})})
+
+
+async def _unless_client_leaves(request: Request, work: Coroutine[Any, Any, T]) -> T | None:
+    """Run `work` (a response without streaming); a client that disconnects cancels it (None),
+    which closes the upstream stream, so the worker stops generating. A plain handler would run
+    on to the last token: Starlette notices a disconnect only when it writes."""
+    task = asyncio.ensure_future(work)
+
+    async def client_left() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(client_left())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        me = asyncio.current_task()
+        if me is not None and me.cancelling():
+            raise  # we are cancelled ourselves (shutdown)
+        return None
 
 
 class ResponsesRoutes:
@@ -69,10 +99,17 @@ class ResponsesRoutes:
     async def create(self, request: Request) -> Response:
         req = parse_model(CreateResponse, await request.body())
         model = self.resolve_model(req.model, request.scope)
-        prepared = await self.service.prepare(req, model)
+        rid = request_id(request.scope["headers"])
+        prepared = await self.service.prepare(req, model, rid)
+        headers = {"x-request-id": rid}
         if req.stream:
-            return _event_stream(await self.service.stream(prepared))
-        return JSONResponse(await self.service.create(prepared))
+            return _event_stream(await self.service.stream(prepared), headers)
+        if req.background:
+            return JSONResponse(await self.service.create(prepared), headers=headers)
+        body = await _unless_client_leaves(request, self.service.create(prepared))
+        if body is None:
+            return Response(status_code=499)  # nobody is there to read it (nginx's "client closed request")
+        return JSONResponse(body, headers=headers)
 
     async def get(self, request: Request) -> Response:
         rid = request.path_params["rid"]

@@ -1,6 +1,6 @@
 """One response's run: history, the upstream chat stream, events, the store, background tasks.
 
-The router hands us `open_chat(model, body)`: an async context manager that admits one request
+The router hands us `open_chat(model, body, rid=)`: an async context manager that admits one request
 for the model through the router's own path (autoload, queue, `--models-max`), POSTs the
 chat-completions body to its upstream and yields the parsed SSE chunks; leaving it closes the
 upstream stream (the worker sees a cancel) and releases the model. An upstream error before
@@ -17,14 +17,14 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from router.responses.builder import ResponseBuilder
 from router.responses.store import ChainBroken, Store
-from router.responses.translate import chat_body, chat_messages, drop_oldest, echo
+from router.responses.translate import chat_body, chat_messages, drop_oldest, echo, is_call_forced
 from router.responses.wire import (
     AddItems,
     CreateConversation,
@@ -40,7 +40,15 @@ from worker.protocol.errors import APIError
 log = logging.getLogger("omni.router.responses")
 
 Chunk = dict[str, Any]
-OpenChat = Callable[[str, dict[str, Any]], AbstractAsyncContextManager[AsyncIterator[Chunk]]]
+
+
+class OpenChat(Protocol):
+    """(model, chat body, rid=the request id) -> the upstream's chunks (ChatBridge.open_chat)."""
+
+    def __call__(self, model: str, body: dict[str, Any], *,
+                 rid: str | None = None) -> AbstractAsyncContextManager[AsyncIterator[Chunk]]: ...
+
+
 MAX_TRUNCATION_TRIES = 8
 
 
@@ -54,6 +62,7 @@ class Prepared:
     body: dict[str, Any]
     builder: ResponseBuilder
     is_stored: bool
+    request_id: str  # X-Request-Id: the client's or a new one; sent upstream and returned
 
 
 @dataclass
@@ -114,7 +123,7 @@ class ResponsesService:
 
     # ------------------------------------------------------------------ create
 
-    async def prepare(self, req: CreateResponse, model: str) -> Prepared:
+    async def prepare(self, req: CreateResponse, model: str, request_id: str) -> Prepared:
         req.check()
         req.function_tools()  # 400 for a built-in tool type before anything else
         input_items = [with_id(it) for it in req.input_items()]
@@ -136,10 +145,12 @@ class ResponsesService:
         fields = echo(req, model)
         is_stored = req.store and self.store.is_enabled
         fields["store"] = is_stored
-        builder = ResponseBuilder(
-            new_id("resp"), fields, status="queued" if req.background else "in_progress"
-        )
-        return Prepared(req, model, input_items, chat_body(req, model, messages), builder, is_stored)
+        builder = ResponseBuilder(new_id("resp"), fields,
+                                  status="queued" if req.background else "in_progress",
+                                  max_tool_calls=req.max_tool_calls, is_call_forced=is_call_forced(req),
+                                  wants_summary=req.reasoning is not None and req.reasoning.wants_summary)
+        return Prepared(req, model, input_items, chat_body(req, model, messages), builder, is_stored,
+                        request_id)
 
     async def _connect(self, p: Prepared) -> tuple[AsyncExitStack, AsyncIterator[Chunk]]:
         """Open the upstream stream; with `truncation: auto`, drop the oldest messages until it fits."""
@@ -147,7 +158,7 @@ class ResponsesService:
         for _ in range(MAX_TRUNCATION_TRIES):
             stack = AsyncExitStack()
             try:
-                return stack, await stack.enter_async_context(self.open_chat(p.model, body))
+                return stack, await stack.enter_async_context(self.open_chat(p.model, body, rid=p.request_id))
             except APIError as e:
                 await stack.aclose()
                 if p.req.truncation != "auto" or e.type != "exceed_context_size_error":

@@ -82,7 +82,8 @@ class Store:
         return self._db
 
     def _cutoff(self) -> int:
-        return int(time.time() - self.ttl_s)
+        """Entries created before this are expired; `ttl_s` 0 means no expiry."""
+        return int(time.time() - self.ttl_s) if self.ttl_s > 0 else -(2**62)
 
     def open(self) -> int:
         """Open (the first call of any kind does: a router that never uses the store never

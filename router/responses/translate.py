@@ -126,8 +126,9 @@ def chat_body(req: CreateResponse, model: str, messages: list[dict[str, Any]]) -
         body["response_format"] = {"type": "json_schema", "json_schema": schema}
     elif fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
-    if req.top_logprobs:
+    if req.top_logprobs or req.logprobs:
         body["logprobs"] = True
+    if req.top_logprobs:
         body["top_logprobs"] = req.top_logprobs
     kwargs = reasoning_kwargs(req)
     if kwargs:
@@ -141,6 +142,8 @@ def chat_body(req: CreateResponse, model: str, messages: list[dict[str, Any]]) -
         "top_k": req.top_k,
         "repetition_penalty": req.repetition_penalty,
         "ignore_eos": req.ignore_eos,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
     }
     body.update({k: v for k, v in plain.items() if v is not None})
     return body
@@ -163,6 +166,12 @@ def drop_oldest(messages: list[dict[str, Any]], fraction: float) -> list[dict[st
 # --------------------------------------------------------------------------- request echo
 
 
+def is_call_forced(req: CreateResponse) -> bool:
+    """The upstream's grammar makes the output a call: any text in it is call markup."""
+    return bool(req.tools) and req.max_tool_calls != 0 and (
+        req.tool_choice == "required" or isinstance(req.tool_choice, dict))
+
+
 def echo(req: CreateResponse, model: str) -> dict[str, Any]:
     """The request fields a response object repeats."""
     fmt = req.text.format.model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -178,7 +187,8 @@ def echo(req: CreateResponse, model: str) -> dict[str, Any]:
         "top_p": req.top_p,
         "top_logprobs": req.top_logprobs,
         "text": {"format": fmt},
-        "reasoning": req.reasoning.model_dump(mode="json")
+        "reasoning": {"effort": req.reasoning.effort,
+                      "summary": req.reasoning.summary or req.reasoning.generate_summary}
         if req.reasoning
         else {"effort": None, "summary": None},
         "metadata": req.metadata or {},

@@ -10,9 +10,10 @@ from __future__ import annotations
 import secrets
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
 from worker.protocol.errors import APIError, parse_model
+from worker.protocol.strict import StrictModel
 
 MAX_METADATA = 16
 
@@ -21,8 +22,9 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(16)}"
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class _Model(StrictModel):
+    """Request bodies and the items in them: an unknown field is a 400 naming it
+    (worker/protocol/strict.py)."""
 
 
 # --------------------------------------------------------------------------- content parts
@@ -69,6 +71,18 @@ class MessageItem(_Model):
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[Part]
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_text_parts(cls, data: Any) -> Any:
+        """Chat-style `{"type": "text"}` parts (OVMS accepts them): input_text, or output_text
+        in an assistant message."""
+        if not isinstance(data, dict) or not isinstance(data.get("content"), list):
+            return data
+        kind = "output_text" if data.get("role") == "assistant" else "input_text"
+        parts = [{**p, "type": kind} if isinstance(p, dict) and p.get("type") == "text" else p
+                 for p in data["content"]]
+        return {**data, "content": parts}
 
 
 class FunctionCallItem(_Model):
@@ -187,8 +201,15 @@ class TextConfig(_Model):
 
 class ReasoningConfig(_Model):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    # We do not summarize reasoning: "auto" (the server's choice) gives the reasoning text itself.
-    summary: Literal["auto"] | None = None
+    # We do not summarize reasoning: a summary ("auto": the server's choice, or "detailed") is the
+    # reasoning text itself, sent as `summary_text` and `response.reasoning_summary_*` events
+    # beside the `reasoning_text` ones. "concise" would need a real summary: refused.
+    summary: Literal["auto", "detailed"] | None = None
+    generate_summary: Literal["auto", "detailed"] | None = None  # the older name of `summary`
+
+    @property
+    def wants_summary(self) -> bool:
+        return (self.summary or self.generate_summary) is not None
 
 
 class ConversationRef(_Model):
@@ -208,15 +229,22 @@ class CreateResponse(_Model):
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
-    # 0: no tools; 1: one call. Function calls come in one turn (parallel or not): a larger cap
-    # than one call per turn could not be enforced, so it is refused rather than ignored.
-    max_tool_calls: int | None = Field(default=None, ge=0, le=1)
+    # 0: no tools; 1: no parallel calls; N: calls past the N-th of a turn are dropped (a soft cap:
+    # the model may have generated them, the response does not hold them).
+    max_tool_calls: int | None = Field(default=None, ge=0)
     text: TextConfig = Field(default_factory=TextConfig)
     reasoning: ReasoningConfig | None = None
     max_output_tokens: int | None = Field(default=None, gt=0)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # OVMS's: the output tokens' logprobs (as include: ["message.output_text.logprobs"])
+    logprobs: bool | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    # Chat's form of text.format (OVMS accepts it); it becomes text.format, so it is echoed there
+    response_format: dict[str, Any] | None = None
+    n: int = 1  # one output per response: n > 1 is refused (see _one_output)
     stop: str | list[str] | None = None
     seed: int | None = None
     metadata: dict[str, str] | None = None
@@ -240,6 +268,61 @@ class CreateResponse(_Model):
     chat_template_kwargs: dict[str, Any] | None = None
 
     _metadata_size = field_validator("metadata")(_check_metadata)
+
+    @field_validator("n")
+    @classmethod
+    def _one_output(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("a response has one output: n > 1 is not supported on /v1/responses yet "
+                             "(use /v1/chat/completions, which serves n choices)")
+        return v
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _flat_tools(cls, v: Any) -> Any:
+        """Chat's nested form `{"type": "function", "function": {...}}` -> the Responses form."""
+        if not isinstance(v, list):
+            return v
+        return [{"type": "function", **t["function"]} if isinstance(t, dict) and t.get("type") == "function"
+                and isinstance(t.get("function"), dict) and "name" not in t and set(t) <= {"type", "function"}
+                else t for t in v]
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _flat_tool_choice(cls, v: Any) -> Any:
+        """Chat's `{"type": "function", "function": {"name"}}` -> `{"type": "function", "name"}`."""
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+                and "name" not in v and set(v) <= {"type", "function"}:
+            return {"type": "function", "name": v["function"].get("name")}
+        return v
+
+    @model_validator(mode="after")
+    def _response_format(self) -> CreateResponse:
+        """Chat's `response_format` -> text.format (both at once is a conflict)."""
+        rf = self.response_format
+        if rf is None:
+            return self
+        if self.text.format.type != "text":
+            raise APIError("give the output format once: text.format or response_format, not both",
+                           param="response_format")
+        kind = rf.get("type")
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict):
+                raise APIError("response_format json_schema needs a 'json_schema' object",
+                               param="response_format")
+            try:
+                fmt = TextFormat.model_validate({"type": "json_schema", **js})
+            except ValueError as e:
+                raise APIError(f"Invalid value for 'response_format.json_schema': {e}",
+                               param="response_format.json_schema") from None
+        elif kind in ("json_object", "text"):
+            fmt = TextFormat(type=kind)
+        else:
+            raise APIError(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+                           param="response_format.type")
+        self.text = self.text.model_copy(update={"format": fmt})
+        return self
 
     @field_validator("tool_choice")
     @classmethod

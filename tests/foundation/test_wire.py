@@ -37,7 +37,7 @@ MSG = [{"role": "user", "content": "hi"}]
         ({"logprobs": True, "top_logprobs": 3}, SamplingParams(logprobs=True, top_logprobs=3)),
         ({"seed": 42, "n": 3, "cache_prompt": False, "id_slot": 1},
          SamplingParams(seed=42, n=3, cache_prompt=False, id_slot=1)),
-        ({"some_unknown_field": 1, "mirostat": 2}, SamplingParams()),
+        ({"mirostat": 0, "typical_p": 1.0, "best_of": 1}, SamplingParams()),  # a feature's "off" value
         ({"response_format": {"type": "text"}}, SamplingParams()),
     ],
 )

@@ -1,5 +1,7 @@
 """The worker's public contract: what the router may import from `worker` (and nothing else).
 
+    strict       the one rule for request bodies: an unknown field is a 400 naming it
+                 (`StrictModel`), the fields refused with a reason, the dropped "off" values
     errors       the one error envelope (`APIError`) and request-body parsing
     wire         the request models of every route the worker serves (the router's OpenAPI schemas)
     sampling     `SamplingParams`, the plain value the request models convert themselves into

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from worker.protocol.strict import unknown_fields_message
+
 ErrorType = Literal[
     "invalid_request_error",
     "authentication_error",
@@ -101,7 +103,12 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
 
 
 def _describe_validation_error(exc: ValidationError) -> APIError:
-    first = exc.errors()[0]
+    errors = exc.errors()
+    unknown = list(dict.fromkeys(_field_path(tuple(e.get("loc", ())))
+                                 for e in errors if e.get("type") == "extra_forbidden"))
+    if unknown:  # one rule (worker/protocol/strict.py): every unknown field is named, before anything else
+        return APIError(unknown_fields_message(unknown), param=unknown[0])
+    first = errors[0]
     loc = _field_path(tuple(first.get("loc", ())))
     msg = first.get("msg", "invalid value")
     return APIError(f"Invalid value for '{loc}': {msg}" if loc else msg, param=loc or None)

@@ -17,27 +17,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from worker.protocol.errors import parse_model
+from worker.protocol.strict import StrictModel
 
 DEFAULT_TRACE_TEMPLATE = "{event_dir}/trace_{component}_{pid}.json"
+DEFAULT_PROFILES_DIR = Path("profiles")  # a worker's own, under its working directory
 SAFE_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
-class StartProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StartProfile(StrictModel):
+    """sglang-omni's body: every field may be left out (its documented example sends only
+    `run_id` and `enable_torch`); `event_dir` defaults to `<profiles dir>/<run_id>/events` and
+    `enable_torch` to on, as there."""
 
     run_id: str | None = None
-    event_dir: str
+    event_dir: str | None = None
     trace_path_template: str | None = None
-    enable_torch: bool = False
+    enable_torch: bool = True
     token_interval: int = Field(16, ge=1)
 
 
-class StopProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class StopProfile(StrictModel):
     run_id: str | None = None
 
 
@@ -50,9 +52,13 @@ class ProfileRun:
     token_interval: int
 
     @classmethod
-    def from_request(cls, req: StartProfile, *, events_only: bool = False) -> ProfileRun:
+    def from_request(cls, req: StartProfile, *, events_only: bool = False,
+                     profiles_dir: Path = DEFAULT_PROFILES_DIR) -> ProfileRun:
+        """`profiles_dir`: where a run without `event_dir` writes (`<it>/<run_id>/events`)."""
         run_id = req.run_id or time.strftime("%Y%m%d-%H%M%S")
-        return cls(run_id, Path(req.event_dir).absolute(), req.trace_path_template or DEFAULT_TRACE_TEMPLATE,
+        event_dir = (Path(req.event_dir) if req.event_dir
+                     else profiles_dir / (SAFE_NAME.sub("_", run_id) or "_") / "events")
+        return cls(run_id, event_dir.absolute(), req.trace_path_template or DEFAULT_TRACE_TEMPLATE,
                    req.enable_torch and not events_only, req.token_interval)
 
     def trace_path(self, component: str) -> Path:

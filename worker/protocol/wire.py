@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from worker.protocol.sampling import SamplingParams
+from worker.protocol.strict import StrictModel
 
 # --------------------------------------------------------------------------- requests
 
@@ -48,26 +49,29 @@ def resolve_logit_bias(raw: dict[str, float | bool | None] | list[list[Any]] | N
 
 
 class OpenAIBaseModel(BaseModel):
-    """Unknown fields are accepted (and ignored unless someone reads them)."""
+    """A response model: the worker builds its JSON by hand, these models are its contract (the
+    tests validate every response against them). Request models are `StrictModel`s instead:
+    an unknown request field is a 400 naming it (worker/protocol/strict.py)."""
 
     model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class NvExt(OpenAIBaseModel):
-    """Dynamo's `nvext` extension object; the same fields are also accepted top-level."""
+class NvExt(StrictModel):
+    """Dynamo's `nvext` extension object; the same fields are also accepted top-level. Dynamo's
+    bounds: repetition_penalty in (0, 2], top_k >= -1."""
 
     ignore_eos: bool | None = None
-    top_k: int | None = None
-    repetition_penalty: float | None = Field(default=None, gt=0)
+    top_k: int | None = Field(default=None, ge=-1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=2)
     greedy_sampling: bool | None = None
     use_raw_prompt: bool | None = None
 
 
-class _SamplingRequest(OpenAIBaseModel):
+class _SamplingRequest(StrictModel):
     """Fields common to chat completions and completions (OpenAI + llama-server extras)."""
 
     model: str | None = None
@@ -175,7 +179,7 @@ class _SamplingRequest(OpenAIBaseModel):
 ContentPart = dict[str, Any]
 
 
-class ChatMessage(OpenAIBaseModel):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -205,6 +209,30 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool | None = None
+    # OpenAI's: "none"/"minimal" turn the template's thinking off, others on (as Responses' reasoning.effort)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    modalities: list[str] | None = None  # only ["text"]: no model here produces audio
+    verbosity: Literal["medium"] | None = None  # no model here is tuned for verbosity levels
+    request_id: str | None = Field(default=None, min_length=1, max_length=200)  # sglang's: the response's id
+    # accepted and inert (docs/compatibility.md): the prompt cache is keyed by tokens, by itself;
+    # there is no per-user policy and one service tier
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and any(m != "text" for m in v):
+            raise ValueError("this model produces text only (no audio output): modalities must be ['text']")
+        return v
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs, with reasoning_effort as `enable_thinking` unless they set it."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None and "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = self.reasoning_effort not in ("none", "minimal")
+        return kwargs or None
 
     def to_sampling_params(
         self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None
@@ -231,6 +259,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    request_id: str | None = Field(default=None, min_length=1, max_length=200)  # sglang's: the response's id
 
     @field_validator("suffix")
     @classmethod
@@ -337,7 +366,7 @@ class NativeCompletionRequest(_NativeSamplingRequest):
         return out
 
 
-class InfillChunk(OpenAIBaseModel):
+class InfillChunk(StrictModel):
     """One other file for /infill's context."""
 
     text: str
@@ -355,7 +384,7 @@ class InfillRequest(_NativeSamplingRequest):
     return_tokens: bool = False
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(StrictModel):
     content: str
     add_special: bool = False
     parse_special: bool = True
@@ -363,12 +392,12 @@ class TokenizeRequest(OpenAIBaseModel):
     model: str | None = None
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(StrictModel):
     tokens: list[int]
     model: str | None = None
 
 
-class ApplyTemplateRequest(OpenAIBaseModel):
+class ApplyTemplateRequest(StrictModel):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Any] | None = None
     add_generation_prompt: bool = True
@@ -376,7 +405,7 @@ class ApplyTemplateRequest(OpenAIBaseModel):
     model: str | None = None
 
 
-class ResponsesInputTokensRequest(OpenAIBaseModel):
+class ResponsesInputTokensRequest(StrictModel):
     """OpenAI's /v1/responses/input_tokens: what a Responses request would feed the model."""
 
     input: str | list[ChatMessage] = Field(min_length=1)
@@ -394,7 +423,7 @@ class ResponsesInputTokensRequest(OpenAIBaseModel):
         return system + items
 
 
-class AnthropicCountTokensRequest(OpenAIBaseModel):
+class AnthropicCountTokensRequest(StrictModel):
     """Anthropic's /v1/messages/count_tokens: `messages` with `system` apart."""
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -17,4 +17,5 @@
     status         /v1/models and /props bodies
     profiling      /start_profile, /stop_profile and the request context
     cors_proxy     llama-server's /cors-proxy
+    extras         routes a text model cannot serve (audio, images: a clear 400) and /tools
 """

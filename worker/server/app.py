@@ -69,7 +69,7 @@ async def chat_completions(request: Request) -> Response:
     req = parse_model(ChatCompletionRequest, await request.body())
     p = await prepare_chat(state, backend, req)
     gen = Generation(state.engine, [p.tokens], p.params, quiet_tokens=not req.stream)
-    info = response_info(state, backend, req.model, "chatcmpl")
+    info = response_info(state, backend, req.model, "chatcmpl", req.request_id)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return event_stream(gen, stream_chat(gen, info, include_usage=include_usage, chat=p.chat,
@@ -110,7 +110,7 @@ async def completions(request: Request) -> Response:
         check_prompt(tokens, backend)
         prompts.append(tokens)
     gen = Generation(state.engine, prompts, params, quiet_tokens=not req.stream)
-    info = response_info(state, backend, req.model, "cmpl")
+    info = response_info(state, backend, req.model, "cmpl", req.request_id)
     echo_texts = echo if req.echo else None
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

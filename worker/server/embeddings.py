@@ -34,7 +34,7 @@ from worker.engine.engine import Engine
 from worker.engine.task import EmbeddingEvent, ErrorEvent, Event, Task
 from worker.protocol.errors import APIError, ErrorType, parse_json, parse_model
 from worker.protocol.sampling import SamplingParams
-from worker.protocol.wire import OpenAIBaseModel
+from worker.protocol.strict import StrictModel
 from worker.server.context import native_tokens, ready_backend, worker_state
 from worker.server.generation import _relay
 
@@ -45,7 +45,7 @@ GENERATION_PATHS = frozenset({
 })
 
 
-class EmbeddingRequest(OpenAIBaseModel):
+class EmbeddingRequest(StrictModel):
     input: Any = None  # a string, ids, a mixed list, an object or a list of those (see _input_prompts)
     content: Any = None  # llama-server's native field (the answer is then native)
     model: str | None = None

@@ -61,7 +61,7 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
     else:
         cont = continues_final_message(req.messages, req.continue_final_message, req.add_generation_prompt)
         text = render_chat(state, backend, req.messages, rendered_tools, req.add_generation_prompt,
-                           req.chat_template_kwargs, cont)
+                           req.template_kwargs(), cont)
     source = state.template.source if state.template is not None else None
     tool_format = detect_format(source)
     if constraint is not None or rendered_tools is not None:
@@ -90,8 +90,10 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
     return PreparedChat(text, tokens, params, chat)
 
 
-def response_info(state: WorkerState, backend: Vocab, model: str | None, prefix: str) -> ResponseInfo:
-    return ResponseInfo(new_id(prefix), now(), model or state.model_id, backend.token_to_piece)
+def response_info(state: WorkerState, backend: Vocab, model: str | None, prefix: str,
+                  rid: str | None = None) -> ResponseInfo:
+    """`rid`: the body's `request_id` (sglang's), used as the response id."""
+    return ResponseInfo(rid or new_id(prefix), now(), model or state.model_id, backend.token_to_piece)
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -10,6 +10,7 @@ Tasks are submitted when the body starts being produced, and cancelled on every 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -24,6 +25,9 @@ SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
+
+SSE_KEEPALIVE_S = 15.0
+KEEPALIVE = b": keep-alive\n\n"
 
 Producer = Callable[[Send], Awaitable[None]]
 
@@ -58,13 +62,41 @@ class GenerationResponse(Response):
             gen.cancel()  # a no-op for finished tasks
 
 
+def keepalive_interval() -> float:
+    """Seconds without an event after which a stream gets a `: keep-alive` comment (Dynamo sends
+    them too): a long prefill or a wait for a slot must not look like a dead connection to a
+    proxy or a client's read timeout. OMNI_SSE_KEEPALIVE_S changes it (0: never)."""
+    return float(os.environ.get("OMNI_SSE_KEEPALIVE_S", str(SSE_KEEPALIVE_S)))
+
+
 def event_stream(gen: Generation, chunks: AsyncIterator[bytes]) -> GenerationResponse:
-    """Server-sent events from `chunks` (an iterator over the generation's events)."""
+    """Server-sent events from `chunks` (an iterator over the generation's events), with a
+    keep-alive comment whenever nothing was sent for `keepalive_interval()` seconds."""
+    interval = keepalive_interval()
 
     async def produce(send: Send) -> None:
+        lock = anyio.Lock()  # a comment never lands inside an event
+        last = anyio.current_time()
+
+        async def body(data: bytes) -> None:
+            nonlocal last
+            async with lock:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+                last = anyio.current_time()
+
+        async def keep_alive() -> None:
+            while True:
+                await anyio.sleep(max(0.0, last + interval - anyio.current_time()))
+                if anyio.current_time() - last >= interval:
+                    await body(KEEPALIVE)
+
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-        async for data in chunks:
-            await send({"type": "http.response.body", "body": data, "more_body": True})
+        async with anyio.create_task_group() as tg:
+            if interval > 0:
+                tg.start_soon(keep_alive)
+            async for data in chunks:
+                await body(data)
+            tg.cancel_scope.cancel()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     return GenerationResponse(gen, produce)
