@@ -56,11 +56,11 @@ def value(samples: Samples, name: str, **labels: str) -> float:
 
 
 def complete(r: RouterProc, model: str, n: int = 16, stream: bool = False, **extra: Any) -> httpx.Response:
+    headers = extra.pop("headers", {})  # (it used to go into the body too: now an unknown field is a 400)
     body = {"model": model, "prompt": "the quick brown fox", "max_tokens": n, "ignore_eos": True,
             "temperature": 0, "stream": stream, **extra}
-    resp = httpx.post(
-        f"{r.base}/v1/completions", json=body, headers={**r.headers, **extra.pop("headers", {})}, timeout=60
-    )
+    resp = httpx.post(f"{r.base}/v1/completions", json=body, headers={**r.headers, **headers},
+                      timeout=60)
     assert resp.status_code == 200, resp.text
     return resp
 
