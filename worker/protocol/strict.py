@@ -22,16 +22,32 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 _BEAM = "beam search is not implemented"
-_SPEC = "speculative decoding is not implemented"
-_TEXT_ONLY = "the models served here take text only (sglang-omni's multimodal inputs)"
+_SPEC = "speculative decoding is not implemented yet"
+_MEDIA = "the models served here take text only (sglang-omni's multimodal inputs are not implemented yet)"
+
+# ---- Not implemented YET. Whoever makes one of these work declares it as a real field on the
+# wire model and deletes its line here (and its row in docs/compatibility.md).
+# Speculative decoding (issue 29): OpenVINO Model Server's fields, OpenAI's predicted outputs.
+SPECULATIVE: dict[str, str] = {
+    "num_assistant_tokens": _SPEC,
+    "assistant_confidence_threshold": _SPEC,
+    "max_ngram_size": _SPEC,
+    "prediction": _SPEC,
+    "speculative": _SPEC,
+}
+# Image, audio and video inputs (issue 30): sglang-omni's top-level media lists.
+MEDIA: dict[str, str] = {
+    "images": _MEDIA,
+    "audios": _MEDIA,
+    "videos": _MEDIA,
+    "video_fps": _MEDIA,
+}
 
 # fields that people send and we do not do -> why (the 400 says it)
 REFUSED: dict[str, str] = {
+    **SPECULATIVE,
+    **MEDIA,
     # sglang-omni
-    "images": _TEXT_ONLY,
-    "audios": _TEXT_ONLY,
-    "videos": _TEXT_ONLY,
-    "video_fps": _TEXT_ONLY,
     "stage_sampling": "sglang-omni's per-stage sampling: the models served here have one stage",
     "stage_params": "sglang-omni's per-stage parameters: the models served here have one stage",
     # speech (OpenAI); a `cmd`/`remote` upstream that serves audio gets these untouched
@@ -42,17 +58,47 @@ REFUSED: dict[str, str] = {
     "use_beam_search": _BEAM,
     "length_penalty": _BEAM,
     "early_stopping": _BEAM,
-    # speculative decoding (OpenVINO Model Server, OpenAI's predicted outputs)
-    "num_assistant_tokens": _SPEC,
-    "assistant_confidence_threshold": _SPEC,
-    "max_ngram_size": _SPEC,
-    "prediction": _SPEC,
     # Dynamo
     "annotations": "Dynamo's annotation events (formatted_prompt, token_ids) are not produced here",
     # older OpenAI shapes
     "functions": "the deprecated `functions` form: send `tools`",
     "function_call": "the deprecated `function_call` form: send `tool_choice`",
     "include_stop_str_in_output": "a matched stop string is always left out of the output",
+}
+
+_NO_USERS = "an end-user id: there is no per-user policy or quota here"
+_ONE_TIER = "there is one service tier"
+_CACHE_KEY = "the prompt cache is keyed by the prompt's tokens themselves, every prefix is reused"
+_ONE_VERBOSITY = "only the default ('medium'): no model served here is tuned for verbosity levels"
+_CACHE_CONTROL = "every prompt prefix is cached anyway (reads show as cache_read_input_tokens)"
+
+# ---- Accepted and inert: "Model.field" -> why accepting it without an effect is honest. The
+# field walk (tests/unit/test_field_walk.py) requires every other field of every request model
+# to have a test that shows its effect, and docs/compatibility.md to say the same.
+INERT: dict[str, str] = {
+    "_SamplingRequest.user": _NO_USERS,
+    "ChatCompletionRequest.safety_identifier": _NO_USERS,
+    "ChatCompletionRequest.prompt_cache_key": _CACHE_KEY,
+    "ChatCompletionRequest.service_tier": _ONE_TIER,
+    "ChatCompletionRequest.verbosity": _ONE_VERBOSITY,
+    "CreateResponse.user": _NO_USERS + " (echoed in the response)",
+    "CreateResponse.safety_identifier": _NO_USERS + " (echoed in the response)",
+    "CreateResponse.prompt_cache_key": _CACHE_KEY,
+    "CreateResponse.service_tier": _ONE_TIER + " (echoed in the response)",
+    "TextConfig.verbosity": _ONE_VERBOSITY,
+    "TextFormat.description": "the grammar enforces the schema; its description is not shown to the model",
+    "ReasoningItem.encrypted_content": "never produced here; a history item's `content` is what is replayed",
+    "ThinkingBlock.signature": "never produced here, nothing to verify; the thinking text is replayed",
+    "Metadata.user_id": _NO_USERS,
+    "CacheControl.type": _CACHE_CONTROL,
+    "CacheControl.ttl": _CACHE_CONTROL,
+    "CountTokensRequest.cache_control": _CACHE_CONTROL,
+    "TextBlock.cache_control": _CACHE_CONTROL,
+    "ImageBlock.cache_control": _CACHE_CONTROL,
+    "Tool.cache_control": _CACHE_CONTROL,
+    "ToolResultBlock.cache_control": _CACHE_CONTROL,
+    "ToolUseBlock.cache_control": _CACHE_CONTROL,
+    "TextBlock.citations": "only an empty list (no document blocks are served, so nothing can be cited)",
 }
 
 # field -> the value that turns its feature off: dropped when sent with that value

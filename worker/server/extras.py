@@ -17,6 +17,7 @@ from worker.protocol.errors import APIError
 NOT_SERVED = {
     "/v1/audio/speech": "text-to-speech",
     "/v1/audio/transcriptions": "speech-to-text",
+    "/audio/transcriptions": "speech-to-text",
     "/v1/audio/translations": "speech-to-text",
     "/v1/images/generations": "image generation",
 }
