@@ -126,7 +126,7 @@ def chat_body(req: CreateResponse, model: str, messages: list[dict[str, Any]]) -
         body["response_format"] = {"type": "json_schema", "json_schema": schema}
     elif fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
-    if req.top_logprobs or req.logprobs:
+    if req.top_logprobs or req.logprobs or "message.output_text.logprobs" in (req.include or []):
         body["logprobs"] = True
     if req.top_logprobs:
         body["top_logprobs"] = req.top_logprobs

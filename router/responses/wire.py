@@ -256,7 +256,7 @@ class CreateResponse(_Model):
     background: bool = False
     user: str | None = None
     safety_identifier: str | None = None
-    # Output logprobs are the only extra output we can include (they come with top_logprobs).
+    # Output logprobs are the only extra output we can include (as `logprobs: true`).
     include: list[Literal["message.output_text.logprobs"]] | None = None
     prompt: None = None  # OpenAI's stored prompt templates: none exist here
     prompt_cache_key: str | None = None

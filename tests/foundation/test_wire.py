@@ -39,6 +39,14 @@ MSG = [{"role": "user", "content": "hi"}]
          SamplingParams(seed=42, n=3, cache_prompt=False, id_slot=1)),
         ({"mirostat": 0, "typical_p": 1.0, "best_of": 1}, SamplingParams()),  # a feature's "off" value
         ({"response_format": {"type": "text"}}, SamplingParams()),
+        ({"top_p": 0.5, "min_p": 0.1, "top_k": 7, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+          "repeat_last_n": 32, "repetition_penalty": 1.3},
+         SamplingParams(top_p=0.5, min_p=0.1, top_k=7, presence_penalty=0.5, frequency_penalty=-0.5,
+                        repeat_last_n=32, repeat_penalty=1.3)),
+        ({"greedy_sampling": True}, SamplingParams(temperature=0.0)),
+        ({"n_probs": 4}, SamplingParams(logprobs=True, top_logprobs=4)),
+        ({"n_probs": 2, "post_sampling_probs": True, "return_progress": True, "stream": True},
+         SamplingParams(logprobs=True, top_logprobs=2, post_sampling_probs=True, return_progress=True)),
     ],
 )
 def test_chat_request_to_sampling_params(body: dict[str, Any], expected: SamplingParams) -> None:

@@ -333,3 +333,22 @@ def test_chat_n_choices_share_the_prompt_prefill(router: Router) -> None:
     assert len(resp.json()["choices"]) == 3
     n_prompt = resp.json()["usage"]["prompt_tokens"]
     assert computed() - before < 1.5 * n_prompt
+
+
+# --------------------------------------------------------------------------- fields with no test of their own before
+
+
+def test_completion_echo_prepends_the_prompt(router: Router) -> None:
+    body = {"model": "tiny", "prompt": "echo me", "max_tokens": 3}
+    plain = router.post("/v1/completions", body).json()["choices"][0]["text"]
+    echoed = router.post("/v1/completions", {**body, "echo": True}).json()["choices"][0]["text"]
+    assert echoed.startswith("echo me") and not plain.startswith("echo me")
+
+
+def test_nvext_use_raw_prompt_skips_the_chat_template(router: Router) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "plain words"}], "max_tokens": 1}
+    templated = router.post("/v1/chat/completions", body).json()["usage"]["prompt_tokens"]
+    raw = router.post("/v1/chat/completions", {**body, "nvext": {"use_raw_prompt": True}}).json()
+    bare = router.post("/tokenize", {"model": "tiny", "content": "plain words", "add_special": True}).json()
+    assert raw["usage"]["prompt_tokens"] == len(bare["tokens"]) < templated
+

@@ -62,6 +62,18 @@ MESSAGES: list[tuple[str, list[dict[str, Any]], str | None, list[dict[str, Any]]
         ],
     ),
     (
+        "an image by file id, with its detail",
+        [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1", "detail": "low"}]}],
+        None,
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file_1", "detail": "low"}}]}],
+    ),
+    (
+        "a refusal is the assistant's text",
+        [{"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}],
+        None,
+        [{"role": "assistant", "content": "no"}],
+    ),
+    (
         "a call joins the assistant turn before it",
         [
             {"role": "assistant", "content": "ok"},
@@ -113,6 +125,17 @@ BODIES: list[tuple[dict[str, Any], dict[str, Any]]] = [
     ({"reasoning": {"effort": "high"}, "chat_template_kwargs": {"x": 1}},
      {"chat_template_kwargs": {"x": 1, "enable_thinking": True}}),
     ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 2}),
+    ({"logprobs": True}, {"logprobs": True}),
+    ({"include": ["message.output_text.logprobs"]}, {"logprobs": True}),
+    ({"top_p": 0.5, "stop": ["x"], "repetition_penalty": 1.2, "ignore_eos": True, "frequency_penalty": 0.5,
+      "presence_penalty": -0.5},
+     {"top_p": 0.5, "stop": ["x"], "repetition_penalty": 1.2, "ignore_eos": True, "frequency_penalty": 0.5,
+      "presence_penalty": -0.5}),
+    ({"response_format": {"type": "json_object"}}, {"response_format": {"type": "json_object"}}),
+    ({"tools": [{"type": "function", "function": {"name": "f", "description": "d"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     {"tools": [{"type": "function", "function": {"name": "f", "description": "d"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}),
 ]
 
 
@@ -262,3 +285,29 @@ def test_store_chain_bounds_and_restart(tmp_path: Path) -> None:
         assert found is not None and found[0]["status"] == "failed"
     finally:
         again.close()
+
+
+@pytest.mark.parametrize("reasoning", [{"summary": "auto"}, {"summary": "detailed"}, {"generate_summary": "auto"}])
+def test_a_requested_summary_gets_reasoning_summary_events(reasoning: dict[str, Any]) -> None:
+    """OVMS clients listen for `response.reasoning_summary_*`: with `reasoning.summary` asked
+    for, the reasoning text also goes out as the item's summary (we do not summarize)."""
+    req = CreateResponse.model_validate({"model": "m", "input": "x", "reasoning": reasoning})
+    assert req.reasoning is not None and req.reasoning.wants_summary
+    b = ResponseBuilder("resp_1", {"model": "m"}, status="in_progress", wants_summary=True)
+    events = b.start() + b.feed(_chunk({"reasoning_content": "th"})) + b.feed(_chunk({"reasoning_content": "ink"}))
+    events += b.feed(_chunk({"content": "A"}, "stop")) + b.finish()
+    kinds = [e["type"] for e in events]
+    assert kinds[2:11] == [
+        "response.output_item.added", "response.content_part.added", "response.reasoning_summary_part.added",
+        "response.reasoning_text.delta", "response.reasoning_summary_text.delta",
+        "response.reasoning_text.delta", "response.reasoning_summary_text.delta",
+        "response.reasoning_text.done", "response.content_part.done",
+    ]
+    assert kinds[11:14] == ["response.reasoning_summary_text.done", "response.reasoning_summary_part.done",
+                            "response.output_item.done"]
+    item = events[-1]["response"]["output"][0]
+    assert item["summary"] == [{"type": "summary_text", "text": "think"}]
+    assert item["content"] == [{"type": "reasoning_text", "text": "think"}]
+    plain = ResponseBuilder("resp_2", {"model": "m"}, status="in_progress")
+    plain_kinds = [e["type"] for e in plain.start() + plain.feed(_chunk({"reasoning_content": "t"})) + plain.finish()]
+    assert not any("summary" in k for k in plain_kinds)

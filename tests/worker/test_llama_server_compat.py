@@ -397,6 +397,11 @@ def test_reasoning_off_sets_enable_thinking_a_request_overrides(tiny_models: Mod
         assert post(u, "/apply-template", {"messages": msgs}).json()["prompt"] == "[think=False]hi"
         body = {"messages": msgs, "chat_template_kwargs": {"enable_thinking": True}}
         assert post(u, "/apply-template", body).json()["prompt"] == "[think=True]hi"
+        # OpenAI's reasoning_effort: "none"/"minimal" turn thinking off, the others on (issue 26)
+        for effort, on in (("none", False), ("minimal", False), ("low", True), ("high", True)):
+            chat = post(u, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1, "verbose": True,
+                                                   "reasoning_effort": effort}).json()
+            assert chat["__verbose"]["prompt"].endswith(f"[think={on}]hi"), (effort, chat["__verbose"])
 
 
 @pytest.mark.parametrize("backend", ["llama_cpp", "torch"])
