@@ -186,9 +186,13 @@ def test_responses_response_format_is_text_format(router: Router) -> None:
     assert both.status_code == 400 and both.json()["error"]["param"] == "response_format"
 
 
-def test_audio_speech_on_our_worker_is_a_clear_400(router: Router) -> None:
-    # Reproduces: a bare 404 "Not Found" from the worker.
-    resp = router.post("/v1/audio/speech", {"model": "tiny", "input": "hello", "voice": "alloy"})
+@pytest.mark.parametrize("path", ["/v1/audio/speech", "/v1/audio/transcriptions", "/v1/audio/translations",
+                                  "/v1/images/generations"])
+def test_audio_and_image_routes_on_our_worker_are_a_clear_400(router: Router, path: str) -> None:
+    # Reproduces: /v1/audio/speech was a bare 404 "Not Found" from the worker.
+    body = {"model": "tiny", "input": "hello", "voice": "alloy", "prompt": "a cat"}
+    resp = router.post(path, body) if "speech" in path or "images" in path else httpx.post(
+        router.base + path, data={"model": "tiny"}, files={"file": ("a.wav", b"RIFF")}, timeout=60)
     assert resp.status_code == 400 and "text model" in resp.json()["error"]["message"], resp.text
 
 
@@ -335,7 +339,7 @@ def test_chat_n_choices_share_the_prompt_prefill(router: Router) -> None:
     assert computed() - before < 1.5 * n_prompt
 
 
-# --------------------------------------------------------------------------- fields with no test of their own before
+# --------------------------------------------------------------------------- fields that had no test
 
 
 def test_completion_echo_prepends_the_prompt(router: Router) -> None:
@@ -352,3 +356,12 @@ def test_nvext_use_raw_prompt_skips_the_chat_template(router: Router) -> None:
     bare = router.post("/tokenize", {"model": "tiny", "content": "plain words", "add_special": True}).json()
     assert raw["usage"]["prompt_tokens"] == len(bare["tokens"]) < templated
 
+
+
+def test_responses_input_tokens_count_the_instructions(router: Router) -> None:
+    def count(**kw: Any) -> int:
+        resp = router.post("/v1/responses/input_tokens", {"model": "tiny", "input": "hi", **kw})
+        assert resp.status_code == 200, resp.text
+        return int(resp.json()["input_tokens"])
+    plain = count()
+    assert count(instructions="be brief and kind") > plain

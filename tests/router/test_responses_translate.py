@@ -65,7 +65,8 @@ MESSAGES: list[tuple[str, list[dict[str, Any]], str | None, list[dict[str, Any]]
         "an image by file id, with its detail",
         [{"role": "user", "content": [{"type": "input_image", "file_id": "file_1", "detail": "low"}]}],
         None,
-        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file_1", "detail": "low"}}]}],
+        [{"role": "user",
+          "content": [{"type": "image_url", "image_url": {"url": "file_1", "detail": "low"}}]}],
     ),
     (
         "a refusal is the assistant's text",
@@ -287,14 +288,16 @@ def test_store_chain_bounds_and_restart(tmp_path: Path) -> None:
         again.close()
 
 
-@pytest.mark.parametrize("reasoning", [{"summary": "auto"}, {"summary": "detailed"}, {"generate_summary": "auto"}])
+@pytest.mark.parametrize("reasoning", [{"summary": "auto"}, {"summary": "detailed"},
+                                       {"generate_summary": "auto"}])
 def test_a_requested_summary_gets_reasoning_summary_events(reasoning: dict[str, Any]) -> None:
     """OVMS clients listen for `response.reasoning_summary_*`: with `reasoning.summary` asked
     for, the reasoning text also goes out as the item's summary (we do not summarize)."""
     req = CreateResponse.model_validate({"model": "m", "input": "x", "reasoning": reasoning})
     assert req.reasoning is not None and req.reasoning.wants_summary
     b = ResponseBuilder("resp_1", {"model": "m"}, status="in_progress", wants_summary=True)
-    events = b.start() + b.feed(_chunk({"reasoning_content": "th"})) + b.feed(_chunk({"reasoning_content": "ink"}))
+    events = b.start() + b.feed(_chunk({"reasoning_content": "th"}))
+    events += b.feed(_chunk({"reasoning_content": "ink"}))
     events += b.feed(_chunk({"content": "A"}, "stop")) + b.finish()
     kinds = [e["type"] for e in events]
     assert kinds[2:11] == [
@@ -309,5 +312,6 @@ def test_a_requested_summary_gets_reasoning_summary_events(reasoning: dict[str, 
     assert item["summary"] == [{"type": "summary_text", "text": "think"}]
     assert item["content"] == [{"type": "reasoning_text", "text": "think"}]
     plain = ResponseBuilder("resp_2", {"model": "m"}, status="in_progress")
-    plain_kinds = [e["type"] for e in plain.start() + plain.feed(_chunk({"reasoning_content": "t"})) + plain.finish()]
+    plain_events = plain.start() + plain.feed(_chunk({"reasoning_content": "t"})) + plain.finish()
+    plain_kinds = [e["type"] for e in plain_events]
     assert not any("summary" in k for k in plain_kinds)

@@ -70,6 +70,7 @@ _NO_USERS = "an end-user id: there is no per-user policy or quota here"
 _ONE_TIER = "there is one service tier"
 _CACHE_KEY = "the prompt cache is keyed by the prompt's tokens themselves, every prefix is reused"
 _ONE_VERBOSITY = "only the default ('medium'): no model served here is tuned for verbosity levels"
+_REPLAYED = "what a response returns on its items; clients send those items back as input: kept, no effect"
 _CACHE_CONTROL = "every prompt prefix is cached anyway (reads show as cache_read_input_tokens)"
 
 # ---- Accepted and inert: "Model.field" -> why accepting it without an effect is honest. The
@@ -89,6 +90,16 @@ INERT: dict[str, str] = {
     "TextFormat.description": "the grammar enforces the schema; its description is not shown to the model",
     "ReasoningItem.encrypted_content": "never produced here; a history item's `content` is what is replayed",
     "ThinkingBlock.signature": "never produced here, nothing to verify; the thinking text is replayed",
+    "MessageItem.id": _REPLAYED,
+    "MessageItem.status": _REPLAYED,
+    "FunctionCallItem.id": _REPLAYED,
+    "FunctionCallItem.status": _REPLAYED,
+    "FunctionCallOutputItem.id": _REPLAYED,
+    "FunctionCallOutputItem.status": _REPLAYED,
+    "ReasoningItem.id": _REPLAYED,
+    "ReasoningItem.status": _REPLAYED,
+    "OutputText.annotations": _REPLAYED,
+    "OutputText.logprobs": _REPLAYED,
     "Metadata.user_id": _NO_USERS,
     "CacheControl.type": _CACHE_CONTROL,
     "CacheControl.ttl": _CACHE_CONTROL,
