@@ -23,10 +23,17 @@ from router.lifecycle.model import ModelHandle
 from router.lifecycle.pool import Pool
 from router.observability.metrics import RouterMetrics
 from router.presets import PresetError
-from worker.protocol.errors import APIError, not_found
+from worker.protocol.errors import APIError, not_found, parse_model
+from worker.protocol.strict import StrictModel
 
 log = logging.getLogger("omni.router.app")
 SSE_KEEPALIVE_S = 15.0
+
+
+class ModelRef(StrictModel):
+    """The body of /models/load, /models/unload and /models/sleep."""
+
+    model: str | None = None  # optional when the router serves one model
 
 
 class AdminRoutes:
@@ -110,6 +117,8 @@ class AdminRoutes:
 
     async def _handle_from_body(self, request: Request) -> ModelHandle:
         body = await request.body()
+        if body.strip():
+            parse_model(ModelRef, body)  # any other field is a 400 naming it
         name = self._forwarder.model_from_body(body)
         handle = self.pool.get(name)
         if handle is None:

@@ -365,3 +365,7 @@ def test_responses_input_tokens_count_the_instructions(router: Router) -> None:
         return int(resp.json()["input_tokens"])
     plain = count()
     assert count(instructions="be brief and kind") > plain
+
+
+def test_model_admin_bodies_refuse_unknown_fields(router: Router) -> None:
+    refused(router.post("/models/load", {"model": "tiny", "force": True}), "force")

@@ -129,6 +129,7 @@ def test_slot_save_restore_erase(url: str, save_dir: Path) -> None:
     ("/slots/0?action=save", {"filename": "a/b.bin"}, 400),
     ("/slots/0?action=save", {"filename": ".."}, 400),
     ("/slots/0?action=save", {}, 400),
+    ("/slots/0?action=save", {"filename": "x.bin", "overwrite": True}, 400),  # an unknown field (issue 26)
     ("/slots/0?action=restore", {"filename": "missing.bin"}, 400),
     ("/slots/9?action=save", {"filename": "x.bin"}, 400),
     ("/slots/x?action=save", {"filename": "x.bin"}, 400),

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from worker.backends.base import Vocab
 from worker.engine.engine import Engine
 from worker.engine.task import EmbeddingEvent, ErrorEvent, Event, Task
-from worker.protocol.errors import APIError, ErrorType, parse_json, parse_model
+from worker.protocol.errors import APIError, ErrorType, parse_model
 from worker.protocol.sampling import SamplingParams
 from worker.protocol.strict import StrictModel
 from worker.server.context import native_tokens, ready_backend, worker_state
@@ -52,6 +52,19 @@ class EmbeddingRequest(StrictModel):
     encoding_format: str = "float"
     dimensions: int | None = None
     embd_normalize: int | None = None
+
+
+class RerankRequest(StrictModel):
+    """llama-server's rerank body (Jina / Cohere names) or TEI's (`texts`, `return_text`); the
+    values are checked by `rerank` itself, with llama-server's messages."""
+
+    query: Any = None
+    documents: Any = None
+    texts: Any = None  # TEI's name for `documents`: the answer is then TEI's list
+    top_n: Any = None
+    return_documents: bool = False  # each result carries its document
+    return_text: bool = False  # TEI's: each result carries its text
+    model: str | None = None
 
 
 # --------------------------------------------------------------------------- engine tasks
@@ -283,19 +296,17 @@ async def rerank(request: Request) -> Response:
     backend = ready_backend(state)
     if backend.pooling != "rank":
         raise _not_enabled("reranking", "--reranking")
-    body = parse_json(await request.body())
-    if not isinstance(body, dict):
-        raise APIError("Request body must be a JSON object")
-    is_tei = "texts" in body
-    query = body.get("query")
+    req = parse_model(RerankRequest, await request.body())
+    is_tei = req.texts is not None
+    query = req.query
     if query is None:
         raise APIError('"query" must be provided', param="query")
     if not isinstance(query, str):
         raise APIError('"query" must be a string', param="query")
-    docs = body.get("documents", body.get("texts"))
+    docs = req.texts if is_tei else req.documents
     if not isinstance(docs, list) or not docs or not all(isinstance(d, str) for d in docs):
         raise APIError('"documents" must be a non-empty string array', param="documents")
-    top_n = body.get("top_n", len(docs))
+    top_n = len(docs) if req.top_n is None else req.top_n
     if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 0:
         raise APIError('"top_n" must be a non-negative integer', param="top_n")
     prompts = [rerank_prompt(backend, query, d) for d in docs]
@@ -306,9 +317,9 @@ async def rerank(request: Request) -> Response:
     results: list[dict[str, Any]] = []
     for i, e in enumerate(events):
         item: dict[str, Any] = {"index": i, label: float(e.vectors[0, 0])}
-        if is_tei and body.get("return_text"):
+        if is_tei and req.return_text:
             item["text"] = docs[i]
-        elif not is_tei and body.get("return_documents"):
+        elif not is_tei and req.return_documents:
             item["document"] = {"text": docs[i]}
         results.append(item)
     results.sort(key=lambda r: -r[label])  # stable: equal scores keep input order
@@ -317,7 +328,7 @@ async def rerank(request: Request) -> Response:
         return JSONResponse(results)
     n_tokens = sum(len(p) for p in prompts)
     return JSONResponse({
-        "model": body.get("model") or state.model_id, "object": "list",
+        "model": req.model or state.model_id, "object": "list",
         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "results": results,
     })
 

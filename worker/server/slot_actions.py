@@ -6,7 +6,6 @@ as llama-server defers it while the slot is busy; file I/O runs off the event lo
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from pathlib import Path
@@ -15,8 +14,15 @@ from typing import Any
 import anyio.to_thread
 
 from worker.engine import slot_file
-from worker.protocol.errors import APIError
+from worker.protocol.errors import APIError, parse_model
+from worker.protocol.strict import StrictModel
 from worker.server.state import WorkerState
+
+
+class SlotFileRequest(StrictModel):
+    """The body of save and restore (erase takes none)."""
+
+    filename: Any = None  # checked by `file_path`
 
 
 def slot_id(state: WorkerState, raw: str) -> int:
@@ -38,10 +44,11 @@ async def erase(state: WorkerState, id_slot: int) -> dict[str, Any]:
 def file_path(state: WorkerState, raw_body: bytes) -> tuple[str, Path]:
     """The request's `filename` (checked against path traversal) and its path in --slot-save-path."""
     assert state.slot_save_path is not None
-    try:
-        filename = json.loads(raw_body or b"{}")["filename"]
-    except (ValueError, KeyError, TypeError):
-        raise APIError("a JSON body with a filename is required", param="filename") from None
+    if not raw_body.strip():
+        raise APIError("a JSON body with a filename is required", param="filename")
+    filename = parse_model(SlotFileRequest, raw_body).filename
+    if filename is None:
+        raise APIError("a JSON body with a filename is required", param="filename")
     if not isinstance(filename, str) or not slot_file.is_valid_filename(filename):
         raise APIError("Invalid filename", param="filename")
     return filename, Path(state.slot_save_path) / filename
