@@ -262,6 +262,17 @@ def test_reasoning_becomes_a_thinking_block_and_the_budget_caps_it(client: anthr
     assert [b.type for b in low.content] == ["thinking", "text"]
 
 
+def test_chat_thinking_budget_tokens_caps_the_reasoning(base: str) -> None:
+    """The worker's own field, which the Messages API's budget becomes (llama.cpp's name)."""
+    body = {"model": "thinker", "max_tokens": 40, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "think"}]}
+    free = _raw(base, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    capped = _raw(base, "/v1/chat/completions", {**body, "thinking_budget_tokens": 5})
+    capped = capped.json()["choices"][0]["message"]
+    assert 0 < len(capped["reasoning_content"]) < len(free["reasoning_content"])
+    assert free["reasoning_content"].startswith(capped["reasoning_content"]) and capped["content"]
+
+
 def test_streamed_thinking_deltas(client: anthropic.Anthropic) -> None:
     kw: dict[str, Any] = {"model": "thinker", "max_tokens": 30, "extra_body": {"temperature": 0.0},
                           "thinking": {"type": "enabled", "budget_tokens": 5},
