@@ -164,10 +164,10 @@ def test_responses_penalties_reach_the_model(client: openai.OpenAI) -> None:
 
 def test_responses_logprobs_bool_gives_logprobs(client: openai.OpenAI) -> None:
     plain = client.responses.create(model="tiny", input="hi", max_output_tokens=4)
-    assert not plain.output[0].content[0].logprobs  # type: ignore[union-attr]  # a message
+    assert not plain.output[0].content[0].logprobs  # type: ignore[union-attr]  # output[0] is a message
     resp = client.responses.create(model="tiny", input="hi", max_output_tokens=4,
                                    extra_body={"logprobs": True})
-    assert resp.output[0].content[0].logprobs  # type: ignore[union-attr]
+    assert resp.output[0].content[0].logprobs  # type: ignore[union-attr]  # output[0] is a message
 
 
 def test_responses_response_format_is_text_format(router: Router) -> None:
@@ -201,8 +201,8 @@ def test_audio_and_image_routes_on_our_worker_are_a_clear_400(router: Router, pa
 
 def test_responses_nested_tool_and_tool_choice_forms(client: openai.OpenAI) -> None:
     nested = {"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}
-    resp = client.responses.create(model="tiny", input="weather in Paris?", tools=[nested],  # type: ignore[list-item]
-                                   tool_choice={"type": "function", "function": {"name": "get_weather"}},  # type: ignore[arg-type]
+    resp = client.responses.create(model="tiny", input="weather in Paris?", tools=[nested],  # type: ignore[list-item]  # a plain dict for the SDK's TypedDict
+                                   tool_choice={"type": "function", "function": {"name": "get_weather"}},  # type: ignore[arg-type]  # Chat's form, not in the SDK's types
                                    parallel_tool_calls=False, max_output_tokens=60)
     calls = [o for o in resp.output if o.type == "function_call"]
     assert resp.status == "completed" and len(calls) == 1 and calls[0].name == "get_weather", resp.output
@@ -210,7 +210,7 @@ def test_responses_nested_tool_and_tool_choice_forms(client: openai.OpenAI) -> N
 
 
 def test_responses_chat_style_text_parts(client: openai.OpenAI) -> None:
-    resp = client.responses.create(model="tiny", max_output_tokens=2, input=[  # type: ignore[arg-type]
+    resp = client.responses.create(model="tiny", max_output_tokens=2, input=[  # type: ignore[arg-type]  # Chat's form, not in the SDK's types
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
         {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
         {"role": "user", "content": [{"type": "text", "text": "again"}]}])
@@ -218,7 +218,7 @@ def test_responses_chat_style_text_parts(client: openai.OpenAI) -> None:
 
 
 def test_responses_max_tool_calls_above_one_is_a_soft_cap(client: openai.OpenAI) -> None:
-    resp = client.responses.create(model="tiny", input="weather?", tools=[TOOL], tool_choice="required",  # type: ignore[list-item]
+    resp = client.responses.create(model="tiny", input="weather?", tools=[TOOL], tool_choice="required",  # type: ignore[list-item]  # a plain dict for the SDK's TypedDict
                                    max_tool_calls=2, max_output_tokens=120)
     assert resp.max_tool_calls == 2
     assert 1 <= len([o for o in resp.output if o.type == "function_call"]) <= 2, resp.output
@@ -264,7 +264,7 @@ def test_responses_take_and_return_x_request_id(router: Router) -> None:
 def test_forced_tool_call_cut_by_max_output_tokens_is_incomplete(client: openai.OpenAI) -> None:
     # Reproduces: a `completed` function_call with invalid JSON arguments, plus a message with the
     # raw <tool_call> text.
-    resp = client.responses.create(model="tiny", input="weather?", tools=[TOOL], tool_choice="required",  # type: ignore[list-item]
+    resp = client.responses.create(model="tiny", input="weather?", tools=[TOOL], tool_choice="required",  # type: ignore[list-item]  # a plain dict for the SDK's TypedDict
                                    max_output_tokens=5)
     assert resp.status == "incomplete"
     for item in resp.output:
@@ -328,7 +328,7 @@ def test_chat_n_choices_share_the_prompt_prefill(router: Router) -> None:
     the worker's count of prompt tokens computed grows by about one prompt, not N."""
     def computed() -> float:
         text = router.get("/metrics?model=tiny").text
-        return float(re.search(r"^llamacpp:prompt_tokens_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+        return float(re.search(r"^llamacpp:prompt_tokens_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]  # the worker always has it
 
     prompt = " ".join(f"w{i}" for i in range(60)) + f" {os.urandom(4).hex()}"  # not cached anywhere
     before = computed()
