@@ -114,7 +114,8 @@ def _operation(method: str, path: str, model_names: list[str], schemas: dict[str
 def _body_schema(path: str, model_names: list[str], schemas: dict[str, Any]) -> dict[str, Any]:
     model_prop = {"type": "string", "enum": model_names} if model_names else {"type": "string"}
     if path in MODEL_ONLY:
-        return {"type": "object", "required": ["model"], "properties": {"model": model_prop}}
+        return {"type": "object", "required": ["model"], "properties": {"model": model_prop},
+                "additionalProperties": False}  # router.http.admin.ModelRef
     cls = BODY_MODELS.get(path)
     if cls is None:
         return {"type": "object"}
