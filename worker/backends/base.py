@@ -63,14 +63,17 @@ POOLINGS: tuple[Pooling, ...] = ("none", "mean", "cls", "last", "rank")
 class BatchEntry:
     """A run of tokens of one sequence at positions pos .. pos+len(tokens)-1.
 
-    If `logits` is true, the logits of the entry's last token are kept for sampling; the
-    n-th such entry in the batch (0-based, batch order) is `logits_index` n for `sample`.
+    If `logits` is true, the logits of the entry's last `n_outputs` tokens are kept for
+    sampling; the n-th such row in the batch (0-based, batch order, an entry's rows in position
+    order) is `logits_index` n for `sample`. More than one output row is a speculative verify
+    entry (worker/engine/speculation.py): the last sampled token and the drafted ones.
     """
 
     seq_id: int
     tokens: list[int]
     pos: int
     logits: bool
+    n_outputs: int = 1
 
 
 class DecodeStatus(Enum):

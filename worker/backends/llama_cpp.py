@@ -154,7 +154,7 @@ class _BatchBuffers:
         )
 
     def fill(self, entries: Sequence[BatchEntry], arange: np.ndarray, all_outputs: bool = False) -> list[int]:
-        """Write `entries`; return the batch index of every entry that wants logits.
+        """Write `entries`; return the batch index of every output row (an entry's last n_outputs).
         `all_outputs`: every row is an output (an embedding context requires it)."""
         out_rows: list[int] = []
         i = 0
@@ -170,8 +170,9 @@ class _BatchBuffers:
             self.seq[i:j] = e.seq_id
             self.logits[i:j] = 1 if all_outputs else 0
             if e.logits:
-                self.logits[j - 1] = 1
-                out_rows.append(j - 1)
+                k = min(e.n_outputs, n)
+                self.logits[j - k : j] = 1
+                out_rows.extend(range(j - k, j))
             i = j
         self.batch.n_tokens = i
         return out_rows
@@ -451,7 +452,7 @@ class LlamaCppBackend:
             raise ValueError(f"batch of {n} tokens (capacity {self.n_batch})")
         calls = self._calls(entries)
         done: list[BatchEntry] = []
-        where: dict[int, tuple[np.ndarray | None, int]] = {}  # id(entry) -> logits location
+        where: dict[int, list[tuple[np.ndarray | None, int]]] = {}  # id(entry) -> its rows' logits
         pooled: dict[int, np.ndarray] = {}  # id(entry) -> its embedding (embedding models)
         for k, call in enumerate(calls):
             rows = self._buf.fill(call, self._arange, self._embedding)
@@ -468,12 +469,15 @@ class LlamaCppBackend:
                 pooled.update(self._read_embeddings(call))
                 continue
             is_last = k == len(calls) - 1
-            for e, row in zip((e for e in call if e.logits), rows, strict=True):
-                where[id(e)] = (None, row) if is_last else (self._logits_row(row).copy(), row)
+            it = iter(rows)
+            for e in call:
+                if e.logits:
+                    mine = [next(it) for _ in range(min(e.n_outputs, len(e.tokens)))]
+                    where[id(e)] = [(None, r) if is_last else (self._logits_row(r).copy(), r) for r in mine]
         if self._embedding:
             self._embeddings = [pooled[id(e)] for e in entries if e.logits]
             return DecodeStatus.OK
-        self._outputs = [where[id(e)] for e in entries if e.logits]
+        self._outputs = [o for e in entries if e.logits for o in where[id(e)]]
         return DecodeStatus.OK
 
     def _read_embeddings(self, call: list[BatchEntry]) -> dict[int, np.ndarray]:

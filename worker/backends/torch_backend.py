@@ -318,6 +318,10 @@ class TorchBackend:
             return DecodeStatus.NO_KV_SPACE
         want = np.fromiter((e.logits for e in entries), dtype=bool, count=len(entries))
         rows = np.cumsum(counts)[want] - 1
+        if any(e.n_outputs > 1 for e in entries):  # speculative verify entries: their last n_outputs rows
+            ends = np.cumsum(counts)
+            rows = np.array([r for e, end in zip(entries, ends.tolist(), strict=True) if e.logits
+                             for r in range(end - min(e.n_outputs, len(e.tokens)), end)], dtype=np.int64)
         max_pos = int((starts + counts).max()) - 1
         if max_pos >= model.cos.shape[0]:
             model.ensure_positions(max_pos + 1)

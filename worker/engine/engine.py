@@ -82,6 +82,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TypeVar
 
 from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
@@ -90,6 +91,7 @@ from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import PromptCache
 from worker.engine.scheduler import Plan, Scheduler
 from worker.engine.slot import Slot
+from worker.engine.speculation import SpecConfig, Speculator
 from worker.engine.task import GO_ON, EmbeddingEvent, ErrorEvent, FinishEvent, Task, TokenEvent, Verdict
 
 log = logging.getLogger("worker.engine.engine")
@@ -129,10 +131,13 @@ class Engine:
         *,
         cache_ram_mib: int = 0,
         strict_reuse: bool = False,
+        spec: SpecConfig | None = None,
     ) -> None:
         """`cache_ram_mib`: the host-RAM prompt cache (worker/engine/prompt_cache.py); 0 off, -1 unbounded.
-        `strict_reuse`: reuse no row of another class, not even a finished request's (Determinism)."""
+        `strict_reuse`: reuse no row of another class, not even a finished request's (Determinism).
+        `spec`: speculative decoding (worker/engine/speculation.py)."""
         self._factory = factory
+        self._spec_config = spec or SpecConfig()
         self._strict_reuse = strict_reuse
         self._cache_ram_mib = cache_ram_mib
         self._on_load_failed = on_load_failed
@@ -245,8 +250,10 @@ class Engine:
         prompt_cache = (
             PromptCache(None if mib < 0 else mib << 20, decode_class=decode_class) if use_cache else None
         )
+        use_spec = self._spec_config.enabled and self._backend.pooling is None
         self._scheduler = Scheduler(
-            self._backend, self.n_slots, self._metrics, prompt_cache, reuse_history=not self._strict_reuse
+            self._backend, self.n_slots, self._metrics, prompt_cache, reuse_history=not self._strict_reuse,
+            spec=Speculator(self._spec_config, self._metrics) if use_spec else None,
         )
         self.status = LoadStatus("ready", 1.0, is_ready=True)
         b = self._backend
@@ -414,9 +421,14 @@ class Engine:
         if slots:
             tasks = [s.task for s in slots if s.task is not None]
             rows = self._wait_masks(masks) if masks is not None else [None] * len(tasks)
+            first = _first_rows(plan)  # an entry's first output row (a verify entry has several)
             items = [
-                SampleItem(t.sampler, i, mask=m) for i, (t, m) in enumerate(zip(tasks, rows, strict=True))
+                SampleItem(t.sampler, first[i] if i < len(first) else i, mask=m)
+                for i, (t, m) in enumerate(zip(tasks, rows, strict=True))
             ]
+            spec = scheduler.spec if scheduler.spec is not None and scheduler.spec.has_pending else None
+            if spec is not None:
+                spec.before_sampling({s.id: first[i] for i, s in enumerate(to_sample)})
             for item, slot in zip(items[len(to_sample) :], plan.from_saved, strict=True):
                 item.logits_index, item.logits = -1, slot.logits
             samples = backend.sample(items, [t.params for t in tasks])
@@ -425,6 +437,10 @@ class Engine:
             slot_ids = {id(t): s.id for t, s in zip(tasks, slots, strict=True)}
             for task, verdict in scheduler.postprocess(slots, samples, self._read_token):
                 self._report_end(task, slot_ids[id(task)], verdict)
+            if spec is not None:  # the drafted slots' further rows, while their drafts hold
+                one = partial(_one, scheduler, self._read_token)
+                for task, verdict, slot_id in spec.verify(backend, one):
+                    self._report_end(task, slot_id, verdict)
 
     def _wait_masks(self, masks: MaskBatch) -> list[Any]:
         rows = masks.wait()
@@ -569,6 +585,23 @@ class Engine:
         if values[2] != last[2]:
             m.kv_cells_used.set(values[2])
             m.kv_usage_ratio.set(values[2] / max(1, self._require_backend().n_ctx))
+
+
+def _first_rows(plan: Plan) -> list[int]:
+    """The first output row of each entry asking for logits, in batch order."""
+    out, row = [], 0
+    for _, entry in plan.entries:
+        if entry.logits:
+            out.append(row)
+            row += entry.n_outputs
+    return out
+
+
+def _one(scheduler: Scheduler, read: Callable[[Task, Sample, bool], Verdict], slot: Slot,
+         sample: Sample) -> tuple[Task, Verdict] | None:
+    """Postprocess one slot's sample (a verified draft's next token): the task if it ended."""
+    ended = scheduler.postprocess([slot], [sample], read)
+    return ended[0] if ended else None
 
 
 def _params_info(task: Task) -> dict[str, Any]:

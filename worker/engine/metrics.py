@@ -108,6 +108,14 @@ class WorkerMetrics:
             "Requests prefilled while every slot was busy (first token sent early)",
             registry=r,
         )
+        self.spec_draft_tokens = Counter(
+            "omni:spec_draft_tokens", "Speculative draft tokens verified (prompt lookup)", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "omni:spec_accepted_tokens", "Speculative draft tokens accepted", registry=r
+        )
+        self.spec_drafts = Counter("omni:spec_drafts", "Speculative verify steps (slots x steps)", registry=r)
+        self._spec_totals = (Value(), Value(), Value())  # the same, under vLLM's names
         self.grammar_masks = Counter(
             "omni:grammar_masks", "Next-token masks computed for constrained slots", registry=r
         )
@@ -144,6 +152,14 @@ class WorkerMetrics:
             w.decode_steps += max(n_decoded - 1, 0)  # the first token comes with the prompt's last batch
             w.decode_seconds += predicted_s
 
+    def on_spec(self, n_draft: int, n_accepted: int, n_verifies: int) -> None:
+        """One step's speculative verifies (engine thread)."""
+        self.spec_draft_tokens.inc(n_draft)
+        self.spec_accepted_tokens.inc(n_accepted)
+        self.spec_drafts.inc(n_verifies)
+        for v, n in zip(self._spec_totals, (n_draft, n_accepted, n_verifies), strict=True):
+            v.inc(n)
+
     def render(self) -> bytes:
         """The scrape: llama-server's block, then ours; starts a new throughput window."""
         with self._lock:
@@ -170,12 +186,21 @@ class WorkerMetrics:
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)", self.n_tokens_max),
         ]
         spec = [
-            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated"),
+            (
+                "spec_decode_num_draft_tokens_total",
+                "Speculative: Total draft tokens generated",
+                self._spec_totals[0],
+            ),
             (
                 "spec_decode_num_accepted_tokens_total",
                 "Speculative: Total draft tokens accepted by the target model",
+                self._spec_totals[1],
             ),
-            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps"),
+            (
+                "spec_decode_num_drafts_total",
+                "Speculative: Total speculative decoding verification steps",
+                self._spec_totals[2],
+            ),
         ]
         gauges = [
             (
@@ -209,8 +234,8 @@ class WorkerMetrics:
 
         for name, help, v in counters:
             add("counter", name, help, v.value)
-        for name, help in spec:  # no speculative decoding here
-            add("counter", name, help, 0)
+        for name, help, v in spec:  # the same counts as omni:spec_* (vLLM's names)
+            add("counter", name, help, v.value)
         for name, help, value in gauges:
             add("gauge", name, help, value)
         return ("\n".join(lines) + "\n").encode() + generate_latest(self.registry)

@@ -75,6 +75,7 @@ from worker.engine.policy import (
 )
 from worker.engine.prompt_cache import PromptCache
 from worker.engine.slot import Slot
+from worker.engine.speculation import Speculator
 from worker.engine.task import Task, Verdict
 
 log = logging.getLogger("worker.engine")
@@ -109,11 +110,13 @@ class Plan:
 class Scheduler:
     def __init__(
         self, backend: Backend, n_slots: int, metrics: WorkerMetrics, prompt_cache: PromptCache | None = None,
-        *, reuse_history: bool = True,
+        *, reuse_history: bool = True, spec: Speculator | None = None,
     ) -> None:
         """`reuse_history` off (`--strict-reuse`): finished requests' rows too are reused only
-        where they are of the class the new prompt would compute (see the module doc)."""
+        where they are of the class the new prompt would compute (see the module doc).
+        `spec`: speculative drafts for generating slots (worker/engine/speculation.py)."""
         self._backend = backend
+        self.spec = spec
         self.reuse_history = reuse_history
         self._metrics = metrics
         self._recipe = backend.recipe
@@ -361,13 +364,22 @@ class Scheduler:
         decoding = [s for s in self._all if s.is_decoding]
         free = self._make_room(decoding) if self._backend.kv_unified else 1 << 62
         decoding = [s for s in self._all if s.is_decoding]
-        plan.entries = [(s, BatchEntry(s.id, s.feed, len(s.cache), True)) for s in decoding]
-        plan.n_decode_rows = len(decoding)
-        free -= len(decoding)
-
         prefilling = [s for s in self._all if s.task is not None and s.is_prefill]
+        drafts: dict[int, list[int]] = {}
+        if self.spec is not None:  # speculation yields to prompts being computed or waiting
+            is_busy = bool(prefilling or self.waiting) or self._backend.kv_unified
+            b = self._backend
+            drafts = self.spec.drafts(decoding, is_busy=is_busy, n_ctx_seq=b.n_ctx_seq,
+                                      room=b.n_batch - len(decoding))
+        plan.entries = []
+        for s in decoding:
+            draft = drafts.get(s.id, [])
+            plan.entries.append((s, BatchEntry(s.id, s.feed + draft, len(s.cache), True, 1 + len(draft))))
+        plan.n_decode_rows = sum(len(e.tokens) for _, e in plan.entries)
+        free -= plan.n_decode_rows
+
         prefilling.sort(key=lambda s: (s is self.staging, _arrival(s)))
-        cap = self._backend.n_batch - len(decoding)
+        cap = self._backend.n_batch - plan.n_decode_rows
         if self._prefill_cap is not None:
             cap = min(cap, self._prefill_cap)
         long = [_rows_to_compute(s) for s in prefilling if _rows_to_compute(s) > SHORT_PROMPT]

@@ -39,6 +39,8 @@ class TaskStats:
     n_cached: int = 0  # prompt tokens reused from a slot's KV cache at first admission
     n_evaluated: int = 0  # prompt tokens actually decoded (re-evaluation after preemption included)
     n_decoded: int = 0  # generated tokens
+    n_draft: int = 0  # speculative draft tokens verified (worker/engine/speculation.py)
+    n_draft_accepted: int = 0  # of them accepted
     t_arrival: float = 0.0
     t_start: float = 0.0  # first admitted to a slot
     t_first_token: float = 0.0

@@ -35,6 +35,17 @@ class ReasoningCap(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class SpecRequest:
+    """A request's speculative-decoding settings (worker/engine/speculation.py): OVMS's
+    num_assistant_tokens / max_ngram_size, llama-server's speculative.n_max / n_min. None: the
+    worker's; n_max 0 turns speculation off for the request."""
+
+    n_max: int | None = None
+    n_min: int | None = None
+    size_n: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling and stopping settings (llama-server's defaults).
 
@@ -68,6 +79,7 @@ class SamplingParams:
     return_progress: bool = False  # stream ProgressEvents while the prompt is computed
     grammar: CompiledGrammar | None = None
     reasoning_budget: ReasoningCap | None = None  # thinking_budget_tokens
+    speculative: SpecRequest | None = None  # the request's speculative-decoding settings
 
     @property
     def is_greedy(self) -> bool:

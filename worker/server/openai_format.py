@@ -78,6 +78,8 @@ def timings(stats: TaskStats) -> dict[str, Any]:
         # as llama-server: over the decode steps, n - 1 (the first token comes with the prompt)
         "predicted_per_token_ms": gms / (gn - 1) if gn > 1 else 0.0,
         "predicted_per_second": (gn - 1) * 1e3 / gms if gn > 1 and gms > 0 else 0.0,
+        # as llama-server: only when something was drafted
+        **({"draft_n": stats.n_draft, "draft_n_accepted": stats.n_draft_accepted} if stats.n_draft else {}),
     }
 
 

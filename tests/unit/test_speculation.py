@@ -1,0 +1,154 @@
+"""Speculative decoding's logic without a model (worker/engine/speculation.py): the n-gram
+drafter, the adaptive K, and that verification leaves the output distribution unchanged
+(chi-square over 2,000 samples of the first three tokens, against the exact probabilities)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import cast
+
+import numpy as np
+import pytest
+
+from worker.backends.base import Backend, Sample, SampleItem
+from worker.engine.metrics import WorkerMetrics
+from worker.engine.slot import Slot
+from worker.engine.speculation import SpecConfig, Speculator, _Pending, accept_point_mass, ngram_draft
+from worker.engine.task import Task
+from worker.protocol.sampling import SamplingParams, SpecRequest
+
+# chi-square critical values at alpha = 0.001
+_CHI2_001 = {3: 16.27, 63: 103.4}
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_ngram_draft_copies_what_followed_the_latest_match() -> None:
+    h = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert ngram_draft(h, 3, 2) == [7, 8]  # the latest earlier "1 2 3" is followed by 7 8
+    assert ngram_draft(h, 3, 10) == [7, 8, 1, 2, 3]
+    assert ngram_draft(h, 4, 5) == []  # "3 1 2 3"... no: "8 1 2 3" never occurred before
+    assert ngram_draft([5, 5, 5, 5], 1, 3) == [5]  # the match right before the end: one token follows
+    assert ngram_draft([1, 2], 3, 4) == []
+    assert ngram_draft(h, 3, 0) == []
+
+
+# A toy model over 4 tokens: p(next | last token), skewed so that drafts are often right.
+_P = np.array(
+    [[0.55, 0.25, 0.15, 0.05], [0.1, 0.6, 0.2, 0.1], [0.3, 0.1, 0.5, 0.1], [0.25, 0.25, 0.25, 0.25]]
+)
+
+
+class _ToyBackend:
+    """What `Speculator.verify` calls: `sample` (row j: the token after the entry's j-th token)
+    and `seq_rm`. Rows are set by the test as the verify entry's tokens."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.rng = rng
+        self.rows: list[int] = []
+        self.removed: list[tuple[int, int]] = []
+
+    def sample(self, items: Sequence[SampleItem], params: Sequence[SamplingParams]) -> list[Sample]:
+        return [Sample(int(self.rng.choice(4, p=_P[self.rows[it.logits_index]]))) for it in items]
+
+    def seq_rm(self, seq_id: int, p0: int) -> None:
+        self.removed.append((seq_id, p0))
+
+
+def _speculative_first_tokens(draft: list[int], rng: np.random.Generator) -> tuple[int, ...]:
+    """The first 3 tokens after token 0 with one verify step of `draft` (then plain steps)."""
+    backend = _ToyBackend(rng)
+    spec = Speculator(SpecConfig("ngram-simple", size_n=1), WorkerMetrics())
+    task = Task([0], SamplingParams(temperature=1.0), 1, lambda ev: None)
+    slot = Slot(0, cache=[], task=task, feed=[0])
+    task.generated = [0]  # the token fed this step (the engine's last sampled one)
+    spec._pending = [_Pending(slot, task, list(draft))]
+    slot.cache.extend([0, *draft])  # what commit records: the fed token and the drafts
+    backend.rows = [0, *draft]
+    spec.before_sampling({0: 0})
+    assert slot.cache == [0]
+    # row 0 is sampled with the step, as without speculation
+    task.generated.append(backend.sample([SampleItem(None, 0)], [task.params])[0].token)
+
+    def post(s: Slot, sample: Sample) -> None:
+        task.generated.append(sample.token)
+
+    spec.verify(cast(Backend, backend), post)  # post returns None: no task ends
+    assert backend.removed == [(0, len(slot.cache))]
+    out = task.generated[1:]
+    while len(out) < 3:  # plain decoding after the verify step
+        out.append(int(rng.choice(4, p=_P[out[-1]])))
+    return tuple(out[:3])
+
+
+def _exact_first_three() -> np.ndarray:
+    probs = np.zeros(64)
+    for a, b, c in itertools.product(range(4), repeat=3):
+        probs[a * 16 + b * 4 + c] = _P[0, a] * _P[a, b] * _P[b, c]
+    return probs
+
+
+@pytest.mark.parametrize("draft", [[0, 0, 0], [1, 1], [3, 2, 1], [2]])
+def test_verification_keeps_the_distribution_of_the_first_tokens(draft: list[int]) -> None:
+    """2,000 samples of the first three tokens with speculation, whatever the draft (likely or
+    not): chi-square against the exact non-speculative probabilities (64 cells, alpha 0.001)."""
+    rng = np.random.default_rng(1234 + len(draft) + draft[0])
+    counts = np.zeros(64)
+    for _ in range(2000):
+        a, b, c = _speculative_first_tokens(draft, rng)
+        counts[a * 16 + b * 4 + c] += 1
+    assert chi_square(counts, _exact_first_three()) < _CHI2_001[63]
+
+
+@pytest.mark.parametrize("draft", [0, 2, 3])
+def test_point_mass_rejection_sampling_is_the_target_distribution(draft: int) -> None:
+    """Accept the draft with p(draft), else draw from the residual: the result is p."""
+    rng = np.random.default_rng(7 + draft)
+    p = _P[2]
+    counts = np.bincount([accept_point_mass(draft, p, rng) for _ in range(2000)], minlength=4)
+    assert chi_square(counts.astype(float), p) < _CHI2_001[3]
+
+
+def _slot_with_task(params: SamplingParams, tokens: list[int]) -> Slot:
+    task = Task(tokens[:-1], params, 1, lambda ev: None)
+    task.generated = [tokens[-1]]
+    task.stats.n_decoded = 1
+    return Slot(0, cache=list(tokens[:-1]), task=task, feed=[tokens[-1]])
+
+
+def test_drafts_follow_the_settings_and_yield_under_load() -> None:
+    spec = Speculator(SpecConfig("ngram-simple", size_n=2, n_max=4), WorkerMetrics())
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    slot = _slot_with_task(SamplingParams(temperature=0), tokens)
+    assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {0: [3, 4, 5, 6]}
+    assert spec.drafts([slot], is_busy=True, n_ctx_seq=100, room=64) == {}  # prompts first
+    assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=2) == {0: [3, 4]}
+    assert spec.drafts([slot], is_busy=False, n_ctx_seq=len(tokens) + 3, room=64) == {0: [3, 4]}
+    req = SamplingParams(temperature=0, speculative=SpecRequest(n_max=0))
+    assert spec.drafts([_slot_with_task(req, tokens)], is_busy=False, n_ctx_seq=100, room=64) == {}
+    req = SamplingParams(temperature=0, speculative=SpecRequest(n_min=5))
+    assert spec.drafts([_slot_with_task(req, tokens)], is_busy=False, n_ctx_seq=100, room=64) == {}
+    req = SamplingParams(temperature=0, max_tokens=3)
+    assert spec.drafts([_slot_with_task(req, tokens)], is_busy=False, n_ctx_seq=100, room=64) == {0: [3]}
+
+
+def test_k_adapts_and_a_failing_slot_pauses() -> None:
+    spec = Speculator(SpecConfig("ngram-simple", size_n=1, n_max=16), WorkerMetrics())
+    slot = _slot_with_task(SamplingParams(temperature=0), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1])
+    spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64)
+    state = spec._slots[0]
+    assert state.k == 8
+    spec._adapt(0, 8, 8)
+    assert state.k == 16
+    spec._adapt(0, 16, 3)
+    assert state.k == 4
+    for _ in range(3):
+        spec._adapt(0, 4, 0)
+    assert state.pause == 4  # three rejected drafts in a row: four steps without drafting
+    for _ in range(4):
+        assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {}
+    assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) != {}

@@ -1,0 +1,241 @@
+"""Speculative decoding: prompt-lookup (n-gram) drafts, verified in the step's shared batch.
+
+llama-server's `--spec-type ngram-simple`: a generating slot whose last `size_n` tokens occurred
+earlier in its prompt or output drafts the tokens that followed them there (up to `size_m`, the
+slot's adaptive K and the request's `n_max`). The step stays one decode:
+
+    plan     the slot's entry is [last sampled token, d1 .. dk] with k + 1 output rows
+             (`BatchEntry.n_outputs`), beside the other slots' one-token entries
+    decode   the backend computes every row's logits and writes every row's KV
+    sample   row 0 is sampled with the others, as without speculation; then `Speculator.verify`
+             goes on while the token just sampled equals the next draft: that draft's KV row is
+             valid, its output row is sampled next (row j gives the token after d_j)
+    rollback the KV rows of rejected drafts are dropped (`Backend.seq_rm`); the slot's record of
+             its rows (`Slot.cache`) holds the accepted ones only
+
+Exactness. Each emitted token is drawn by the task's own sampler from the logits of the same
+tokens at the same positions, one draw per emitted token, in order: the sampler's RNG, penalty
+window and chain are exactly the non-speculative ones. A draft is accepted iff the sampled token
+equals it. For a point-mass draft distribution (an n-gram draft) that *is* speculative rejection
+sampling: accept d with probability p(d), else draw from p with d removed and renormalised; the
+two steps together draw from p (`accept_point_mass` spells that out; tests/unit/test_speculation.py
+checks it with a chi-square test). So at any temperature the output distribution is unchanged;
+at temperature 0 the output is the same token for token wherever the backend computes a verify
+row (several rows of one sequence in one decode) with the bits of a one-row decode: always on
+the exact torch CPU path; on llama.cpp see the README (its one-row and several-row kernels may
+round differently).
+
+Adaptive K. Per slot: K doubles after a fully accepted draft, falls to accepted + 1 after a
+partial one and halves after a rejected one; after `_PAUSE_AFTER` rejected drafts in a row the
+slot stops drafting for a backoff of steps that doubles each time (up to `_MAX_PAUSE`). Under
+load speculation yields: no drafts in a step where a prompt is being computed or a task waits
+for a slot (verify rows would take the prompt pieces' place), and the step's verify rows are
+capped by `max_rows` (rows beyond the decode rows that cost about what one row costs).
+
+Not speculated: constrained output (a grammar's mask depends on every token before it), a
+reasoning budget (it may replace a sampled token), embedding tasks, the staging sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from worker.backends.base import Backend, Sample, SampleItem
+
+if TYPE_CHECKING:
+    from worker.engine.metrics import WorkerMetrics
+    from worker.engine.slot import Slot
+    from worker.engine.task import Task, Verdict
+
+SpecType = Literal["none", "ngram-simple"]
+SPEC_TYPES: tuple[str, ...] = ("none", "ngram-simple")
+
+_START_K = 8  # a slot's first drafts
+_PAUSE_AFTER = 3  # rejected drafts in a row before a slot pauses drafting
+_MAX_PAUSE = 64  # steps
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    """The worker's settings (llama-server's flags; a request may lower n_max and set size_n)."""
+
+    type: SpecType = "none"
+    size_n: int = 12  # --spec-ngram-simple-size-n: the n-gram looked up
+    size_m: int = 48  # --spec-ngram-simple-size-m: the most tokens one draft copies
+    n_max: int = 16  # --spec-draft-n-max: the most tokens drafted per step
+    n_min: int = 0  # --spec-draft-n-min: a shorter draft is not verified
+    max_rows: int = 32  # verify rows per step, all slots together
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none" and self.n_max > 0
+
+
+def ngram_draft(history: Sequence[int] | np.ndarray, size_n: int, n_max: int) -> list[int]:
+    """The tokens that followed the latest earlier occurrence of `history`'s last `size_n`
+    tokens (at most n_max of them); [] when there is none."""
+    h = np.asarray(history, dtype=np.int64)
+    n = len(h)
+    if size_n < 1 or n_max < 1 or n <= size_n:
+        return []
+    tail = h[n - size_n :]
+    # candidates: ends of an earlier occurrence (before the last position), latest first
+    ends = np.flatnonzero(h[size_n - 1 : n - 1] == tail[-1]) + size_n - 1
+    for end in ends[::-1].tolist():
+        if np.array_equal(h[end - size_n + 1 : end + 1], tail):
+            return h[end + 1 : end + 1 + n_max].tolist()  # type: ignore[no-any-return]  # numpy's tolist is Any
+    return []
+
+
+def accept_point_mass(draft: int, p: np.ndarray, rng: np.random.Generator) -> int:
+    """Speculative rejection sampling with a point-mass draft distribution (q(draft) = 1): accept
+    the draft with probability min(1, p/q) = p(draft), else draw from max(0, p - q) renormalised,
+    which is p without the draft. The engine draws x ~ p and accepts iff x == draft: the same
+    distribution (P(draft) = p(draft), P(y) = (1 - p(draft)) * p(y) / (1 - p(draft)) = p(y))
+    with one draw per token, so the sampler's RNG stream is that of a plain decode."""
+    if rng.random() < p[draft]:
+        return draft
+    residual = p.copy()
+    residual[draft] = 0.0
+    total = residual.sum()
+    if total <= 0.0:
+        return draft
+    return int(rng.choice(len(p), p=residual / total))
+
+
+@dataclass(slots=True)
+class _SlotState:
+    task_id: int = -1
+    k: int = _START_K
+    n_rejected: int = 0  # drafts in a row with nothing accepted
+    pause: int = 0  # steps left without drafting
+    backoff: int = 4
+
+
+@dataclass(slots=True)
+class _Pending:
+    slot: Slot
+    task: Task
+    draft: list[int]
+    first_row: int = -1  # the slot's first output row in the decode
+
+
+@dataclass(slots=True)
+class Speculator:
+    config: SpecConfig
+    metrics: WorkerMetrics
+    _slots: dict[int, _SlotState] = field(default_factory=dict)
+    _pending: list[_Pending] = field(default_factory=list)
+
+    # -- planning ---------------------------------------------------------------------------------
+    def drafts(
+        self, decoding: Sequence[Slot], *, is_busy: bool, n_ctx_seq: int, room: int
+    ) -> dict[int, list[int]]:
+        """Drafts for this step's generating slots (slot id -> tokens), `room` rows at most;
+        none when `is_busy` (a prompt is being computed or a task waits: speculation yields)."""
+        self._pending = []
+        if is_busy or not self.config.enabled:
+            return {}
+        out: dict[int, list[int]] = {}
+        rows = min(self.config.max_rows, room)
+        for slot in decoding:
+            task = slot.task
+            if task is None or not slot.feed or rows <= 0:
+                continue
+            draft = self._draft(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2))
+            if draft:
+                out[slot.id] = draft
+                rows -= len(draft)
+                self._pending.append(_Pending(slot, task, draft))
+        return out
+
+    def _draft(self, slot: Slot, task: Task, room: int) -> list[int]:
+        p = task.params
+        req = p.speculative
+        if task.matcher is not None or task.budget is not None or task.is_embedding:
+            return []
+        st = self._slots.get(slot.id)
+        if st is None or st.task_id != task.id:
+            st = self._slots[slot.id] = _SlotState(task.id)
+        if st.pause > 0:
+            st.pause -= 1
+            return []
+        cfg = self.config
+        n_max = cfg.n_max if req is None or req.n_max is None else min(cfg.n_max, req.n_max)
+        n_min = cfg.n_min if req is None or req.n_min is None else req.n_min
+        size_n = cfg.size_n if req is None or req.size_n is None else req.size_n
+        k = min(st.k, n_max, cfg.size_m, room)
+        if p.max_tokens is not None:
+            k = min(k, p.max_tokens - task.stats.n_decoded - 1)
+        if k < max(1, n_min):
+            return []
+        draft = ngram_draft(task.tokens(), size_n, k)  # the fed token is the last generated one
+        return draft if len(draft) >= max(1, n_min) else []
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    # -- after the decode ---------------------------------------------------------------------------
+    def before_sampling(self, first_rows: dict[int, int]) -> None:
+        """The decode wrote every drafted row: the slots' records keep only the last sampled
+        token's (the drafts' rows are accepted one by one in `verify`)."""
+        for pend in self._pending:
+            pend.first_row = first_rows[pend.slot.id]
+            del pend.slot.cache[len(pend.slot.cache) - len(pend.draft) :]
+
+    def verify(
+        self,
+        backend: Backend,
+        postprocess: Callable[[Slot, Sample], tuple[Task, Verdict] | None],
+    ) -> list[tuple[Task, Verdict, int]]:
+        """Row 0 of every drafted slot was sampled with the step; accept drafts while the token
+        just sampled equals the next one, sampling the row after it; then drop the rejected rows'
+        KV. Returns the tasks that ended (with the slot id)."""
+        ended: list[tuple[Task, Verdict, int]] = []
+        n_draft = n_accepted = 0
+        n_verifies = len(self._pending)
+        for pend in self._pending:
+            slot, task, draft = pend.slot, pend.task, pend.draft
+            n_ok = 0
+            while n_ok < len(draft) and slot.task is task and task.generated[-1] == draft[n_ok]:
+                # the draft is the token sampled: its KV row (written by the decode) is valid
+                slot.cache.append(draft[n_ok])
+                n_ok += 1
+                sample = backend.sample(
+                    [SampleItem(task.sampler, pend.first_row + n_ok)], [task.params]
+                )[0]
+                end = postprocess(slot, sample)
+                if end is not None:
+                    ended.append((*end, slot.id))
+            backend.seq_rm(slot.id, len(slot.cache))  # the rejected drafts' rows
+            task.stats.n_draft += len(draft)
+            task.stats.n_draft_accepted += n_ok
+            n_draft += len(draft)
+            n_accepted += n_ok
+            self._adapt(slot.id, len(draft), n_ok, task.id)
+        self._pending = []
+        if n_verifies:
+            self.metrics.on_spec(n_draft, n_accepted, n_verifies)
+        return ended
+
+    def _adapt(self, slot_id: int, n_draft: int, n_ok: int, task_id: int = -1) -> None:
+        st = self._slots.setdefault(slot_id, _SlotState(task_id))
+        cap = self.config.n_max
+        if n_ok == n_draft:
+            st.k = min(cap, max(st.k, n_draft) * 2)
+        elif n_ok > 0:
+            st.k = max(2, n_ok + 1)
+        else:
+            st.k = max(1, st.k // 2)
+        if n_ok > 0:
+            st.n_rejected, st.backoff = 0, 4
+            return
+        st.n_rejected += 1
+        if st.n_rejected >= _PAUSE_AFTER:
+            st.pause, st.backoff = st.backoff, min(st.backoff * 2, _MAX_PAUSE)
+            st.n_rejected = 0
