@@ -4,8 +4,8 @@ INI: `[*]` holds global defaults, one `[name]` section per model, keys are llama
 names without dashes, long or short (`ctx-size` or `c`, `n-gpu-layers`, `gpu-layers` or `ngl`),
 or their environment names (`LLAMA_ARG_CTX_SIZE`), `;` / `#` comments; a file written for
 llama-server's `--models-preset` loads as it is (`version = 1`, `jinja = true`, `no-` flags, a
-key repeated in a section: the last one wins). `model-draft` is accepted and not used: there is
-no speculative decoding here, and a draft model changes speed, never output.
+key repeated in a section: the last one wins). `model-draft` is refused: the workers speculate
+from the prompt (`spec-type = ngram-simple`), not with a draft model.
 TOML: `[defaults]` and `[models.NAME]` tables with the same keys (`-` or `_` both accepted).
 Precedence: router CLI overrides > model section > global defaults > built-in defaults.
 
@@ -61,7 +61,7 @@ class ModelPreset:
     kv_unified: bool | None = None  # one KV cache for all slots (worker --kv-unified)
     flash_attn: str | None = None  # auto | on | off (worker --flash-attn)
     jinja: bool | None = None  # worker --jinja / --no-jinja (templates are Jinja either way)
-    model_draft: str | None = None  # llama-server's speculative draft model: accepted, not used
+    model_draft: str | None = None  # llama-server's speculative draft model: refused at load
     embedding: bool | None = None  # an embedding model (worker --embedding)
     pooling: str | None = None  # none | mean | cls | last | rank (worker --pooling)
     reranking: bool | None = None  # a reranker (worker --reranking)
@@ -478,8 +478,8 @@ def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> 
             origin[fname] = at
     model = kwargs.pop("model", None)
     if kwargs.get("model_draft"):
-        log.warning("%s: model-draft is not used (no speculative decoding here; the output is the same)",
-                    origin["model_draft"])
+        raise PresetError(f"{origin['model_draft']}: model-draft: a draft model is not supported "
+                          "(use spec-type = ngram-simple: drafts from the prompt and the output)")
     preset = ModelPreset(name=name, source=where, worker_args=tuple(sorted(worker_args.items())), **kwargs)
     if model is not None:
         preset = replace(preset, model=_resolve_model(model, base_dir))

@@ -250,7 +250,7 @@ class Engine:
         prompt_cache = (
             PromptCache(None if mib < 0 else mib << 20, decode_class=decode_class) if use_cache else None
         )
-        use_spec = self._spec_config.enabled and self._backend.pooling is None
+        use_spec = self._backend.pooling is None  # a request may opt in without --spec-type
         self._scheduler = Scheduler(
             self._backend, self.n_slots, self._metrics, prompt_cache, reuse_history=not self._strict_reuse,
             spec=Speculator(self._spec_config, self._metrics) if use_spec else None,

@@ -66,13 +66,18 @@ class SpecConfig:
     type: SpecType = "none"
     size_n: int = 12  # --spec-ngram-simple-size-n: the n-gram looked up
     size_m: int = 48  # --spec-ngram-simple-size-m: the most tokens one draft copies
-    n_max: int = 16  # --spec-draft-n-max: the most tokens drafted per step
+    n_max: int | None = None  # --spec-draft-n-max: the most tokens drafted per step (None: size_m)
     n_min: int = 0  # --spec-draft-n-min: a shorter draft is not verified
     max_rows: int = 32  # verify rows per step, all slots together
 
     @property
+    def cap(self) -> int:
+        return self.size_m if self.n_max is None else min(self.size_m, self.n_max)
+
+    @property
     def enabled(self) -> bool:
-        return self.type != "none" and self.n_max > 0
+        """On by default for every request (a request may still opt in or out)."""
+        return self.type != "none" and self.cap > 0
 
 
 def ngram_draft(history: Sequence[int] | np.ndarray, size_n: int, n_max: int) -> list[int]:
@@ -138,7 +143,7 @@ class Speculator:
         """Drafts for this step's generating slots (slot id -> tokens), `room` rows at most;
         none when `is_busy` (a prompt is being computed or a task waits: speculation yields)."""
         self._pending = []
-        if is_busy or not self.config.enabled:
+        if is_busy:
             return {}
         out: dict[int, list[int]] = {}
         rows = min(self.config.max_rows, room)
@@ -155,7 +160,9 @@ class Speculator:
 
     def _draft(self, slot: Slot, task: Task, room: int) -> list[int]:
         p = task.params
-        req = p.speculative
+        req = p.speculative  # a request that sets any speculative field opts in, whatever --spec-type
+        if req is None and not self.config.enabled:
+            return []
         if task.matcher is not None or task.budget is not None or task.is_embedding:
             return []
         st = self._slots.get(slot.id)
@@ -165,10 +172,10 @@ class Speculator:
             st.pause -= 1
             return []
         cfg = self.config
-        n_max = cfg.n_max if req is None or req.n_max is None else min(cfg.n_max, req.n_max)
+        n_max = cfg.cap if req is None or req.n_max is None else min(cfg.cap, req.n_max)
         n_min = cfg.n_min if req is None or req.n_min is None else req.n_min
         size_n = cfg.size_n if req is None or req.size_n is None else req.size_n
-        k = min(st.k, n_max, cfg.size_m, room)
+        k = min(st.k, n_max, room)
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - task.stats.n_decoded - 1)
         if k < max(1, n_min):
@@ -225,7 +232,7 @@ class Speculator:
 
     def _adapt(self, slot_id: int, n_draft: int, n_ok: int, task_id: int = -1) -> None:
         st = self._slots.setdefault(slot_id, _SlotState(task_id))
-        cap = self.config.n_max
+        cap = self.config.cap
         if n_ok == n_draft:
             st.k = min(cap, max(st.k, n_draft) * 2)
         elif n_ok > 0:

@@ -37,8 +37,9 @@ class ReasoningCap(Protocol):
 @dataclass(frozen=True, slots=True)
 class SpecRequest:
     """A request's speculative-decoding settings (worker/engine/speculation.py): OVMS's
-    num_assistant_tokens / max_ngram_size, llama-server's speculative.n_max / n_min. None: the
-    worker's; n_max 0 turns speculation off for the request."""
+    num_assistant_tokens / max_ngram_size, llama-server's speculative.n_max / n_min. A request
+    that sets any of them speculates (prompt lookup) even on a worker started without
+    --spec-type; None: the worker's setting; n_max 0 turns speculation off for the request."""
 
     n_max: int | None = None
     n_min: int | None = None

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from worker.protocol.sampling import SamplingParams
+from worker.protocol.sampling import SamplingParams, SpecRequest
 from worker.protocol.strict import StrictModel
 
 # --------------------------------------------------------------------------- requests
@@ -109,6 +109,29 @@ class _SamplingRequest(StrictModel):
     response_format: dict[str, Any] | None = None
     json_schema: Any = None  # llama-server: a JSON schema
     grammar: str | None = None  # llama-server: a GBNF grammar
+    # Speculative decoding (worker/engine/speculation.py), with --spec-type ngram-simple: OVMS's
+    # num_assistant_tokens / max_ngram_size and llama-server's speculative.n_max / n_min. A
+    # draft model's settings (assistant_confidence_threshold, speculative.p_min) are refused.
+    num_assistant_tokens: int | None = Field(default=None, ge=0, le=1024)
+    max_ngram_size: int | None = Field(default=None, ge=1, le=1024)
+    assistant_confidence_threshold: float | None = None
+    speculative_n_max: int | None = Field(default=None, ge=0, le=1024, alias="speculative.n_max")
+    speculative_n_min: int | None = Field(default=None, ge=0, le=1024, alias="speculative.n_min")
+    speculative_p_min: float | None = Field(default=None, alias="speculative.p_min")
+
+    @field_validator("assistant_confidence_threshold", "speculative_p_min")
+    @classmethod
+    def _no_draft_model(cls, v: float | None) -> float | None:
+        if v is not None:
+            raise ValueError("a draft model's setting: this server speculates without a draft model "
+                             "(prompt lookup: num_assistant_tokens, max_ngram_size)")
+        return v
+
+    def _speculative(self) -> SpecRequest | None:
+        n_max = self.speculative_n_max if self.speculative_n_max is not None else self.num_assistant_tokens
+        if n_max is None and self.speculative_n_min is None and self.max_ngram_size is None:
+            return None
+        return SpecRequest(n_max=n_max, n_min=self.speculative_n_min, size_n=self.max_ngram_size)
 
     @field_validator("stop")
     @classmethod
@@ -173,6 +196,7 @@ class _SamplingRequest(StrictModel):
             id_slot=self.id_slot,
             return_progress=self.return_progress and self.stream,  # progress only ever goes out in a stream
             post_sampling_probs=self.post_sampling_probs,
+            speculative=self._speculative(),
         )
 
 

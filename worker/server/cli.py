@@ -31,6 +31,7 @@ from worker.backends import BackendOptions, load_backend, resolve_kind
 from worker.backends.base import POOLINGS, Backend, Pooling
 from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
+from worker.engine.speculation import SPEC_TYPES, SpecConfig, SpecType
 from worker.protocol.sampling import SamplingParams
 from worker.server.state import REASONING_FORMATS, WorkerState
 
@@ -55,6 +56,25 @@ class _Server(uvicorn.Server):
         """Any thread (or a signal handler): fail in-flight work, then stop serving."""
         self._on_exit()
         self.should_exit = True
+
+
+def _spec_config(kind: str, draft_model: str | None, n_max: int | None, n_min: int, p_min: float,
+                 size_n: int, size_m: int) -> SpecConfig:
+    """llama-server's --spec-* flags as a SpecConfig; what omni-worker does not run is refused."""
+    kinds = [k.strip() for k in kind.split(",") if k.strip()] or ["none"]
+    if draft_model is not None or "draft-simple" in kinds:
+        raise typer.BadParameter(
+            "draft-model speculation (--spec-type draft-simple, --spec-draft-model) is not supported by "
+            "omni-worker; --spec-type ngram-simple drafts from the prompt and output instead",
+            param_hint="--spec-draft-model" if draft_model is not None else "--spec-type",
+        )
+    if len(kinds) > 1 or kinds[0] not in SPEC_TYPES:
+        raise typer.BadParameter(f"{kind!r}: omni-worker runs one of {', '.join(SPEC_TYPES)}",
+                                 param_hint="--spec-type")
+    if p_min > 0:
+        raise typer.BadParameter("a draft model's minimum probability: omni-worker runs no draft model",
+                                 param_hint="--spec-draft-p-min")
+    return SpecConfig(cast(SpecType, kinds[0]), size_n=size_n, size_m=size_m, n_max=n_max, n_min=n_min)
 
 
 def _default_model_id(model_path: str) -> str:
@@ -181,6 +201,31 @@ def serve(
         "--strict-reuse",
         help="reuse only KV rows computed as a fresh prompt would compute them (an answer never depends on "
         "what ran before); default: a conversation's earlier turns and shared prompts are reused",
+    ),
+    spec_type: str = typer.Option(
+        "none", "--spec-type", metavar="none|ngram-simple",
+        help="speculative decoding (README: when it helps); ngram-simple: prompt-lookup drafts",
+    ),
+    spec_draft_model: str | None = typer.Option(
+        None, "--spec-draft-model", "-md", "--model-draft",
+        help="a draft model (--spec-type draft-simple): not supported, refused at start",
+    ),
+    spec_draft_n_max: int | None = typer.Option(
+        None, "--spec-draft-n-max", min=0,
+        help="most tokens drafted per step (default: --spec-ngram-simple-size-m)",
+    ),
+    spec_draft_n_min: int = typer.Option(
+        0, "--spec-draft-n-min", min=0, help="a shorter draft is not verified"
+    ),
+    spec_draft_p_min: float = typer.Option(
+        0.0, "--spec-draft-p-min", "--draft-p-min", min=0.0, max=1.0,
+        help="a draft model's minimum probability: refused above 0 (no draft model)",
+    ),
+    spec_ngram_simple_size_n: int = typer.Option(
+        12, "--spec-ngram-simple-size-n", min=1, max=1024, help="ngram-simple: length of the n-gram looked up"
+    ),
+    spec_ngram_simple_size_m: int = typer.Option(
+        48, "--spec-ngram-simple-size-m", min=1, max=1024, help="ngram-simple: most tokens one draft copies"
     ),
     reasoning_format: str = typer.Option(
         "auto",
@@ -363,6 +408,8 @@ def serve(
         if batch_size < parallel:
             raise typer.BadParameter(f"must be at least --parallel ({parallel})", param_hint="--ubatch-size")
         cache_ram = 0
+    spec = _spec_config(spec_type, spec_draft_model, spec_draft_n_max, spec_draft_n_min, spec_draft_p_min,
+                        spec_ngram_simple_size_n, spec_ngram_simple_size_m)
     try:
         kind = resolve_kind(backend, model)  # type: ignore[arg-type]  # typer gives a str; resolve_kind checks it
     except ValueError as e:
@@ -409,6 +456,7 @@ def serve(
         on_load_failed,
         cache_ram_mib=cache_ram,
         strict_reuse=strict_reuse,
+        spec=spec,
     )
     aliases = tuple(sorted(set(_split(alias))))  # llama-server keeps them in a std::set
     state = WorkerState(
