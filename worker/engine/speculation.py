@@ -27,10 +27,12 @@ round differently).
 
 Adaptive K. Per slot: K doubles after a fully accepted draft, falls to accepted + 1 after a
 partial one and halves after a rejected one; after `_PAUSE_AFTER` rejected drafts in a row the
-slot stops drafting for a backoff of steps that doubles each time (up to `_MAX_PAUSE`). Under
-load speculation yields: no drafts in a step where a prompt is being computed or a task waits
-for a slot (verify rows would take the prompt pieces' place), and the step's verify rows are
-capped by `max_rows` (rows beyond the decode rows that cost about what one row costs).
+slot stops drafting for a backoff of steps that doubles each time (up to `_MAX_PAUSE`). A slot
+drafts only while its recent acceptance rate pays for the verify rows: a low bar when it
+generates alone, a high one beside other generating slots (`_MIN_RATE_*`: on a CPU, rows are
+compute-bound once several slots share a step). Under load speculation yields: no drafts in a
+step where a prompt is being computed or a task waits for a slot (verify rows would take the
+prompt pieces' place), and the step's verify rows are capped by `max_rows`.
 
 Not speculated: constrained output (a grammar's mask depends on every token before it), a
 reasoning budget (it may replace a sampled token), embedding tasks, the staging sequence.
@@ -57,6 +59,13 @@ SPEC_TYPES: tuple[str, ...] = ("none", "ngram-simple")
 _START_K = 8  # a slot's first drafts
 _PAUSE_AFTER = 3  # rejected drafts in a row before a slot pauses drafting
 _MAX_PAUSE = 64  # steps
+# The acceptance rate (accepted / drafted, averaged over a slot's recent drafts) a slot needs to
+# draft: alone, and beside other generating slots. Measured with SmolLM2-135M Q4_1 on the 2-core
+# box: a verify row costs ~0.37 of a one-row decode step alone, but ~0.7 of a token's share of
+# an 8-row step (rows are compute-bound there, and unequal drafts cost llama.cpp extra ubatches).
+_MIN_RATE_ALONE = 0.35
+_MIN_RATE_LOADED = 0.8
+_RATE_RECOVERY = 0.02  # per step without a draft, a slot's rate creeps back up (it may try again)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +125,7 @@ def accept_point_mass(draft: int, p: np.ndarray, rng: np.random.Generator) -> in
 class _SlotState:
     task_id: int = -1
     k: int = _START_K
+    rate: float = 1.0  # accepted / drafted, a moving average (optimistic at first)
     n_rejected: int = 0  # drafts in a row with nothing accepted
     pause: int = 0  # steps left without drafting
     backoff: int = 4
@@ -147,18 +157,19 @@ class Speculator:
             return {}
         out: dict[int, list[int]] = {}
         rows = min(self.config.max_rows, room)
+        min_rate = _MIN_RATE_ALONE if len(decoding) == 1 else _MIN_RATE_LOADED
         for slot in decoding:
             task = slot.task
             if task is None or not slot.feed or rows <= 0:
                 continue
-            draft = self._draft(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2))
+            draft = self._draft(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2), min_rate)
             if draft:
                 out[slot.id] = draft
                 rows -= len(draft)
                 self._pending.append(_Pending(slot, task, draft))
         return out
 
-    def _draft(self, slot: Slot, task: Task, room: int) -> list[int]:
+    def _draft(self, slot: Slot, task: Task, room: int, min_rate: float) -> list[int]:
         p = task.params
         req = p.speculative  # a request that sets any speculative field opts in, whatever --spec-type
         if req is None and not self.config.enabled:
@@ -168,8 +179,9 @@ class Speculator:
         st = self._slots.get(slot.id)
         if st is None or st.task_id != task.id:
             st = self._slots[slot.id] = _SlotState(task.id)
-        if st.pause > 0:
-            st.pause -= 1
+        if st.pause > 0 or st.rate < min_rate:
+            st.pause = max(0, st.pause - 1)
+            st.rate = min(1.0, st.rate + _RATE_RECOVERY)
             return []
         cfg = self.config
         n_max = cfg.cap if req is None or req.n_max is None else min(cfg.cap, req.n_max)
@@ -233,6 +245,7 @@ class Speculator:
     def _adapt(self, slot_id: int, n_draft: int, n_ok: int, task_id: int = -1) -> None:
         st = self._slots.setdefault(slot_id, _SlotState(task_id))
         cap = self.config.cap
+        st.rate = 0.5 * st.rate + 0.5 * n_ok / max(1, n_draft)
         if n_ok == n_draft:
             st.k = min(cap, max(st.k, n_draft) * 2)
         elif n_ok > 0:
