@@ -9,12 +9,16 @@ Four servers with the same flags (`-np 8 -c 8192`; the speculating ones add
 on both sides), started together and measured round by round, one request (or one burst) at a
 time, so that the ratios are taken side by side on a noisy box. Workloads (chat, temperature 0):
 
-    rewrite   N = 1: "rewrite this text, changing one thing" (the answer copies the prompt)
+    rewrite   N = 1: "rewrite this text, changing one thing" (two paragraphs; the answer copies
+              the prompt), up to --max-tokens
     fresh     N = 1: an open question (nothing to copy: drafts are rare and mostly rejected)
-    rewrite8  N = 8: eight rewrites at once (aggregate tokens/s); ours only
+    rewrite8  N = 8: eight rewrites at once (aggregate tokens/s), ours only; fresh and rewrite8
+              answers are cut at --max-tokens-short (a 2-core box takes minutes per burst)
 
 tokens/s is completion tokens / the request's wall time (N = 8: all tokens / the burst's wall
-time); the medians over the rounds are printed, with the ratio on/off of each server and the
+time); the medians over the rounds are printed, with the ratio on/off of each server, the same
+ratio in tokens per CPU-second of the server process (steadier than wall time on a shared box,
+where another process may take the cores during one request and not the other), and the
 acceptance (draft_n_accepted / draft_n from `timings`). The greedy answers with and without
 speculation are compared too (a difference is printed: at temperature 0 they should be equal).
 """
@@ -65,8 +69,10 @@ QUESTIONS = [
 
 
 def rewrite_msg(i: int) -> str:
+    """One of the texts followed by the next (two paragraphs, ~190 tokens), one change asked."""
     k = i % len(TEXTS)
-    return f"Rewrite the following text exactly as it is, but change {CHANGES[k]}:\n\n{TEXTS[k]}"
+    text = TEXTS[k] + "\n\n" + TEXTS[(k + 1) % len(TEXTS)]
+    return f"Rewrite the following text exactly as it is, but change {CHANGES[k]}:\n\n{text}"
 
 
 def chat(url: str, msg: str, max_tokens: int) -> dict[str, Any]:
@@ -79,31 +85,37 @@ def chat(url: str, msg: str, max_tokens: int) -> dict[str, Any]:
     return out
 
 
-def one(url: str, msg: str, max_tokens: int) -> tuple[float, int, int, str]:
-    """(tokens/s, draft_n, draft_n_accepted, text) of one request."""
-    r = chat(url, msg, max_tokens)
+def one(server: Server, msg: str, max_tokens: int) -> tuple[float, float, int, int, str]:
+    """(tokens/s, tokens per CPU-second of the server, draft_n, draft_n_accepted, text)."""
+    cpu = server.cpu_seconds()
+    r = chat(server.base_url, msg, max_tokens)
+    cpu = server.cpu_seconds() - cpu
     n = r["usage"]["completion_tokens"]
     t = r.get("timings", {})
     text = r["choices"][0]["message"]["content"]
-    return n / r["_wall"], t.get("draft_n", 0), t.get("draft_n_accepted", 0), text
+    per_cpu = n / cpu if cpu > 0 else 0.0
+    return n / r["_wall"], per_cpu, t.get("draft_n", 0), t.get("draft_n_accepted", 0), text
 
 
-def burst(url: str, msgs: list[str], max_tokens: int) -> tuple[float, int, int]:
+def burst(server: Server, msgs: list[str], max_tokens: int) -> tuple[float, float, int, int]:
+    cpu = server.cpu_seconds()
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(len(msgs)) as pool:
-        rs = list(pool.map(lambda m: chat(url, m, max_tokens), msgs))
+        rs = list(pool.map(lambda m: chat(server.base_url, m, max_tokens), msgs))
     wall = time.perf_counter() - t0
+    cpu = server.cpu_seconds() - cpu
     n = sum(r["usage"]["completion_tokens"] for r in rs)
     drafted = sum(r.get("timings", {}).get("draft_n", 0) for r in rs)
     accepted = sum(r.get("timings", {}).get("draft_n_accepted", 0) for r in rs)
-    return n / wall, drafted, accepted
+    return n / wall, n / cpu if cpu > 0 else 0.0, drafted, accepted
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct-q4_1.gguf"))
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--max-tokens", type=int, default=320, help="rewrite at N = 1")
+    ap.add_argument("--max-tokens-short", type=int, default=96, help="fresh, and rewrite8's each")
     ap.add_argument("--size-n", type=int, default=3, help="--spec-ngram-simple-size-n (both sides)")
     ap.add_argument("--size-m", type=int, default=16, help="--spec-ngram-simple-size-m (both sides)")
     ap.add_argument("--threads", type=int, default=2)
@@ -134,7 +146,7 @@ def main() -> None:
         print(f"{s.name}: {' '.join(s.cmd or [])}", flush=True)
         s.start(120)
     try:
-        results: dict[tuple[str, str], list[tuple[float, int, int]]] = {}
+        results: dict[tuple[str, str], list[tuple[float, float, int, int]]] = {}
         texts: dict[tuple[str, str, int], str] = {}
         for r in range(args.rounds):
             for w in workloads:
@@ -142,18 +154,20 @@ def main() -> None:
                     if w == "rewrite8" and name.startswith("llama-server"):
                         continue
                     if w == "rewrite8":
-                        res = burst(s.base_url, [rewrite_msg(i + r) for i in range(8)], args.max_tokens)
+                        res = burst(s, [rewrite_msg(i + r) for i in range(8)], args.max_tokens_short)
                     else:
                         msg = rewrite_msg(r) if w == "rewrite" else QUESTIONS[r % len(QUESTIONS)]
-                        tps, dn, da, text = one(s.base_url, msg, args.max_tokens)
-                        res = (tps, dn, da)
+                        n = args.max_tokens if w == "rewrite" else args.max_tokens_short
+                        tps, tpc, dn, da, text = one(s, msg, n)
+                        res = (tps, tpc, dn, da)
                         texts[(name, w, r)] = text
                     results.setdefault((w, name), []).append(res)
-                    print(f"round {r} {w:9s} {name:18s} {res[0]:7.2f} tok/s  drafts {res[2]}/{res[1]}",
-                          flush=True)
+                    print(f"round {r} {w:9s} {name:18s} {res[0]:7.2f} tok/s {res[1]:7.2f} tok/cpu-s  "
+                          f"drafts {res[3]}/{res[2]}", flush=True)
         print()
-        print("| workload | server | tok/s off | tok/s spec | ratio | accepted/drafted |")
-        print("|---|---|---|---|---|---|")
+        print("| workload | server | tok/s off | tok/s spec | ratio (wall) | ratio (tokens per CPU-s) "
+              "| accepted/drafted |")
+        print("|---|---|---|---|---|---|---|")
         for w in workloads:
             for side in ("ours", "llama-server"):
                 off, on = results.get((w, side)), results.get((w, side + "+spec"))
@@ -161,9 +175,11 @@ def main() -> None:
                     continue
                 m_off, m_on = median([x[0] for x in off]), median([x[0] for x in on])
                 ratios = [b[0] / a[0] for a, b in zip(off, on, strict=True)]
-                dn, da = sum(x[1] for x in on), sum(x[2] for x in on)
+                cpu_ratios = [b[1] / a[1] for a, b in zip(off, on, strict=True) if a[1] > 0]
+                dn, da = sum(x[2] for x in on), sum(x[3] for x in on)
                 print(f"| {w} | {side} | {m_off:.2f} | {m_on:.2f} | {median(ratios):.2f}x "
-                      f"(per round {', '.join(f'{x:.2f}' for x in ratios)}) | {da}/{dn} |")
+                      f"({', '.join(f'{x:.2f}' for x in ratios)}) | {median(cpu_ratios):.2f}x "
+                      f"({', '.join(f'{x:.2f}' for x in cpu_ratios)}) | {da}/{dn} |")
         diffs = [k for k in texts
                  if k[0].endswith("+spec") and texts[k] != texts.get((k[0][:-5], k[1], k[2]))]
         print(f"\ngreedy answers that differ with speculation: {len(diffs)} of "

@@ -4,8 +4,8 @@ INI: `[*]` holds global defaults, one `[name]` section per model, keys are llama
 names without dashes, long or short (`ctx-size` or `c`, `n-gpu-layers`, `gpu-layers` or `ngl`),
 or their environment names (`LLAMA_ARG_CTX_SIZE`), `;` / `#` comments; a file written for
 llama-server's `--models-preset` loads as it is (`version = 1`, `jinja = true`, `no-` flags, a
-key repeated in a section: the last one wins). `model-draft` is refused: the workers speculate
-from the prompt (`spec-type = ngram-simple`), not with a draft model.
+key repeated in a section: the last one wins). `model-draft` is the worker's
+`--spec-draft-model` (speculative decoding with a draft model of the same vocabulary).
 TOML: `[defaults]` and `[models.NAME]` tables with the same keys (`-` or `_` both accepted).
 Precedence: router CLI overrides > model section > global defaults > built-in defaults.
 
@@ -61,7 +61,7 @@ class ModelPreset:
     kv_unified: bool | None = None  # one KV cache for all slots (worker --kv-unified)
     flash_attn: str | None = None  # auto | on | off (worker --flash-attn)
     jinja: bool | None = None  # worker --jinja / --no-jinja (templates are Jinja either way)
-    model_draft: str | None = None  # llama-server's speculative draft model: refused at load
+    model_draft: str | None = None  # llama-server's speculative draft model (--spec-draft-model)
     embedding: bool | None = None  # an embedding model (worker --embedding)
     pooling: str | None = None  # none | mean | cls | last | rank (worker --pooling)
     reranking: bool | None = None  # a reranker (worker --reranking)
@@ -477,9 +477,8 @@ def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> 
                 raise PresetError(f"{at}: invalid value {value!r} for {canon!r}: {e}") from None
             origin[fname] = at
     model = kwargs.pop("model", None)
-    if kwargs.get("model_draft"):
-        raise PresetError(f"{origin['model_draft']}: model-draft: a draft model is not supported "
-                          "(use spec-type = ngram-simple: drafts from the prompt and the output)")
+    if kwargs.get("model_draft"):  # the worker's --spec-draft-model (speculative decoding, draft-simple)
+        kwargs["model_draft"] = str(_resolve_model(kwargs["model_draft"], base_dir))
     preset = ModelPreset(name=name, source=where, worker_args=tuple(sorted(worker_args.items())), **kwargs)
     if model is not None:
         preset = replace(preset, model=_resolve_model(model, base_dir))

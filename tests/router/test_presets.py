@@ -370,12 +370,7 @@ model = {m}
 
 
 def test_llama_cpp_readme_preset_loads(tmp_path: Path, gguf: Path) -> None:
-    """As llama.cpp's README writes it, but for model-draft: a draft model is refused (issue 29)."""
-    text = README_PRESET.format(m=gguf)
-    with pytest.raises(PresetError, match="model-draft: a draft model is not supported"):
-        load_presets(write(tmp_path, text, ".ini"))
-    text = "\n".join(line for line in text.splitlines() if not line.startswith("model-draft"))
-    mine, custom = load_presets(write(tmp_path, text, ".ini"))
+    mine, custom = load_presets(write(tmp_path, README_PRESET.format(m=gguf), ".ini"))
     assert (
         mine.name,
         mine.model,
@@ -393,6 +388,8 @@ def test_llama_cpp_readme_preset_loads(tmp_path: Path, gguf: Path) -> None:
     )
     argv = worker_argv(mine, 8000, 1)
     assert "--jinja" in argv and argv[argv.index("--cache-ram") + 1] == "0" and str(gguf) in argv
+    assert mine.model_draft == str(gguf)  # the worker's draft model (issue 29)
+    assert argv[argv.index("--spec-draft-model") + 1] == str(gguf)
 
 
 @pytest.mark.parametrize(

@@ -120,13 +120,62 @@ def test_request_fields_timings_and_metrics(worker: Worker) -> None:
         assert r.status_code == 400 and "draft model" in r.text, r.text
 
 
+@pytest.mark.parametrize(("target", "draft"), [("llama_cpp", "torch"), ("torch", "llama_cpp")])
+def test_a_draft_model_on_either_backend_keeps_greedy_output(
+    target: str, draft: str, tiny_models: ModelPaths
+) -> None:
+    """--spec-type draft-simple: the draft (the same tiny model on the other backend: same
+    vocabulary) drafts greedily with a KV stream per slot; the answers stay the plain ones."""
+    require_backend("torch")
+    from worker.backends import BackendOptions, load_backend
+    from worker.engine.engine import Engine
+    from worker.engine.metrics import WorkerMetrics
+    from worker.engine.speculation import SpecConfig
+
+    path = {"llama_cpp": tiny_models.gguf_f32, "torch": tiny_models.hf_dir}
+    options = BackendOptions(n_ctx=2048, n_slots=4, threads=1, device="cpu", dtype="float32")
+    metrics = WorkerMetrics()
+    eng = Engine(lambda progress: load_backend(target, str(path[target]), options, progress), 4, metrics,  # type: ignore[arg-type]  # one of the Literal values
+                 spec=SpecConfig("draft-simple", n_max=4),
+                 draft_factory=lambda progress: load_backend(draft, str(path[draft]), options, progress))  # type: ignore[arg-type]  # likewise
+    eng.start()
+    try:
+        wait_until(lambda: eng.status.is_ready, 60, what="models loaded")
+        prompts = _prompts()[:4]
+        plain = [_generate(eng, [p], 0)[0] for p in prompts]
+        assert _generate(eng, prompts, 4) == plain
+        assert metrics.spec_accepted_tokens._value.get() > 0  # type: ignore[attr-defined]  # the counter's value
+    finally:
+        eng.stop()
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused_at_load(tiny_models: ModelPaths,
+                                                                tiny_reranker: ModelPaths) -> None:
+    from worker.backends import BackendOptions, load_backend
+    from worker.engine.engine import Engine
+    from worker.engine.metrics import WorkerMetrics
+    from worker.engine.speculation import SpecConfig
+
+    options = BackendOptions(n_ctx=512, n_slots=1, threads=1)
+    target = str(tiny_models.gguf_f32)
+    eng = Engine(lambda p: load_backend("llama_cpp", target, options, p), 1, WorkerMetrics(),
+                 spec=SpecConfig("draft-simple"),
+                 draft_factory=lambda p: load_backend("llama_cpp", str(tiny_reranker.gguf_f32), options, p))
+    eng.start()
+    try:
+        wait_until(lambda: eng.status.error is not None, 60, what="the load to fail")
+        assert "a draft model must share the model's vocabulary" in str(eng.status.error)
+    finally:
+        eng.stop()
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--spec-type", "draft-simple"], "draft-model speculation"),
-        (["-md", "x.gguf"], "draft-model speculation"),
-        (["--spec-type", "ngram-mod"], "omni-worker runs one of none, ngram-simple"),
-        (["--spec-type", "ngram-simple", "--spec-draft-p-min", "0.5"], "runs no draft model"),
+        (["--spec-type", "draft-simple"], "draft-simple needs a draft model"),
+        (["--spec-type", "ngram-simple", "-md", "x.gguf"], "a draft model is for --spec-type draft-simple"),
+        (["--spec-type", "ngram-mod"], "omni-worker runs one of none, ngram-simple, draft-simple"),
+        (["--spec-type", "ngram-simple", "--spec-draft-p-min", "0.5"], "there is no draft model"),
     ],
 )
 def test_what_is_not_run_is_refused_at_start(flags: list[str], message: str, tiny_models: ModelPaths) -> None:

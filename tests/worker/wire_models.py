@@ -29,6 +29,8 @@ class Timings(OpenAIBaseModel):
     predicted_ms: float = 0.0
     predicted_per_token_ms: float = 0.0
     predicted_per_second: float = 0.0
+    draft_n: int | None = None  # only when speculation drafted (as llama-server)
+    draft_n_accepted: int | None = None
 
 
 class TopLogprob(OpenAIBaseModel):

@@ -86,6 +86,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
+from worker.engine.draft_model import DraftModel
 from worker.engine.grammar import MaskBatch, consume
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import PromptCache
@@ -132,12 +133,15 @@ class Engine:
         cache_ram_mib: int = 0,
         strict_reuse: bool = False,
         spec: SpecConfig | None = None,
+        draft_factory: BackendFactory | None = None,
     ) -> None:
         """`cache_ram_mib`: the host-RAM prompt cache (worker/engine/prompt_cache.py); 0 off, -1 unbounded.
         `strict_reuse`: reuse no row of another class, not even a finished request's (Determinism).
         `spec`: speculative decoding (worker/engine/speculation.py)."""
         self._factory = factory
         self._spec_config = spec or SpecConfig()
+        self._draft_factory = draft_factory  # the draft model's (--spec-draft-model)
+        self._draft: DraftModel | None = None
         self._strict_reuse = strict_reuse
         self._cache_ram_mib = cache_ram_mib
         self._on_load_failed = on_load_failed
@@ -235,6 +239,10 @@ class Engine:
         t0 = time.monotonic()
         try:
             self._backend = self._factory(progress)
+            if self._draft_factory is not None:
+                self._draft = DraftModel(
+                    self._draft_factory(progress), self._backend, self._spec_config.p_min
+                )  # refused here when the vocabularies differ
         except Exception as e:
             log.error("model load failed: %s", e)
             self.status = LoadStatus("failed", 0.0, error=str(e) or repr(e))
@@ -253,7 +261,7 @@ class Engine:
         use_spec = self._backend.pooling is None  # a request may opt in without --spec-type
         self._scheduler = Scheduler(
             self._backend, self.n_slots, self._metrics, prompt_cache, reuse_history=not self._strict_reuse,
-            spec=Speculator(self._spec_config, self._metrics) if use_spec else None,
+            spec=Speculator(self._spec_config, self._metrics, self._draft) if use_spec else None,
         )
         self.status = LoadStatus("ready", 1.0, is_ready=True)
         b = self._backend
@@ -271,11 +279,12 @@ class Engine:
     def _close_backend(self) -> None:
         if self._masks is not None:
             self._masks.close()
-        if self._backend is not None:
-            try:
-                self._backend.close()
-            except Exception:
-                log.exception("backend close failed")
+        for b in (self._backend, self._draft.backend if self._draft is not None else None):
+            if b is not None:
+                try:
+                    b.close()
+                except Exception:
+                    log.exception("backend close failed")
 
     def _has_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_work()
@@ -336,6 +345,9 @@ class Engine:
         if not backend.is_sleeping:
             self._require_scheduler().kv.forget_all()
             backend.sleep()
+            if self._draft is not None:
+                self._draft.forget()
+                self._draft.backend.sleep()
             log.info("sleeping: weights and KV cache freed")
 
     def sleep_if_idle_for(self, idle_s: float) -> None:
@@ -349,6 +361,8 @@ class Engine:
             t0 = time.monotonic()
             self.last_busy = t0  # a fresh idle period: --sleep-idle-seconds counts from the wake
             backend.wake()
+            if self._draft is not None:
+                self._draft.backend.wake()
             log.info("awake: model reloaded in %.2f s", time.monotonic() - t0)
 
     def slot_snapshot(self, slot_id: int) -> tuple[list[int], tuple[int, int], bytearray | None]:

@@ -49,12 +49,13 @@ import numpy as np
 from worker.backends.base import Backend, Sample, SampleItem
 
 if TYPE_CHECKING:
+    from worker.engine.draft_model import DraftModel
     from worker.engine.metrics import WorkerMetrics
     from worker.engine.slot import Slot
     from worker.engine.task import Task, Verdict
 
-SpecType = Literal["none", "ngram-simple"]
-SPEC_TYPES: tuple[str, ...] = ("none", "ngram-simple")
+SpecType = Literal["none", "ngram-simple", "draft-simple"]
+SPEC_TYPES: tuple[str, ...] = ("none", "ngram-simple", "draft-simple")
 
 _START_K = 8  # a slot's first drafts
 _PAUSE_AFTER = 3  # rejected drafts in a row before a slot pauses drafting
@@ -77,10 +78,13 @@ class SpecConfig:
     size_m: int = 48  # --spec-ngram-simple-size-m: the most tokens one draft copies
     n_max: int | None = None  # --spec-draft-n-max: the most tokens drafted per step (None: size_m)
     n_min: int = 0  # --spec-draft-n-min: a shorter draft is not verified
+    p_min: float = 0.0  # --spec-draft-p-min: a draft model stops below this probability
     max_rows: int = 32  # verify rows per step, all slots together
 
     @property
     def cap(self) -> int:
+        if self.type == "draft-simple":
+            return 3 if self.n_max is None else self.n_max  # llama-server's default
         return self.size_m if self.n_max is None else min(self.size_m, self.n_max)
 
     @property
@@ -143,6 +147,7 @@ class _Pending:
 class Speculator:
     config: SpecConfig
     metrics: WorkerMetrics
+    draft_model: DraftModel | None = None  # --spec-type draft-simple
     _slots: dict[int, _SlotState] = field(default_factory=dict)
     _pending: list[_Pending] = field(default_factory=list)
 
@@ -158,31 +163,48 @@ class Speculator:
         out: dict[int, list[int]] = {}
         rows = min(self.config.max_rows, room)
         min_rate = _MIN_RATE_ALONE if len(decoding) == 1 else _MIN_RATE_LOADED
+        wants: dict[int, tuple[Slot, Task, int, int]] = {}  # for the draft model
         for slot in decoding:
             task = slot.task
             if task is None or not slot.feed or rows <= 0:
                 continue
-            draft = self._draft(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2), min_rate)
-            if draft:
+            plan = self._plan(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2), min_rate)
+            if plan is None:
+                continue
+            k, n_min, size_n = plan
+            if self.draft_model is not None and self.config.type == "draft-simple":
+                wants[slot.id] = (slot, task, k, n_min)
+                rows -= k
+                continue
+            draft = ngram_draft(task.tokens(), size_n, k)  # the fed token is the last generated one
+            if len(draft) >= max(1, n_min):
                 out[slot.id] = draft
                 rows -= len(draft)
                 self._pending.append(_Pending(slot, task, draft))
+        if wants:
+            assert self.draft_model is not None
+            drafted = self.draft_model.draft({i: (t.tokens(), k) for i, (_, t, k, _) in wants.items()})
+            for i, (slot, task, _, n_min) in wants.items():
+                if len(drafted[i]) >= max(1, n_min):
+                    out[i] = drafted[i]
+                    self._pending.append(_Pending(slot, task, drafted[i]))
         return out
 
-    def _draft(self, slot: Slot, task: Task, room: int, min_rate: float) -> list[int]:
+    def _plan(self, slot: Slot, task: Task, room: int, min_rate: float) -> tuple[int, int, int] | None:
+        """(most tokens to draft, fewest worth verifying, n-gram size) for this slot now, or None."""
         p = task.params
         req = p.speculative  # a request that sets any speculative field opts in, whatever --spec-type
         if req is None and not self.config.enabled:
-            return []
+            return None
         if task.matcher is not None or task.budget is not None or task.is_embedding:
-            return []
+            return None
         st = self._slots.get(slot.id)
         if st is None or st.task_id != task.id:
             st = self._slots[slot.id] = _SlotState(task.id)
         if st.pause > 0 or st.rate < min_rate:
             st.pause = max(0, st.pause - 1)
             st.rate = min(1.0, st.rate + _RATE_RECOVERY)
-            return []
+            return None
         cfg = self.config
         n_max = cfg.cap if req is None or req.n_max is None else min(cfg.cap, req.n_max)
         n_min = cfg.n_min if req is None or req.n_min is None else req.n_min
@@ -190,10 +212,7 @@ class Speculator:
         k = min(st.k, n_max, room)
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - task.stats.n_decoded - 1)
-        if k < max(1, n_min):
-            return []
-        draft = ngram_draft(task.tokens(), size_n, k)  # the fed token is the last generated one
-        return draft if len(draft) >= max(1, n_min) else []
+        return (k, n_min, size_n) if k >= max(1, n_min) else None
 
     @property
     def has_pending(self) -> bool:

@@ -62,19 +62,24 @@ def _spec_config(kind: str, draft_model: str | None, n_max: int | None, n_min: i
                  size_n: int, size_m: int) -> SpecConfig:
     """llama-server's --spec-* flags as a SpecConfig; what omni-worker does not run is refused."""
     kinds = [k.strip() for k in kind.split(",") if k.strip()] or ["none"]
-    if draft_model is not None or "draft-simple" in kinds:
-        raise typer.BadParameter(
-            "draft-model speculation (--spec-type draft-simple, --spec-draft-model) is not supported by "
-            "omni-worker; --spec-type ngram-simple drafts from the prompt and output instead",
-            param_hint="--spec-draft-model" if draft_model is not None else "--spec-type",
-        )
+    if draft_model is not None and kinds == ["none"]:
+        kinds = ["draft-simple"]  # as llama-server: a draft model alone means draft-simple
     if len(kinds) > 1 or kinds[0] not in SPEC_TYPES:
         raise typer.BadParameter(f"{kind!r}: omni-worker runs one of {', '.join(SPEC_TYPES)}",
                                  param_hint="--spec-type")
-    if p_min > 0:
-        raise typer.BadParameter("a draft model's minimum probability: omni-worker runs no draft model",
+    if kinds[0] == "draft-simple" and draft_model is None:
+        raise typer.BadParameter("draft-simple needs a draft model: --spec-draft-model PATH",
+                                 param_hint="--spec-type")
+    if kinds[0] != "draft-simple" and draft_model is not None:
+        raise typer.BadParameter(f"a draft model is for --spec-type draft-simple, not {kinds[0]}",
+                                 param_hint="--spec-draft-model")
+    if p_min > 0 and draft_model is None:
+        raise typer.BadParameter("a draft model's minimum probability: there is no draft model (-md)",
                                  param_hint="--spec-draft-p-min")
-    return SpecConfig(cast(SpecType, kinds[0]), size_n=size_n, size_m=size_m, n_max=n_max, n_min=n_min)
+    if draft_model is not None and not Path(draft_model).exists():
+        raise typer.BadParameter(f"draft model not found: {draft_model}", param_hint="--spec-draft-model")
+    return SpecConfig(cast(SpecType, kinds[0]), size_n=size_n, size_m=size_m, n_max=n_max, n_min=n_min,
+                      p_min=p_min)
 
 
 def _default_model_id(model_path: str) -> str:
@@ -203,23 +208,23 @@ def serve(
         "what ran before); default: a conversation's earlier turns and shared prompts are reused",
     ),
     spec_type: str = typer.Option(
-        "none", "--spec-type", metavar="none|ngram-simple",
+        "none", "--spec-type", metavar="none|ngram-simple|draft-simple",
         help="speculative decoding (README: when it helps); ngram-simple: prompt-lookup drafts",
     ),
     spec_draft_model: str | None = typer.Option(
         None, "--spec-draft-model", "-md", "--model-draft",
-        help="a draft model (--spec-type draft-simple): not supported, refused at start",
+        help="a draft model of the same vocabulary (--spec-type draft-simple)",
     ),
     spec_draft_n_max: int | None = typer.Option(
         None, "--spec-draft-n-max", min=0,
-        help="most tokens drafted per step (default: --spec-ngram-simple-size-m)",
+        help="most tokens drafted per step (default: draft-simple 3, ngram-simple its size-m)",
     ),
     spec_draft_n_min: int = typer.Option(
         0, "--spec-draft-n-min", min=0, help="a shorter draft is not verified"
     ),
     spec_draft_p_min: float = typer.Option(
         0.0, "--spec-draft-p-min", "--draft-p-min", min=0.0, max=1.0,
-        help="a draft model's minimum probability: refused above 0 (no draft model)",
+        help="draft-simple: stop drafting below this probability",
     ),
     spec_ngram_simple_size_n: int = typer.Option(
         12, "--spec-ngram-simple-size-n", min=1, max=1024, help="ngram-simple: length of the n-gram looked up"
@@ -457,6 +462,7 @@ def serve(
         cache_ram_mib=cache_ram,
         strict_reuse=strict_reuse,
         spec=spec,
+        draft_factory=_draft_loader(spec_draft_model, options) if spec_draft_model is not None else None,
     )
     aliases = tuple(sorted(set(_split(alias))))  # llama-server keeps them in a std::set
     state = WorkerState(
@@ -629,6 +635,19 @@ def _loader(
         )
         state().eog_ids = tuple(t for t in range(meta.n_vocab) if backend.is_eog(t))
         return backend
+
+    return load
+
+
+def _draft_loader(path: str, options: BackendOptions) -> Callable[[Progress], Backend]:
+    """The draft model's factory (--spec-draft-model): the model's backend options, its own backend kind."""
+    try:
+        kind = resolve_kind("auto", path)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--spec-draft-model") from None
+
+    def load(progress: Progress) -> Backend:
+        return load_backend(kind, path, options, progress)
 
     return load
 
