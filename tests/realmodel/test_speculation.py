@@ -20,7 +20,10 @@ TEXTS = [
 SPEC = {"num_assistant_tokens": 16, "max_ngram_size": 3}
 
 
-def _ask(router: RealRouter, model: str, i: int, max_tokens: int, **extra: Any) -> tuple[list[int], dict[str, Any]]:
+def _ask(
+    router: RealRouter, model: str, i: int, max_tokens: int, **extra: Any
+) -> tuple[list[str], dict[str, Any]]:
+    """The answer's tokens (as text pieces) and its timings."""
     change = ("night into evening", "Monday into Tuesday")[i % 2]
     msg = f"Rewrite the following text exactly as it is, but change {change}:\n\n{TEXTS[i % 2]}"
     out = router.chat(model, msg, max_tokens=max_tokens, logprobs=True, **extra)
@@ -29,10 +32,10 @@ def _ask(router: RealRouter, model: str, i: int, max_tokens: int, **extra: Any) 
 
 
 def test_llama_cpp_greedy_answers_equal_with_speculation(real_router: RealRouter) -> None:
-    plain = [_ask(real_router, LLAMA, i, 64)[0] for i in range(2)]
-    alone = [_ask(real_router, LLAMA, i, 64, **SPEC) for i in range(2)]
+    plain = [_ask(real_router, LLAMA, i, 48)[0] for i in range(2)]
+    alone = [_ask(real_router, LLAMA, i, 48, **SPEC) for i in range(2)]
     with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(lambda i: _ask(real_router, LLAMA, i, 64, **SPEC)[0], range(8)))
+        together = list(pool.map(lambda i: _ask(real_router, LLAMA, i, 48, **SPEC)[0], range(8)))
     assert [t for t, _ in alone] == plain
     assert together == [plain[i % 2] for i in range(8)]
     drafted = sum(t.get("draft_n", 0) for _, t in alone)
