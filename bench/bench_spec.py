@@ -118,7 +118,8 @@ def main() -> None:
     ap.add_argument("--max-tokens-short", type=int, default=96, help="fresh, and rewrite8's each")
     ap.add_argument("--size-n", type=int, default=3, help="--spec-ngram-simple-size-n (both sides)")
     ap.add_argument("--size-m", type=int, default=16, help="--spec-ngram-simple-size-m (both sides)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="-t (both sides); 1: llama.cpp's spinning pool of 2 threads crawls on a shared box")
     ap.add_argument("--no-llama-server", action="store_true")
     ap.add_argument("--workloads", default="rewrite,fresh,rewrite8")
     args = ap.parse_args()

@@ -152,8 +152,8 @@ def test_k_adapts_and_a_failing_slot_pauses() -> None:
     steps = 0
     while not spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64):
         steps += 1
-    # the pause, then until the acceptance rate (~0.17) has crept back to the bar of a lone slot
-    assert 4 < steps < 20, steps
+    # the pause, then until the acceptance rate (~0.17) has crept back to a lone slot's bar (0.6)
+    assert 4 < steps < 40, steps
 
 
 def test_a_slot_beside_others_needs_a_higher_acceptance_rate() -> None:
@@ -162,6 +162,6 @@ def test_a_slot_beside_others_needs_a_higher_acceptance_rate() -> None:
     a, b = _slot_with_task(SamplingParams(temperature=0), tokens), _slot_with_task(SamplingParams(), [7, 7])
     b.id = 1
     spec.drafts([a], is_busy=False, n_ctx_seq=100, room=64)
-    spec._slots[0].rate = 0.6
-    assert 0 not in spec.drafts([a, b], is_busy=False, n_ctx_seq=100, room=64)  # two generating: 0.8 needed
-    assert 0 in spec.drafts([a], is_busy=False, n_ctx_seq=100, room=64)  # alone: 0.35 is enough
+    spec._slots[0].rate = 0.7
+    assert 0 not in spec.drafts([a, b], is_busy=False, n_ctx_seq=100, room=64)  # two generating: 0.9 needed
+    assert 0 in spec.drafts([a], is_busy=False, n_ctx_seq=100, room=64)  # alone: 0.6 is enough

@@ -62,10 +62,12 @@ _PAUSE_AFTER = 3  # rejected drafts in a row before a slot pauses drafting
 _MAX_PAUSE = 64  # steps
 # The acceptance rate (accepted / drafted, averaged over a slot's recent drafts) a slot needs to
 # draft: alone, and beside other generating slots. Measured with SmolLM2-135M Q4_1 on the 2-core
-# box: a verify row costs ~0.37 of a one-row decode step alone, but ~0.7 of a token's share of
-# an 8-row step (rows are compute-bound there, and unequal drafts cost llama.cpp extra ubatches).
-_MIN_RATE_ALONE = 0.35
-_MIN_RATE_LOADED = 0.8
+# box (llama.cpp, CPU time of one decode): a one-row step streams the weights once (17.7 ms with
+# one thread) and each further row of a verify entry adds its compute (~11-13 ms: 0.65 of a
+# step); beside 7 other generating slots a verify row costs ~0.85 of a token's share of the
+# step. A draft pays when its acceptance rate is above those ratios.
+_MIN_RATE_ALONE = 0.6
+_MIN_RATE_LOADED = 0.9
 _RATE_RECOVERY = 0.02  # per step without a draft, a slot's rate creeps back up (it may try again)
 
 
