@@ -10,6 +10,7 @@ task          a request as the engine sees it, and the events it streams back
 prompt_cache  the host-RAM prompt cache (`--cache-ram`)
 slot_file     llama-server's slot files (`--slot-save-path`)
 speculation   speculative decoding: prompt-lookup drafts verified in the shared batch
+draft_model   speculative decoding's draft model (--spec-draft-model): a KV stream per slot
 grammar       constrained decoding: per-slot token masks (llguidance)
 reasoning_budget  thinking_budget_tokens: the reasoning block's end forced after N tokens
 metrics       the worker's Prometheus metrics (llama-server's `llamacpp:` set and our `omni:` one)
