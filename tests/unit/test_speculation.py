@@ -124,7 +124,9 @@ def test_drafts_follow_the_settings_and_yield_under_load() -> None:
     spec = Speculator(SpecConfig("ngram-simple", size_n=2, n_max=4), WorkerMetrics())
     tokens = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
     slot = _slot_with_task(SamplingParams(temperature=0), tokens)
-    assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {0: [3, 4, 5, 6]}
+    assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {0: [3, 4]}  # K starts at 2
+    spec._slots[0].k = 16
+    assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {0: [3, 4, 5, 6]}  # n_max 4
     assert spec.drafts([slot], is_busy=True, n_ctx_seq=100, room=64) == {}  # prompts first
     assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=2) == {0: [3, 4]}
     assert spec.drafts([slot], is_busy=False, n_ctx_seq=len(tokens) + 3, room=64) == {0: [3, 4]}
@@ -141,7 +143,7 @@ def test_k_adapts_and_a_failing_slot_pauses() -> None:
     slot = _slot_with_task(SamplingParams(temperature=0), [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1])
     spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64)
     state = spec._slots[0]
-    assert state.k == 8
+    assert state.k == 2
     spec._adapt(0, 8, 8)
     assert state.k == 16
     spec._adapt(0, 16, 3)

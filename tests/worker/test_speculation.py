@@ -42,11 +42,15 @@ def engine(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> Iterator[
     from worker.backends import BackendOptions, load_backend
     from worker.engine.engine import Engine
     from worker.engine.metrics import WorkerMetrics
+    from worker.engine.speculation import SpecConfig
 
     model = tiny_models.gguf_f16 if backend == "llama_cpp" else tiny_models.hf_dir
     options = BackendOptions(n_ctx=4096, n_slots=N_SLOTS, threads=1, device="cpu")  # llama.cpp: defaults
     metrics = WorkerMetrics()
-    eng = Engine(lambda progress: load_backend(backend, str(model), options, progress), N_SLOTS, metrics)  # type: ignore[arg-type]  # backend is one of the Literal values
+    # requests opt in; every generating slot may draft (by default not beside more than 2 others)
+    spec = SpecConfig(max_generating=N_SLOTS)
+    eng = Engine(lambda progress: load_backend(backend, str(model), options, progress), N_SLOTS, metrics,  # type: ignore[arg-type]  # backend is one of the Literal values
+                 spec=spec)
     eng.start()
     try:
         wait_until(lambda: eng.status.is_ready, 60, what="model loaded")
@@ -89,9 +93,11 @@ def test_greedy_output_with_speculation_equals_without(engine: tuple[object, obj
     plain = [_generate(eng, [p], 0)[0] for p in prompts]
     drafted_before = metrics.spec_accepted_tokens._value.get()  # type: ignore[attr-defined]  # the counter's value
     alone = [_generate(eng, [p], 16)[0] for p in prompts]
+    drafted_alone = metrics.spec_draft_tokens._value.get()  # type: ignore[attr-defined]  # the counter's value
     together = _generate(eng, prompts, 16)
     assert alone == plain
     assert together == plain
+    assert metrics.spec_draft_tokens._value.get() > drafted_alone  # type: ignore[attr-defined]  # drafts beside others
     assert all(len(o) == MAX_TOKENS for o in plain)
     assert metrics.spec_accepted_tokens._value.get() > drafted_before  # type: ignore[attr-defined]  # drafts were accepted
 
@@ -136,7 +142,7 @@ def test_a_draft_model_on_either_backend_keeps_greedy_output(
     options = BackendOptions(n_ctx=2048, n_slots=4, threads=1, device="cpu", dtype="float32")
     metrics = WorkerMetrics()
     eng = Engine(lambda progress: load_backend(target, str(path[target]), options, progress), 4, metrics,  # type: ignore[arg-type]  # one of the Literal values
-                 spec=SpecConfig("draft-simple", n_max=4),
+                 spec=SpecConfig("draft-simple", n_max=4, max_generating=4),
                  draft_factory=lambda progress: load_backend(draft, str(path[draft]), options, progress))  # type: ignore[arg-type]  # likewise
     eng.start()
     try:
