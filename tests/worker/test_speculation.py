@@ -113,8 +113,8 @@ def test_request_fields_timings_and_metrics(worker: Worker) -> None:
     spec = httpx.post(worker.url + "/completion", json=opt_in, timeout=60).json()
     assert spec["content"] == plain["content"]
     assert spec["timings"]["draft_n"] >= spec["timings"]["draft_n_accepted"] > 0
-    llama = httpx.post(worker.url + "/v1/completions", json={**body, "speculative.n_max": 4},
-                       timeout=60).json()
+    llama_fields = {"speculative.n_max": 4, "speculative.n_min": 1}
+    llama = httpx.post(worker.url + "/v1/completions", json={**body, **llama_fields}, timeout=60).json()
     assert llama["choices"][0]["text"] == plain["content"]
     text = httpx.get(worker.url + "/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line[:1] not in "#"}
