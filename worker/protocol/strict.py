@@ -22,19 +22,19 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 _BEAM = "beam search is not implemented"
-_SPEC = "speculative decoding is not implemented yet"
 _MEDIA = "the models served here take text only (sglang-omni's multimodal inputs are not implemented yet)"
 
 # ---- Not implemented YET. Whoever makes one of these work declares it as a real field on the
 # wire model and deletes its line here (and its row in docs/compatibility.md).
 # Speculative decoding (issue 29): OpenVINO Model Server's fields, OpenAI's predicted outputs.
 SPECULATIVE: dict[str, str] = {
-    "num_assistant_tokens": _SPEC,
-    "assistant_confidence_threshold": _SPEC,
-    "max_ngram_size": _SPEC,
-    "prediction": _SPEC,
-    "speculative": _SPEC,
+    "prediction": "OpenAI's predicted outputs are not implemented (prompt-lookup speculation drafts from "
+                  "the prompt itself: num_assistant_tokens, max_ngram_size)",
+    "speculative": "llama-server's speculative settings are flat keys: speculative.n_max, speculative.n_min",
 }
+# Speculative decoding's request fields (issue 29) are real fields of chat and completion
+# requests; a Responses or Messages request does not take them.
+_SPEC_ELSEWHERE = "speculative decoding is set on chat and completion requests, not on this API"
 # Image, audio and video inputs (issue 30): sglang-omni's top-level media lists.
 MEDIA: dict[str, str] = {
     "images": _MEDIA,
@@ -46,6 +46,9 @@ MEDIA: dict[str, str] = {
 # fields that people send and we do not do -> why (the 400 says it)
 REFUSED: dict[str, str] = {
     **SPECULATIVE,
+    "num_assistant_tokens": _SPEC_ELSEWHERE,
+    "assistant_confidence_threshold": _SPEC_ELSEWHERE,
+    "max_ngram_size": _SPEC_ELSEWHERE,
     **MEDIA,
     # sglang-omni
     "stage_sampling": "sglang-omni's per-stage sampling: the models served here have one stage",
