@@ -8,13 +8,14 @@
     log_ring       bounded line rings: each worker's output and the router's own log
     upstream       the lean keep-alive HTTP/1.1 client to the workers (the hot path)
     lifecycle/     one owner task per model: phases, spawning, admission, eviction, memory
+    placement/     workers on a Ray cluster (`--ray`; imported only then): actors, per-node admission
     observability/ metrics, logs, request traces, profiling
     responses/     the OpenAI Responses API, translated onto the workers' chat completions
     anthropic/     Anthropic's Messages API, translated onto the workers' chat completions
     http/          the ASGI app: the front (auth, CORS, body limit), proxying, the router's own routes
 
 Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
-presets/worker_flags/events/log_ring/upstream, lifecycle, observability, responses and anthropic, http,
+presets/worker_flags/events/log_ring/upstream, lifecycle, placement, observability, responses and anthropic, http,
 cli/banner. From `worker` the router imports `worker.protocol` only, and it launches workers by
 command line.
 """

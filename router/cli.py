@@ -10,13 +10,16 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer._click.exceptions import ClickException  # typer vendors its own click
 
 from router.banner import banner
 from router.presets import ModelPreset, PresetError, check_unique, load_presets, merge, scan_models_dir
+
+if TYPE_CHECKING:
+    from router.lifecycle.pool import Placement
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
@@ -28,7 +31,7 @@ def default_data_dir() -> Path:
 
 
 def build_presets(
-    preset: list[Path], models_dir: Path | None, overrides: dict[str, Any]
+    preset: list[Path], models_dir: Path | None, overrides: dict[str, Any], *, has_ray: bool = False
 ) -> list[ModelPreset]:
     presets: list[ModelPreset] = []
     for path in preset:
@@ -38,6 +41,11 @@ def build_presets(
         presets = merge(presets, scan_models_dir(models_dir, overrides))
     if not presets:
         raise PresetError("no models: give --preset FILE and/or --models-dir DIR")
+    if not has_ray:
+        for p in presets:
+            if p.placement == "ray" or p.ray_resources or p.ray_node_labels:
+                raise PresetError(f"{p.source}: placement on Ray (placement, ray-resources, ray-node-labels) "
+                                  "needs omni-router --ray ADDRESS (docs/ray.md)")
     return presets
 
 
@@ -118,6 +126,14 @@ def serve(
     max_body_size: Annotated[
         int, typer.Option(min=0, help="largest request body in bytes, larger is a 413 (0 = no limit)")
     ] = 100 * 1024 * 1024,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            "--ray", metavar="ADDRESS",
+            help="place workers on a Ray cluster (auto, ray://HOST:10001 or HOST:6379): every model "
+            "but placement = local ones (docs/ray.md; pip install omni-router[ray])",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(metavar="debug|info|warning|error")] = "info",
     version: Annotated[
         bool,
@@ -131,7 +147,8 @@ def serve(
 ) -> None:
     """One OpenAI-compatible endpoint for many models."""
     overrides = {"ctx-size": ctx_size, "parallel": parallel, "n-gpu-layers": n_gpu_layers, "threads": threads}
-    presets = build_presets(preset, models_dir, overrides)
+    has_ray = ray is not None
+    presets = build_presets(preset, models_dir, overrides, has_ray=has_ray)
     from router.lifecycle.memory import budget, gpu_total_bytes, host_total_bytes
 
     budgets = []
@@ -164,7 +181,9 @@ def serve(
         autoload=models_autoload,
     )
     responses = ResponsesConfig(data_dir or default_data_dir(), responses_max_entries, responses_ttl)
-    pool = Pool(presets, config, source=lambda: build_presets(preset, models_dir, overrides))
+    placement = _join_ray(ray) if ray is not None else None
+    pool = Pool(presets, config, source=lambda: build_presets(preset, models_dir, overrides, has_ray=has_ray),
+                placement=placement)
     app = RouterApp(
         pool, api_keys=api_key, cors_origins=cors_origin, responses=responses, max_body_size=max_body_size
     )
@@ -206,6 +225,21 @@ def _print_version(is_asked: bool) -> None:
         except PackageNotFoundError:  # run from a checkout that was not installed
             print("omni-router (not installed: version unknown)")
         raise typer.Exit(0)
+
+
+def _join_ray(address: str) -> Placement:
+    """Connect to the Ray cluster as a driver; a clear error when ray is missing or unreachable."""
+    try:
+        from router.placement.ray_cluster import RayPlacement, connect
+    except ImportError as e:
+        raise typer.BadParameter(f"needs ray ({e}): pip install 'omni-router[ray]'",
+                                 param_hint="--ray") from None
+    try:
+        connect(address)
+    except Exception as e:  # ConnectionError, or Ray's own errors: one line, exit 2
+        raise typer.BadParameter(f"cannot join the Ray cluster at {address!r}: {e}",
+                                 param_hint="--ray") from None
+    return RayPlacement()
 
 
 def _best(preferred: str, fallback: str) -> str:

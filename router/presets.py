@@ -24,6 +24,7 @@ one key table; omni-worker's own flags are read by router/worker_flags.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -35,6 +36,7 @@ from typing import Any, Literal
 
 Backend = Literal["auto", "llama_cpp", "torch", "cmd", "remote"]
 BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "cmd", "remote")
+PLACEMENTS: tuple[str, ...] = ("local", "ray")  # where a worker runs (docs/ray.md)
 POOLINGS: tuple[str, ...] = ("none", "mean", "cls", "last", "rank")  # worker --pooling
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
 _INLINE_COMMENT = re.compile(r"\s+[;#].*$")  # `c = 2048 ; comment` (unquoted values only)
@@ -83,6 +85,9 @@ class ModelPreset:
     model_error: str | None = (
         None  # the model file is missing: this model is failed, the router serves the rest
     )
+    placement: str | None = None  # local | ray; None: ray with `omni-router --ray`, else local
+    ray_resources: tuple[tuple[str, float], ...] = ()  # Ray resources its actor needs, sorted
+    ray_node_labels: tuple[tuple[str, str], ...] = ()  # node labels it must land on, sorted
     source: str = ""  # where it was defined, for messages
 
     def worker_arg(self, name: str) -> str | None:
@@ -198,6 +203,52 @@ def parse_size(raw: str) -> int:
     return int(float(m.group(1)) * 1024 ** " kmgt".index((m.group(2) or " ").lower()))
 
 
+def _placement(raw: str) -> str:
+    s = str(raw).strip().lower()
+    if s not in PLACEMENTS:
+        raise ValueError(f"expected one of {', '.join(PLACEMENTS)}")
+    return s
+
+
+def _pairs(raw: Any) -> list[tuple[str, Any]]:
+    """A TOML table, or INI text: `{"GPU": 1}` (JSON) or `GPU=1, vram_gib=24`."""
+    if isinstance(raw, dict):
+        return [(str(k), v) for k, v in raw.items()]
+    text = str(raw).strip()
+    if text.startswith("{"):
+        try:
+            data = json.loads(text)
+        except ValueError:
+            raise ValueError('expected a table like {"GPU": 1, "vram_gib": 24}') from None
+        if not isinstance(data, dict):
+            raise ValueError('expected a table like {"GPU": 1, "vram_gib": 24}')
+        return [(str(k), v) for k, v in data.items()]
+    out = []
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"expected NAME=VALUE items, got {item!r}")
+        out.append((key.strip(), value.strip()))
+    return out
+
+
+def _ray_resources(raw: Any) -> tuple[tuple[str, float], ...]:
+    out = []
+    for name, value in _pairs(raw):
+        try:
+            amount = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"resource {name!r}: expected a number, got {value!r}") from None
+        if amount < 0:
+            raise ValueError(f"resource {name!r}: expected a number >= 0")
+        out.append((name, amount))
+    return tuple(sorted(out))
+
+
+def _ray_node_labels(raw: Any) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((name, str(value)) for name, value in _pairs(raw)))
+
+
 def _upstream(raw: str) -> str:
     s = str(raw).strip().rstrip("/")
     if not re.match(r"^https?://[^/\s]+", s):
@@ -234,7 +285,11 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "pin": ("pin", _bool),
     "jinja": ("jinja", _bool),
     "model-draft": ("model_draft", _text),
+    "placement": ("placement", _placement),
+    "ray-resources": ("ray_resources", _ray_resources),
+    "ray-node-labels": ("ray_node_labels", _ray_node_labels),
 }
+_TABLES = ("ray-resources", "ray-node-labels")  # keys whose TOML value is a table
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
           "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
           "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn",
@@ -432,7 +487,7 @@ def _put(sec: _RawSection, key: str, value: Any, where: str) -> None:
         value = str(value)
     elif isinstance(value, list) and canon != "alias":
         raise PresetError(f"{where}: expected a single value, got a list")
-    elif isinstance(value, dict):
+    elif isinstance(value, dict) and canon not in _TABLES:
         raise PresetError(f"{where}: expected a value, got a table")
     sec.values[canon] = (value, where)
 
@@ -494,6 +549,14 @@ def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> 
 
 def _check(p: ModelPreset, origin: Mapping[str, str]) -> None:
     at = p.source
+    if p.backend == "remote" and p.placement is not None:
+        raise PresetError(f"{origin['placement']}: 'placement' does not apply to backend = remote "
+                          "(the router starts no process for it)")
+    if p.placement == "local":
+        for key, field_name in (("ray-resources", "ray_resources"), ("ray-node-labels", "ray_node_labels")):
+            if getattr(p, field_name):
+                raise PresetError(f"{origin[field_name]}: {key!r} needs placement = \"ray\" "
+                                  "(this model runs on the router's own box)")
     if p.backend == "remote":
         if not p.upstream:
             raise PresetError(f"{at}: backend = remote needs 'upstream = http://host:port'")

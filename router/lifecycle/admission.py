@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.lifecycle.eviction import Admit, Drain, Evict, Full, Limits, Need, Occupancy, choose_victim
+from router.presets import ModelPreset
 
 log = logging.getLogger("omni.router.admission")
 
@@ -33,11 +34,29 @@ class SlotsFull(Exception):
     """No eviction can ever make room for this model (the message says why, with figures)."""
 
 
+class Admission(Protocol):
+    """What a model's owner needs of admission: `Slots`, or placement's per-node slots (router.placement)."""
+
+    @property
+    def queued(self) -> list[str]: ...
+
+    async def acquire(self, occupant: Occupant, need: Need) -> None: ...
+
+    def release(self, occupant: Occupant) -> None: ...
+
+    def poke(self) -> None: ...
+
+    async def run(self) -> None: ...
+
+
 class Occupant(Protocol):
     """What Slots needs of a model: a snapshot, and two commands to its owner."""
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def preset(self) -> ModelPreset: ...  # (placement reads where it may run)
 
     @property
     def is_draining(self) -> bool: ...

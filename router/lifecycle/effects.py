@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import httpx
 
 from router.lifecycle.memory import TreeMemory, tree_memory
-from router.lifecycle.process import LoadError, WorkerProcess, free_port, wait_ready, worker_argv
+from router.lifecycle.process import LoadError, Watched, WorkerProcess, free_port, wait_ready, worker_argv
 from router.presets import ModelPreset
 from router.upstream import UpstreamClient
 
@@ -36,6 +36,12 @@ class Process(Protocol):
     async def stop(self, timeout: float) -> int: ...
 
     def tail_text(self, lines: int = 5) -> str: ...
+
+    @property
+    def node(self) -> dict[str, Any] | None: ...  # where it runs, when not on the router's box
+
+    @property
+    def exit_cause(self) -> str | None: ...  # why it ended, when its exit code cannot say (node lost)
 
 
 class Effects(Protocol):
@@ -66,12 +72,12 @@ class WorkerEffects:
     async def spawn(self, preset: ModelPreset) -> tuple[Process, str, list[str]]:
         port = free_port(self.host)
         argv = worker_argv(preset, port, os.getpid(), self.host)
-        proc = await WorkerProcess.spawn(argv, preset.name, env=_env(preset))
+        proc = await WorkerProcess.spawn(argv, preset.name, env=worker_env(preset))
         return proc, f"http://{self.host}:{port}", argv
 
     async def wait_ready(self, proc: Process, base_url: str, timeout: float,
                          on_progress: Callable[[dict[str, Any]], None]) -> bool:
-        assert isinstance(proc, WorkerProcess)
+        assert isinstance(proc, Watched)
         return await wait_ready(self.client, base_url, proc, timeout, on_progress)
 
     async def info(self, base_url: str) -> dict[str, Any] | None:
@@ -104,7 +110,8 @@ class WorkerEffects:
         self.upstream.forget(base_url)
 
 
-def _env(preset: ModelPreset) -> dict[str, str] | None:
+def worker_env(preset: ModelPreset) -> dict[str, str] | None:
+    """The worker's environment: ours with this checkout importable (a `cmd` server: inherited)."""
     if preset.backend == "cmd":
         return None
     env = dict(os.environ)

@@ -37,7 +37,7 @@ from typing import Any
 
 from router.events import EventBus
 from router.lifecycle import messages as msg
-from router.lifecycle.admission import Slots, SlotsFull
+from router.lifecycle.admission import Admission, SlotsFull
 from router.lifecycle.effects import Effects, Process
 from router.lifecycle.estimate import Estimate, MemoryBook
 from router.lifecycle.eviction import Need, Occupancy
@@ -86,7 +86,7 @@ class IdleDefaults:
 class ModelDeps:
     """The services a model's owner uses; nothing else of the pool."""
 
-    slots: Slots
+    slots: Admission
     events: EventBus
     effects: Effects
     book: MemoryBook
@@ -142,6 +142,7 @@ class ModelHandle:
     info: dict[str, Any] | None = None  # the worker's own /v1/models entry
     argv: list[str] = field(default_factory=list)  # the last command line spawned
     process: Process | None = None
+    node: dict[str, Any] | None = None  # where the last process ran, when not on this box (Ray)
     base_url: str | None = None
     num_in_flight: int = 0
     last_used: float = 0.0
@@ -500,7 +501,7 @@ class ModelHandle:
             _STRAYS.add(task)
             task.add_done_callback(_STRAYS.discard)
             return
-        self.process, self.base_url, self.argv = proc, base_url, argv
+        self.process, self.base_url, self.argv, self.node = proc, base_url, argv, proc.node
         self.memory = self._peak = None
         self._watcher = asyncio.create_task(self._watch(proc), name=f"watch:{self.name}")
         if self.phase is Phase.SPAWNING_THEN_STOP:
@@ -784,7 +785,7 @@ class ModelHandle:
             self.failures = 0
             self._set(Phase.UNLOADED)
         else:
-            reason = self._failure or f"exited with code {code}"
+            reason = self._failure or proc.exit_cause or f"exited with code {code}"
             self._fail(code, diagnose(self.log_tail, code, reason, was_ready=self.ready_since > 0))
         self._resolve_stop_waiters(True)
         self._apply_pending()
@@ -920,6 +921,8 @@ class ModelHandle:
             card["path"] = str(p.model)
         if p.upstream:
             card["upstream"] = p.upstream
+        if self.node is not None:
+            card["node"] = self.node
         if self.info is not None and self.state is not ModelState.UNLOADED:
             card["meta"] = self.info.get("meta", self.info)
         return card

@@ -14,12 +14,12 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
 from router.events import EventBus
-from router.lifecycle.admission import Slots
+from router.lifecycle.admission import Admission, Slots
 from router.lifecycle.effects import Effects, WorkerEffects
 from router.lifecycle.estimate import MemoryBook
 from router.lifecycle.eviction import Limits
@@ -43,6 +43,15 @@ class PoolConfig:
     host: str = "127.0.0.1"
 
 
+class Placement(Protocol):
+    """Where workers run besides this box (router.placement.ray_cluster): wraps the local effects
+    and admission so that each model goes to its own; `close` once every worker has stopped."""
+
+    def wire(self, local: WorkerEffects, slots: Slots) -> tuple[Effects, Admission]: ...
+
+    async def close(self) -> None: ...
+
+
 class Pool:
     """All models by name and alias, the shared HTTP clients, admission, events and reload."""
 
@@ -54,6 +63,7 @@ class Pool:
         *,
         source: Callable[[], list[ModelPreset]] | None = None,
         effects: Effects | None = None,
+        placement: Placement | None = None,
     ) -> None:
         self.config = config
         self.events = events or EventBus()
@@ -67,10 +77,16 @@ class Pool:
         self.upstream = UpstreamClient()  # the proxy's keep-alive connections to workers
         self.slots = Slots(Limits(config.models_max, config.ram_budget, config.vram_budget))
         self.book = MemoryBook(has_gpu())
+        self.placement = placement
+        admission: Admission = self.slots
+        if effects is None:
+            effects = WorkerEffects(self.client, self.upstream, config.host)
+            if placement is not None:
+                effects, admission = placement.wire(effects, self.slots)
         self.deps = ModelDeps(
-            self.slots,
+            admission,
             self.events,
-            effects or WorkerEffects(self.client, self.upstream, config.host),
+            effects,
             self.book,
             Waiting(config.max_queue),
             IdleDefaults(config.sleep_idle_seconds, config.unload_idle_seconds),
@@ -97,7 +113,7 @@ class Pool:
         return self.by_name.get(name)
 
     async def start(self) -> None:
-        self._slots_task = asyncio.create_task(self.slots.run(), name="slots")
+        self._slots_task = asyncio.create_task(self.deps.slots.run(), name="slots")
         for h in self.handles.values():
             h.start()
         for h in self.handles.values():
@@ -179,6 +195,8 @@ class Pool:
                 t.cancel()
         procs = [(h.process, h.preset.stop_timeout) for h in handles if h.process is not None]
         await asyncio.gather(*(p.stop(t) for p, t in procs), return_exceptions=True)
+        if self.placement is not None:
+            await self.placement.close()
         self.upstream.close()
         await self.client.aclose()
 

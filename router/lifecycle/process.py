@@ -24,7 +24,7 @@ import socket
 import sys
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import httpx
 
@@ -112,6 +112,7 @@ class WorkerProcess:
         self.proc = proc
         self.name = name
         self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        self.num_lines = 0  # lines read so far (a Ray actor streams the tail from a cursor)
         self.log = WORKER_LOGS.ring(name)  # GET /logs?model= (outlives the process)
         self.output = (
             asyncio.Event()
@@ -141,6 +142,14 @@ class WorkerProcess:
     def returncode(self) -> int | None:
         return self.proc.returncode
 
+    @property
+    def node(self) -> dict[str, Any] | None:
+        return None  # on the router's own box
+
+    @property
+    def exit_cause(self) -> str | None:
+        return None  # its exit code says it all
+
     async def _read_log(self) -> None:
         stream = self.proc.stdout
         assert stream is not None
@@ -153,6 +162,7 @@ class WorkerProcess:
                 return
             text = line.decode(errors="replace").rstrip()
             self.log_tail.append(text)
+            self.num_lines += 1
             self.log.append(text)
             self.output.set()
             log.debug("[%s] %s", self.name, text)
@@ -198,10 +208,23 @@ def _error_message(r: httpx.Response) -> str:
     return r.text[:300]
 
 
+@runtime_checkable
+class Watched(Protocol):
+    """What readiness polling needs of a worker, local or on a Ray node."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    @property
+    def output(self) -> asyncio.Event: ...  # set whenever the worker writes a line
+
+    async def wait(self) -> int: ...
+
+
 async def wait_ready(
     client: httpx.AsyncClient,
     base_url: str,
-    proc: WorkerProcess,
+    proc: Watched,
     timeout: float,
     on_progress: Callable[[dict[str, Any]], None],
     interval: float = 0.1,
@@ -237,7 +260,7 @@ async def wait_ready(
                 # The worker exits by itself after reporting a failed load: let it, so that
                 # the exit code we report is its own and not our SIGTERM's.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(proc.proc.wait()), 3.0)
+                    await asyncio.wait_for(asyncio.shield(proc.wait()), 3.0)
                 raise LoadError(f"the worker reported a failed load ({r.status_code}): {_error_message(r)}")
         except (httpx.TransportError, ValueError):
             pass  # not listening yet, or a partial body

@@ -9,9 +9,11 @@ Router-side series are named `omni_router:*` and fed by the EventBus (one subscr
     status_change    sleeps (entering `sleeping`), load outcomes
     evicted          omni_router:model_evictions_total{model,reason}
 
-Gauges that are state, not events (in-flight and queued requests, the state of each model)
-are read from the pool when scraped (`_LiveCollector`). Worker series keep the worker's own
-names (`llamacpp:*`, `omni:*`; worker/engine/metrics.py) with `model` added; only READY local
+Gauges that are state, not events (in-flight and queued requests, the state of each model,
+`omni_router:model_node{model,node}`: where its worker runs, `local` or a Ray node) are read
+from the pool when scraped (`_LiveCollector`). Worker series keep the worker's own names
+(`llamacpp:*`, `omni:*`; worker/engine/metrics.py) with `model` added, and `node` for a
+worker on a Ray node; only READY
 workers are scraped (concurrently, `SCRAPE_TIMEOUT_S` each): a sleeping or stopped worker has
 nothing to add, and a scrape must never wake one.
 """
@@ -174,25 +176,32 @@ class RouterMetrics:
     async def render(self) -> bytes:
         targets = [h for h in self._handles.values()
                    if h.state is ModelState.READY and h.base_url and not h.preset.is_remote]
-        scraped = await asyncio.gather(*(self._scrape(h.name, h.base_url or "") for h in targets))
+        scraped = await asyncio.gather(
+            *(self._scrape(h.name, h.base_url or "", node_name(h)) for h in targets))
         self._drain()
         self._live.workers = [m for families in scraped for m in families]
         return generate_latest(self.registry)
 
-    async def _scrape(self, model: str, base_url: str) -> list[Metric]:
+    async def _scrape(self, model: str, base_url: str, node: str) -> list[Metric]:
         try:
             r = await self._client.get(f"{base_url}/metrics", timeout=SCRAPE_TIMEOUT_S)
             if r.status_code != 200:
                 return []
-            return [_with_model(f, model) for f in text_string_to_metric_families(r.text)]
+            return [_with_model(f, model, node) for f in text_string_to_metric_families(r.text)]
         except (httpx.HTTPError, ValueError) as e:
             log.debug("metrics: scraping %s failed: %r", model, e)
             return []
 
 
-def _with_model(family: Metric, model: str) -> Metric:
+def node_name(h: ModelHandle) -> str:
+    """Where a model's worker runs: `local` (the router's box) or its Ray node's name."""
+    return str(h.node["name"]) if h.node is not None else "local"
+
+
+def _with_model(family: Metric, model: str, node: str) -> Metric:
     out = Metric(family.name, family.documentation, family.type, family.unit)
-    out.samples = [Sample(s.name, {**s.labels, "model": model}, s.value, s.timestamp, s.exemplar)
+    where = {"node": node} if node != "local" else {}  # a local worker's series stay as they were
+    out.samples = [Sample(s.name, {**s.labels, "model": model, **where}, s.value, s.timestamp, s.exemplar)
                    for s in family.samples]
     return out
 
@@ -218,6 +227,8 @@ class _LiveCollector:
         state = GaugeMetricFamily(
             "omni_router:model_state", "1 for the model's current state", labels=["model", "state"]
         )
+        where = GaugeMetricFamily("omni_router:model_node", "1 for the node a model's worker runs (ran) on",
+                                  labels=["model", "node"])
         waiting: dict[str, int] = {}
         for t in self._active():
             if t.t_queued and not t.t_ready:
@@ -227,7 +238,9 @@ class _LiveCollector:
             queued.add_metric([name], waiting.get(name, 0))
             for s in ModelState:
                 state.add_metric([name, s.value], 1.0 if h.state is s else 0.0)
-        yield from (in_flight, queued, state)
+            if not h.preset.is_remote:
+                where.add_metric([name, node_name(h)], 1.0)
+        yield from (in_flight, queued, state, where)
         merged: dict[str, Metric] = {}  # one family per name, every model's samples in it
         for m in self.workers:
             into = merged.get(m.name)

@@ -37,6 +37,8 @@ class FakeProc:
         self.fx = fx
         self.pid = next(_pids)
         self.log_tail = [f"fake {self.pid} log"]
+        self.node: dict[str, Any] | None = None
+        self.exit_cause: str | None = None
         self.exit: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.samples: asyncio.Queue[TreeMemory | None] = asyncio.Queue()
 

@@ -23,6 +23,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
     "router": [
         ("router.presets", "router.worker_flags", "router.events", "router.log_ring", "router.upstream"),
         ("router.lifecycle",),
+        ("router.placement",),
         ("router.observability",),
         ("router.responses", "router.anthropic"),
         ("router.http",),
