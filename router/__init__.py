@@ -15,7 +15,7 @@
     http/          the ASGI app: the front (auth, CORS, body limit), proxying, the router's own routes
 
 Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
-presets/worker_flags/events/log_ring/upstream, lifecycle, placement, observability, responses and anthropic, http,
-cli/banner. From `worker` the router imports `worker.protocol` only, and it launches workers by
-command line.
+presets/worker_flags/events/log_ring/upstream, lifecycle, placement, observability, responses and
+anthropic, http, cli/banner. From `worker` the router imports `worker.protocol` only, and it
+launches workers by command line.
 """

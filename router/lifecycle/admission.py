@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,8 +79,9 @@ class _SlotRequest:
 class Slots:
     """`--models-max` and memory budget bookkeeping."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, snapshot: Callable[[Occupant], Occupancy] | None = None) -> None:
         self.limits = limits
+        self.snapshot = snapshot or (lambda h: h.occupancy())  # placement adds a node's reservations
         self.holders: list[Occupant] = []
         self._queue: deque[_SlotRequest] = deque()
         self._changed = asyncio.Event()
@@ -128,7 +130,7 @@ class Slots:
                 continue
             holders = list(self.holders)
             by_name = {h.name: h for h in holders}
-            decision = choose_victim([h.occupancy() for h in holders], head.need, self.limits)
+            decision = choose_victim([self.snapshot(h) for h in holders], head.need, self.limits)
             if isinstance(decision, Admit):
                 self._queue.popleft()
                 self.holders.append(head.occupant)

@@ -111,6 +111,7 @@ class Ready:
 class LoadFailed:
     attempt: int
     error: str
+    can_retry: bool = False  # a spawn that may work next time (a Ray node lost while it started)
 
 
 @dataclass

@@ -43,6 +43,7 @@ from router.lifecycle.estimate import Estimate, MemoryBook
 from router.lifecycle.eviction import Need, Occupancy
 from router.lifecycle.load_failure import LoadFailure, diagnose
 from router.lifecycle.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory
+from router.lifecycle.process import SpawnError
 from router.lifecycle.state import ModelState, Phase
 from router.presets import ModelPreset
 from worker.protocol.errors import APIError
@@ -372,8 +373,8 @@ class ModelHandle:
                     self._set(self.phase, {**progress, "phase": str(progress.get("phase", "loading"))})
             case msg.Ready(attempt, can_sleep, info) if attempt == self._attempt:
                 self._on_ready(can_sleep, info)
-            case msg.LoadFailed(attempt, error) if attempt == self._attempt:
-                self._on_load_failed(error)
+            case msg.LoadFailed(attempt, error, can_retry) if attempt == self._attempt:
+                self._on_load_failed(error, can_retry)
             case msg.SleepDone(attempt, ok) if attempt == self._attempt:
                 self._on_sleep_done(ok)
             case msg.Exited(proc, code):
@@ -483,7 +484,7 @@ class ModelHandle:
         try:
             proc, base_url, argv = await self.deps.effects.spawn(self.preset)
         except Exception as e:  # OSError from the spawn, or a surprise: never stay SPAWNING
-            self._post(msg.LoadFailed(attempt, str(e)))
+            self._post(msg.LoadFailed(attempt, str(e), can_retry=isinstance(e, SpawnError)))
             return
         self._post(msg.Spawned(attempt, proc, base_url, argv))
 
@@ -537,11 +538,11 @@ class ModelHandle:
         self._set(Phase.READY)
         self._resolve_waiters()
 
-    def _on_load_failed(self, error: str) -> None:
+    def _on_load_failed(self, error: str, can_retry: bool = False) -> None:
         if (
             self.phase is Phase.SPAWNING
         ):  # e.g. a `cmd` whose program does not exist: it will not next time either
-            self._fail(None, LoadFailure(error, is_permanent=True))
+            self._fail(None, LoadFailure(error, is_permanent=not can_retry))
         elif self.phase is Phase.SPAWNING_THEN_STOP:
             self._set(Phase.UNLOADED)
             self._resolve_stop_waiters(True)

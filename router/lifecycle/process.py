@@ -105,6 +105,11 @@ class LoadError(Exception):
     pass
 
 
+class SpawnError(LoadError):
+    """A spawn that failed for a reason outside the model (a Ray node lost while the worker
+    started): retried with backoff, unlike a command that cannot run (permanent)."""
+
+
 class WorkerProcess:
     """A started subprocess with its log tail."""
 

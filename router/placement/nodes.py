@@ -10,10 +10,11 @@ not this one's. A node's budgets: its `vram_gib` resource, where declared, is it
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from router.lifecycle.eviction import Limits, Need, format_size
+from router.lifecycle.admission import Occupant
+from router.lifecycle.eviction import Limits, Need, Occupancy, format_size
 from router.presets import ModelPreset
 
 GIB = 1 << 30
@@ -65,10 +66,19 @@ def _declared(node: Node) -> str:
                      if k not in ("memory", "object_store_memory") and not k.startswith("node:")) or "none"
 
 
+def _reserved_vram(preset: ModelPreset) -> int:
+    return int(dict(preset.ray_resources).get(VRAM_RESOURCE, 0.0) * GIB)
+
+
 def need_on(preset: ModelPreset, need: Need) -> Need:
     """The estimate, with VRAM at least what the preset reserves as `vram_gib`."""
-    reserved = dict(preset.ray_resources).get(VRAM_RESOURCE, 0.0)
-    return Need(need.ram_bytes, max(need.vram_bytes, int(reserved * GIB)))
+    return Need(need.ram_bytes, max(need.vram_bytes, _reserved_vram(preset)))
+
+
+def reserved(occupant: Occupant) -> Occupancy:
+    """A model on a node as the policy sees it: charged at least the VRAM it reserves."""
+    o = occupant.occupancy()
+    return replace(o, vram_bytes=max(o.vram_bytes, _reserved_vram(occupant.preset)))
 
 
 def limits_of(node: Node, base: Limits) -> Limits:

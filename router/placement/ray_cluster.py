@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from router.lifecycle.admission import Admission, Occupant, Slots, SlotsFull
 from router.lifecycle.effects import Effects, Process, WorkerEffects
 from router.lifecycle.eviction import Admit, Decision, Drain, Evict, Full, Need, choose_victim
 from router.lifecycle.memory import TreeMemory
-from router.lifecycle.process import LoadError
+from router.lifecycle.process import SpawnError
 from router.placement import nodes as cluster_nodes
 from router.placement.nodes import Node
 from router.placement.ray_actor import WorkerActor
@@ -40,6 +41,7 @@ from router.presets import ModelPreset
 
 log = logging.getLogger("omni.router.ray")
 NAMESPACE = "omni-router"
+SUSPECT_S = 60.0  # a node where an actor was lost takes no new model for this long
 
 
 def is_on_ray(preset: ModelPreset) -> bool:
@@ -69,6 +71,7 @@ class NodeSlots:
         self._nodes = nodes
         self.by_node: dict[str, Slots] = {}
         self.placed: dict[str, Node] = {}  # model -> the node its current load was admitted on
+        self._suspects: dict[str, float] = {}  # node id -> when an actor there was lost (monotonic)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -92,10 +95,20 @@ class NodeSlots:
             for t in self._tasks:
                 t.cancel()
 
+    def suspect(self, node: Node) -> None:
+        """An actor there was lost: place nothing there for a while. Ray may take some seconds
+        to declare the node dead (its health checks), and until then lists it as alive."""
+        self._suspects[node.node_id] = time.monotonic()
+
+    def _is_suspect(self, node: Node) -> bool:
+        since = self._suspects.get(node.node_id)
+        return since is not None and time.monotonic() - since < SUSPECT_S
+
     def _slots(self, node: Node) -> Slots:
         slots = self.by_node.get(node.node_id)
         if slots is None:
-            slots = self.by_node[node.node_id] = Slots(cluster_nodes.limits_of(node, self.local.limits))
+            slots = self.by_node[node.node_id] = Slots(cluster_nodes.limits_of(node, self.local.limits),
+                                                       cluster_nodes.reserved)
             log.info("node %s: %s", node.short, cluster_nodes.describe(slots.limits))
             self._tasks.append(asyncio.create_task(slots.run(), name=f"slots:{node.short}"))
         return slots
@@ -105,7 +118,7 @@ class NodeSlots:
         if not is_on_ray(preset):
             await self.local.acquire(occupant, need)
             return
-        nodes = await asyncio.to_thread(self._nodes)
+        nodes = [n for n in await asyncio.to_thread(self._nodes) if not self._is_suspect(n)]
         fit = [n for n in nodes if cluster_nodes.can_take(n, preset)]
         if not fit:
             raise SlotsFull(cluster_nodes.none_can_take(nodes, preset))
@@ -123,7 +136,7 @@ class NodeSlots:
         out: list[tuple[Node, Decision]] = []
         for n in fit:
             slots = self._slots(n)
-            out.append((n, choose_victim([h.occupancy() for h in slots.holders], need, slots.limits)))
+            out.append((n, choose_victim([slots.snapshot(h) for h in slots.holders], need, slots.limits)))
         return out
 
 
@@ -149,8 +162,9 @@ class RayEffects:
             started = await asyncio.wait_for(actor.start.remote(preset), preset.load_timeout)
         except (RayError, TimeoutError) as e:
             ray.kill(actor, no_restart=True)
-            raise LoadError(f"could not start its actor on node {node.short}: {first_line(e)}") from None
-        proc = RayProcess(actor, preset.name, started, node)
+            self.admission.suspect(node)
+            raise SpawnError(f"could not start its actor on node {node.short}: {first_line(e)}") from None
+        proc = RayProcess(actor, preset.name, started, node, on_lost=self.admission.suspect)
         log.info("model %s: worker pid %d on node %s", preset.name, proc.pid, node.short)
         return proc, f"http://{started['host']}:{started['port']}", list(started["argv"])
 

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -36,8 +37,11 @@ def first_line(e: BaseException) -> str:
 
 
 class RayProcess:
-    def __init__(self, actor: Any, name: str, started: dict[str, Any], node: Node) -> None:
+    def __init__(self, actor: Any, name: str, started: dict[str, Any], node: Node,
+                 on_lost: Callable[[Node], None] = lambda node: None) -> None:
         self.actor = actor
+        self._on_lost = on_lost
+        self._node = node
         self.name = name
         self.pid = int(started["pid"])
         self.node = {**node.view(), "pid": self.pid, "actor_pid": int(started["actor_pid"])}
@@ -61,6 +65,10 @@ class RayProcess:
                 code = LOST
                 self.exit_cause = f"its Ray actor on node {self.node_name} was lost: {first_line(e)}"
                 log.error("model %s: %s", self.name, self.exit_cause)
+                self._on_lost(self._node)
+                # Unavailable may be a blip: kill it for sure, so that its worker is gone too.
+                with contextlib.suppress(RayError, ValueError):
+                    ray.kill(self.actor, no_restart=True)
         self.returncode = code
         self.output.set()
         return code

@@ -1,0 +1,174 @@
+"""Workers placed on a Ray cluster (issue 27), end to end on one machine.
+
+One local cluster for the whole module (a head and two nodes, each with one CPU and a small
+object store; all on 127.0.0.1): node A declares `vram_gib = 24` and label zone=a, node B
+`vram_gib = 8` and zone=b; both declare `scratch = 1`. Real routers (`omni-router --ray`) place
+real workers on the tiny GGUF. The test that loses a node runs last: it takes one away.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.router.conftest import RouterProc, chat, stream_chat
+from tests.util import ROOT, wait_until
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
+Factory = Callable[..., RouterProc]
+GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
+LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # nodes and driver on 127.0.0.1, not the outward IP
+SETTINGS = "threads = 1\nparallel = 1\nctx-size = 4096\nn-gpu-layers = 0\nstop-timeout = 5\n"
+
+pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
+
+
+@dataclass
+class LocalCluster:
+    cluster: Any
+    address: str
+    nodes: dict[str, Any]  # "a" / "b" -> ray's Node
+
+    def node_id(self, name: str) -> str:
+        return str(self.nodes[name].node_id)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    from ray.cluster_utils import Cluster
+
+    os.environ.update(LOOPBACK)
+    small = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 80 << 20}
+    c = Cluster(initialize_head=True, connect=False, head_node_args={**small, "include_dashboard": False})
+    try:
+        a = c.add_node(**small, resources={"vram_gib": 24, "scratch": 1}, labels={"zone": "a"})
+        b = c.add_node(**small, resources={"vram_gib": 8, "scratch": 1}, labels={"zone": "b"})
+        c.wait_for_nodes()
+        yield LocalCluster(c, c.address, {"a": a, "b": b})
+    finally:
+        c.shutdown()
+
+
+def model(name: str, extra: str = "") -> str:
+    return f'[models.{name}]\nmodel = "{GGUF}"\nbackend = "llama_cpp"\n{SETTINGS}{extra}\n'
+
+
+def start(router_factory: Factory, cluster: LocalCluster, preset: str) -> RouterProc:
+    return router_factory(preset, "--ray", cluster.address, "--models-max", "0", env=LOOPBACK)
+
+
+def ask(r: RouterProc, name: str, **extra: Any) -> httpx.Response:
+    with r.client(timeout=120) as c:
+        return c.post("/v1/chat/completions", json=chat(name, max_tokens=2, **extra))
+
+
+def finished(events: list[str]) -> bool:
+    return events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+
+
+def gone(pid: int) -> bool:
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_models_land_where_their_resources_are_stream_and_a_node_budget_evicts_only_there(
+        router_factory: Factory, cluster: LocalCluster) -> None:
+    preset = (model("big", "ray-resources = {vram_gib = 20}")
+              + model("small", 'ray-resources = {vram_gib = 4}\nray-node-labels = {zone = "b"}')
+              + model("small2", 'ray-resources = {vram_gib = 6}\nray-node-labels = {zone = "b"}')
+              + model("nowhere", "ray-resources = {vram_gib = 64}"))
+    r = start(router_factory, cluster, preset)
+
+    # Two models, two nodes; both stream through the router.
+    out: dict[str, list[str]] = {}
+    def run(name: str) -> None:
+        out[name] = stream_chat(r, name, timeout=120, max_tokens=8)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in ("big", "small")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert finished(out["big"]) and finished(out["small"]), out
+    cards = r.models()
+    assert cards["big"]["node"]["id"] == cluster.node_id("a")  # only A has vram_gib >= 20
+    assert cards["small"]["node"]["id"] == cluster.node_id("b")  # its label
+    assert cards["big"]["node"]["address"] == "127.0.0.1"
+    assert "--host 127.0.0.1" in " ".join(cards["big"]["status"]["args"])
+
+    # The node on /metrics: where each runs, and the worker's own series carry it.
+    metrics = httpx.get(f"{r.base}/metrics", timeout=10).text
+    big_node = cards["big"]["node"]["name"]
+    assert f'omni_router:model_node{{model="big",node="{big_node}"}} 1.0' in metrics
+    assert any(line.startswith("llamacpp:") and f'node="{big_node}"' in line for line in metrics.splitlines())
+    # The log tail streams back from the node.
+    logs = httpx.get(f"{r.base}/logs", params={"model": "big"}, timeout=10).text
+    assert "model loaded" in logs
+
+    # No node has 64 GiB of VRAM: refused at once, with the figures, and not marked failed.
+    resp = ask(r, "nowhere")
+    assert resp.status_code == 503, resp.text
+    assert "no node of the Ray cluster has vram_gib=64" in resp.json()["error"]["message"]
+    assert "vram_gib=24" in resp.json()["error"]["message"]
+    assert r.status("nowhere") == "unloaded"
+
+    # B's budget is 8 GiB: small (4) + small2 (6) do not fit, so small is evicted; big on A stays.
+    assert ask(r, "small2").status_code == 200
+    cards = r.models()
+    assert cards["small2"]["node"]["id"] == cluster.node_id("b")
+    assert cards["small"]["status"]["value"] == "unloaded"
+    assert cards["big"]["status"]["value"] == "loaded"
+    assert gone(cards["small"]["node"]["pid"])
+
+
+def test_stopping_or_killing_the_router_leaves_no_actor_or_worker(
+        router_factory: Factory, cluster: LocalCluster) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        r = start(router_factory, cluster, model("m", "ray-resources = {scratch = 1}"))
+        assert ask(r, "m").status_code == 200
+        node = r.models()["m"]["node"]
+        pids = (node["pid"], node["actor_pid"])
+        assert not any(gone(p) for p in pids)
+        os.kill(r.proc.pid, sig)
+        r.proc.wait(30)
+        # SIGKILL: the driver is gone, Ray kills its actors, and each worker dies with its actor.
+        wait_until(lambda p=pids: all(gone(x) for x in p), 30, what=f"the actor and worker after {sig.name}")
+
+
+def test_a_node_lost_mid_stream_ends_the_stream_cleanly_and_the_model_moves(
+        router_factory: Factory, cluster: LocalCluster) -> None:
+    r = start(router_factory, cluster, model("m", "ray-resources = {scratch = 1}"))
+    assert ask(r, "m").status_code == 200
+    first = r.models()["m"]["node"]
+    lost = next(name for name in ("a", "b") if cluster.node_id(name) == first["id"])
+
+    started = threading.Event()
+    out: dict[str, list[str]] = {}
+
+    def run() -> None:
+        out["events"] = stream_chat(r, "m", on_chunk=lambda n: started.set(), timeout=120, max_tokens=3000,
+                                    ignore_eos=True)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert started.wait(60)
+    cluster.cluster.remove_node(cluster.nodes.pop(lost), allow_graceful=False)
+    t.join(120)
+    last = json.loads(out["events"][-1])
+    assert last["error"]["type"] == "server_error" and "mid-stream" in last["error"]["message"], last
+    card = r.wait_status("m", "failed", timeout=60)
+    assert "Ray actor" in card["status"]["error"] and first["name"] in card["status"]["error"]
+    wait_until(lambda: gone(first["pid"]), 30, what="the lost node's worker to exit")
+
+    # The next request places it again, on the surviving node.
+    assert ask(r, "m").status_code == 200
+    assert r.models()["m"]["node"]["id"] not in (first["id"],)
+    assert r.models()["m"]["node"]["id"] == cluster.node_id(next(iter(cluster.nodes)))
