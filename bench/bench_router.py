@@ -1,6 +1,7 @@
 """Router benchmark: what the router costs and how fast it moves models, side by side in one run.
 
     .venv/bin/python bench/bench_router.py [--requests 1000] [--sequential 2000] [--json out.json]
+    .venv/bin/python bench/bench_router.py --ray [--requests 1000] [--repeats 3]
 
 Starts `omni-router` on a temporary preset with two real tiny GGUF models, then measures:
   1. added latency: tiny non-streaming chat requests (max_tokens=1) through the router vs
@@ -12,6 +13,11 @@ Starts `omni-router` on a temporary preset with two real tiny GGUF models, then 
   5. swap with --models-max 1: a request for B while A is loaded -> answer
      (stop A + cold start B; target < 2 s + B's load time);
   6. for comparison, the added latency with httpx as the router's upstream client.
+
+`--ray` measures instead what placing a worker on Ray adds (docs/ray.md): a local Ray cluster on
+127.0.0.1 (a head and one node), one router with `--ray`, the same GGUF served by a local worker
+(`placement = "local"`) and by a Ray-placed one; tiny requests to the four targets (each worker
+directly, each through the router) interleaved one by one, and the cold start of each.
 """
 
 from __future__ import annotations
@@ -194,6 +200,111 @@ def bench_swap(r: Router, repeats: int) -> dict[str, float]:
     return {"swap_s": swap, "cold_request_s": cold, "swap_overhead_s": swap - cold}
 
 
+RAY_PRESET = """
+[defaults]
+ctx-size = 512
+parallel = 1
+threads = {threads}
+stop-timeout = 5
+
+[models.local]
+model = "{gguf}"
+backend = "llama_cpp"
+placement = "local"
+
+[models.onray]
+model = "{gguf}"
+backend = "llama_cpp"
+placement = "ray"
+ray-resources = {{bench = 1}}
+"""
+
+
+def card_port(r: Router, name: str) -> int:
+    for m in r.http.get("/v1/models").json()["data"]:
+        if m["id"] == name:
+            args = m["status"]["args"]
+            return int(args[args.index("--port") + 1])
+    raise KeyError(name)
+
+
+def bench_ray(args: argparse.Namespace) -> dict[str, Any]:
+    """Local vs Ray-placed worker behind one router: added latency and cold start."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray.cluster_utils import Cluster
+
+    small = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 80 << 20}
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={**small, "include_dashboard": False})
+    cluster.add_node(**small, resources={"bench": 1})
+    cluster.wait_for_nodes()
+    results: dict[str, Any] = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            preset = Path(tmp) / "bench.toml"
+            preset.write_text(RAY_PRESET.format(threads=args.threads, gguf=GGUF_A))
+            r = Router(preset, "--ray", cluster.address, "--models-max", "0",
+                       env_extra={"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+            try:
+                for m in ("local", "onray"):
+                    r.http.post("/v1/chat/completions", json={**CHAT, "model": m}).raise_for_status()
+                results["latency"] = interleaved(r, args.requests)
+                results["cold_ttft_s"] = {m: median_of(args.repeats, lambda m=m: cold_ttft(r, m))
+                                          for m in ("local", "onray")}
+            finally:
+                r.close()
+    finally:
+        cluster.shutdown()
+    return results
+
+
+def cold_ttft(r: Router, model: str) -> float:
+    r.http.post("/models/unload", json={"model": model})
+    wait_until(lambda: r.status(model) == "unloaded", 30)
+    return ttft(r.http, model)
+
+
+def interleaved(r: Router, n: int) -> dict[str, dict[str, float]]:
+    """p50/p99 (ms) of each target, the four taking turns (rotating order) so all see one load."""
+    def client(base: str) -> httpx.Client:
+        return httpx.Client(base_url=base, timeout=30)
+
+    targets = {
+        "local_direct": (client(f"http://127.0.0.1:{card_port(r, 'local')}"), "local"),
+        "local_router": (client(r.base), "local"),
+        "ray_direct": (client(f"http://127.0.0.1:{card_port(r, 'onray')}"), "onray"),
+        "ray_router": (client(r.base), "onray"),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in targets}
+    order = list(targets)
+    for i in range(n + 50):
+        for key in order[i % 4:] + order[:i % 4]:
+            client, model = targets[key]
+            t0 = time.perf_counter()
+            client.post("/v1/chat/completions", json={**CHAT, "model": model}).raise_for_status()
+            if i >= 50:  # warm-up
+                samples[key].append((time.perf_counter() - t0) * 1000)
+    for client, _ in targets.values():
+        client.close()
+    return {k: {"p50_ms": pct(v, 50), "p99_ms": pct(v, 99)} for k, v in samples.items()}
+
+
+def print_ray(results: dict[str, Any], args: argparse.Namespace) -> None:
+    lat, cold = results["latency"], results["cold_ttft_s"]
+    print(f"ray placement bench (tiny GGUF, one router --ray, a local 2-node Ray cluster on 127.0.0.1,"
+          f" {os.cpu_count()} CPUs)")
+    print(f"  latency, max_tokens=1, {args.requests} interleaved requests per target:")
+    for key in ("local_direct", "local_router", "ray_direct", "ray_router"):
+        print(f"    {key:13s} p50 {lat[key]['p50_ms']:7.3f} ms   p99 {lat[key]['p99_ms']:7.3f} ms")
+    added_local = lat["local_router"]["p50_ms"] - lat["local_direct"]["p50_ms"]
+    added_ray = lat["ray_router"]["p50_ms"] - lat["ray_direct"]["p50_ms"]
+    ray_vs_local = lat["ray_router"]["p50_ms"] - lat["local_router"]["p50_ms"]
+    print(f"    router adds p50: local {added_local:.3f} ms, Ray-placed {added_ray:.3f} ms;"
+          f" Ray-placed vs local through the router: {ray_vs_local:+.3f} ms")
+    print(f"  cold start -> first token (median of {args.repeats}): local {cold['local'] * 1000:.0f} ms,"
+          f" Ray-placed {cold['onray'] * 1000:.0f} ms ({cold['onray'] / cold['local']:.2f}x)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=1000, help="latency samples per side")
@@ -201,7 +312,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--ray", action="store_true", help="local vs Ray-placed worker instead (needs ray)")
     args = ap.parse_args()
+    if args.ray:
+        ray_results = bench_ray(args)
+        print_ray(ray_results, args)
+        if args.json:
+            args.json.write_text(json.dumps(ray_results, indent=2))
+        return
     for p in (GGUF_A, GGUF_B):
         if not p.exists():
             sys.exit(f"missing {p}: run `make models` first")

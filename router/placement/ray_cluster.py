@@ -151,7 +151,9 @@ class RayEffects:
     async def spawn(self, preset: ModelPreset) -> tuple[Process, str, list[str]]:
         if not is_on_ray(preset):
             return await self.local.spawn(preset)
-        node = self.admission.placed[preset.name]
+        node = self.admission.placed.get(preset.name)
+        if node is None:  # (admission places every Ray model before its spawn)
+            raise SpawnError(f"model {preset.name!r} was not admitted on any Ray node")
         resources = dict(preset.ray_resources)
         actor = self.actor_class.options(
             num_cpus=resources.pop("CPU", 0.0), num_gpus=resources.pop("GPU", 0.0), resources=resources,

@@ -30,10 +30,11 @@ STOP_GRACE_S = 5.0  # beyond the stop timeout: the actor's own answer may take t
 LOST = -1  # the exit code of a worker whose actor or node was lost (its own code is unknown)
 
 
-def first_line(e: BaseException) -> str:
+def first_line(e: BaseException, limit: int = 300) -> str:
+    """The line of a Ray error that says why ("... because its node has died"), else its first."""
     text = str(e).strip().splitlines()
     reason = next((line.strip() for line in text if "because" in line), text[0] if text else type(e).__name__)
-    return reason
+    return reason[:limit]
 
 
 class RayProcess:

@@ -225,7 +225,8 @@ function renderModelsPage() {
   $("#router-info").textContent = p ? `models_max ${p.models_max ?? "∞"} · autoload ${p.models_autoload ? "on" : "off"}` : "";
   const rows = [...S.models.values()].map((m) => h("tr", { dataset: { model: m.id, state: stateOf(m) } },
     h("td", {}, h("strong", { text: m.id }), m.pinned ? h("span", { class: "badge", text: "pinned" }) : null,
-      m.path || m.upstream ? h("div", { class: "muted small path", text: m.path || m.upstream }) : null),
+      m.path || m.upstream ? h("div", { class: "muted small path", text: m.path || m.upstream }) : null,
+      m.node ? h("div", { class: "muted small node", text: `Ray node ${m.node.name}`, title: m.node.id }) : null),
     h("td", {}, statusBadge(m), progressBar(m)),
     h("td", { text: m.resolved_backend || m.backend || "", title: m.backend === "auto" ? "backend = auto" : "" }),
     h("td", { text: (m.aliases || []).join(", ") || "—" }),
