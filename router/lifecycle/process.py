@@ -93,12 +93,15 @@ def _passed_through(worker_args: tuple[tuple[str, str], ...]) -> list[str]:
     return out
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int, nice: int | None = None) -> None:
     """preexec_fn: runs in the child between fork and exec; async-signal-safe calls only."""
     if _libc is not None:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the router died before prctl took effect
         os._exit(1)
+    if nice is not None:
+        with contextlib.suppress(OSError):  # lowering it needs the privilege to
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
 
 
 class LoadError(Exception):
@@ -125,7 +128,9 @@ class WorkerProcess:
         self._reader = asyncio.create_task(self._read_log())
 
     @classmethod
-    async def spawn(cls, argv: list[str], name: str, env: dict[str, str] | None = None) -> WorkerProcess:
+    async def spawn(cls, argv: list[str], name: str, env: dict[str, str] | None = None,
+                    nice: int | None = None) -> WorkerProcess:
+        """`nice`: the child's niceness (a Ray actor runs niced; its worker should not be)."""
         parent = os.getpid()
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -133,7 +138,7 @@ class WorkerProcess:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=lambda: _die_with_parent(parent),
+            preexec_fn=lambda: _die_with_parent(parent, nice),
             env=env,
         )
         log.info("model %s: spawned pid %d: %s", name, proc.pid, shlex.join(argv))

@@ -19,6 +19,8 @@ import os
 import socket
 from typing import Any
 
+import psutil
+
 from router.lifecycle.effects import worker_env
 from router.lifecycle.memory import TreeMemory, tree_memory
 from router.lifecycle.process import WorkerProcess, free_port, worker_argv
@@ -36,6 +38,31 @@ def node_ip() -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
+def _node_niceness() -> int | None:
+    """The raylet's niceness: Ray runs its workers (this actor) niced by `RAY_worker_niceness`
+    (15 by default), which an inference worker must not inherit."""
+    with contextlib.suppress(psutil.Error):
+        return int(_raylet().nice())
+    return None
+
+
+def _raylet() -> psutil.Process:
+    """The node's raylet, which started this actor's process."""
+    return psutil.Process(int(os.environ.get("RAY_RAYLET_PID") or os.getppid()))
+
+
+def _as_the_node(env: dict[str, str] | None) -> dict[str, str]:
+    """Without what Ray sets for its own workers only: OMP_NUM_THREADS (1 for a 1-CPU actor,
+    which would starve a torch worker) unless the node itself was started with it."""
+    env = dict(os.environ) if env is None else env  # (None: a `cmd` server inherits ours)
+    if "OMP_NUM_THREADS" not in env:
+        return env
+    with contextlib.suppress(psutil.Error):
+        if "OMP_NUM_THREADS" in _raylet().environ():
+            return env
+    return {k: v for k, v in env.items() if k != "OMP_NUM_THREADS"}
+
+
 class WorkerActor:
     """One model's worker on this node (decorated with `ray.remote` by the router, lazily)."""
 
@@ -47,7 +74,8 @@ class WorkerActor:
         host = node_ip()
         port = free_port(host)
         argv = worker_argv(preset, port, os.getpid(), host)
-        self.proc = await WorkerProcess.spawn(argv, self.name, env=worker_env(preset))
+        self.proc = await WorkerProcess.spawn(argv, self.name, env=_as_the_node(worker_env(preset)),
+                                              nice=_node_niceness())
         return {"host": host, "port": port, "argv": argv, "pid": self.proc.pid, "actor_pid": os.getpid()}
 
     def _running(self) -> WorkerProcess:

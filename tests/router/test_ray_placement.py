@@ -102,6 +102,11 @@ def test_models_land_where_their_resources_are_stream_and_a_node_budget_evicts_o
     assert cards["big"]["node"]["id"] == cluster.node_id("a")  # only A has vram_gib >= 20
     assert cards["small"]["node"]["id"] == cluster.node_id("b")  # its label
     assert cards["big"]["node"]["address"] == "127.0.0.1"
+    # Regression: Ray runs its actors niced (+15) and the worker inherited it; it now runs at the
+    # node's own niceness (the raylet's, started by this process), and without Ray's OMP_NUM_THREADS=1.
+    worker = psutil.Process(cards["big"]["node"]["pid"])
+    assert worker.nice() == psutil.Process().nice()
+    assert worker.environ().get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
     assert "--host 127.0.0.1" in " ".join(cards["big"]["status"]["args"])
 
     # The node on /metrics: where each runs, and the worker's own series carry it.
