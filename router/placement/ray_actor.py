@@ -27,6 +27,8 @@ from router.lifecycle.process import WorkerProcess, free_port, worker_argv
 from router.presets import ModelPreset
 
 LONG_POLL_S = 5.0  # a log_lines call with nothing new answers after this long
+LOG_BATCH_S = 0.2  # lines are sent this long after the first new one, together: a worker logs a
+# line per request, and a Ray call per line competed with the requests (measured: +2 ms p50 on 2 cores)
 
 
 def node_ip() -> str:
@@ -95,6 +97,8 @@ class WorkerActor:
             proc.output.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.output.wait(), deadline - loop.time())
+        if proc.returncode is None and proc.num_lines > cursor:
+            await asyncio.sleep(LOG_BATCH_S)
         if proc.returncode is not None:
             await asyncio.shield(proc.wait())  # the pipe drained: nothing comes after
         num_new = min(proc.num_lines - cursor, len(proc.log_tail))
