@@ -118,6 +118,12 @@ def test_models_land_where_their_resources_are_stream_a_node_budget_evicts_only_
     logs = httpx.get(f"{r.base}/logs", params={"model": "big"}, timeout=10).text
     assert "model loaded" in logs
 
+    # Sleep and wake are the same HTTP calls to the worker on its node.
+    with r.client() as c:
+        assert c.post("/models/sleep", json={"model": "big"}).status_code == 200
+    r.wait_status("big", "sleeping")
+    assert ask(r, "big").status_code == 200 and r.status("big") == "loaded"
+
     # No node has 64 GiB of VRAM: refused at once, with the figures, and not marked failed.
     resp = ask(r, "nowhere")
     assert resp.status_code == 503, resp.text
