@@ -46,6 +46,7 @@ class LocalCluster:
 def cluster() -> Iterator[LocalCluster]:
     from ray.cluster_utils import Cluster
 
+    saved = {k: os.environ.get(k) for k in LOOPBACK}
     os.environ.update(LOOPBACK)
     small = {"node_ip_address": "127.0.0.1", "num_cpus": 1, "object_store_memory": 80 << 20}
     c = Cluster(initialize_head=True, connect=False, head_node_args={**small, "include_dashboard": False})
@@ -56,6 +57,11 @@ def cluster() -> Iterator[LocalCluster]:
         yield LocalCluster(c, c.address, {"a": a, "b": b})
     finally:
         c.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def model(name: str, extra: str = "") -> str:
@@ -102,6 +108,7 @@ def test_models_land_where_their_resources_are_stream_a_node_budget_evicts_only_
     assert cards["big"]["node"]["id"] == cluster.node_id("a")  # only A has vram_gib >= 20
     assert cards["small"]["node"]["id"] == cluster.node_id("b")  # its label
     assert cards["big"]["node"]["address"] == "127.0.0.1"
+    assert cards["big"]["memory"]["ram_bytes"] > 0  # measured by its actor, on its node
     # Regression: Ray runs its actors niced (+15) and the worker inherited it; it now runs at the
     # node's own niceness (the raylet's, started by this process), and without Ray's OMP_NUM_THREADS=1.
     worker = psutil.Process(cards["big"]["node"]["pid"])
