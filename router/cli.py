@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -46,7 +47,10 @@ def build_presets(
             if p.placement == "ray" or p.ray_resources or p.ray_node_labels:
                 raise PresetError(f"{p.source}: placement on Ray (placement, ray-resources, ray-node-labels) "
                                   "needs omni-router --ray ADDRESS (docs/ray.md)")
-    return presets
+        return presets
+    # On Ray the file must be on the nodes, not here: a node without it fails that load.
+    return [replace(p, model_error=None) if p.placement != "local" and not p.is_remote else p
+            for p in presets]
 
 
 EPILOG = """\b

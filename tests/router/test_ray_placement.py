@@ -90,7 +90,8 @@ def test_models_land_where_their_resources_are_stream_a_node_budget_evicts_only_
     preset = (model("big", "ray-resources = {vram_gib = 20}")
               + model("small", 'ray-resources = {vram_gib = 4}\nray-node-labels = {zone = "b"}')
               + model("small2", 'ray-resources = {vram_gib = 6}\nray-node-labels = {zone = "b"}')
-              + model("nowhere", "ray-resources = {vram_gib = 64}"))
+              + model("nowhere", "ray-resources = {vram_gib = 64}")
+              + '[models.elsewhere]\nmodel = "/nonexistent/on-the-nodes-only.gguf"\nray-resources = {scratch = 1}\n')
     r = start(router_factory, cluster, preset)
 
     # Two models, two nodes; both stream through the router.
@@ -137,6 +138,12 @@ def test_models_land_where_their_resources_are_stream_a_node_budget_evicts_only_
     assert "no node of the Ray cluster has vram_gib=64" in resp.json()["error"]["message"]
     assert "vram_gib=24" in resp.json()["error"]["message"]
     assert r.status("nowhere") == "unloaded"
+
+    # A file that is not on the router's box is the nodes' business: not failed at startup, and
+    # a node without it fails the load with the worker's own words.
+    assert r.status("elsewhere") == "unloaded"
+    resp = ask(r, "elsewhere")
+    assert resp.status_code == 500 and "model file not found" in resp.json()["error"]["message"], resp.text
 
     # B's budget is 8 GiB: small (4) + small2 (6) do not fit, so small is evicted; big on A stays.
     assert ask(r, "small2").status_code == 200
