@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import ActorUnavailableError, NodeDiedError, RayError
 
 from router.lifecycle.process import DRAIN_TIMEOUT_S, LOG_TAIL_LINES
 from router.log_ring import WORKER_LOGS
@@ -35,6 +35,11 @@ def first_line(e: BaseException, limit: int = 300) -> str:
     text = str(e).strip().splitlines()
     reason = next((line.strip() for line in text if "because" in line), text[0] if text else type(e).__name__)
     return reason[:limit]
+
+
+def is_node_loss(e: BaseException) -> bool:
+    """Whether an actor's failure says its node is gone or unreachable (not just its process)."""
+    return isinstance(e, ActorUnavailableError | NodeDiedError) or "node has died" in str(e)
 
 
 class RayProcess:
@@ -66,7 +71,8 @@ class RayProcess:
                 code = LOST
                 self.exit_cause = f"its Ray actor on node {self.node_name} was lost: {first_line(e)}"
                 log.error("model %s: %s", self.name, self.exit_cause)
-                self._on_lost(self._node)
+                if is_node_loss(e):
+                    self._on_lost(self._node)
                 # Unavailable may be a blip: kill it for sure, so that its worker is gone too.
                 with contextlib.suppress(RayError, ValueError):
                     ray.kill(self.actor, no_restart=True)

@@ -85,13 +85,14 @@ def gone(pid: int) -> bool:
     return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_models_land_where_their_resources_are_stream_a_node_budget_evicts_only_there_and_stop_cleans_up(
+def test_models_land_by_resources_stream_a_node_budget_evicts_only_there_and_stop_cleans_up(
         router_factory: Factory, cluster: LocalCluster) -> None:
     preset = (model("big", "ray-resources = {vram_gib = 20}")
               + model("small", 'ray-resources = {vram_gib = 4}\nray-node-labels = {zone = "b"}')
               + model("small2", 'ray-resources = {vram_gib = 6}\nray-node-labels = {zone = "b"}')
               + model("nowhere", "ray-resources = {vram_gib = 64}")
-              + '[models.elsewhere]\nmodel = "/nonexistent/on-the-nodes-only.gguf"\nray-resources = {scratch = 1}\n')
+              + '[models.elsewhere]\nmodel = "/nonexistent/on-the-nodes-only.gguf"\n'
+              + "ray-resources = {scratch = 1}\n")
     r = start(router_factory, cluster, preset)
 
     # Two models, two nodes; both stream through the router.
@@ -161,10 +162,19 @@ def test_models_land_where_their_resources_are_stream_a_node_budget_evicts_only_
     wait_until(lambda: all(gone(p) for p in pids), 15, what="the actors and workers after SIGTERM")
 
 
-def test_a_node_lost_mid_stream_ends_the_stream_cleanly_the_model_moves_and_a_killed_router_leaves_none(
+def test_a_killed_actor_or_a_node_lost_mid_stream_fails_cleanly_it_moves_and_a_killed_router_leaves_none(
         router_factory: Factory, cluster: LocalCluster) -> None:
     r = start(router_factory, cluster, model("m", "ray-resources = {scratch = 1}"))
     assert ask(r, "m").status_code == 200
+
+    # An actor killed from outside: its worker dies with it, the model fails with the cause.
+    killed = r.models()["m"]["node"]
+    os.kill(killed["actor_pid"], signal.SIGKILL)
+    card = r.wait_status("m", "failed", timeout=60)
+    assert "Ray actor" in card["status"]["error"], card["status"]
+    wait_until(lambda: gone(killed["pid"]), 30, what="the worker of the killed actor to exit")
+    assert ask(r, "m").status_code == 200  # placed again
+
     first = r.models()["m"]["node"]
     lost = next(name for name in ("a", "b") if cluster.node_id(name) == first["id"])
 
@@ -186,8 +196,9 @@ def test_a_node_lost_mid_stream_ends_the_stream_cleanly_the_model_moves_and_a_ki
     assert "Ray actor" in card["status"]["error"] and first["name"] in card["status"]["error"]
     wait_until(lambda: gone(first["pid"]), 30, what="the lost node's worker to exit")
 
-    # The next request places it again, on the surviving node.
-    assert ask(r, "m").status_code == 200
+    # The next request places it again, on the surviving node (after the crash backoff: its
+    # second failure in a minute; a 503 with Retry-After until then).
+    wait_until(lambda: ask(r, "m").status_code == 200, 30, interval=0.5, what="m placed again")
     second = r.models()["m"]["node"]
     assert second["id"] == cluster.node_id(next(iter(cluster.nodes)))  # the surviving one
 
