@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -41,6 +42,7 @@ from router.presets import ModelPreset
 
 log = logging.getLogger("omni.router.ray")
 NAMESPACE = "omni-router"
+REACH_TIMEOUT_S = 5.0
 SUSPECT_S = 60.0  # a node where an actor was lost takes no new model for this long
 
 
@@ -51,6 +53,13 @@ def is_on_ray(preset: ModelPreset) -> bool:
 
 def connect(address: str) -> None:
     """Join the cluster as a driver (blocking): `auto`, `ray://host:10001` or `host:6379`."""
+    host, sep, port = address.rpartition(":")
+    if sep and port.isdigit() and "://" not in address:
+        # ray.init retries an unreachable GCS for minutes: say so at once instead.
+        try:
+            socket.create_connection((host, int(port)), timeout=REACH_TIMEOUT_S).close()
+        except OSError as e:
+            raise ConnectionError(f"nothing answers at {address} ({e})") from None
     ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
     log.info("joined the Ray cluster at %s: %d alive nodes", address, len(alive_nodes()))
 

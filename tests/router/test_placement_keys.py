@@ -12,7 +12,7 @@ import pytest
 from router.lifecycle.eviction import Limits, Need, Occupancy
 from router.placement.nodes import GIB, Node, can_take, from_ray, limits_of, need_on, none_can_take, reserved
 from router.presets import ModelPreset, PresetError, load_presets
-from tests.util import ROOT
+from tests.util import ROOT, free_port
 
 
 @pytest.fixture
@@ -124,3 +124,14 @@ def test_from_ray_keeps_alive_nodes_in_a_stable_order() -> None:
                {"NodeID": "a1", "Alive": False, "NodeManagerAddress": "h"},
                {"NodeID": "m1", "Alive": True, "NodeManagerAddress": "h", "Resources": None}]
     assert [(n.node_id, dict(n.labels)) for n in from_ray(entries)] == [("m1", {}), ("z1", {"zone": "b"})]
+
+
+def test_an_unreachable_ray_address_is_one_line_and_exit_2(tmp_path: Path, gguf: Path) -> None:
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    path = tmp_path / "p.toml"
+    path.write_text(f'[models.a]\nmodel = "{gguf}"\n')
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    proc = subprocess.run([sys.executable, "-m", "router.cli", "--preset", str(path), "--ray", address],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"cannot join the Ray cluster at '{address}': nothing answers at {address}" in proc.stderr
