@@ -80,7 +80,7 @@ class NodeSlots:
         self._nodes = nodes
         self.by_node: dict[str, Slots] = {}
         self.placed: dict[str, Node] = {}  # model -> the node its current load was admitted on
-        self._suspects: dict[str, float] = {}  # node id -> when an actor there was lost (monotonic)
+        self._suspects: dict[str, float] = {}  # node id -> when it was found lost (monotonic)
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -105,8 +105,9 @@ class NodeSlots:
                 t.cancel()
 
     def suspect(self, node: Node) -> None:
-        """An actor there was lost: place nothing there for a while. Ray may take some seconds
-        to declare the node dead (its health checks), and until then lists it as alive."""
+        """The node was lost (or could not start an actor): place nothing there for a while.
+        Ray may take some seconds to declare a node dead (its health checks), and lists it as
+        alive until then."""
         self._suspects[node.node_id] = time.monotonic()
 
     def _is_suspect(self, node: Node) -> bool:
