@@ -52,6 +52,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from worker.backends.media import Vision
 from worker.protocol.sampling import SamplingParams
 from worker.text.fim import FimTokens
 
@@ -65,12 +66,15 @@ class BatchEntry:
 
     If `logits` is true, the logits of the entry's last token are kept for sampling; the
     n-th such entry in the batch (0-based, batch order) is `logits_index` n for `sample`.
+    `embd`: the entry is rows of an image chunk (`tokens` are their media ids, see
+    worker/backends/media.py), fed as these embeddings (float32[len(tokens), n_embd]).
     """
 
     seq_id: int
     tokens: list[int]
     pos: int
     logits: bool
+    embd: np.ndarray | None = None
 
 
 class DecodeStatus(Enum):
@@ -179,6 +183,7 @@ class Vocab(Protocol):
     n_ubatch: int  # the largest prompt piece the recipe's promise holds for
     pooling: Pooling | None  # an embedding model (see module doc); None: a generating one
     pools_in_pieces: bool  # its pooling reads the last row only (last, causal rank): prompts may be cut
+    vision: Vision | None  # the model's mmproj (image input), thread-safe; None: text only
 
     @property
     def meta(self) -> ModelMeta: ...

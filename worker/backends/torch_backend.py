@@ -66,6 +66,7 @@ from worker.backends.base import (
     Sample,
     SampleItem,
 )
+from worker.backends.media import Vision
 from worker.protocol.sampling import SamplingParams
 from worker.text.rerank import QWEN3_RERANK_TEMPLATE, RERANK_LABELS, is_qwen3_reranker
 from worker.torch_model.config import ModelConfig, load_config
@@ -130,6 +131,7 @@ class TorchBackend:
         self.pooling: Pooling | None = (pooling or default_pooling(self._path)) if embedding else None
         self._embeddings: list[np.ndarray] = []  # per logits entry of the last decode (embedding models)
         self.pools_in_pieces = self.pooling in ("last", "rank")  # a causal model: the last row is final
+        self.vision: Vision | None = None  # no image input on this backend yet
         self._labels: list[int] | None = None  # a Qwen3-Reranker's "yes" and "no" token ids
         if self.pooling == "rank" and is_qwen3_reranker(self._path):
             self._labels = [self.tokenizer.token_id(t) for t in RERANK_LABELS]

@@ -209,6 +209,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool | None = None
+    images: list[str] | None = None  # sglang-omni's: image URLs for the last user message
     # OpenAI's: "none"/"minimal" turn the template's thinking off, others on (as Responses' reasoning.effort)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     modalities: list[str] | None = None  # only ["text"]: no model here produces audio

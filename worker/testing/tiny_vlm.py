@@ -72,8 +72,12 @@ class VisionSpec:
         return self.n_patches // self.scale_factor**2
 
 
-TEXT = ModelSpec("tiny-smolvlm", 1024, 64, 2, 4, 2, 192, 4096, tie_embeddings=False, seed=1357, arch="idefics3")
-VISION = VisionSpec(hidden=64, intermediate=128, layers=2, heads=4, image_size=64, patch_size=8, scale_factor=2)
+TEXT = ModelSpec(
+    "tiny-smolvlm", 1024, 64, 2, 4, 2, 192, 4096, tie_embeddings=False, seed=1357, arch="idefics3"
+)
+VISION = VisionSpec(
+    hidden=64, intermediate=128, layers=2, heads=4, image_size=64, patch_size=8, scale_factor=2
+)
 IMAGE_MEAN = [0.5, 0.5, 0.5]
 IMAGE_STD = [0.5, 0.5, 0.5]
 
@@ -96,7 +100,10 @@ def make_vision_weights(v: VisionSpec, n_embd_text: int, seed: int) -> dict[str,
     h = v.hidden
 
     def lin(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(np.float32)
+        out: np.ndarray = (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(cols)).astype(
+            np.float32
+        )
+        return out
 
     def vec(n: int, scale: float = 0.1, base: float = 0.0) -> np.ndarray:
         return (base + scale * rng.standard_normal(n, dtype=np.float32)).astype(np.float32)
@@ -218,6 +225,29 @@ def write_mmproj(path: Path, vision: dict[str, np.ndarray], n_embd_text: int) ->
     w.write_tensors_to_file()
     w.close()
     os.replace(tmp, path)
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    """A random RGB PNG (no imaging library needed): the tests' and benchmarks' images."""
+    import struct
+    import zlib
+
+    rng = np.random.default_rng(seed)
+    px = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+    raw = b"".join(b"\x00" + px[y].tobytes() for y in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + body
+
+
+def data_url(image: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64,{base64.b64encode(image).decode()}"
 
 
 def ensure_vlm(out: Path, force: bool = False) -> VlmPaths:
