@@ -301,18 +301,17 @@ class LlamaCppBackend:
         self._grammar_lock = threading.Lock()
         self._grammar_tok: Any = None  # llguidance's view of the vocabulary, made at first use
         self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
-        self.vision: Vision | None = None
-        if mmproj:
-            if not os.path.isfile(mmproj):
-                raise FileNotFoundError(f"mmproj file not found: {mmproj}")
-            n_embd = int(ll.llama_model_n_embd(self._vocab_model))
-            self.vision = MtmdVision(mmproj, self._vocab_model, n_embd, max_pixels=image_max_pixels,
-                                     use_gpu=self._n_gpu_layers != 0)
+        if mmproj and not os.path.isfile(mmproj):
+            raise FileNotFoundError(f"mmproj file not found: {mmproj}")
         self._load()
         self._meta = self._read_meta()
         self._buf = _BatchBuffers(self.n_batch)
-        n_embd = int(ll.llama_model_n_embd(self._vocab_model))
+        n_embd = int(ll.llama_model_n_embd(self._model))  # (a vocab-only model says 0)
         self._ebuf = _EmbdBuffers(self.n_batch, n_embd) if mmproj else None  # image rows
+        # libmtmd tokenizes with the vocab-only model, which outlives sleep.
+        self.vision: Vision | None = MtmdVision(
+            mmproj, self._vocab_model, n_embd, max_pixels=image_max_pixels, use_gpu=self._n_gpu_layers != 0
+        ) if mmproj else None
         self._arange = np.arange(self.n_ctx + self.n_batch, dtype=np.int32)
         self._token_data = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
         self._vocab_ids = np.arange(self.n_vocab, dtype=np.int32)
