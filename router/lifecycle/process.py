@@ -63,7 +63,8 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
                         ("--batch-size", preset.batch_size), ("--n-gpu-layers", preset.n_gpu_layers),
                         ("--threads", preset.threads), ("--chat-template", preset.chat_template),
                         ("--cache-ram", preset.cache_ram), ("--flash-attn", preset.flash_attn),
-                        ("--pooling", preset.pooling), ("--slot-save-path", preset.slot_save_path)):
+                        ("--pooling", preset.pooling), ("--slot-save-path", preset.slot_save_path),
+                        ("--mmproj", preset.mmproj)):
         if value is not None:
             argv += [flag, str(value)]
     if preset.kv_unified:
