@@ -70,8 +70,9 @@ def _url_of(part: dict[str, Any]) -> str:
 
 
 def extract(messages: list[ChatMessage], images: list[str] | None, marker: str, model: str) -> ChatMedia:
-    """Replace image parts by `marker` text parts, in order; sglang-omni's `images` go first in
-    the last user message. Audio is refused (not supported)."""
+    """Flatten each message with images into one string as llama-server does (text parts joined
+    with newlines, none before or after an image's `marker`), noting the images' URLs in order;
+    sglang-omni's `images` go first in the last user message. Audio is refused (not supported)."""
     urls: list[str] = []
     out: list[ChatMessage] = []
     last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
@@ -87,7 +88,8 @@ def extract(messages: list[ChatMessage], images: list[str] | None, marker: str, 
         if not any(p.get("type") in _IMAGE_PARTS + _AUDIO_PARTS for p in parts):
             out.append(m)
             continue
-        new: list[dict[str, Any]] = []
+        text = ""
+        after_marker = False
         for p in parts:
             kind = p.get("type")
             if kind in _AUDIO_PARTS:
@@ -95,10 +97,13 @@ def extract(messages: list[ChatMessage], images: list[str] | None, marker: str, 
                                type="not_supported_error")
             if kind in _IMAGE_PARTS:
                 urls.append(_url_of(p))
-                new.append({"type": "text", "text": marker})
+                text, after_marker = text + marker, True
+            elif kind in ("text", "input_text"):
+                sep = "\n" if text and not after_marker else ""
+                text, after_marker = text + sep + str(p.get("text", "")), False
             else:
-                new.append(p)
-        out.append(m.model_copy(update={"content": new}))
+                raise APIError(f"content part type {kind!r} is not supported", param="messages")
+        out.append(m.model_copy(update={"content": text}))
     return ChatMedia(out, urls)
 
 
