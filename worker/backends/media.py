@@ -24,13 +24,13 @@ from typing import Protocol
 import numpy as np
 
 _ROW_BITS = 20  # rows of one chunk: up to 2**20
-_KEY_BITS = 48
+_KEY_BITS = 40  # key and row fit an int64 (numpy token arrays): 61 bits with the sign
 
 
 def media_key(image: bytes, chunk_index: int) -> int:
-    """The key of an image's `chunk_index`-th chunk: 48 bits of a SHA-256 of the bytes."""
+    """The key of an image's `chunk_index`-th chunk: 40 bits of a SHA-256 of the bytes."""
     digest = hashlib.sha256(image + chunk_index.to_bytes(4, "little")).digest()
-    return int.from_bytes(digest[:6], "little")
+    return int.from_bytes(digest[: _KEY_BITS // 8], "little")
 
 
 def media_id(key: int, row: int) -> int:
