@@ -20,7 +20,7 @@ The vocabulary holds the tokens libmtmd's idefics3 layout looks up ("\\n\\n", "\
 (image_size / patch_size / scale_factor)^2 = 16 tokens; with `longest_edge` equal to the tile
 size, libmtmd gives an image an overview tile and one slice.
 
-Usage:  python -m worker.testing.tiny_vlm --out models
+Usage:  python -m worker.testing.tiny_vlm --out models [--size small]   (small: benchmarks)
 """
 
 from __future__ import annotations
@@ -77,6 +77,14 @@ TEXT = ModelSpec(
 )
 VISION = VisionSpec(
     hidden=64, intermediate=128, layers=2, heads=4, image_size=64, patch_size=8, scale_factor=2
+)
+# Benchmarks only (`make bench`): a SigLIP-base-wide tower of 6 blocks on 384-pixel tiles (576
+# patches, 64 rows a tile) beside the small text model; GGUF + mmproj in F16, no HF folder.
+SMALL_TEXT = ModelSpec(
+    "small-smolvlm", 8192, 768, 12, 12, 4, 1536, 8192, tie_embeddings=True, seed=4322, arch="idefics3"
+)
+SMALL_VISION = VisionSpec(
+    hidden=768, intermediate=3072, layers=6, heads=12, image_size=384, patch_size=16, scale_factor=3
 )
 IMAGE_MEAN = [0.5, 0.5, 0.5]
 IMAGE_STD = [0.5, 0.5, 0.5]
@@ -188,16 +196,17 @@ def write_hf_vlm(out_dir: Path, tok: Tokenizer, weights: dict[str, np.ndarray]) 
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
-def write_mmproj(path: Path, vision: dict[str, np.ndarray], n_embd_text: int) -> None:
-    """The vision tower and projector as convert_hf_to_gguf.py --mmproj writes them (F32)."""
+def write_mmproj(path: Path, vision: dict[str, np.ndarray], n_embd_text: int, v: VisionSpec = VISION,
+                 name: str = TEXT.name, f16: bool = False) -> None:
+    """The vision tower and projector as convert_hf_to_gguf.py --mmproj writes them: F32, or F16
+    matrices (norms, biases and the embeddings stay F32, as the converter keeps them)."""
     import gguf
 
-    v = VISION
     tmp = path.with_suffix(".gguf.tmp")
     w = gguf.GGUFWriter(str(tmp), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.MMPROJ])
     w.add_type(gguf.GGUFType.MMPROJ)
-    w.add_name(TEXT.name)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_name(name)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
     w.add_clip_has_vision_encoder(True)
     w.add_vision_projection_dim(n_embd_text)
     w.add_vision_image_size(v.image_size)
@@ -219,7 +228,8 @@ def write_mmproj(path: Path, vision: dict[str, np.ndarray], n_embd_text: int) ->
         mapped = names.get_name(stem)
         if mapped is None:
             raise KeyError(f"no GGUF name for {hf_name}")
-        w.add_tensor(f"{mapped}.{suffix}", t.astype(np.float32))
+        half = f16 and t.ndim >= 2 and ".embeddings." not in hf_name
+        w.add_tensor(f"{mapped}.{suffix}", t.astype(np.float16 if half else np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -271,12 +281,31 @@ def ensure_vlm(out: Path, force: bool = False) -> VlmPaths:
     return paths
 
 
+def ensure_small_vlm(out: Path) -> VlmPaths:
+    """The benchmarks' VLM (SMALL_*): F16 text GGUF and mmproj only (`hf_dir` is not written)."""
+    name = SMALL_TEXT.name
+    paths = VlmPaths(out / name, out / f"{name}-f16.gguf", out / f"mmproj-{name}-f16.gguf")
+    stamp = out / ".small-vlm.done"
+    expected = f"{FORMAT_VERSION}:{SMALL_TEXT}:{SMALL_VISION}"
+    if stamp.exists() and stamp.read_text() == expected:
+        return paths
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(SMALL_TEXT)
+    text = make_weights(SMALL_TEXT, tok.get_vocab_size())
+    write_gguf(paths.gguf, SMALL_TEXT, tok, text, f16=True)
+    vision = make_vision_weights(SMALL_VISION, SMALL_TEXT.hidden, SMALL_TEXT.seed)
+    write_mmproj(paths.mmproj, vision, SMALL_TEXT.hidden, SMALL_VISION, name, f16=True)
+    stamp.write_text(expected)
+    return paths
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Generate the deterministic random-weight tiny VLM.")
     ap.add_argument("--out", type=Path, default=Path("models"))
     ap.add_argument("--force", action="store_true", help="regenerate even if present")
+    ap.add_argument("--size", choices=["tiny", "small"], default="tiny")
     args = ap.parse_args(argv)
-    p = ensure_vlm(args.out, force=args.force)
+    p = ensure_vlm(args.out, force=args.force) if args.size == "tiny" else ensure_small_vlm(args.out)
     print(f"tiny-vlm: {p.hf_dir} {p.gguf} {p.mmproj}")
 
 
