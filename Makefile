@@ -72,6 +72,7 @@ soak: setup-test models
 
 bench: setup-test models
 	$(PY) -m worker.testing.tiny_models --out models --size small
+	$(PY) -m worker.testing.tiny_vlm --out models --size small
 	$(PY) bench/run_all.py
 
 clean:

@@ -7,8 +7,9 @@ images (stb_image, in libmtmd's helper), checks their size, tokenizes the prompt
 <row_R_col_C> tokens), and encodes each image chunk with the vision tower, unless a chunk of
 the same bytes is in the cache of encoded chunks (an LRU keyed like the media ids, see
 worker/backends/media.py). One lock serializes libmtmd: its context holds one output buffer.
-The encoder runs on `threads` threads of its own, beside the engine's decode: an encode never
-holds up a step of the engine, which only ever sees finished embeddings.
+The encoder runs on as many threads as the engine's decode, but never beside it: an encode never
+holds up the engine for more than one chunk at a time (`ComputeGate`: encodes and decode steps
+take turns on the cores), and the engine only ever sees finished embeddings.
 """
 
 from __future__ import annotations
@@ -47,11 +48,51 @@ def _on_mtmd_log(level: int, text: bytes, _user: Any) -> None:
 _LOG_CALLBACK = ll.llama_log_callback(_on_mtmd_log)  # module-level: must outlive every call
 
 
+class ComputeGate:
+    """Image encodes and the engine's decode steps take turns on the CPU, one at a time.
+
+    The encoder runs on an HTTP worker thread, but on the same cores as the engine's decode:
+    run side by side, two thread pools that spin-wait at their barriers oversubscribe the cores
+    and both crawl (measured: 7 decoders fell from ~2 to ~0.8 steps a second on 2 cores beside
+    one encode). So each image chunk's encode is scheduled like a prompt piece: it waits for the
+    step in progress to end, runs alone (with the engine's thread count), and the engine then
+    gets a step before the next chunk. When both wait they alternate; otherwise whoever asks
+    goes at once, so an idle engine never holds up an encode and vice versa."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy: str | None = None  # "decode" | "encode"
+        self._waiting = {"decode": 0, "encode": 0}
+        self._last = "decode"
+
+    def _enter(self, kind: str) -> None:
+        other = "encode" if kind == "decode" else "decode"
+        with self._cond:
+            self._waiting[kind] += 1
+            self._cond.wait_for(
+                lambda: self._busy is None and not (self._waiting[other] and self._last == kind)
+            )
+            self._waiting[kind] -= 1
+            self._busy = self._last = kind
+
+    def _leave(self) -> None:
+        with self._cond:
+            self._busy = None
+            self._cond.notify_all()
+
+    def run(self, kind: str, fn: Any, *args: Any) -> Any:
+        self._enter(kind)
+        try:
+            return fn(*args)
+        finally:
+            self._leave()
+
+
 class MtmdVision:
     """The `Vision` of a GGUF model (worker/backends/media.py) from its mmproj file."""
 
     def __init__(self, mmproj_path: str, text_model: Any, n_embd: int, *, threads: int = 1,
-                 max_pixels: int = 0, use_gpu: bool = True) -> None:
+                 max_pixels: int = 0, use_gpu: bool = True, gate: ComputeGate | None = None) -> None:
         mt.mtmd_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
         mt.mtmd_helper_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
         params = mt.mtmd_context_params_default()
@@ -70,6 +111,7 @@ class MtmdVision:
         self.n_embd = n_embd
         self.max_pixels = max_pixels
         self._lock = threading.Lock()
+        self._gate = gate or ComputeGate()
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def prepare(self, text: str, images: Sequence[bytes]) -> MediaPrompt:
@@ -149,7 +191,7 @@ class MtmdVision:
             out.n_cached += 1
             return cached
         t0 = time.perf_counter()
-        if mt.mtmd_encode_chunk(self._ctx, chunk) != 0:
+        if self._gate.run("encode", mt.mtmd_encode_chunk, self._ctx, chunk) != 0:
             raise RuntimeError("libmtmd failed to encode an image")
         ptr = mt.mtmd_get_output_embd(self._ctx)
         emb = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_embd)).copy()
