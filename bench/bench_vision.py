@@ -29,11 +29,12 @@ from worker.testing.tiny_vlm import data_url, ensure_small_vlm, ensure_vlm, png
 
 
 def _stream(base: str, i: int, stop: threading.Event, arrivals: list[float]) -> None:
+    # logprobs: a chunk per token (a random model's text is mostly held-back byte fragments)
     body = {"messages": [{"role": "user", "content": f"Tell a long story number {i}."}], "stream": True,
-            "max_tokens": 100000, "temperature": 0, "ignore_eos": True}
+            "max_tokens": 100000, "temperature": 0, "ignore_eos": True, "logprobs": True}
     with httpx.Client(timeout=None) as c, c.stream("POST", f"{base}/v1/chat/completions", json=body) as r:
         for line in r.iter_lines():
-            if line.startswith("data: ") and '"content"' in line:
+            if line.startswith("data: ") and '"token"' in line:
                 arrivals.append(time.perf_counter())
             if stop.is_set():
                 return
@@ -79,7 +80,10 @@ def main() -> None:
     try:
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 120
         while min(len(s) for s in streams) < 5:  # every decoder generating
+            if time.monotonic() > deadline:
+                raise SystemExit(f"decoders did not start: {[len(s) for s in streams]} tokens")
             time.sleep(0.05)
         t_steady = time.perf_counter()
         time.sleep(args.steady)
