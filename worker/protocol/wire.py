@@ -308,7 +308,8 @@ def _is_prompt_part(x: object) -> bool:
 def _json_prompt(obj: dict[str, Any]) -> str:
     """llama-server's JSON prompt object: its `prompt_string`; `multimodal_data` needs a vision model."""
     if obj.get("multimodal_data"):
-        raise ValueError("multimodal_data is not supported: this model takes text only")
+        raise ValueError("multimodal_data is not supported on this endpoint: send images as chat "
+                         "image_url parts (/v1/chat/completions)")
     text = obj.get("prompt_string")
     if not isinstance(text, str):
         raise ValueError("a JSON prompt needs a prompt_string")
