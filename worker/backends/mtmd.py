@@ -180,6 +180,9 @@ class MtmdVision:
             n_rows = int(mt.mtmd_input_chunk_get_n_tokens(chunk))
             if int(mt.mtmd_input_chunk_get_n_pos(chunk)) != n_rows:
                 raise MediaError("this projector's images use M-RoPE positions, which are not supported")
+            if mt.mtmd_decode_use_non_causal(self._ctx, chunk):  # e.g. Gemma 3's
+                raise MediaError("this projector's images need non-causal attention over their rows, "
+                                 "which is not supported yet")
             out.media[key] = self._embeddings(chunk, key, n_rows, out)
             out.tokens.extend(chunk_ids(key, n_rows))
         return out
