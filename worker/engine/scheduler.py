@@ -391,7 +391,7 @@ class Scheduler:
             if self._backend.kv_unified and n > free:
                 while free < n and self.kv.evict_idle_cache():
                     free = self.kv.free() - sum(len(e.tokens) for _, e in plan.entries)
-                n = n if n <= free else self._piece(s, min(free, limit))
+                n = n if n <= free else 0 if s.task.media else self._piece(s, min(free, limit))
             if n <= 0:
                 continue
             fed = s.feed[:n]
