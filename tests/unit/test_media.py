@@ -1,4 +1,4 @@
-"""Media ids (worker/backends/media.py) and the encode/decode turn-taking (worker/backends/mtmd.py):
+"""Media ids (worker/backends/media.py) and the cores an encode takes from the decode (mtmd.py):
 pure parts, no model."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import threading
 import numpy as np
 import pytest
 
-from tests.util import wait_until
 from worker.backends.media import (
     chunk_ids,
     is_media,
@@ -19,7 +18,7 @@ from worker.backends.media import (
     run_piece,
     split_id,
 )
-from worker.backends.mtmd import ComputeGate
+from worker.backends.mtmd import EncodeShare
 
 A = media_key(b"image a", 0)
 B = media_key(b"image b", 0)
@@ -57,28 +56,21 @@ def test_run_piece_is_the_whole_run_or_nothing() -> None:
     np.testing.assert_array_equal(rows_of({A: rows}, feed[5:9]), rows[5:9])
 
 
-def test_an_encode_waiting_goes_before_the_next_step_and_never_beside_one() -> None:
-    gate = ComputeGate()
-    order: list[str] = []
-    in_step, release = threading.Event(), threading.Event()
+def test_an_encode_takes_half_the_cores_from_the_decode_while_it_runs() -> None:
+    share = EncodeShare(threads=4)
+    assert (share.encode_threads, share.decode_threads()) == (2, 4)
+    started, release = threading.Event(), threading.Event()
 
-    def first_step() -> None:
-        order.append("step 1")
-        in_step.set()
+    def encode() -> str:
+        started.set()
         release.wait(10)
+        return "rows"
 
-    def engine() -> None:
-        gate.run("decode", first_step)
-        gate.run("decode", order.append, "step 2")  # asks again at once, as the engine loop does
-
-    t_engine = threading.Thread(target=engine)
-    t_engine.start()
-    assert in_step.wait(10)
-    t_encode = threading.Thread(target=gate.run, args=("encode", order.append, "encode"))
-    t_encode.start()
-    wait_until(lambda: gate._waiting["encode"] == 1, 10, what="the encode to wait for the step")
-    assert order == ["step 1"]  # not beside the step in progress
+    t = threading.Thread(target=share.encoding, args=(encode,))
+    t.start()
+    assert started.wait(10)
+    assert share.decode_threads() == 2  # the engine's next steps leave the encoder its cores
     release.set()
-    t_engine.join(10)
-    t_encode.join(10)
-    assert order == ["step 1", "encode", "step 2"]
+    t.join(10)
+    assert share.decode_threads() == 4 and share.encoding(lambda: 7) == 7
+    assert EncodeShare(threads=1).encode_threads == 1 and EncodeShare(threads=1).decode_threads() == 1

@@ -146,3 +146,26 @@ def test_a_text_only_model_refuses_images_naming_itself(tiny_models: ModelPaths)
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["type"] == "not_supported_error" and "'plain'" in err["message"]
+
+
+def test_rows_do_not_depend_on_the_thread_count(tiny_vlm: VlmPaths) -> None:
+    """What EncodeShare (worker/backends/mtmd.py) relies on: the engine decodes on fewer threads
+    while an image is encoded beside it, and llama.cpp's CPU rows, a prompt piece's and a decode
+    row's, are bitwise the same on 1 thread as on 2."""
+    import llama_cpp as ll
+    import numpy as np
+
+    from worker.backends.base import BatchEntry
+    from worker.backends.llama_cpp import LlamaCppBackend
+
+    b = LlamaCppBackend(str(tiny_vlm.gguf), n_ctx=512, n_slots=1, threads=2)
+    rows = []
+    for n in (2, 1):
+        ll.llama_set_n_threads(b._ctx, n, n)
+        b.seq_rm(0, 0)
+        b.decode([BatchEntry(0, list(range(5, 105)), 0, True)])
+        prompt_row = b.logits_row(0)
+        b.decode([BatchEntry(0, [7], 100, True)])
+        rows.append(np.concatenate([prompt_row, b.logits_row(0)]))
+    b.close()
+    np.testing.assert_array_equal(rows[0], rows[1])

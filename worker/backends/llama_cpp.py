@@ -68,7 +68,7 @@ from worker.backends.base import (
     SampleItem,
 )
 from worker.backends.media import Vision
-from worker.backends.mtmd import ComputeGate, MtmdVision
+from worker.backends.mtmd import EncodeShare, MtmdVision
 from worker.protocol.sampling import SamplingParams
 from worker.text.fim import FimTokens
 
@@ -309,10 +309,11 @@ class LlamaCppBackend:
         n_embd = int(ll.llama_model_n_embd(self._model))  # (a vocab-only model says 0)
         self._ebuf = _EmbdBuffers(self.n_batch, n_embd) if mmproj else None  # image rows
         # libmtmd tokenizes with the vocab-only model, which outlives sleep.
-        self._gate = ComputeGate() if mmproj else None  # image encodes and decode steps take turns
+        self._share = EncodeShare(self._threads) if mmproj else None  # the cores, beside an encode
+        self._cur_threads = self._threads
         self.vision: Vision | None = MtmdVision(
-            mmproj, self._vocab_model, n_embd, threads=self._threads, max_pixels=image_max_pixels,
-            use_gpu=self._n_gpu_layers != 0, gate=self._gate,
+            mmproj, self._vocab_model, n_embd, max_pixels=image_max_pixels,
+            use_gpu=self._n_gpu_layers != 0, share=self._share,
         ) if mmproj else None
         self._arange = np.arange(self.n_ctx + self.n_batch, dtype=np.int32)
         self._token_data = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
@@ -501,9 +502,11 @@ class LlamaCppBackend:
     # -- engine thread ----------------------------------------------------------------------
     def decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus:
         """Prompt pieces first (each its own ubatch), then every one-row entry in one call."""
-        if self._gate is not None:  # a step, then an image chunk's encode, if one waits (mtmd.py)
-            status: DecodeStatus = self._gate.run("decode", self._decode, entries)
-            return status
+        if self._share is not None:  # fewer threads while an image is encoded beside (mtmd.py)
+            n = self._share.decode_threads()
+            if n != self._cur_threads:
+                ll.llama_set_n_threads(self._ctx, n, n)
+                self._cur_threads = n
         return self._decode(entries)
 
     def _decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus:
@@ -768,6 +771,7 @@ class LlamaCppBackend:
         if self._ctx is None:
             self._abort.clear()
             self._load()
+            self._cur_threads = self._threads
 
     def close(self) -> None:
         self.sleep()

@@ -7,9 +7,8 @@ images (stb_image, in libmtmd's helper), checks their size, tokenizes the prompt
 <row_R_col_C> tokens), and encodes each image chunk with the vision tower, unless a chunk of
 the same bytes is in the cache of encoded chunks (an LRU keyed like the media ids, see
 worker/backends/media.py). One lock serializes libmtmd: its context holds one output buffer.
-The encoder runs on as many threads as the engine's decode, but never beside it: an encode never
-holds up the engine for more than one chunk at a time (`ComputeGate`: encodes and decode steps
-take turns on the cores), and the engine only ever sees finished embeddings.
+The encoder runs beside the engine's decode, on half the cores, while the engine decodes on the
+rest (`EncodeShare`): an encode never stops the engine, which only ever sees finished embeddings.
 """
 
 from __future__ import annotations
@@ -48,56 +47,49 @@ def _on_mtmd_log(level: int, text: bytes, _user: Any) -> None:
 _LOG_CALLBACK = ll.llama_log_callback(_on_mtmd_log)  # module-level: must outlive every call
 
 
-class ComputeGate:
-    """Image encodes and the engine's decode steps take turns on the CPU, one at a time.
+class EncodeShare:
+    """The cores, split between image encodes and the engine's decode steps while both run.
 
-    The encoder runs on an HTTP worker thread, but on the same cores as the engine's decode:
-    run side by side, two thread pools that spin-wait at their barriers oversubscribe the cores
-    and both crawl (measured: 7 decoders fell from ~2 to ~0.8 steps a second on 2 cores beside
-    one encode). So each image chunk's encode is scheduled like a prompt piece: it waits for the
-    step in progress to end, runs alone (with the engine's thread count), and the engine then
-    gets a step before the next chunk. When both wait they alternate; otherwise whoever asks
-    goes at once, so an idle engine never holds up an encode and vice versa."""
+    The encoder runs on an HTTP worker thread on the same cores as the engine's decode. Two
+    thread pools that each take every core and spin-wait at their barriers oversubscribe them and
+    both crawl (measured: 7 decoders fell from ~2 to ~0.8 steps a second on 2 cores beside one
+    encode). Taking turns instead (an encode between two steps) stalls every decoder for a
+    whole chunk's encode (~1 s for a 576-patch tile here: libmtmd encodes a chunk in one graph,
+    there is no smaller piece to schedule). So while an encode runs, the engine decodes on the
+    cores the encoder leaves (`decode_threads`), and takes them all back after: the decoders go
+    on at about half speed instead of stopping (bench/bench_vision.py: during encodes, 5x the
+    tokens and a p99 gap of ~0.6 s instead of ~1-1.8 s, measured side by side)."""
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._busy: str | None = None  # "decode" | "encode"
-        self._waiting = {"decode": 0, "encode": 0}
-        self._last = "decode"
+    def __init__(self, threads: int) -> None:
+        self.threads = threads  # the engine's
+        self.encode_threads = max(1, threads // 2)
+        self._n_encoding = 0
+        self._lock = threading.Lock()
 
-    def _enter(self, kind: str) -> None:
-        other = "encode" if kind == "decode" else "decode"
-        with self._cond:
-            self._waiting[kind] += 1
-            self._cond.wait_for(
-                lambda: self._busy is None and not (self._waiting[other] and self._last == kind)
-            )
-            self._waiting[kind] -= 1
-            self._busy = self._last = kind
+    def decode_threads(self) -> int:
+        return max(1, self.threads - self.encode_threads) if self._n_encoding else self.threads
 
-    def _leave(self) -> None:
-        with self._cond:
-            self._busy = None
-            self._cond.notify_all()
-
-    def run(self, kind: str, fn: Any, *args: Any) -> Any:
-        self._enter(kind)
+    def encoding(self, fn: Any, *args: Any) -> Any:
+        with self._lock:
+            self._n_encoding += 1
         try:
             return fn(*args)
         finally:
-            self._leave()
+            with self._lock:
+                self._n_encoding -= 1
 
 
 class MtmdVision:
     """The `Vision` of a GGUF model (worker/backends/media.py) from its mmproj file."""
 
     def __init__(self, mmproj_path: str, text_model: Any, n_embd: int, *, threads: int = 1,
-                 max_pixels: int = 0, use_gpu: bool = True, gate: ComputeGate | None = None) -> None:
+                 max_pixels: int = 0, use_gpu: bool = True, share: EncodeShare | None = None) -> None:
         mt.mtmd_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
         mt.mtmd_helper_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
         params = mt.mtmd_context_params_default()
         params.use_gpu = use_gpu
-        params.n_threads = threads
+        self._share = share or EncodeShare(2 * threads)
+        params.n_threads = self._share.encode_threads
         params.print_timings = False
         params.warmup = False
         ctx = mt.mtmd_init_from_file(mmproj_path.encode(), text_model, params)
@@ -111,7 +103,6 @@ class MtmdVision:
         self.n_embd = n_embd
         self.max_pixels = max_pixels
         self._lock = threading.Lock()
-        self._gate = gate or ComputeGate()
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def prepare(self, text: str, images: Sequence[bytes]) -> MediaPrompt:
@@ -193,11 +184,11 @@ class MtmdVision:
             self._cache.move_to_end(key)
             out.n_cached += 1
             return cached
-        def encode() -> tuple[int, float]:  # the encode alone, not the wait for the gate
+        def encode() -> tuple[int, float]:
             t0 = time.perf_counter()
             return int(mt.mtmd_encode_chunk(self._ctx, chunk)), time.perf_counter() - t0
 
-        status, seconds = self._gate.run("encode", encode)
+        status, seconds = self._share.encoding(encode)
         if status != 0:
             raise RuntimeError("libmtmd failed to encode an image")
         ptr = mt.mtmd_get_output_embd(self._ctx)
