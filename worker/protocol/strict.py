@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 _BEAM = "beam search is not implemented"
 _SPEC = "speculative decoding is not implemented yet"
-_MEDIA = "sglang-omni's audio and video inputs are not implemented yet (images are: `images`, image_url parts)"
+_MEDIA = "sglang-omni's audio and video inputs are not implemented yet (images are: see `images`)"
 
 # ---- Not implemented YET. Whoever makes one of these work declares it as a real field on the
 # wire model and deletes its line here (and its row in docs/compatibility.md).
