@@ -54,6 +54,7 @@ setup-test: $(VENV)/.test chromium
 
 models: $(VENV)/.base $(VENV)/.smollm2
 	$(PY) -m worker.testing.tiny_models --out models --size tiny
+	$(PY) -m worker.testing.tiny_vlm --out models
 	$(PY) -m worker.testing.smollm2 --out models
 
 run: setup models
@@ -71,6 +72,7 @@ soak: setup-test models
 
 bench: setup-test models
 	$(PY) -m worker.testing.tiny_models --out models --size small
+	$(PY) -m worker.testing.tiny_vlm --out models --size small
 	$(PY) bench/run_all.py
 
 clean:

@@ -64,6 +64,7 @@ class ModelPreset:
     flash_attn: str | None = None  # auto | on | off (worker --flash-attn)
     jinja: bool | None = None  # worker --jinja / --no-jinja (templates are Jinja either way)
     model_draft: str | None = None  # llama-server's speculative draft model (--spec-draft-model)
+    mmproj: Path | None = None  # a GGUF model's multimodal projector: image input (worker --mmproj)
     embedding: bool | None = None  # an embedding model (worker --embedding)
     pooling: str | None = None  # none | mean | cls | last | rank (worker --pooling)
     reranking: bool | None = None  # a reranker (worker --reranking)
@@ -288,13 +289,14 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "placement": ("placement", _placement),
     "ray-resources": ("ray_resources", _ray_resources),
     "ray-node-labels": ("ray_node_labels", _ray_node_labels),
+    "mmproj": ("mmproj", _text),
 }
 _TABLES = ("ray-resources", "ray-node-labels")  # keys whose TOML value is a table
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
           "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
           "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn",
           "embeddings": "embedding", "rerank": "reranking",
-          "md": "model-draft", "spec-draft-model": "model-draft"}
+          "md": "model-draft", "spec-draft-model": "model-draft", "mm": "mmproj"}
 # llama-server's environment names (LLAMA_ARG_X, lowered, `_` -> `-`, prefix off) of the keys above
 _ENV = {
     "model": "model",
@@ -314,6 +316,7 @@ _ENV = {
     "pooling": "pooling",
     "reranking": "reranking",
     "slot-save-path": "slot-save-path",
+    "mmproj": "mmproj",
 }
 _NEGATABLE = ("kv-unified", "jinja")  # llama-server's `--no-X` switches: `no-X = true` means X = false
 VALID_KEYS = ", ".join(sorted(_KEYS))
@@ -532,16 +535,24 @@ def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> 
                 raise PresetError(f"{at}: invalid value {value!r} for {canon!r}: {e}") from None
             origin[fname] = at
     model = kwargs.pop("model", None)
+    mmproj = kwargs.pop("mmproj", None)
     if kwargs.get("model_draft"):  # the worker's --spec-draft-model (speculative decoding, draft-simple)
         kwargs["model_draft"] = str(_resolve_model(kwargs["model_draft"], base_dir))
     preset = ModelPreset(name=name, source=where, worker_args=tuple(sorted(worker_args.items())), **kwargs)
     if model is not None:
         preset = replace(preset, model=_resolve_model(model, base_dir))
+    if mmproj is not None:
+        preset = replace(preset, mmproj=_resolve_model(mmproj, base_dir))
     _check(preset, origin)
     if preset.backend not in ("cmd", "remote") and preset.model is not None and not preset.model.exists():
         # That model fails (and is tried again once the file is there); the others serve.
         error = (f"{origin.get('model', where)}: model path {str(model)!r} does not exist"
                  f"{_looked_in(str(model), base_dir)}")
+        log.warning("%s", error)
+        preset = replace(preset, model_error=error)
+    elif preset.mmproj is not None and not preset.mmproj.is_file():
+        error = (f"{origin.get('mmproj', where)}: mmproj path {str(mmproj)!r} does not exist"
+                 f"{_looked_in(str(mmproj), base_dir)}")
         log.warning("%s", error)
         preset = replace(preset, model_error=error)
     return preset
@@ -603,7 +614,9 @@ def _cli_section(overrides: Mapping[str, Any] | None) -> _RawSection:
 
 
 def scan_models_dir(directory: str | Path, overrides: Mapping[str, Any] | None = None) -> list[ModelPreset]:
-    """One preset per `*.gguf` file and per Hugging Face folder (has config.json) in `directory`."""
+    """One preset per `*.gguf` file and per Hugging Face folder (has config.json) in `directory`,
+    and, as llama.cpp's router, per folder of GGUF files: its model (the first shard of a split
+    one) with the `mmproj*.gguf` beside it as its projector. A projector alone is no model."""
     d = Path(directory)
     if not d.is_dir():
         raise PresetError(f"--models-dir {d}: not a directory")
@@ -612,14 +625,28 @@ def scan_models_dir(directory: str | Path, overrides: Mapping[str, Any] | None =
     for entry in sorted(d.iterdir()):
         is_gguf = entry.is_file() and entry.suffix == ".gguf" and "mmproj" not in entry.name
         is_hf = entry.is_dir() and (entry / "config.json").is_file()
-        if not (is_gguf or is_hf):
+        gguf_dir = _gguf_folder(entry) if entry.is_dir() and not is_hf else None
+        if not (is_gguf or is_hf or gguf_dir):
             continue
         name = entry.stem if is_gguf else entry.name
         if not NAME_RE.match(name):
             continue
-        sec = _RawSection(name, str(entry), {"model": (str(entry), str(entry))})
+        model, mmproj = gguf_dir or (entry, None)
+        values = {"model": (str(model), str(entry))}
+        if mmproj is not None:
+            values["mmproj"] = (str(mmproj), str(entry))
+        sec = _RawSection(name, str(entry), values)
         found.append(_build(name, [sec, cli], d, str(entry)))
     return found
+
+
+def _gguf_folder(d: Path) -> tuple[Path, Path | None] | None:
+    """A folder's GGUF model and its projector, as llama.cpp's router scans a models folder."""
+    files = sorted(f for f in d.iterdir() if f.is_file() and f.suffix == ".gguf")
+    mmproj = next((f for f in files if "mmproj" in f.name), None)
+    models = [f for f in files if "mmproj" not in f.name]
+    model = next((f for f in models if "-00001-of-" in f.name), models[-1] if models else None)
+    return (model, mmproj) if model is not None else None
 
 
 def merge(presets: list[ModelPreset], scanned: list[ModelPreset]) -> list[ModelPreset]:

@@ -43,6 +43,7 @@ from router.lifecycle.estimate import Estimate, MemoryBook
 from router.lifecycle.eviction import Need, Occupancy
 from router.lifecycle.load_failure import LoadFailure, diagnose
 from router.lifecycle.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory
+from router.lifecycle.modalities import modalities
 from router.lifecycle.process import SpawnError
 from router.lifecycle.state import ModelState, Phase
 from router.presets import ModelPreset
@@ -917,6 +918,7 @@ class ModelHandle:
             "aliases": list(p.aliases), "backend": p.backend, "resolved_backend": p.resolved_backend,
             "status": self.status(),
             "in_flight": self.num_in_flight, "pinned": p.pin, "memory": self.memory_view(),
+            "modalities": modalities(p),  # from the preset and its mmproj's header: no load needed
         }
         if p.model is not None:
             card["path"] = str(p.model)

@@ -607,7 +607,9 @@ function autoGrow() {
 
 // ------------------------------------------------------------------ attachments
 
-const hasVision = () => !!S.modelProps.get(S.selected)?.modalities?.vision;
+// /props once the model is loaded; before that, the /v1/models card (the router reads its mmproj's header)
+const hasVision = () => !!(S.modelProps.get(S.selected)?.modalities?.vision
+  ?? S.models.get(S.selected)?.modalities?.vision);
 
 function renderAttachHint() {
   $(".attach").title = hasVision() ? "Attach text files or images" : "Attach text files (images need a model with vision)";

@@ -1,7 +1,9 @@
 """The inference backends, and choosing one. Imports are lazy: the GGUF path never imports torch
 (fast start).
 
+    media          images in a prompt: media ids (keyed by the image bytes), the `Vision` contract
     base           the contract: `Vocab` (thread-safe, the HTTP side) and `Backend` (the engine's)
+    mtmd           libmtmd (an mmproj): images decoded, tokenized and encoded, an LRU of encodings
     llama_cpp      GGUF files through llama-cpp-python's ctypes API
     torch_backend  HF folders through our own PyTorch model (worker/torch_model/)
 """
@@ -38,6 +40,8 @@ class BackendOptions:
     pooling: Pooling | None = None  # with `embedding`: None = the model's own (llama-server's default)
     # None: all layers when the build can offload
     n_gpu_layers: int | None = field(default=None, metadata={"only": "llama_cpp"})
+    mmproj: str | None = field(default=None, metadata={"only": "llama_cpp"})  # image input (libmtmd)
+    image_max_pixels: int = field(default=0, metadata={"only": "llama_cpp"})  # 0: no limit
     cache_type_k: str = field(default="f16", metadata={"only": "llama_cpp"})
     cache_type_v: str = field(default="f16", metadata={"only": "llama_cpp"})
     flash_attn: str = field(default="auto", metadata={"only": "llama_cpp"})

@@ -52,6 +52,7 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from worker.backends.media import Vision
 from worker.protocol.sampling import SamplingParams
 from worker.text.fim import FimTokens
 
@@ -67,6 +68,8 @@ class BatchEntry:
     sampling; the n-th such row in the batch (0-based, batch order, an entry's rows in position
     order) is `logits_index` n for `sample`. More than one output row is a speculative verify
     entry (worker/engine/speculation.py): the last sampled token and the drafted ones.
+    `embd`: the entry is rows of an image chunk (`tokens` are their media ids, see
+    worker/backends/media.py), fed as these embeddings (float32[len(tokens), n_embd]).
     """
 
     seq_id: int
@@ -74,6 +77,7 @@ class BatchEntry:
     pos: int
     logits: bool
     n_outputs: int = 1
+    embd: np.ndarray | None = None
 
 
 class DecodeStatus(Enum):
@@ -182,6 +186,7 @@ class Vocab(Protocol):
     n_ubatch: int  # the largest prompt piece the recipe's promise holds for
     pooling: Pooling | None  # an embedding model (see module doc); None: a generating one
     pools_in_pieces: bool  # its pooling reads the last row only (last, causal rank): prompts may be cut
+    vision: Vision | None  # the model's mmproj (image input), thread-safe; None: text only
 
     @property
     def meta(self) -> ModelMeta: ...

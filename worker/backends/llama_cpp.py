@@ -67,6 +67,8 @@ from worker.backends.base import (
     Sample,
     SampleItem,
 )
+from worker.backends.media import Vision
+from worker.backends.mtmd import EncodeShare, MtmdVision
 from worker.protocol.sampling import SamplingParams
 from worker.text.fim import FimTokens
 
@@ -178,6 +180,47 @@ class _BatchBuffers:
         return out_rows
 
 
+class _EmbdBuffers:
+    """A `llama_batch` of embedding rows (an image chunk's), capacity `n` rows of `n_embd`."""
+
+    def __init__(self, n: int, n_embd: int) -> None:
+        self.embd = np.zeros((n, n_embd), dtype=np.float32)
+        self.pos = np.zeros(n, dtype=np.int32)
+        self.n_seq_id = np.ones(n, dtype=np.int32)
+        self.seq = np.zeros(n, dtype=np.int32)
+        self.logits = np.zeros(n, dtype=np.int8)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self.seq.ctypes.data
+        self._seq_ptrs = (i32p * n)(*(ctypes.cast(base + 4 * i, i32p) for i in range(n)))
+        self.batch = ll.llama_batch(
+            n_tokens=0,
+            token=None,
+            embd=self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+            pos=self.pos.ctypes.data_as(i32p),
+            n_seq_id=self.n_seq_id.ctypes.data_as(i32p),
+            seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p)),
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def fill(self, entries: Sequence[BatchEntry], arange: np.ndarray, all_outputs: bool = False) -> list[int]:
+        out_rows: list[int] = []
+        i = 0
+        for e in entries:
+            assert e.embd is not None
+            n = len(e.tokens)
+            j = i + n
+            self.embd[i:j] = e.embd
+            self.pos[i:j] = arange[e.pos : e.pos + n]
+            self.seq[i:j] = e.seq_id
+            self.logits[i:j] = 1 if all_outputs else 0
+            if e.logits:
+                self.logits[j - 1] = 1
+                out_rows.append(j - 1)
+            i = j
+        self.batch.n_tokens = i
+        return out_rows
+
+
 class LlamaCppBackend:
     """The `Backend` Protocol over a GGUF file (see worker/backends/base.py)."""
 
@@ -200,6 +243,8 @@ class LlamaCppBackend:
         progress: Progress | None = None,
         embedding: bool = False,
         pooling: Pooling | None = None,
+        mmproj: str | None = None,
+        image_max_pixels: int = 0,
     ) -> None:
         _init_llama_backend()
         if not os.path.isfile(model_path):
@@ -257,9 +302,20 @@ class LlamaCppBackend:
         self._grammar_lock = threading.Lock()
         self._grammar_tok: Any = None  # llguidance's view of the vocabulary, made at first use
         self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
+        if mmproj and not os.path.isfile(mmproj):
+            raise FileNotFoundError(f"mmproj file not found: {mmproj}")
         self._load()
         self._meta = self._read_meta()
         self._buf = _BatchBuffers(self.n_batch)
+        n_embd = int(ll.llama_model_n_embd(self._model))  # (a vocab-only model says 0)
+        self._ebuf = _EmbdBuffers(self.n_batch, n_embd) if mmproj else None  # image rows
+        # libmtmd tokenizes with the vocab-only model, which outlives sleep.
+        self._share = EncodeShare(self._threads) if mmproj else None  # the cores, beside an encode
+        self._cur_threads = self._threads
+        self.vision: Vision | None = MtmdVision(
+            mmproj, self._vocab_model, n_embd, max_pixels=image_max_pixels,
+            use_gpu=self._n_gpu_layers != 0, share=self._share,
+        ) if mmproj else None
         self._arange = np.arange(self.n_ctx + self.n_batch, dtype=np.int32)
         self._token_data = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
         self._vocab_ids = np.arange(self.n_vocab, dtype=np.int32)
@@ -447,6 +503,14 @@ class LlamaCppBackend:
     # -- engine thread ----------------------------------------------------------------------
     def decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus:
         """Prompt pieces first (each its own ubatch), then every one-row entry in one call."""
+        if self._share is not None:  # fewer threads while an image is encoded beside (mtmd.py)
+            n = self._share.decode_threads()
+            if n != self._cur_threads:
+                ll.llama_set_n_threads(self._ctx, n, n)
+                self._cur_threads = n
+        return self._decode(entries)
+
+    def _decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus:
         n = sum(len(e.tokens) for e in entries)
         if n == 0 or n > self.n_batch:
             raise ValueError(f"batch of {n} tokens (capacity {self.n_batch})")
@@ -455,8 +519,12 @@ class LlamaCppBackend:
         where: dict[int, list[tuple[np.ndarray | None, int]]] = {}  # id(entry) -> its rows' logits
         pooled: dict[int, np.ndarray] = {}  # id(entry) -> its embedding (embedding models)
         for k, call in enumerate(calls):
-            rows = self._buf.fill(call, self._arange, self._embedding)
-            ret = ll.llama_decode(self._ctx, self._buf.batch)
+            buf: _BatchBuffers | _EmbdBuffers = self._buf
+            if call[0].embd is not None:  # an image chunk's rows: a call of their own
+                assert self._ebuf is not None, "image rows for a model loaded without --mmproj"
+                buf = self._ebuf
+            rows = buf.fill(call, self._arange, self._embedding)
+            ret = ll.llama_decode(self._ctx, buf.batch)
             if ret != 0:
                 for e in done:  # nothing of this batch stays in the KV cache
                     self.seq_rm(e.seq_id, e.pos)
@@ -508,9 +576,9 @@ class LlamaCppBackend:
         prompt pieces grouped (consecutive sequences, as llama.cpp's ubatch split requires)
         wherever the split that llama.cpp will make of the group keeps every piece's rows in
         their class, then all one-row entries in one last call."""
-        rows = [e for e in entries if len(e.tokens) == 1]
+        rows = [e for e in entries if len(e.tokens) == 1 and e.embd is None]
         calls: list[list[BatchEntry]] = []
-        for e in sorted((e for e in entries if len(e.tokens) > 1), key=lambda e: e.seq_id):
+        for e in sorted((e for e in entries if len(e.tokens) > 1 and e.embd is None), key=lambda e: e.seq_id):
             last = calls[-1] if calls else None
             if last is not None and last[-1].seq_id + 1 == e.seq_id and self._keeps_classes([*last, e]) and (
                 not self._embedding or self._keeps_whole([*last, e])
@@ -518,6 +586,7 @@ class LlamaCppBackend:
                 last.append(e)
             else:
                 calls.append([e])
+        calls.extend([e] for e in entries if e.embd is not None)  # image rows: each chunk's run alone
         if rows and self._embedding:  # one-token inputs: the one-row kernel always, alone or not
             calls.extend([r] for r in rows)
         elif rows:
@@ -706,9 +775,12 @@ class LlamaCppBackend:
         if self._ctx is None:
             self._abort.clear()
             self._load()
+            self._cur_threads = self._threads
 
     def close(self) -> None:
         self.sleep()
+        if isinstance(self.vision, MtmdVision):
+            self.vision.close()
         if self._vocab_model is not None:
             ll.llama_model_free(self._vocab_model)
             self._vocab_model = None

@@ -66,6 +66,7 @@ from worker.backends.base import (
     Sample,
     SampleItem,
 )
+from worker.backends.media import Vision
 from worker.protocol.sampling import SamplingParams
 from worker.text.rerank import QWEN3_RERANK_TEMPLATE, RERANK_LABELS, is_qwen3_reranker
 from worker.torch_model.config import ModelConfig, load_config
@@ -130,6 +131,7 @@ class TorchBackend:
         self.pooling: Pooling | None = (pooling or default_pooling(self._path)) if embedding else None
         self._embeddings: list[np.ndarray] = []  # per logits entry of the last decode (embedding models)
         self.pools_in_pieces = self.pooling in ("last", "rank")  # a causal model: the last row is final
+        self.vision: Vision | None = None  # no image input on this backend yet
         self._labels: list[int] | None = None  # a Qwen3-Reranker's "yes" and "no" token ids
         if self.pooling == "rank" and is_qwen3_reranker(self._path):
             self._labels = [self.tokenizer.token_id(t) for t in RERANK_LABELS]
@@ -145,7 +147,8 @@ class TorchBackend:
         self.n_batch = n_batch
         self.n_ubatch = n_ubatch
         self._files = checkpoint_files(self._path)
-        names = tensor_names(self._files)
+        vision = ("model.vision_model.", "model.connector.")  # a VLM's (worker/torch_model/vision.py)
+        names = {n for n in tensor_names(self._files) if not n.startswith(vision)}
         if self.pooling == "rank" and any(n.startswith(("score.", "classifier.")) for n in names):
             raise ValueError(
                 "rank pooling through a sequence-classification head (score/classifier weights) is "
@@ -309,6 +312,7 @@ class TorchBackend:
         if counts.min() == 0:
             raise ValueError("a batch entry without tokens")
         tokens = np.fromiter(chain.from_iterable(e.tokens for e in entries), dtype=np.int64, count=n_tok)
+        embd = self._embd_rows(entries, counts, tokens)  # image rows: their media ids become token 0
         if tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size:
             raise ValueError(f"token id out of range [0, {self.cfg.vocab_size})")
         starts = np.fromiter((e.pos for e in entries), dtype=np.int64, count=len(entries))
@@ -331,6 +335,7 @@ class TorchBackend:
         if (
             self._graphs is not None
             and self.pooling is None
+            and embd is None
             and self._graphs.can_run(n_tok, len(entries), len(rows))
         ):
             self._logits = self._graphs.run(tokens, starts, cells, seqs)
@@ -355,9 +360,24 @@ class TorchBackend:
             return DecodeStatus.OK
         self._logits = model(
             torch.from_numpy(tokens).to(dev), plan.row_pos, torch.from_numpy(cells).to(dev), plan,
-            torch.from_numpy(rows).to(dev), kv.k, kv.v,
+            torch.from_numpy(rows).to(dev), kv.k, kv.v, embd=embd,
         )
         return DecodeStatus.OK
+
+    def _embd_rows(
+        self, entries: Sequence[BatchEntry], counts: np.ndarray, tokens: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(batch rows, embeddings) of the entries that are image rows (worker/backends/media.py);
+        their token ids are set to 0 in `tokens` (the embeddings replace them)."""
+        if all(e.embd is None for e in entries):
+            return None
+        ends = np.cumsum(counts)
+        idx = [np.arange(end - len(e.tokens), end) for e, end in zip(entries, ends.tolist(), strict=True)
+               if e.embd is not None]
+        at = np.concatenate(idx)
+        tokens[at] = 0
+        rows = np.concatenate([e.embd for e in entries if e.embd is not None])
+        return torch.from_numpy(at).to(self.device), torch.from_numpy(rows).to(self.device)
 
     def _pool(self, rows: torch.Tensor) -> np.ndarray:
         """One entry's rows (its whole prompt, or the last piece for last/rank) pooled as llama.cpp does."""

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from worker.backends.base import Backend, BatchEntry, Sample
+from worker.backends.media import is_media, rows_of, run_piece
 from worker.engine.kv import KvBook
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.policy import (
@@ -393,17 +394,21 @@ class Scheduler:
                 continue
             assert s.task is not None
             whole = s.task.is_embedding and not self._backend.pools_in_pieces
-            is_short = _rows_to_compute(s) <= SHORT_PROMPT or whole
+            is_short = _rows_to_compute(s) <= SHORT_PROMPT or whole or bool(s.task.media)
             room = cap - used - short_used
             limit = min(room, self._backend.n_ubatch - short_used) if is_short else min(room, budget - used)
             n = self._piece(s, limit) if not whole else len(s.feed) if len(s.feed) <= limit else 0
+            if s.task.media:  # a prompt with images goes in whole runs (worker/backends/media.py)
+                n = run_piece(s.feed, room, min(self._backend.n_batch, self._backend.n_ubatch))
             if self._backend.kv_unified and n > free:
                 while free < n and self.kv.evict_idle_cache():
                     free = self.kv.free() - sum(len(e.tokens) for _, e in plan.entries)
-                n = n if n <= free else self._piece(s, min(free, limit))
+                n = n if n <= free else 0 if s.task.media else self._piece(s, min(free, limit))
             if n <= 0:
                 continue
-            plan.entries.append((s, BatchEntry(s.id, s.feed[:n], len(s.cache), n == len(s.feed))))
+            fed = s.feed[:n]
+            embd = rows_of(s.task.media, fed) if s.task.media and is_media(fed[0]) else None
+            plan.entries.append((s, BatchEntry(s.id, fed, len(s.cache), n == len(s.feed), embd=embd)))
             if is_short:
                 short_used += n
             else:

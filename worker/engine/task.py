@@ -146,8 +146,10 @@ class Task:
         emit: Callable[[Event], None],
         *,
         on_embedding: Callable[[EmbeddingEvent], None] | None = None,
+        media: dict[int, Any] | None = None,
     ) -> None:
         self.id = next(_task_ids)
+        self.media: dict[int, Any] = media or {}  # the prompt's image chunks: key -> embeddings (media.py)
         self.on_embedding = on_embedding  # an embedding task: done when its prompt is evaluated
         self.is_embedding = on_embedding is not None
         self.prompt = prompt

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 _BEAM = "beam search is not implemented"
-_MEDIA = "the models served here take text only (sglang-omni's multimodal inputs are not implemented yet)"
+_MEDIA = "sglang-omni's audio and video inputs are not implemented yet (images are: see `images`)"
 
 # ---- Not implemented YET. Whoever makes one of these work declares it as a real field on the
 # wire model and deletes its line here (and its row in docs/compatibility.md).
@@ -35,9 +35,8 @@ SPECULATIVE: dict[str, str] = {
 # Speculative decoding's request fields (issue 29) are real fields of chat and completion
 # requests; a Responses or Messages request does not take them.
 _SPEC_ELSEWHERE = "speculative decoding is set on chat and completion requests, not on this API"
-# Image, audio and video inputs (issue 30): sglang-omni's top-level media lists.
+# Audio and video inputs: sglang-omni's top-level media lists (`images` is a real field: issue 30).
 MEDIA: dict[str, str] = {
-    "images": _MEDIA,
     "audios": _MEDIA,
     "videos": _MEDIA,
     "video_fps": _MEDIA,

@@ -233,6 +233,7 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool | None = None
+    images: list[str] | None = None  # sglang-omni's: image URLs for the last user message
     # OpenAI's: "none"/"minimal" turn the template's thinking off, others on (as Responses' reasoning.effort)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     modalities: list[str] | None = None  # only ["text"]: no model here produces audio
@@ -331,7 +332,8 @@ def _is_prompt_part(x: object) -> bool:
 def _json_prompt(obj: dict[str, Any]) -> str:
     """llama-server's JSON prompt object: its `prompt_string`; `multimodal_data` needs a vision model."""
     if obj.get("multimodal_data"):
-        raise ValueError("multimodal_data is not supported: this model takes text only")
+        raise ValueError("multimodal_data is not supported on this endpoint: send images as chat "
+                         "image_url parts (/v1/chat/completions)")
     text = obj.get("prompt_string")
     if not isinstance(text, str):
         raise ValueError("a JSON prompt needs a prompt_string")

@@ -5,6 +5,7 @@
     app            the route handlers (chat, completions, native, tokenizer, status, admin)
     embeddings     the embedding and rerank handlers
     context        what each handler needs first: state, a ready backend (`Vocab`), checked tokens
+    media          image parts and sglang-omni's `images`: URLs, local/remote policy, limits, 400s
     prepare        request preparation: template, tools, grammar, sampling params, tokens
     state          `WorkerState`, what the handlers share
     generation     the bridge between one request and the engine thread

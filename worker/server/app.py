@@ -68,7 +68,7 @@ async def chat_completions(request: Request) -> Response:
     backend = ready_backend(state)
     req = parse_model(ChatCompletionRequest, await request.body())
     p = await prepare_chat(state, backend, req)
-    gen = Generation(state.engine, [p.tokens], p.params, quiet_tokens=not req.stream)
+    gen = Generation(state.engine, [p.tokens], p.params, quiet_tokens=not req.stream, media=p.media)
     info = response_info(state, backend, req.model, "chatcmpl", req.request_id)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -33,6 +33,7 @@ from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.speculation import SPEC_TYPES, SpecConfig, SpecType
 from worker.protocol.sampling import SamplingParams
+from worker.server.media import MediaPolicy
 from worker.server.state import REASONING_FORMATS, WorkerState
 
 log = logging.getLogger("worker")
@@ -278,6 +279,19 @@ def serve(
         False, "--rerank", "--reranking", help="a reranker: --embedding --pooling rank, /rerank"
     ),
     # -- HTTP server --
+    mmproj: str | None = typer.Option(
+        None, "--mmproj", "-mm", help="a GGUF model's multimodal projector (image input, through libmtmd)"
+    ),
+    image_max_pixels: int = typer.Option(
+        0, "--image-max-pixels", min=0, help="refuse (400) a decoded image of more pixels (0: no limit)"
+    ),
+    max_images: int = typer.Option(8, "--max-images", min=0, help="images per request at most (400 over it)"),
+    allowed_local_media_path: str | None = typer.Option(
+        None, "--allowed-local-media-path", help="file:// image URLs are read only under this directory"
+    ),
+    allow_remote_media: bool = typer.Option(
+        False, "--allow-remote-media", help="fetch http(s) image URLs (refused by default: 400)"
+    ),
     api_key: str | None = typer.Option(None, "--api-key", help="comma-separated keys; /health stays public"),
     api_key_file: str | None = typer.Option(None, "--api-key-file", help="a file of keys, one per line"),
     cors_origins: str = typer.Option(
@@ -419,7 +433,15 @@ def serve(
         kind = resolve_kind(backend, model)  # type: ignore[arg-type]  # typer gives a str; resolve_kind checks it
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--model") from None
+    if mmproj is not None and (kind != "llama_cpp" or embedding):
+        raise typer.BadParameter("a projector for a GGUF generating model (llama.cpp backend) only",
+                                 param_hint="--mmproj")
+    if allowed_local_media_path is not None and not os.path.isdir(allowed_local_media_path):
+        raise typer.BadParameter(f"{allowed_local_media_path!r} is not a directory",
+                                 param_hint="--allowed-local-media-path")
     options = BackendOptions(
+        mmproj=mmproj,
+        image_max_pixels=image_max_pixels,
         n_ctx=ctx_size,
         n_slots=parallel,
         kv_unified=kv_unified,
@@ -483,6 +505,7 @@ def serve(
         slot_save_path=slot_save_path,
         is_cors_proxy_on=ui_mcp_proxy,
         template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
+        media=MediaPolicy(allowed_local_media_path, allow_remote_media, max_images),
     )
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.server.routes import build_app

@@ -26,6 +26,7 @@ import weakref
 from collections import deque
 from collections.abc import AsyncIterator
 from functools import partial
+from typing import Any
 
 from worker.engine.engine import Engine
 from worker.engine.task import ErrorEvent, Event, FinishEvent, Task, TokenEvent
@@ -98,7 +99,8 @@ class Generation:
     finish and error events wake it as usual."""
 
     def __init__(
-        self, engine: Engine, prompts: list[list[int]], params: SamplingParams, *, quiet_tokens: bool = False
+        self, engine: Engine, prompts: list[list[int]], params: SamplingParams, *, quiet_tokens: bool = False,
+        media: dict[int, Any] | None = None,
     ) -> None:
         self._engine = engine
         self._relay = _relay(asyncio.get_running_loop(), engine)
@@ -111,7 +113,7 @@ class Generation:
             for i in range(params.n):
                 index = p * params.n + i
                 emit = partial(self._emit, index)
-                self.tasks.append(Task(prompt, params, (base_seed + index) & 0xFFFFFFFF, emit))
+                self.tasks.append(Task(prompt, params, (base_seed + index) & 0xFFFFFFFF, emit, media=media))
         self._is_started = False
         self._quiet_tokens = quiet_tokens
         self.trace = generation_trace(self.tasks)  # None unless a profiling run is active

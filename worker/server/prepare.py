@@ -15,12 +15,14 @@ from typing import Any
 import anyio.to_thread
 
 from worker.backends.base import Vocab
+from worker.backends.media import MediaError, MediaPrompt
 from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.reasoning_budget import reasoning_budget
 from worker.protocol.errors import APIError
 from worker.protocol.sampling import SamplingParams
 from worker.protocol.wire import ChatCompletionRequest, ChatMessage, new_id, now
 from worker.server.context import check_prompt, tokenize_text
+from worker.server.media import ChatMedia, extract, has_media, load_image
 from worker.server.openai_format import ResponseInfo
 from worker.server.state import REASONING_FORMATS, WorkerState
 from worker.server.structured import (
@@ -47,6 +49,7 @@ class PreparedChat:
     tokens: list[int]
     params: SamplingParams
     chat: ChatOutputConfig | None
+    media: dict[int, Any] = dataclasses.field(default_factory=dict)  # image chunks' embeddings (media ids)
 
 
 async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRequest) -> PreparedChat:
@@ -56,11 +59,13 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
     reasoning = reasoning_format(state, req.reasoning_format)
     rendered_tools = tools.tools if tools is not None and tools.is_active else None
     nv = req.nvext
+    media = chat_media(state, backend, req.messages, req.images)
+    messages = media.messages if media is not None else req.messages
     if nv is not None and nv.use_raw_prompt:
-        text = "".join(m.text() for m in req.messages)
+        text = "".join(m.text() for m in messages)
     else:
-        cont = continues_final_message(req.messages, req.continue_final_message, req.add_generation_prompt)
-        text = render_chat(state, backend, req.messages, rendered_tools, req.add_generation_prompt,
+        cont = continues_final_message(messages, req.continue_final_message, req.add_generation_prompt)
+        text = render_chat(state, backend, messages, rendered_tools, req.add_generation_prompt,
                            req.template_kwargs(), cont)
     source = state.template.source if state.template is not None else None
     tool_format = detect_format(source)
@@ -85,9 +90,49 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
     )
     if budget is not None:
         params = dataclasses.replace(params, reasoning_budget=budget)
+    if media is not None:
+        prompt = await media_prompt(state, backend, text, media)
+        check_prompt(prompt.tokens, backend)
+        return PreparedChat(text, prompt.tokens, params, chat, prompt.media)
     tokens = await tokenize_text(backend, text, True, True)
     check_prompt(tokens, backend)
     return PreparedChat(text, tokens, params, chat)
+
+
+def chat_media(state: WorkerState, backend: Vocab, messages: list[ChatMessage],
+               images: list[str] | None) -> ChatMedia | None:
+    """The request's images as marker text and URLs (None: it has none). 400s: a text-only
+    model, too many images, audio."""
+    if not has_media(messages, images):
+        return None
+    if backend.vision is None:
+        raise APIError(f"model {state.model_id!r} does not accept images (it has no vision projector: "
+                       "serve it with --mmproj)", param="messages", type="not_supported_error")
+    media = extract(messages, images, backend.vision.marker, state.model_id)
+    if len(media.urls) > state.media.max_images:
+        raise APIError(f"{len(media.urls)} images in one request; this server takes at most "
+                       f"{state.media.max_images} (--max-images)", param="messages")
+    return media
+
+
+async def media_prompt(state: WorkerState, backend: Vocab, text: str, media: ChatMedia) -> MediaPrompt:
+    """Load, decode, tokenize and encode the images (off the event loop; cached by their bytes)."""
+    vision = backend.vision
+    assert vision is not None
+
+    def run() -> MediaPrompt:
+        images = [load_image(i, url, state.media) for i, url in enumerate(media.urls)]
+        try:
+            return vision.prepare(text, images)
+        except MediaError as e:
+            raise APIError(str(e), param="messages") from None
+
+    prompt = await anyio.to_thread.run_sync(run)
+    m = state.metrics
+    m.image_chunks_encoded.inc(prompt.n_encoded)
+    m.image_chunks_cached.inc(prompt.n_cached)
+    m.image_encode_seconds.inc(prompt.encode_seconds)
+    return prompt
 
 
 def response_info(state: WorkerState, backend: Vocab, model: str | None, prefix: str,
@@ -230,6 +275,11 @@ async def with_output_constraint(backend: Vocab, req: Any, params: SamplingParam
 async def count_input_tokens(state: WorkerState, backend: Vocab, messages: list[ChatMessage],
                              tools: list[Any] | None, kwargs: dict[str, Any] | None) -> int:
     """The prompt length a chat request with these messages would have (nothing generated)."""
+    media = chat_media(state, backend, messages, None)
+    if media is not None:
+        messages = media.messages
     cont = continues_final_message(messages, None, True)
     text = render_chat(state, backend, messages, tools, True, kwargs, cont)
+    if media is not None:
+        return len((await media_prompt(state, backend, text, media)).tokens)
     return len(await tokenize_text(backend, text, True, True))

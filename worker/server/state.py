@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from worker.engine.engine import Engine
 from worker.engine.metrics import WorkerMetrics
 from worker.protocol.sampling import SamplingParams
+from worker.server.media import MediaPolicy
 
 REASONING_FORMATS = ("auto", "deepseek", "deepseek-legacy", "none")
 
@@ -44,6 +45,7 @@ class WorkerState:
     is_embedding: bool = False  # --embedding: embeddings/rerank only (worker/server/embeddings.py)
     embd_normalize: int = 2  # requests' default embd_normalize (llama-server's: Euclidean)
     created: int = field(default_factory=lambda: int(time.time()))
+    media: MediaPolicy = field(default_factory=MediaPolicy)  # where images may come from, how many
     # The model's end-of-generation tokens: a scan of the whole vocabulary, done by the loader
     # (off the event loop) once the model is known.
     eog_ids: tuple[int, ...] = ()

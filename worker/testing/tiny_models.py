@@ -51,6 +51,12 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# The tiny VLM's (worker/testing/tiny_vlm.py) extra special tokens: SmolVLM's image tokens, the
+# ones libmtmd's idefics3 projector looks up, and the grid positions of up to 4x4 image tiles.
+VLM_TOKENS = [
+    "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
+    *(f"<row_{r}_col_{c}>" for r in range(1, 5) for c in range(1, 5)),
+]
 BOS, EOS, PAD = "<|endoftext|>", "<|im_end|>", "<|endoftext|>"
 FORMAT_VERSION = 1  # bump to force regeneration when the layout changes
 
@@ -75,6 +81,10 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def special_tokens(self) -> list[str]:
+        return SPECIAL_TOKENS + VLM_TOKENS if self.arch == "idefics3" else SPECIAL_TOKENS
 
 
 SPECS = {
@@ -148,7 +158,7 @@ def train_tokenizer(spec: ModelSpec) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=spec.vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=spec.special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -156,6 +166,8 @@ def train_tokenizer(spec: ModelSpec) -> Tokenizer:
     corpus = _corpus(spec.seed, n_lines)
     if spec.arch == "qwen3":  # the reranker's labels are the tokens "yes" and "no"
         corpus += ["yes", "no"] * 200
+    if spec.arch == "idefics3":  # libmtmd's idefics3 layout needs "\n\n" to be one token
+        corpus += ["What is in this image?\n\n", "A picture.\n"] * 200
     tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 
@@ -173,8 +185,8 @@ def _vocab_and_merges(tok: Tokenizer) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def _special_ids(tok: Tokenizer) -> dict[str, int]:
-    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+def _special_ids(tok: Tokenizer, specials: list[str] = SPECIAL_TOKENS) -> dict[str, int]:
+    ids = {t: tok.token_to_id(t) for t in specials}
     missing = [t for t, i in ids.items() if i is None]
     assert not missing, f"special tokens missing from the vocab: {missing}"
     return {t: int(i) for t, i in ids.items() if i is not None}
@@ -229,16 +241,42 @@ def _permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 # --------------------------------------------------------------------------- writers
 
 
-def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray]) -> None:
-    from safetensors.numpy import save_file
+def write_tokenizer_files(
+    out_dir: Path, spec: ModelSpec, tok: Tokenizer, template: str = CHATML_TEMPLATE
+) -> None:
+    """tokenizer.json and tokenizer_config.json (the chat template, the special tokens)."""
+    ids = _special_ids(tok, spec.special_tokens)
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": spec.max_positions,
+        "chat_template": template,
+        "added_tokens_decoder": {
+            str(ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
+                          "normalized": False, "single_word": False}
+            for t in spec.special_tokens
+        },
+    }
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n"
+    )
+    tok.save(str(out_dir / "tokenizer.json"))
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+
+def text_config(spec: ModelSpec, tok: Tokenizer) -> dict[str, object]:
+    """The HF config.json of the text model (a VLM nests it as its text_config)."""
     n_vocab = tok.get_vocab_size()
     ids = _special_ids(tok)
     is_qwen3 = spec.arch == "qwen3"
-    config = {
+    return {
         "architectures": ["Qwen3ForCausalLM" if is_qwen3 else "LlamaForCausalLM"],
-        "model_type": spec.arch,
+        "model_type": "qwen3" if is_qwen3 else "llama",
         "vocab_size": n_vocab,
         "hidden_size": spec.hidden,
         "intermediate_size": spec.intermediate,
@@ -260,33 +298,22 @@ def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, 
         "torch_dtype": "float32",
         "dtype": "float32",
     }
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": PAD,
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": spec.max_positions,
-        "chat_template": CHATML_TEMPLATE,
-        "added_tokens_decoder": {
-            str(ids[t]): {"content": t, "special": True, "lstrip": False, "rstrip": False,
-                          "normalized": False, "single_word": False}
-            for t in SPECIAL_TOKENS
-        },
-    }
+
+
+def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray]) -> None:
+    from safetensors.numpy import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = _special_ids(tok)
+    is_qwen3 = spec.arch == "qwen3"
+    config = text_config(spec, tok)
     gen_config = {"bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]}
     if is_qwen3:
         config["use_sliding_window"] = False
         (out_dir / "README.md").write_text("# Qwen3-Reranker (tiny, random weights, for tests)\n")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(tok_config, indent=2, ensure_ascii=False) + "\n"
-    )
+    write_tokenizer_files(out_dir, spec, tok)
     (out_dir / "generation_config.json").write_text(json.dumps(gen_config, indent=2) + "\n")
-    tok.save(str(out_dir / "tokenizer.json"))
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
@@ -298,12 +325,11 @@ def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, n
 
     tokens, merges = _vocab_and_merges(tok)
     ids = _special_ids(tok)
-    types = [
-        gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens
-    ]
+    specials = set(spec.special_tokens)
+    types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens]
     tmp = path.with_suffix(".gguf.tmp")
     is_qwen3 = spec.arch == "qwen3"
-    w = gguf.GGUFWriter(str(tmp), spec.arch)
+    w = gguf.GGUFWriter(str(tmp), "llama" if spec.arch == "idefics3" else spec.arch)  # a VLM's text model
     w.add_name(spec.name)
     w.add_context_length(spec.max_positions)
     w.add_embedding_length(spec.hidden)

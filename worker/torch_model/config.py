@@ -84,6 +84,8 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    if raw.get("model_type") == "idefics3":  # SmolVLM: its text model (the vision side: vision.py)
+        raw = {"tie_word_embeddings": raw.get("tie_word_embeddings", False), **raw["text_config"]}
     model_type = str(raw.get("model_type", "llama"))
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(

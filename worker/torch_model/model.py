@@ -394,9 +394,11 @@ class Model(nn.Module):
         logit_rows: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
+        embd: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
-        """tokens, positions, cells: [T]; plan: see kv_cache; returns float32 logits of logit_rows [R, V]."""
-        x = self._final_norm(self._trunk(tokens, positions, cells, plan, k_cache, v_cache)[logit_rows])
+        """tokens, positions, cells: [T]; plan: see kv_cache; returns float32 logits of logit_rows [R, V].
+        `embd`: (rows, vectors) that replace those rows' token embeddings (an image's, in a VLM)."""
+        x = self._final_norm(self._trunk(tokens, positions, cells, plan, k_cache, v_cache, embd)[logit_rows])
         return linear(x, self.w["lm_head"]).float()
 
     @torch.inference_mode()
@@ -420,8 +422,11 @@ class Model(nn.Module):
         plan: AttnPlan,
         k_cache: Tensor,
         v_cache: Tensor,
+        embd: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         x = F.embedding(tokens, self.embed)
+        if embd is not None:
+            x = x.index_copy(0, embd[0], embd[1].to(x.dtype))
         kern = self.kernels
         if kern is not None:
             nt = torch.get_num_threads()
@@ -446,6 +451,7 @@ class Model(nn.Module):
     def _target(self, name: str) -> tuple[Tensor, int, int] | None:
         """HF tensor name -> (destination parameter, row offset, rows); None for ignored names."""
         cfg = self.cfg
+        name = name.replace("model.text_model.", "model.", 1)  # a VLM's text model (Idefics3)
         parts = name.removeprefix("model.").split(".")
         if parts == ["embed_tokens", "weight"]:
             return self.embed, 0, cfg.vocab_size

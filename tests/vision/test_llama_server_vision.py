@@ -1,0 +1,70 @@
+"""The generated tiny SmolVLM's GGUF + mmproj also load in llama.cpp's own llama-server (built by
+scripts/build_llama_server.sh from the pinned sources), and its greedy answer to an image prompt
+is ours, token for token, with the same prompt length (the same template flattening of text and
+image parts, the same libmtmd tiles)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.util import ROOT, free_port, run_worker, stop_process, wait_healthy
+from worker.testing.tiny_vlm import VlmPaths, data_url, png
+
+ARGS = ["-np", "1", "-c", "2048", "-t", "1"]
+
+
+def _llama_server() -> Path | None:
+    env = os.environ.get("OMNI_LLAMA_SERVER")
+    if env:
+        return Path(env)
+    hits = sorted(ROOT.glob("third_party/llama-server-build-*/bin/llama-server"))
+    return hits[-1] if hits else None
+
+
+@pytest.fixture(scope="module")
+def llama_server(tiny_vlm: VlmPaths, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = _llama_server()
+    if binary is None or not binary.is_file():
+        pytest.skip("no llama-server: run scripts/build_llama_server.sh (or set OMNI_LLAMA_SERVER)")
+    port = free_port()
+    log = (tmp_path_factory.mktemp("llama-server") / "log").open("wb")
+    proc = subprocess.Popen([str(binary), "-m", str(tiny_vlm.gguf), "--mmproj", str(tiny_vlm.mmproj),
+                             "--port", str(port), "--no-warmup", *ARGS],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def _chat(base: str, content: list[dict[str, Any]]) -> dict[str, Any]:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_llama_server_gives_our_greedy_answer(llama_server: str, tiny_vlm: VlmPaths) -> None:
+    prompts = [
+        [{"type": "text", "text": "What is in this image?"},
+         {"type": "image_url", "image_url": {"url": data_url(png(80, 50, 1))}}],
+        [{"type": "image_url", "image_url": {"url": data_url(png(64, 100, 2))}},
+         {"type": "text", "text": "Describe it."},
+         {"type": "image_url", "image_url": {"url": data_url(png(30, 30, 3))}}],
+    ]
+    theirs = [_chat(llama_server, p) for p in prompts]
+    with run_worker(tiny_vlm.gguf, "--mmproj", str(tiny_vlm.mmproj), *ARGS) as base:
+        ours = [_chat(base, p) for p in prompts]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+        assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]

@@ -1,0 +1,106 @@
+"""Images in a prompt: how their rows travel through the engine as token ids.
+
+A prompt with images is one list of ids, as a text prompt is: an image chunk of n rows (the
+embeddings libmtmd's projector makes of one tile) takes n *media ids*, negative numbers that
+say which chunk and which of its rows: `media_id(key, j)`. `key` is a hash of the image's
+bytes and the chunk's index in that image, so the engine's prefix matching (slots, the
+prompt cache) keys image rows by the image bytes with no code of its own: the same image at
+the same place in a follow-up turn is the same ids, and its KV rows are reused, never
+computed again. The embeddings themselves ride with the task (`Task.media`: key ->
+float32[n, n_embd]) and enter a batch as `BatchEntry.embd`.
+
+The scheduler cuts a prompt with media ids in *runs*: a run is text tokens up to the next
+image chunk, or the rows of one chunk, and each run goes in one piece (cut only at n_ubatch),
+whatever else runs: so a request's rows, and its greedy output, do not depend on the load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+_ROW_BITS = 20  # rows of one chunk: up to 2**20
+_KEY_BITS = 40  # key and row fit an int64 (numpy token arrays): 61 bits with the sign
+
+
+def media_key(image: bytes, chunk_index: int) -> int:
+    """The key of an image's `chunk_index`-th chunk: 40 bits of a SHA-256 of the bytes."""
+    digest = hashlib.sha256(image + chunk_index.to_bytes(4, "little")).digest()
+    return int.from_bytes(digest[: _KEY_BITS // 8], "little")
+
+
+def media_id(key: int, row: int) -> int:
+    return -1 - ((key << _ROW_BITS) | row)
+
+
+def is_media(token: int) -> bool:
+    return token < 0
+
+
+def split_id(token: int) -> tuple[int, int]:
+    """(key, row) of a media id."""
+    v = -1 - token
+    return v >> _ROW_BITS, v & ((1 << _ROW_BITS) - 1)
+
+
+def chunk_ids(key: int, n_rows: int) -> list[int]:
+    return [media_id(key, j) for j in range(n_rows)]
+
+
+def run_length(feed: Sequence[int]) -> int:
+    """Rows of the leading run of `feed`: text tokens up to the next media id, or the
+    consecutive rows of one chunk."""
+    if not feed:
+        return 0
+    if not is_media(feed[0]):
+        return next((i for i, t in enumerate(feed) if is_media(t)), len(feed))
+    key, row = split_id(feed[0])
+    n = 1
+    while n < len(feed) and feed[n] == media_id(key, row + n):
+        n += 1
+    return n
+
+
+def run_piece(feed: Sequence[int], room: int, max_piece: int) -> int:
+    """Rows of the next piece of a prompt with media: the leading run, cut at `max_piece` only;
+    0 when it does not fit the `room` this step has (it goes whole in a later step)."""
+    n = min(run_length(feed), max_piece)
+    return n if n <= room else 0
+
+
+def rows_of(media: dict[int, np.ndarray], tokens: Sequence[int]) -> np.ndarray:
+    """The embeddings of a run of media ids (one chunk's consecutive rows)."""
+    key, row = split_id(tokens[0])
+    return media[key][row : row + len(tokens)]
+
+
+class MediaError(ValueError):
+    """An image the request sent cannot be used (undecodable, too large): a 400."""
+
+
+@dataclass(slots=True)
+class MediaPrompt:
+    """A prompt with its images tokenized: ids (text and media), the chunks' embeddings, and
+    how many chunks were encoded now and how many came from the cache of encoded images."""
+
+    tokens: list[int]
+    media: dict[int, np.ndarray] = field(default_factory=dict)
+    n_encoded: int = 0
+    n_cached: int = 0
+    encode_seconds: float = 0.0
+
+
+class Vision(Protocol):
+    """A model's vision side (its mmproj), thread-safe: what the HTTP layer calls, off the event
+    loop, before the task goes to the engine. The engine thread never waits for an encode."""
+
+    marker: str  # where an image goes in the prompt text
+
+    def prepare(self, text: str, images: Sequence[bytes]) -> MediaPrompt:
+        """Tokenize `text`, whose markers stand for `images` in order, and encode the images
+        (cached by their bytes). Raises MediaError for an image it cannot use."""
+        ...
