@@ -133,6 +133,7 @@ BODIES: list[tuple[dict[str, Any], dict[str, Any]]] = [
      {"top_p": 0.5, "stop": ["x"], "repetition_penalty": 1.2, "ignore_eos": True, "frequency_penalty": 0.5,
       "presence_penalty": -0.5}),
     ({"response_format": {"type": "json_object"}}, {"response_format": {"type": "json_object"}}),
+    ({"n": 3}, {"n": 3}),  # one upstream request for the n samples: they share the prompt's prefill
     ({"tools": [{"type": "function", "function": {"name": "f", "description": "d"}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}},
      {"tools": [{"type": "function", "function": {"name": "f", "description": "d"}}],
