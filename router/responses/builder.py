@@ -5,6 +5,13 @@ Responses stream events each chunk makes (with a monotonic `sequence_number`). I
 most one output item is open at a time; a new kind of delta (reasoning, text, another tool
 call) closes the open one first, so `output_item.added` and `output_item.done` pair up in order.
 
+`n` > 1 (`num_choices`): the upstream's choices interleave in its stream, but the output holds
+the samples one after the other, in choice order. The builder works on one choice at a time:
+the current one's deltas make events at once; a later choice's deltas wait in `_pending` and
+are replayed when every choice before it has finished. So sample 0 streams live, and each
+item's events stay contiguous with a final `output_index`. The per-sample state (the open item,
+held text, the tool-call cap, being cut) starts afresh with each choice.
+
 Tool calls: a call is `completed` only when its arguments are JSON; one cut short is
 `incomplete`. Text that comes after a call, or any text when the call is forced (tool_choice
 required or named: the upstream's grammar makes the whole output a call), is held to the end:
@@ -63,11 +70,17 @@ class ResponseBuilder:
     max_tool_calls: int | None = None
     is_call_forced: bool = False
     wants_summary: bool = False
+    num_choices: int = 1  # the request's `n`
+    _choice: int = 0  # the choice whose deltas make events now
+    _pending: dict[int, list[dict[str, Any]]] = field(default_factory=dict)  # later choices' deltas
+    _finished: set[int] = field(default_factory=set)  # choices whose finish_reason came
+    # the current choice's state
     _open: _Open | None = None
     # text held back (see the module docstring)
     _held: list[tuple[str, list[dict[str, Any]]]] = field(default_factory=list)
     _num_calls: int = 0
     _dropped_calls: set[int] = field(default_factory=set)  # chat tool indexes past max_tool_calls
+    _is_cut: bool = False  # cut by max_output_tokens
 
     # ---- the object
 
@@ -118,30 +131,62 @@ class ResponseBuilder:
         if chunk.get("usage"):
             self.usage = _usage(chunk["usage"])
         for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if delta.get("reasoning_content"):
-                events += self._reasoning(delta["reasoning_content"])
-            logprobs = ((choice.get("logprobs") or {}).get("content")) or []
-            is_text_open = self._open is not None and self._open.kind == "message"
-            # a token may end mid-character: no text yet
-            if delta.get("content") or (logprobs and is_text_open):
-                if self.is_call_forced or self._num_calls:
-                    self._held.append((delta.get("content") or "", logprobs))
-                else:
-                    events += self._text(delta.get("content") or "", logprobs)
-            for call in delta.get("tool_calls") or []:
-                events += self._tool_call(call)
-            if choice.get("finish_reason") == "length":
-                self.incomplete_reason = "max_output_tokens"
+            index = int(choice.get("index") or 0)
+            if index == self._choice:
+                events += self._choice_delta(choice)
+            elif self._choice < index < self.num_choices:
+                self._pending.setdefault(index, []).append(choice)
+        while self._choice in self._finished and self._choice + 1 < self.num_choices:
+            events += self._next_choice()
+        return events
+
+    def _choice_delta(self, choice: dict[str, Any]) -> list[dict[str, Any]]:
+        """One delta of the current choice -> its events."""
+        events: list[dict[str, Any]] = []
+        delta = choice.get("delta") or {}
+        if delta.get("reasoning_content"):
+            events += self._reasoning(delta["reasoning_content"])
+        logprobs = ((choice.get("logprobs") or {}).get("content")) or []
+        is_text_open = self._open is not None and self._open.kind == "message"
+        # a token may end mid-character: no text yet
+        if delta.get("content") or (logprobs and is_text_open):
+            if self.is_call_forced or self._num_calls:
+                self._held.append((delta.get("content") or "", logprobs))
+            else:
+                events += self._text(delta.get("content") or "", logprobs)
+        for call in delta.get("tool_calls") or []:
+            events += self._tool_call(call)
+        if choice.get("finish_reason") is not None:
+            self._finished.add(self._choice)
+        if choice.get("finish_reason") == "length":
+            self._is_cut = True
+            self.incomplete_reason = "max_output_tokens"
+        return events
+
+    def _end_choice(self) -> list[dict[str, Any]]:
+        """The current choice is over: its held text (unless cut: the cut call's markup), and
+        its open item closed."""
+        events: list[dict[str, Any]] = []
+        held, self._held = self._held, []
+        if not self._is_cut:
+            for text, logprobs in held:
+                events += self._text(text, logprobs)
+        return events + self._close()
+
+    def _next_choice(self) -> list[dict[str, Any]]:
+        """End the current choice and make the next one current: its waiting deltas now."""
+        events = self._end_choice()
+        self._choice += 1
+        self._num_calls, self._dropped_calls, self._is_cut = 0, set(), False
+        for choice in self._pending.pop(self._choice, []):
+            events += self._choice_delta(choice)
         return events
 
     def finish(self) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        held, self._held = self._held, []
-        if not self.incomplete_reason:  # else: the cut call's markup
-            for text, logprobs in held:
-                events += self._text(text, logprobs)
-        events += self._close()
+        while self._choice + 1 < self.num_choices:
+            events += self._next_choice()
+        events += self._end_choice()
         self.completed_at = int(time.time())
         if self.incomplete_reason:
             self.status = "incomplete"
@@ -275,7 +320,7 @@ class ResponseBuilder:
         item = self.output[op.index]
         is_cut = isinstance(item, FunctionCallItem) and not _is_json(item.arguments)
         # each item type has its own status Literal; these values are valid for all
-        item.status = status or ("incomplete" if self.incomplete_reason or is_cut else "completed")  # type: ignore[assignment]
+        item.status = status or ("incomplete" if self._is_cut or is_cut else "completed")  # type: ignore[assignment]
         ids = {"item_id": item.id, "output_index": op.index}
         events = []
         if isinstance(item, ReasoningItem) and item.content:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.responses.builder import ResponseBuilder
-from router.responses.store import ChainBroken, Store
+from router.responses.store import ChainBroken, NotContinuable, Store
 from router.responses.translate import chat_body, chat_messages, drop_oldest, echo, is_call_forced
 from router.responses.wire import (
     AddItems,
@@ -134,6 +134,10 @@ class ResponsesService:
                 history = await self.store.call(self.store.chain, req.previous_response_id)
             except ChainBroken as e:
                 raise _not_found("Previous response", str(e), "previous_response_id") from None
+            except NotContinuable as e:
+                raise APIError(f"Previous response '{e}' holds n > 1 samples: which one continues is the "
+                               "client's choice; send that sample's output items in 'input' instead",
+                               param="previous_response_id") from None
         elif req.conversation_id is not None:
             self._need_store("conversation")
             history = await self._conversation_items(req.conversation_id, "conversation")
@@ -148,7 +152,8 @@ class ResponsesService:
         builder = ResponseBuilder(new_id("resp"), fields,
                                   status="queued" if req.background else "in_progress",
                                   max_tool_calls=req.max_tool_calls, is_call_forced=is_call_forced(req),
-                                  wants_summary=req.reasoning is not None and req.reasoning.wants_summary)
+                                  wants_summary=req.reasoning is not None and req.reasoning.wants_summary,
+                                  num_choices=req.n)
         return Prepared(req, model, input_items, chat_body(req, model, messages), builder, is_stored,
                         request_id)
 

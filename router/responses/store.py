@@ -41,6 +41,11 @@ class ChainBroken(LookupError):
     """A response in a `previous_response_id` chain is gone (deleted, expired or never stored)."""
 
 
+class NotContinuable(ValueError):
+    """`previous_response_id` names a response with n > 1 samples: which one continues is the
+    client's choice, so the chain does not pick one."""
+
+
 class Store:
     def __init__(self, path: Path, *, max_entries: int, ttl_s: float) -> None:
         self.path = path
@@ -159,6 +164,8 @@ class Store:
             if found is None:
                 raise ChainBroken(cur)
             body, input_items = found
+            if int(body.get("n") or 1) > 1:
+                raise NotContinuable(cur)
             segments.append(input_items + body["output"])
             cur = body.get("previous_response_id")
         return [item for seg in reversed(segments) for item in seg]

@@ -134,6 +134,7 @@ def chat_body(req: CreateResponse, model: str, messages: list[dict[str, Any]]) -
     if kwargs:
         body["chat_template_kwargs"] = kwargs
     plain = {
+        "n": req.n if req.n > 1 else None,
         "max_tokens": req.max_output_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
@@ -186,6 +187,7 @@ def echo(req: CreateResponse, model: str) -> dict[str, Any]:
         "temperature": req.temperature,
         "top_p": req.top_p,
         "top_logprobs": req.top_logprobs,
+        "n": req.n,
         "text": {"format": fmt},
         "reasoning": {"effort": req.reasoning.effort,
                       "summary": req.reasoning.summary or req.reasoning.generate_summary}

@@ -244,7 +244,9 @@ class CreateResponse(_Model):
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     # Chat's form of text.format (OVMS accepts it); it becomes text.format, so it is echoed there
     response_format: dict[str, Any] | None = None
-    n: int = 1  # one output per response: n > 1 is refused (see _one_output)
+    # n samples of one prompt (one upstream request: they share the prompt's KV), their items
+    # in choice order in `output` (router/responses/builder.py); not with `conversation`
+    n: int = Field(default=1, ge=1, le=128)
     stop: str | list[str] | None = None
     seed: int | None = None
     metadata: dict[str, str] | None = None
@@ -268,14 +270,6 @@ class CreateResponse(_Model):
     chat_template_kwargs: dict[str, Any] | None = None
 
     _metadata_size = field_validator("metadata")(_check_metadata)
-
-    @field_validator("n")
-    @classmethod
-    def _one_output(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("a response has one output: n > 1 is not supported on /v1/responses yet "
-                             "(use /v1/chat/completions, which serves n choices)")
-        return v
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -360,6 +354,10 @@ class CreateResponse(_Model):
         if self.conversation is not None and self.previous_response_id is not None:
             raise APIError("'previous_response_id' and 'conversation' cannot be used together",
                            param="conversation")
+        if self.n > 1 and self.conversation is not None:
+            raise APIError("'n' > 1 cannot be used with 'conversation': which sample continues it is the "
+                           "client's choice (add that sample's items to the conversation yourself)",
+                           param="n")
         if self.background and not self.store:
             raise APIError("background responses need store=true", param="background")
         if isinstance(self.tool_choice, dict):

@@ -133,7 +133,6 @@ def test_nvext_annotations_is_a_400_naming_it(router: Router) -> None:
 
 @pytest.mark.parametrize(("extra", "field", "reason"), [
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "stop string"),
-    ({"n": 2}, "n", "one output"),
     ({"best_of": 3}, "best_of", "beam search"),
     ({"length_penalty": 0.5}, "length_penalty", "beam search"),
     ({"num_assistant_tokens": 4}, "num_assistant_tokens", "speculative"),
@@ -337,6 +336,103 @@ def test_chat_n_choices_share_the_prompt_prefill(router: Router) -> None:
     assert len(resp.json()["choices"]) == 3
     n_prompt = resp.json()["usage"]["prompt_tokens"]
     assert computed() - before < 1.5 * n_prompt
+
+
+def _prompt_tokens_computed(router: Router) -> float:
+    text = router.get("/metrics?model=tiny").text
+    return float(re.search(r"^llamacpp:prompt_tokens_total (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]  # the worker always has it
+
+
+def _message_texts(resp: Any) -> list[str]:
+    return [o.content[0].text for o in resp.output if o.type == "message"]
+
+
+def test_responses_n_samples_share_the_prompt_prefill(router: Router, client: openai.OpenAI) -> None:
+    """`n` on /v1/responses (was a 400): one upstream request, so N samples cost one prefill.
+    Greedy samples are the same text, each its own message item; `output_text` is what the
+    SDK makes of it: every sample's text joined; usage counts every sample's tokens."""
+    prompt = " ".join(f"w{i}" for i in range(60)) + f" {os.urandom(4).hex()}"  # not cached anywhere
+    before = _prompt_tokens_computed(router)
+    resp = client.responses.create(model="tiny", input=prompt, max_output_tokens=4, temperature=0,
+                                   extra_body={"n": 3, "ignore_eos": True})
+    assert resp.usage is not None
+    assert _prompt_tokens_computed(router) - before < 1.5 * resp.usage.input_tokens
+    texts = _message_texts(resp)
+    assert len(texts) == 3 and len(set(texts)) == 1 and texts[0], resp.output
+    assert len({o.id for o in resp.output}) == 3
+    assert resp.output_text == "".join(texts)
+    assert resp.usage.output_tokens == 12
+    assert resp.status == "incomplete" and resp.incomplete_details is not None  # every sample was cut
+
+
+def test_responses_n_with_a_seed_is_n_reproducible_samples(client: openai.OpenAI) -> None:
+    def texts() -> list[str]:
+        resp = client.responses.create(model="tiny", input="say", max_output_tokens=8, temperature=1.0,
+                                       extra_body={"n": 3, "seed": 7, "ignore_eos": True})
+        return _message_texts(resp)
+    first = texts()
+    assert len(first) == 3 and len(set(first)) > 1, first  # each sample has its own seed
+    assert texts() == first
+
+
+def test_responses_n_streams_each_sample_in_order(client: openai.OpenAI) -> None:
+    """The upstream's choices interleave; the events do not: sample k's items come after
+    sample k-1's, each item's events between its added and done, with its own index and id."""
+    events = list(client.responses.create(model="tiny", input="say", max_output_tokens=6, temperature=1.0,
+                                          stream=True, extra_body={"n": 3, "seed": 3, "ignore_eos": True}))
+    final = events[-1].response  # type: ignore[union-attr]  # the last event is a lifecycle one
+    assert final.status == "incomplete" and len(final.output) == 3
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.output_index for e in added] == [0, 1, 2]
+    assert [e.item.id for e in added] == [o.id for o in final.output]
+    open_index = None
+    texts = ["", "", ""]
+    for e in events:
+        if e.type == "response.output_item.added":
+            assert open_index is None
+            open_index = e.output_index
+        elif e.type == "response.output_item.done":
+            assert e.output_index == open_index
+            open_index = None
+        elif e.type == "response.output_text.delta":
+            assert e.output_index == open_index and e.item_id == final.output[open_index].id
+            texts[open_index] += e.delta
+    assert texts == _message_texts(final) and final.usage is not None and final.usage.output_tokens == 18
+
+
+def test_responses_n_with_a_forced_tool_and_a_json_schema(client: openai.OpenAI) -> None:
+    resp = client.responses.create(model="tiny", input="weather?", tools=[TOOL], tool_choice="required",  # type: ignore[call-overload]  # a plain dict for the SDK's TypedDict
+                                   parallel_tool_calls=False, max_output_tokens=60, temperature=1.0,
+                                   extra_body={"n": 2})
+    calls = [o for o in resp.output if o.type == "function_call"]
+    assert resp.status == "completed" and len(calls) == 2, resp.output
+    assert len({c.id for c in calls}) == len({c.call_id for c in calls}) == 2
+    assert all("city" in json.loads(c.arguments) for c in calls)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    resp = client.responses.create(model="tiny", input="json", max_output_tokens=40, extra_body={"n": 2},
+                                   text={"format": {"type": "json_schema", "name": "t", "schema": schema}})
+    texts = _message_texts(resp)
+    assert resp.status == "completed" and len(texts) == 2
+    assert all(json.loads(t)["ok"] in (True, False) for t in texts)
+
+
+def test_responses_n_does_not_continue_a_conversation(router: Router, client: openai.OpenAI) -> None:
+    """Which sample continues is the client's choice: `previous_response_id` naming an n > 1
+    response, and n > 1 with `conversation`, are 400s that say so; a chosen sample's items as
+    input continue it."""
+    resp = client.responses.create(model="tiny", input="hi", max_output_tokens=2,
+                                   extra_body={"n": 2, "ignore_eos": True})
+    body = {"model": "tiny", "input": "more", "max_output_tokens": 2}
+    refused(router.post("/v1/responses", {**body, "previous_response_id": resp.id}), reason="n > 1 samples")
+    conv = client.conversations.create()
+    with_conv = {**body, "n": 2, "conversation": conv.id}
+    refused(router.post("/v1/responses", with_conv), "n", reason="conversation")
+    chosen = [o.model_dump(exclude_none=True) for o in resp.output[1:]]  # sample 1's message
+    turn = [{"role": "user", "content": "hi"}, *chosen, {"role": "user", "content": "more"}]
+    again = client.responses.create(model="tiny", input=turn,  # type: ignore[arg-type]  # the SDK's TypedDicts
+                                    max_output_tokens=2)
+    assert again.status in ("completed", "incomplete")
 
 
 # --------------------------------------------------------------------------- fields that had no test

@@ -375,7 +375,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"reasoning": {"summary": "concise"}}, "reasoning.summary"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 2, "conversation": "conv_x"}, "n"),
     ({"images": ["x"], "best_of": 2}, "images"),  # unknown fields: a 400 naming them (protocol/strict.py)
 ]
 

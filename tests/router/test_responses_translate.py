@@ -133,6 +133,7 @@ BODIES: list[tuple[dict[str, Any], dict[str, Any]]] = [
      {"top_p": 0.5, "stop": ["x"], "repetition_penalty": 1.2, "ignore_eos": True, "frequency_penalty": 0.5,
       "presence_penalty": -0.5}),
     ({"response_format": {"type": "json_object"}}, {"response_format": {"type": "json_object"}}),
+    ({"n": 3}, {"n": 3}),  # one upstream request for the n samples: they share the prompt's prefill
     ({"tools": [{"type": "function", "function": {"name": "f", "description": "d"}}],
       "tool_choice": {"type": "function", "function": {"name": "f"}}},
      {"tools": [{"type": "function", "function": {"name": "f", "description": "d"}}],
@@ -237,6 +238,38 @@ def test_builder_final_status(finish: str, status: str, reason: str | None) -> N
     assert last["type"] == f"response.{status}" and last["response"]["status"] == status
     assert last["response"]["incomplete_details"] == (reason and {"reason": reason})
     assert last["response"]["output"][0]["status"] == status
+
+
+def _of(index: int, delta: dict[str, Any] | None, finish: str | None = None) -> dict[str, Any]:
+    return {"choices": [{"index": index, "delta": delta or {}, "finish_reason": finish}]}
+
+
+def test_builder_puts_interleaved_choices_in_choice_order() -> None:
+    """n = 3: the upstream interleaves its choices; the output holds them one after the other,
+    sample 0's events at once and each later sample's when the ones before it are done. The
+    per-sample state starts afresh: sample 1's text after its call is held (and dropped when
+    it is cut), sample 2's text is not."""
+    b = ResponseBuilder("resp_1", {}, num_choices=3)
+    b.start()
+    call = {"index": 0, "id": "call_a", "function": {"name": "f", "arguments": "{"}}
+    fed = [b.feed(c) for c in [
+        _of(1, {"tool_calls": [call]}), _of(2, {"content": "C"}), _of(0, {"content": "A"}),
+        _of(1, {"content": "<tool"}, "length"), _of(2, {}, "stop"), _of(0, {"content": "a"}),
+        _of(0, {}, "stop"),
+    ]]
+    assert [len(f) for f in fed[:2]] == [0, 0]  # later samples wait
+    assert [e["type"] for e in fed[2]] == ["response.output_item.added", "response.content_part.added",
+                                           "response.output_text.delta"]
+    events = [e for f in fed for e in f] + b.finish()
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [e["output_index"] for e in added] == [e["output_index"] for e in done] == [0, 1, 2]
+    assert all(events.index(a) > events.index(d) for a, d in zip(added[1:], done, strict=False))
+    snap = events[-1]["response"]
+    assert [(o["type"], o["status"]) for o in snap["output"]] == [
+        ("message", "completed"), ("function_call", "incomplete"), ("message", "completed")]
+    assert snap["output_text"] == "AaC" and snap["status"] == "incomplete"
+    assert snap["output"][1]["arguments"] == "{"
 
 
 ITEMS = [{"id": f"i{n}"} for n in range(5)]
