@@ -95,6 +95,24 @@ class WorkerMetrics:
         self.prompt_cache_restored = Counter(
             "omni:prompt_cache_reused_tokens", "Prompt tokens reused from the prompt cache", registry=r
         )
+        self.prompt_cache_disk_hits = Counter(
+            "omni:prompt_cache_disk_hits", "Prompts whose prefix was read from the disk prompt cache",
+            registry=r,
+        )
+        self.prompt_cache_disk_misses = Counter(
+            "omni:prompt_cache_disk_misses",
+            "Prompts looked up in the disk prompt cache that found no longer prefix there",
+            registry=r,
+        )
+        self.prompt_cache_disk_writes = Counter(
+            "omni:prompt_cache_disk_writes", "Entries written to the disk prompt cache", registry=r
+        )
+        self.prompt_cache_disk_bytes = Counter(
+            "omni:prompt_cache_disk_bytes", "Bytes written to the disk prompt cache", registry=r
+        )
+        self.prompt_cache_disk_size = Gauge(
+            "omni:prompt_cache_disk_size_bytes", "Size of the model's disk prompt-cache folder", registry=r
+        )
         self.prompt_rows_evaluated = Counter(
             "omni:prompt_rows_evaluated", "Prompt rows decoded (counted as they are decoded)", registry=r
         )
