@@ -45,6 +45,7 @@ from router.lifecycle.load_failure import LoadFailure, diagnose
 from router.lifecycle.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory
 from router.lifecycle.state import ModelState, Phase
 from router.presets import ModelPreset
+from router.prompt_cache_dir import folder_bytes
 from worker.protocol.errors import APIError
 
 log = logging.getLogger("omni.router.model")
@@ -922,6 +923,8 @@ class ModelHandle:
             card["upstream"] = p.upstream
         if self.info is not None and self.state is not ModelState.UNLOADED:
             card["meta"] = self.info.get("meta", self.info)
+        if p.cache_dir is not None:
+            card["prompt_cache_disk"] = {"dir": p.cache_dir, "bytes": folder_bytes(p.cache_dir)}
         return card
 
 
