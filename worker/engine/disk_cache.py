@@ -325,7 +325,7 @@ class DiskCache:
             with contextlib.suppress(OSError):
                 os.utime(path)  # already there (read from it, or written by another worker)
             return
-        size = prompt.n_bytes + 4096 + 12 * len(prompt.tokens)  # a bound on the header
+        size = prompt.n_bytes + 512 + 12 * len(prompt.tokens)  # a bound on the header
         if size > self.limit_bytes or not self._make_room(size):
             log.info("prompt cache on disk: %d tokens (%.1f MiB) do not fit in the budget",
                      len(prompt.tokens), size / 2**20)
