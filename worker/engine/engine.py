@@ -300,7 +300,12 @@ class Engine:
         if scheduler.prompt_cache is None:
             log.warning("--cache-dir: the disk prompt cache needs the host-RAM one (--cache-ram): off")
             return
-        cache = DiskCache(c.root, c.limit_bytes, c.fingerprint, self._metrics, backend.recipe.decode_class)
+        try:
+            decode_class = backend.recipe.decode_class
+            cache = DiskCache(c.root, c.limit_bytes, c.fingerprint, self._metrics, decode_class)
+        except OSError as e:
+            log.error("--cache-dir %s: %s: the disk prompt cache is off", c.root, e)
+            return
         self._disk = DiskTier(cache, self._metrics, backend.recipe, self.submit, self.call)
 
     def _save_to_disk(self) -> None:

@@ -7,8 +7,9 @@ gauges averaged over the window between two scrapes: every render starts a new w
 (`prompt_tokens_seconds`, `predicted_tokens_seconds`; the generation rate counts decode steps,
 a request's first token costs none). The `omni:` metrics come from prometheus-client.
 
-The engine thread is the only writer; `render()` (the /metrics handler) reads, and resets the
-window under the lock.
+The engine thread is the only writer of the `llamacpp:` values (the disk prompt cache's threads
+also count into their `omni:` counters, which prometheus-client locks); `render()` (the /metrics
+handler) reads, and resets the window under the lock.
 """
 
 from __future__ import annotations
