@@ -113,11 +113,17 @@ def test_prompt_cache_survives_eviction_restart_sleep_and_reload(
     card = r.models()["a"]["prompt_cache_disk"]
     assert card["dir"] == str(data / "prompt-cache" / "a") and card["bytes"] > 0
 
-    # A router restart (its shutdown stops `a`).
+    # A router restart (its shutdown stops `a`), with a damaged file beside the good ones.
     r.proc.terminate()
     r.proc.wait(30)
+    folder = data / "prompt-cache" / "a"
+    good = max(folder.glob("*.kv"), key=lambda f: f.stat().st_size)
+    bad = folder / f"{good.name[:16]}-{'0' * 24}.kv"
+    bad.write_bytes(good.read_bytes()[:100])  # cut in its header
     r = router_factory(preset, *args)
     _restored(r, QUESTIONS["restart"], expected["restart"])
+    log = httpx.get(f"{r.base}/logs", params={"model": "a"}, timeout=10).text
+    assert f"skipping {bad.name}" in log and not bad.exists()
 
     # Sleep and wake.
     assert httpx.post(f"{r.base}/models/sleep", json={"model": "a"}, timeout=30).status_code == 200

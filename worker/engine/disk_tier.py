@@ -31,7 +31,7 @@ from typing import Any
 from worker.backends.base import RowRecipe
 from worker.engine.disk_cache import DiskCache, DiskEntry
 from worker.engine.metrics import WorkerMetrics
-from worker.engine.policy import common_prefix_len, reusable
+from worker.engine.policy import Rows, common_prefix_len, reusable
 from worker.engine.prompt_cache import CachedPrompt
 from worker.engine.scheduler import Scheduler
 from worker.engine.slot import Slot
@@ -81,7 +81,7 @@ class DiskTier:
             self._metrics.prompt_cache_disk_misses.inc()
             return False
         log.info("task %d: reading %d cached prompt tokens from disk (%s)", task.id, n, entry.path.name)
-        self._loader.submit(self._load, task, entry, scheduler)
+        self._loader.submit(self._load, task, entry, have + _MIN_GAIN, wanted, scheduler)
         return True
 
     @staticmethod
@@ -93,12 +93,18 @@ class DiskTier:
             n = max(n, scheduler.prompt_cache.best(tokens, wanted, any_class=True)[1])
         return n
 
-    def _load(self, task: Task, entry: DiskEntry, scheduler: Scheduler) -> None:
-        """Loader thread: read and check the file, install it (engine command), resubmit the task."""
+    def _load(
+        self, task: Task, entry: DiskEntry | None, n_min: int, wanted: Rows, scheduler: Scheduler
+    ) -> None:
+        """Loader thread: read and check the file, install it (engine command), resubmit the task.
+        A file that fails its check is dropped from the index; the next best one is tried."""
         prompt = None
         try:
-            if not task.is_cancelled:
+            while entry is not None and prompt is None and not task.is_cancelled:
                 prompt = self.cache.read(entry)
+                if prompt is None:
+                    entry, n = self.cache.best(task.tokens(), wanted, any_class=scheduler.reuse_history)
+                    entry = entry if n >= n_min else None
         finally:
             self._read_done.add(task.id)
             if prompt is not None:
