@@ -256,6 +256,7 @@ class DiskCache:
     def best(self, prompt: Sequence[int], wanted: Rows, *, any_class: bool) -> tuple[DiskEntry | None, int]:
         """Engine thread: the entry whose rows the prompt may reuse most, and how many (as PromptCache)."""
         best, best_n = None, 0
+        prompt = tuple(prompt)  # the entries' type: compared without a copy each
         with self._lock:
             entries = list(self._entries.values())
         for e in entries:
