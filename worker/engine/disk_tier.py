@@ -26,6 +26,8 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from worker.backends.base import RowRecipe
@@ -42,6 +44,35 @@ log = logging.getLogger("omni.worker.disk_cache")
 SAVE_SECONDS = 4.0  # the most a stop or a sleep waits for its writes
 _MIN_GAIN = 16  # read from disk only when it saves at least this many rows of prefill
 _MIN_TOKENS = 32  # a shorter sequence is not worth a file
+
+
+@dataclass(frozen=True, slots=True)
+class DiskCacheConfig:
+    """`--cache-dir` and `--cache-disk`."""
+
+    root: Path
+    limit_bytes: int
+    fingerprint: str  # disk_cache.fingerprint of the model and its KV-relevant settings
+
+
+def open_disk_tier(
+    config: DiskCacheConfig,
+    recipe: RowRecipe,
+    scheduler: Scheduler,
+    metrics: WorkerMetrics,
+    submit: Callable[[Task], None],
+    call: Callable[[Callable[[], None]], Any],
+) -> DiskTier | None:
+    """Engine thread, once the model is loaded: index the folder; None (logged) if the tier is off."""
+    if scheduler.prompt_cache is None:
+        log.warning("--cache-dir: the disk prompt cache needs the host-RAM one (--cache-ram): off")
+        return None
+    try:
+        cache = DiskCache(config.root, config.limit_bytes, config.fingerprint, metrics, recipe.decode_class)
+    except OSError as e:
+        log.error("--cache-dir %s: %s: the disk prompt cache is off", config.root, e)
+        return None
+    return DiskTier(cache, metrics, recipe, submit, call)
 
 
 class DiskTier:

@@ -83,12 +83,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any, TypeVar
 
 from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
-from worker.engine.disk_cache import DiskCache
-from worker.engine.disk_tier import DiskTier
+from worker.engine.disk_tier import DiskCacheConfig, DiskTier, open_disk_tier
 from worker.engine.draft_model import DraftModel
 from worker.engine.grammar import MaskBatch, consume
 from worker.engine.metrics import WorkerMetrics
@@ -113,15 +111,6 @@ class LoadStatus:
     fraction: float = 0.0
     is_ready: bool = False
     error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class DiskCacheConfig:
-    """`--cache-dir` and `--cache-disk`: the disk tier of the prompt cache (worker/engine/disk_tier.py)."""
-
-    root: Path
-    limit_bytes: int
-    fingerprint: str  # disk_cache.fingerprint of the model and its KV-relevant settings
 
 
 @dataclass(slots=True)
@@ -279,7 +268,9 @@ class Engine:
             self._backend, self.n_slots, self._metrics, prompt_cache, reuse_history=not self._strict_reuse,
             spec=Speculator(self._spec_config, self._metrics, self._draft) if use_spec else None,
         )
-        self._open_disk_cache()
+        if (config := self._disk_config) is not None:
+            r = self._backend.recipe
+            self._disk = open_disk_tier(config, r, self._scheduler, self._metrics, self.submit, self.call)
         self.status = LoadStatus("ready", 1.0, is_ready=True)
         b = self._backend
         log.info(
@@ -292,21 +283,6 @@ class Engine:
             "off" if prompt_cache is None else f"{mib} MiB",
         )
         return True
-
-    def _open_disk_cache(self) -> None:
-        c, backend, scheduler = self._disk_config, self._require_backend(), self._require_scheduler()
-        if c is None:
-            return
-        if scheduler.prompt_cache is None:
-            log.warning("--cache-dir: the disk prompt cache needs the host-RAM one (--cache-ram): off")
-            return
-        try:
-            decode_class = backend.recipe.decode_class
-            cache = DiskCache(c.root, c.limit_bytes, c.fingerprint, self._metrics, decode_class)
-        except OSError as e:
-            log.error("--cache-dir %s: %s: the disk prompt cache is off", c.root, e)
-            return
-        self._disk = DiskTier(cache, self._metrics, backend.recipe, self.submit, self.call)
 
     def _save_to_disk(self) -> None:
         if self._disk is not None and self._scheduler is not None and not self._require_backend().is_sleeping:

@@ -30,8 +30,8 @@ from typer._click.exceptions import ClickException, NoSuchOption  # typer vendor
 from worker.backends import BackendOptions, load_backend, resolve_kind
 from worker.backends.base import POOLINGS, Backend, Pooling
 from worker.engine.disk_cache import fingerprint, kv_settings, parse_size
-from worker.engine.disk_tier import SAVE_SECONDS
-from worker.engine.engine import DiskCacheConfig, Engine, Progress
+from worker.engine.disk_tier import SAVE_SECONDS, DiskCacheConfig
+from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.speculation import SPEC_TYPES, SpecConfig, SpecType
 from worker.protocol.sampling import SamplingParams
