@@ -20,6 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from router.presets import ModelPreset
+from router.prompt_cache_dir import with_default_cache_dirs
 from tests.router.conftest import RouterProc
 from tests.util import ROOT, run_worker
 
@@ -181,3 +183,21 @@ def test_torch_worker_restores_after_restart_and_sleep(tmp_path: Path) -> None:
         assert cached >= 2000 and _worker_disk_hits(base) == 2
         for question, answer in ((QUESTIONS["restart"], after_restart), (QUESTIONS["sleep"], after_sleep)):
             assert _worker_ask(base, PREFIX + question, cache_prompt=False) == (answer, 0)
+
+
+M = Path("m.gguf")
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        (ModelPreset("org/m:q4", model=M), "DATA/prompt-cache/org_m_q4"),  # one folder, whatever the name
+        (ModelPreset("m", model=M, cache_dir="/fast/disk"), "/fast/disk"),  # the preset's own wins
+        (ModelPreset("m", model=M, backend="cmd", cmd="llama-server"), None),  # not our worker
+        (ModelPreset("m", backend="remote", upstream="http://x"), None),
+        (ModelPreset("m", model=M, embedding=True), None),  # stateless tasks: nothing to cache
+    ],
+)
+def test_default_cache_dir(preset: ModelPreset, expected: str | None) -> None:
+    (got,) = with_default_cache_dirs([preset], Path("DATA"))
+    assert got.cache_dir == expected
