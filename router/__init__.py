@@ -7,6 +7,7 @@
     events         the one place lifecycle and request events are emitted (/models/sse, metrics listen)
     log_ring       bounded line rings: each worker's output and the router's own log
     upstream       the lean keep-alive HTTP/1.1 client to the workers (the hot path)
+    prompt_cache_dir  each model's disk prompt-cache folder (default under the data dir) and its size
     lifecycle/     one owner task per model: phases, spawning, admission, eviction, memory
     placement/     workers on a Ray cluster (`--ray`; imported only then): actors, per-node admission
     observability/ metrics, logs, request traces, profiling
@@ -15,7 +16,7 @@
     http/          the ASGI app: the front (auth, CORS, body limit), proxying, the router's own routes
 
 Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
-presets/worker_flags/events/log_ring/upstream, lifecycle, placement, observability, responses and
-anthropic, http, cli/banner. From `worker` the router imports `worker.protocol` only, and it
+presets/worker_flags/events/log_ring/upstream/prompt_cache_dir, lifecycle, placement, observability,
+responses and anthropic, http, cli/banner. From `worker` the router imports `worker.protocol` only, and it
 launches workers by command line.
 """

@@ -151,8 +151,12 @@ def serve(
 ) -> None:
     """One OpenAI-compatible endpoint for many models."""
     overrides = {"ctx-size": ctx_size, "parallel": parallel, "n-gpu-layers": n_gpu_layers, "threads": threads}
+    from router.prompt_cache_dir import with_default_cache_dirs
+
     has_ray = ray is not None
-    presets = build_presets(preset, models_dir, overrides, has_ray=has_ray)
+    state_dir = data_dir or default_data_dir()
+    presets = with_default_cache_dirs(
+        build_presets(preset, models_dir, overrides, has_ray=has_ray), state_dir)
     from router.lifecycle.memory import budget, gpu_total_bytes, host_total_bytes
 
     budgets = []
@@ -184,10 +188,10 @@ def serve(
         vram_budget=budgets[1],
         autoload=models_autoload,
     )
-    responses = ResponsesConfig(data_dir or default_data_dir(), responses_max_entries, responses_ttl)
+    responses = ResponsesConfig(state_dir, responses_max_entries, responses_ttl)
     placement = _join_ray(ray) if ray is not None else None
-    pool = Pool(presets, config, source=lambda: build_presets(preset, models_dir, overrides, has_ray=has_ray),
-                placement=placement)
+    pool = Pool(presets, config, source=lambda: with_default_cache_dirs(
+        build_presets(preset, models_dir, overrides, has_ray=has_ray), state_dir), placement=placement)
     app = RouterApp(
         pool, api_keys=api_key, cors_origins=cors_origin, responses=responses, max_body_size=max_body_size
     )

@@ -71,6 +71,7 @@ class ModelPreset:
     slot_save_path: str | None = (
         None  # folder for POST /slots/{id}?action=save|restore (worker --slot-save-path)
     )
+    cache_dir: str | None = None  # the disk prompt cache (worker --cache-dir; router.prompt_cache_dir)
     load_on_startup: bool = False
     stop_timeout: float = 10.0
     load_timeout: float = 300.0
@@ -275,6 +276,7 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "pooling": ("pooling", _pooling),
     "reranking": ("reranking", _bool),
     "slot-save-path": ("slot_save_path", _text),
+    "cache-dir": ("cache_dir", _text),
     "load-on-startup": ("load_on_startup", _bool),
     "stop-timeout": ("stop_timeout", _float(0, strict=True)),
     "load-timeout": ("load_timeout", _float(0, strict=True)),

@@ -1,6 +1,10 @@
-"""Session fixtures shared by every test package: the generated tiny models."""
+"""Session fixtures shared by every test package: the generated tiny models, and a state dir of
+the session's own for every router the tests start."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,3 +29,18 @@ def tiny_reranker() -> ModelPaths:
 def tiny_vlm() -> VlmPaths:
     """The tiny SmolVLM (Idefics3): HF folder, text GGUF and mmproj GGUF of the same weights."""
     return ensure_vlm(ROOT / "models")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A router keeps state under $XDG_STATE_HOME/omni-router unless given --data-dir: the
+    Responses store and each model's disk prompt cache, which a later run would find and reuse
+    (a prompt then answered from restored rows, not computed). Routers started by the tests
+    inherit this session's own folder instead."""
+    old = os.environ.get("XDG_STATE_HOME")
+    os.environ["XDG_STATE_HOME"] = str(tmp_path_factory.mktemp("state"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_STATE_HOME", None)
+    else:
+        os.environ["XDG_STATE_HOME"] = old

@@ -47,6 +47,7 @@ from router.lifecycle.modalities import modalities
 from router.lifecycle.process import SpawnError
 from router.lifecycle.state import ModelState, Phase
 from router.presets import ModelPreset
+from router.prompt_cache_dir import folder_bytes
 from worker.protocol.errors import APIError
 
 log = logging.getLogger("omni.router.model")
@@ -928,6 +929,8 @@ class ModelHandle:
             card["node"] = self.node
         if self.info is not None and self.state is not ModelState.UNLOADED:
             card["meta"] = self.info.get("meta", self.info)
+        if p.cache_dir is not None:
+            card["prompt_cache_disk"] = {"dir": p.cache_dir, "bytes": folder_bytes(p.cache_dir)}
         return card
 
 

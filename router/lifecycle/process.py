@@ -64,7 +64,8 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
                         ("--threads", preset.threads), ("--chat-template", preset.chat_template),
                         ("--cache-ram", preset.cache_ram), ("--flash-attn", preset.flash_attn),
                         ("--pooling", preset.pooling), ("--slot-save-path", preset.slot_save_path),
-                        ("--spec-draft-model", preset.model_draft), ("--mmproj", preset.mmproj)):
+                        ("--spec-draft-model", preset.model_draft), ("--mmproj", preset.mmproj),
+                        ("--cache-dir", preset.cache_dir)):
         if value is not None:
             argv += [flag, str(value)]
     if preset.kv_unified:

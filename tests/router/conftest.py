@@ -126,7 +126,9 @@ def router_factory(tmp_path: Path) -> Iterator[Callable[..., RouterProc]]:
         port = free_port()
         log_path = tmp_path / f"router{len(started)}.log"
         marker = f"{os.getpid()}-{tmp_path.name}-{len(started)}"
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMNI_TEST_MARKER": marker, **(env or {})}
+        # Its own state dir (the Responses store, the disk prompt caches), unless the test gives one.
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMNI_TEST_MARKER": marker,
+                    "XDG_STATE_HOME": str(tmp_path / "state"), **(env or {})}
         cmd = [PY, "-m", "router.cli", "--preset", str(path), "--port", str(port), *args]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=full_env,

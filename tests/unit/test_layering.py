@@ -21,7 +21,8 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("worker.testing",),
     ],
     "router": [
-        ("router.presets", "router.worker_flags", "router.events", "router.log_ring", "router.upstream"),
+        ("router.presets", "router.worker_flags", "router.events", "router.log_ring", "router.upstream",
+         "router.prompt_cache_dir"),
         ("router.lifecycle",),
         ("router.placement",),
         ("router.observability",),

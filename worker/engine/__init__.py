@@ -8,6 +8,8 @@ policy        pure scheduling decisions (which prompt pieces go in this step's b
 slot          one KV sequence and the task it serves
 task          a request as the engine sees it, and the events it streams back
 prompt_cache  the host-RAM prompt cache (`--cache-ram`)
+disk_cache    the disk tier of the prompt cache (`--cache-dir`, `--cache-disk`): files, index, writer
+disk_tier     the engine's side of it: read a prefix before admission, write on stop and sleep
 slot_file     llama-server's slot files (`--slot-save-path`)
 speculation   speculative decoding: prompt-lookup drafts verified in the shared batch
 draft_model   speculative decoding's draft model (--spec-draft-model): a KV stream per slot

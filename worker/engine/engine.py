@@ -86,6 +86,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
+from worker.engine.disk_tier import DiskCacheConfig, DiskTier, open_disk_tier
 from worker.engine.draft_model import DraftModel
 from worker.engine.grammar import MaskBatch, consume
 from worker.engine.metrics import WorkerMetrics
@@ -134,6 +135,7 @@ class Engine:
         strict_reuse: bool = False,
         spec: SpecConfig | None = None,
         draft_factory: BackendFactory | None = None,
+        disk_cache: DiskCacheConfig | None = None,
     ) -> None:
         """`cache_ram_mib`: the host-RAM prompt cache (worker/engine/prompt_cache.py); 0 off, -1 unbounded.
         `strict_reuse`: reuse no row of another class, not even a finished request's (Determinism).
@@ -144,6 +146,8 @@ class Engine:
         self._draft: DraftModel | None = None
         self._strict_reuse = strict_reuse
         self._cache_ram_mib = cache_ram_mib
+        self._disk_config = disk_cache
+        self._disk: DiskTier | None = None  # made with the scheduler
         self._on_load_failed = on_load_failed
         self._metrics = metrics
         self.n_slots = n_slots
@@ -228,6 +232,7 @@ class Engine:
             except Exception as e:
                 log.exception("engine step failed; failing the tasks in flight")
                 self._fail_all(f"internal error: {e!r}", 500)
+        self._save_to_disk()  # before _fail_all forgets the KV
         self._fail_all("worker is shutting down", 503)
         self._close_backend()
 
@@ -263,6 +268,9 @@ class Engine:
             self._backend, self.n_slots, self._metrics, prompt_cache, reuse_history=not self._strict_reuse,
             spec=Speculator(self._spec_config, self._metrics, self._draft) if use_spec else None,
         )
+        if (config := self._disk_config) is not None:
+            r = self._backend.recipe
+            self._disk = open_disk_tier(config, r, self._scheduler, self._metrics, self.submit, self.call)
         self.status = LoadStatus("ready", 1.0, is_ready=True)
         b = self._backend
         log.info(
@@ -276,7 +284,16 @@ class Engine:
         )
         return True
 
+    def _save_to_disk(self) -> None:
+        if self._disk is not None and self._scheduler is not None and not self._require_backend().is_sleeping:
+            try:
+                self._disk.save(self._scheduler)
+            except Exception:
+                log.exception("prompt cache: saving to disk failed")
+
     def _close_backend(self) -> None:
+        if self._disk is not None:
+            self._disk.close()
         if self._masks is not None:
             self._masks.close()
         for b in (self._backend, self._draft.backend if self._draft is not None else None):
@@ -326,7 +343,8 @@ class Engine:
 
     def _enqueue(self, task: Task) -> None:
         self.last_busy = time.monotonic()
-        self._require_scheduler().enqueue(task)  # first: if waking fails, _fail_all answers it too
+        if self._disk is None or not self._disk.divert(task, self._require_scheduler()):
+            self._require_scheduler().enqueue(task)  # first: if waking fails, _fail_all answers it too
         if self._require_backend().is_sleeping:
             self.wake()
 
@@ -340,9 +358,11 @@ class Engine:
 
     # -- engine thread: commands ---------------------------------------------------------------
     def sleep(self) -> None:
-        """Free weights and KV (engine thread, idle). Cached prefixes are gone with the KV."""
+        """Free weights and KV (engine thread, idle). Cached prefixes go to the disk prompt cache
+        when there is one, else they are gone with the KV."""
         backend = self._require_backend()
         if not backend.is_sleeping:
+            self._save_to_disk()
             self._require_scheduler().kv.forget_all()
             backend.sleep()
             if self._draft is not None:

@@ -15,6 +15,7 @@ does the moving, and keeps each `Slot`'s record of its rows (`cache`, `n_prompt_
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 from worker.backends.base import Backend
@@ -99,6 +100,7 @@ class KvBook:
 
     def restore(self, slot: Slot, entry: CachedPrompt, n_reused: int) -> bool:
         """Load a saved sequence into `slot` (emptied first)."""
+        t0 = time.perf_counter()
         self._backend.seq_rm(slot.id, 0)
         slot.clear()
         fits = not self._backend.kv_unified or len(entry.tokens) <= self.free()
@@ -112,10 +114,11 @@ class KvBook:
             slot.logits, slot.n_logits = entry.logits, len(entry.tokens)
         self._metrics.prompt_cache_restored.inc(n_reused)
         log.info(
-            "prompt cache: restored %d tokens into slot %d (%d of them reused)",
+            "prompt cache: restored %d tokens into slot %d (%d of them reused) in %.1f ms",
             len(entry.tokens),
             slot.id,
             n_reused,
+            (time.perf_counter() - t0) * 1e3,
         )
         return True
 

@@ -7,8 +7,9 @@ gauges averaged over the window between two scrapes: every render starts a new w
 (`prompt_tokens_seconds`, `predicted_tokens_seconds`; the generation rate counts decode steps,
 a request's first token costs none). The `omni:` metrics come from prometheus-client.
 
-The engine thread is the only writer; `render()` (the /metrics handler) reads, and resets the
-window under the lock.
+The engine thread is the only writer of the `llamacpp:` values (the disk prompt cache's threads
+also count into their `omni:` counters, which prometheus-client locks); `render()` (the /metrics
+handler) reads, and resets the window under the lock.
 """
 
 from __future__ import annotations
@@ -101,6 +102,24 @@ class WorkerMetrics:
         )
         self.prompt_cache_restored = Counter(
             "omni:prompt_cache_reused_tokens", "Prompt tokens reused from the prompt cache", registry=r
+        )
+        self.prompt_cache_disk_hits = Counter(
+            "omni:prompt_cache_disk_hits", "Prompts whose prefix was read from the disk prompt cache",
+            registry=r,
+        )
+        self.prompt_cache_disk_misses = Counter(
+            "omni:prompt_cache_disk_misses",
+            "Prompts looked up in the disk prompt cache that found no longer prefix there",
+            registry=r,
+        )
+        self.prompt_cache_disk_writes = Counter(
+            "omni:prompt_cache_disk_writes", "Entries written to the disk prompt cache", registry=r
+        )
+        self.prompt_cache_disk_bytes = Counter(
+            "omni:prompt_cache_disk_bytes", "Bytes written to the disk prompt cache", registry=r
+        )
+        self.prompt_cache_disk_size = Gauge(
+            "omni:prompt_cache_disk_size_bytes", "Size of the model's disk prompt-cache folder", registry=r
         )
         self.prompt_rows_evaluated = Counter(
             "omni:prompt_rows_evaluated", "Prompt rows decoded (counted as they are decoded)", registry=r

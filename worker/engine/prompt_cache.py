@@ -97,6 +97,9 @@ class PromptCache:
         self._entries.move_to_end(best_id)
         return self._entries[best_id], best_n
 
+    def most_recent_first(self) -> list[CachedPrompt]:
+        return list(reversed(self._entries.values()))
+
     def unpin(self, entry: CachedPrompt) -> None:
         entry.is_pinned = False
         self._shrink()

@@ -29,6 +29,8 @@ from typer._click.exceptions import ClickException, NoSuchOption  # typer vendor
 
 from worker.backends import BackendOptions, load_backend, resolve_kind
 from worker.backends.base import POOLINGS, Backend, Pooling
+from worker.engine.disk_cache import fingerprint, kv_settings, parse_size
+from worker.engine.disk_tier import SAVE_SECONDS, DiskCacheConfig
 from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.speculation import SPEC_TYPES, SpecConfig, SpecType
@@ -233,6 +235,15 @@ def serve(
     spec_ngram_simple_size_m: int = typer.Option(
         48, "--spec-ngram-simple-size-m", min=1, max=1024, help="ngram-simple: most tokens one draft copies"
     ),
+    cache_dir: str | None = typer.Option(
+        None,
+        "--cache-dir",
+        help="folder of the disk prompt cache: cached prompts outlive the process (stop, sleep, restart); "
+        "created if missing; off without it",
+    ),
+    cache_disk: str = typer.Option(
+        "8G", "--cache-disk", metavar="SIZE", help="budget of --cache-dir (512M, 8G, bytes; 0: off)"
+    ),
     reasoning_format: str = typer.Option(
         "auto",
         "--reasoning-format",
@@ -389,6 +400,10 @@ def serve(
         raise typer.BadParameter(f"{http_impl!r} is not one of auto, httptools, h11", param_hint="--http")
     if slot_save_path is not None and not os.path.isdir(slot_save_path):
         raise typer.BadParameter(f"{slot_save_path!r} is not a directory", param_hint="--slot-save-path")
+    try:
+        cache_disk_bytes = parse_size(cache_disk)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--cache-disk") from None
     if chat_template and chat_template_file:
         raise typer.BadParameter(
             "give --chat-template or --chat-template-file, not both", param_hint="--chat-template-file"
@@ -463,6 +478,11 @@ def serve(
         repeat_last_n=repeat_last_n, presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
         seed=seed if seed >= 0 else None, max_tokens=n_predict if n_predict >= 0 else None,
     )
+    disk = None
+    has_file = model is not None and Path(model).exists()  # if not: no disk tier, the load says why
+    if cache_dir is not None and cache_disk_bytes > 0 and cache_ram != 0 and model is not None and has_file:
+        fp = fingerprint(model, kv_settings(kind, options))
+        disk = DiskCacheConfig(Path(cache_dir), cache_disk_bytes, fp)
     api_keys = _api_keys(api_key, api_key_file)
     metrics = WorkerMetrics()
     exit_code = 0
@@ -485,6 +505,7 @@ def serve(
         strict_reuse=strict_reuse,
         spec=spec,
         draft_factory=_draft_loader(spec_draft_model, options) if spec_draft_model is not None else None,
+        disk_cache=disk,
     )
     aliases = tuple(sorted(set(_split(alias))))  # llama-server keeps them in a std::set
     state = WorkerState(
@@ -549,7 +570,7 @@ def serve(
         server.run(sockets=sockets)
     else:
         server.run()
-    engine.stop(timeout=1.0)
+    engine.stop(timeout=1.0 + SAVE_SECONDS)  # the disk prompt cache is written as the engine stops
     log.info("exit %d", exit_code)
     logging.shutdown()
     sys.stdout.flush()
