@@ -133,11 +133,11 @@ def _init_llama_backend() -> None:
         _backend_ready = True
 
 
-class _BatchBuffers:
-    """A `llama_batch` over numpy arrays of capacity `n`: one sequence id per token."""
+class _Rows:
+    """A `llama_batch` over numpy arrays of capacity `n` rows, one sequence id per row: token ids
+    (`_BatchBuffers`) or embedding rows (`_EmbdBuffers`, an image chunk's)."""
 
-    def __init__(self, n: int) -> None:
-        self.token = np.zeros(n, dtype=np.int32)
+    def __init__(self, n: int, token: Any = None, embd: Any = None) -> None:
         self.pos = np.zeros(n, dtype=np.int32)
         self.n_seq_id = np.ones(n, dtype=np.int32)
         self.seq = np.zeros(n, dtype=np.int32)
@@ -147,13 +147,21 @@ class _BatchBuffers:
         self._seq_ptrs = (i32p * n)(*(ctypes.cast(base + 4 * i, i32p) for i in range(n)))
         self.batch = ll.llama_batch(
             n_tokens=0,
-            token=self.token.ctypes.data_as(i32p),
-            embd=None,
+            token=token,
+            embd=embd,
             pos=self.pos.ctypes.data_as(i32p),
             n_seq_id=self.n_seq_id.ctypes.data_as(i32p),
             seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p)),
             logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
+
+
+class _BatchBuffers(_Rows):
+    """Token rows."""
+
+    def __init__(self, n: int) -> None:
+        self.token = np.zeros(n, dtype=np.int32)
+        super().__init__(n, token=self.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)))
 
     def fill(self, entries: Sequence[BatchEntry], arange: np.ndarray, all_outputs: bool = False) -> list[int]:
         """Write `entries`; return the batch index of every output row (an entry's last n_outputs).
@@ -180,27 +188,12 @@ class _BatchBuffers:
         return out_rows
 
 
-class _EmbdBuffers:
-    """A `llama_batch` of embedding rows (an image chunk's), capacity `n` rows of `n_embd`."""
+class _EmbdBuffers(_Rows):
+    """Embedding rows (an image chunk's), capacity `n` rows of `n_embd`."""
 
     def __init__(self, n: int, n_embd: int) -> None:
         self.embd = np.zeros((n, n_embd), dtype=np.float32)
-        self.pos = np.zeros(n, dtype=np.int32)
-        self.n_seq_id = np.ones(n, dtype=np.int32)
-        self.seq = np.zeros(n, dtype=np.int32)
-        self.logits = np.zeros(n, dtype=np.int8)
-        i32p = ctypes.POINTER(ctypes.c_int32)
-        base = self.seq.ctypes.data
-        self._seq_ptrs = (i32p * n)(*(ctypes.cast(base + 4 * i, i32p) for i in range(n)))
-        self.batch = ll.llama_batch(
-            n_tokens=0,
-            token=None,
-            embd=self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
-            pos=self.pos.ctypes.data_as(i32p),
-            n_seq_id=self.n_seq_id.ctypes.data_as(i32p),
-            seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p)),
-            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
-        )
+        super().__init__(n, embd=self.embd.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
 
     def fill(self, entries: Sequence[BatchEntry], arange: np.ndarray, all_outputs: bool = False) -> list[int]:
         out_rows: list[int] = []
