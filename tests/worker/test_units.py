@@ -1,13 +1,19 @@
-"""Pure parts of the worker: incremental detokenization, text output, slot choice."""
+"""Pure parts of the worker: incremental detokenization, text output, slot choice, the HTTP
+side's per-backend caches."""
 
 from __future__ import annotations
 
+import asyncio
+from typing import cast
+
 import pytest
 
+from worker.backends.base import Vocab
 from worker.engine.policy import common_prefix_len, kv_victims, pick_slot, youngest
 from worker.engine.slot import Slot
 from worker.engine.task import Task, TextOutput
 from worker.protocol.sampling import SamplingParams
+from worker.server.context import BackendLRU, tokenize_text
 from worker.testing.tiny_models import ModelPaths
 from worker.text.detok import IncrementalDetokenizer
 
@@ -137,3 +143,41 @@ def test_backend_options_are_each_backends_constructor_keywords(kind: str) -> No
         "cpu_kernels",
     }  # test-only switches
     assert set(BackendOptions().kwargs_for(kind)) == taken  # type: ignore[arg-type]  # kind is one of the Literal values
+
+
+class _CountingVocab:
+    """Stands in for a backend's tokenizer: one token per character, counting its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def tokenize(self, text: str, add_special: bool, parse_special: bool) -> list[int]:
+        self.calls += 1
+        return [ord(c) for c in text] + ([1] if add_special else [])
+
+
+def test_backend_lru_bounds_entries_and_weight_and_forgets_another_backend() -> None:
+    a, b = cast(Vocab, _CountingVocab()), cast(Vocab, _CountingVocab())
+    lru: BackendLRU[str, int] = BackendLRU(3, max_weight=10, weight=len)
+    for k in ("aa", "bb", "cc"):
+        lru.put(a, k, len(k))
+    assert lru.get(a, "aa") == 2
+    lru.put(a, "dd", 2)  # 4 entries: the least recently used (bb) goes
+    assert [lru.get(a, k) for k in ("aa", "bb", "cc", "dd")] == [2, None, 2, 2]
+    lru.put(a, "eeeeee", 6)  # weight 12 > 10: the oldest go
+    assert lru.get(a, "eeeeee") == 6 and lru.get(a, "aa") is None
+    lru.put(a, "x" * 11, 0)  # heavier than the whole cache: not kept
+    assert lru.get(a, "x" * 11) is None
+    assert lru.get(b, "eeeeee") is None  # another backend: emptied
+    assert lru.get(a, "eeeeee") is None
+
+
+def test_tokenize_text_reuses_the_ids_of_a_repeated_text() -> None:
+    counting = _CountingVocab()
+    v = cast(Vocab, counting)
+    first = asyncio.run(tokenize_text(v, "hello", True, True))
+    first.append(99)  # the caller may change its list: the cache keeps its own
+    again = asyncio.run(tokenize_text(v, "hello", True, True))
+    other = asyncio.run(tokenize_text(v, "hello", False, True))
+    assert again == [ord(c) for c in "hello"] + [1] and other == [ord(c) for c in "hello"]
+    assert counting.calls == 2

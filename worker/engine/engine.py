@@ -495,7 +495,7 @@ class Engine:
             return None
         if self._masks is None:
             self._masks = MaskBatch(self._require_backend().meta.n_vocab, self.n_slots + 1)
-        self._masks.start(matchers)
+        self._masks.start(matchers, overlap=bool(plan.entries))
         return self._masks
 
     def _read_token(self, task: Task, sample: Sample, is_eog: bool) -> Verdict:

@@ -155,8 +155,10 @@ class MaskBatch:
         self.compute_seconds = 0.0
         self.wait_seconds = 0.0
 
-    def start(self, matchers: Sequence[llguidance.LLMatcher | None]) -> None:
-        """Begin computing masks for `matchers` (in sample order)."""
+    def start(self, matchers: Sequence[llguidance.LLMatcher | None], *, overlap: bool = True) -> None:
+        """Begin computing masks for `matchers` (in sample order). `overlap=False` (no decode to
+        overlap with, e.g. a cached answer sampled from saved logits): compute them now, on this
+        thread; the hop to the helper thread and back cost more than the mask itself."""
         self._rows = []
         jobs: list[tuple[llguidance.LLMatcher, int]] = []
         for m in matchers:
@@ -170,7 +172,13 @@ class MaskBatch:
         if len(jobs) > self._words.shape[0]:
             self._words = np.zeros((len(jobs), self._words.shape[1]), dtype=np.int32)
         words = self._words
-        self._pending = self._pool.submit(self._compute, jobs, words)
+        if overlap:
+            self._pending = self._pool.submit(self._compute, jobs, words)
+        else:
+            self._compute(jobs, words)
+            done: concurrent.futures.Future[None] = concurrent.futures.Future()
+            done.set_result(None)
+            self._pending = done
         self.n_masks += len(jobs)
 
     def _compute(self, jobs: list[tuple[llguidance.LLMatcher, int]], words: np.ndarray) -> None:

@@ -9,6 +9,7 @@ Tasks are submitted when the body starts being produced, and cancelled on every 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -42,23 +43,33 @@ class GenerationResponse(Response):
         self.background = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # A plain asyncio task, not an anyio task group: creating, starting and cancelling a
+        # task group cost ~0.3 ms of CPU per request (its cancel message formats the task's
+        # repr), a sixth of a cached answer's worker time; this costs ~0.05 ms.
         gen = self.gen
+        host = asyncio.current_task()
+        assert host is not None
+        state = {"done": False, "left": False}
+
+        async def watch_disconnect() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gen.cancel()
+            if not state["done"]:
+                state["left"] = True
+                host.cancel()  # raised in produce, at the await it waits on
+
+        watcher = asyncio.get_running_loop().create_task(watch_disconnect())
         try:
-            async with anyio.create_task_group() as tg:
-
-                async def watch_disconnect() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    gen.cancel()
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(watch_disconnect)
-                try:
-                    await self.produce(send)
-                except OSError:  # the client went away mid-write
-                    pass
-                tg.cancel_scope.cancel()
+            await self.produce(send)
+        except OSError:  # the client went away mid-write
+            pass
+        except asyncio.CancelledError:
+            if not state["left"] or host.uncancel() > 0:
+                raise  # cancelled from outside as well
         finally:
+            state["done"] = True
+            watcher.cancel()
             gen.cancel()  # a no-op for finished tasks
 
 
