@@ -82,7 +82,7 @@ def test_image_prompt_logits_match_transformers(tiny_vlm: VlmPaths, ours: Idefic
         n = next((i for i, t in enumerate(feed) if (t == image_id) != is_img), len(feed))
         embd = rows[k : k + n] if is_img else None
         k += n if is_img else 0
-        assert backend.decode([BatchEntry(0, feed[:n], pos, n == len(feed), embd)]) is DecodeStatus.OK
+        assert backend.decode([BatchEntry(0, feed[:n], pos, n == len(feed), embd=embd)]) is DecodeStatus.OK
         pos, feed = pos + n, feed[n:]
     torch.testing.assert_close(backend._logits[0], theirs, atol=TOL, rtol=0)
 
@@ -92,7 +92,7 @@ def _greedy(backend: object, tokens: list[int], media: dict[int, np.ndarray], n:
     while feed:
         k = run_length(feed)
         embd = rows_of(media, feed[:k]) if is_media(feed[0]) else None
-        assert backend.decode([BatchEntry(0, feed[:k], pos, k == len(feed), embd)]) is DecodeStatus.OK  # type: ignore[attr-defined]
+        assert backend.decode([BatchEntry(0, feed[:k], pos, k == len(feed), embd=embd)]) is DecodeStatus.OK  # type: ignore[attr-defined]
         pos, feed = pos + k, feed[k:]
     for _ in range(n):
         out.append(int(np.argmax(backend.logits_row(0))))  # type: ignore[attr-defined]

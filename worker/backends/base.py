@@ -46,7 +46,7 @@ element, and the torch backend computes exactly that.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 from typing import Any, Literal, Protocol
 
@@ -76,6 +76,7 @@ class BatchEntry:
     tokens: list[int]
     pos: int
     logits: bool
+    _: KW_ONLY  # the two extensions by name: a positional 5th argument was once the other one
     n_outputs: int = 1
     embd: np.ndarray | None = None
 

@@ -375,7 +375,8 @@ class Scheduler:
         plan.entries = []
         for s in decoding:
             draft = drafts.get(s.id, [])
-            plan.entries.append((s, BatchEntry(s.id, s.feed + draft, len(s.cache), True, 1 + len(draft))))
+            entry = BatchEntry(s.id, s.feed + draft, len(s.cache), True, n_outputs=1 + len(draft))
+            plan.entries.append((s, entry))
         plan.n_decode_rows = sum(len(e.tokens) for _, e in plan.entries)
         free -= plan.n_decode_rows
 
