@@ -38,7 +38,7 @@ import httpx
 
 from bench.common import ROOT, Server, free_port, median
 
-LLAMA_SERVER = Path("/work/main/third_party/llama-server-build-0.3.36/bin/llama-server")
+LLAMA_SERVER = ROOT / "third_party" / "llama-server-build-0.3.36" / "bin" / "llama-server"
 
 TEXTS = [
     "The old lighthouse stood at the edge of the cliff for more than a hundred years. Every night its "
@@ -121,14 +121,19 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="-t (both sides); 1: llama.cpp's spinning pool of 2 threads crawls on a shared box")
     ap.add_argument("--no-llama-server", action="store_true")
+    ap.add_argument("--llama-server", default=str(LLAMA_SERVER), help="the llama-server binary")
+    ap.add_argument("--arg", action="append", default=[],
+                    help="one more flag for all four servers, e.g. --arg=-ngl --arg=99 on a GPU")
     ap.add_argument("--workloads", default="rewrite,fresh,rewrite8")
     args = ap.parse_args()
     workloads = args.workloads.split(",")
-    common = ["-np", "8", "-c", "8192", "-t", str(args.threads)]
+    common = ["-np", "8", "-c", "8192", "-t", str(args.threads), *args.arg]
     spec = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(args.size_n),
             "--spec-ngram-simple-size-m", str(args.size_m)]
     log_dir = Path(tempfile.mkdtemp(prefix="bench_spec_"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # ROOT first, the caller's PYTHONPATH kept (a GPU image with wheels installed beside it)
+    paths = [str(ROOT), os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
     servers: dict[str, Server] = {}
 
     def add(name: str, cmd: list[str]) -> None:
@@ -140,7 +145,7 @@ def main() -> None:
     add("ours", ours)
     add("ours+spec", [*ours, *spec])
     if not args.no_llama_server:
-        ls = [str(LLAMA_SERVER), "-m", args.model, *common]
+        ls = [args.llama_server, "-m", args.model, *common]
         add("llama-server", ls)
         add("llama-server+spec", [*ls, *spec])
     for s in servers.values():
