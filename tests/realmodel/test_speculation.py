@@ -2,7 +2,15 @@
 prompt-lookup speculation (requests opt in with OVMS's num_assistant_tokens / max_ngram_size)
 equal the answers without, token for token, one at a time and 8 at once, on llama.cpp (Q4_1)
 and on torch (f32, short answers: it decodes a few tokens a second here). The workload is the
-one speculation is for: "rewrite this text with one change", whose answer copies the prompt."""
+one speculation is for: "rewrite this text with one change", whose answer copies the prompt.
+
+Every request sends `cache_prompt: false`: on llama.cpp a prompt that reuses rows another
+request computed (the template's system prompt, say) may answer differently at float rounding
+level from one computed whole (docs/internals.md, *Same input, same output*), and which rows a
+slot holds depends on what ran before. Computed whole, an answer depends on neither, so a
+difference here can only come from speculation. (Without it, CI once saw the first token of one
+of the 8 answers differ: speculation cannot cause that, the first token is sampled before any
+draft.)"""
 
 from __future__ import annotations
 
@@ -26,7 +34,7 @@ def _ask(
     """The answer's tokens (as text pieces) and its timings."""
     change = ("night into evening", "Monday into Tuesday")[i % 2]
     msg = f"Rewrite the following text exactly as it is, but change {change}:\n\n{TEXTS[i % 2]}"
-    out = router.chat(model, msg, max_tokens=max_tokens, logprobs=True, **extra)
+    out = router.chat(model, msg, max_tokens=max_tokens, logprobs=True, cache_prompt=False, **extra)
     tokens = [t["token"] for t in out["choices"][0]["logprobs"]["content"]]
     return tokens, out.get("timings", {})
 
