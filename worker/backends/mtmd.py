@@ -14,6 +14,7 @@ rest (`EncodeShare`): an encode never stops the engine, which only ever sees fin
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 import time
@@ -47,6 +48,13 @@ def _on_mtmd_log(level: int, text: bytes, _user: Any) -> None:
 _LOG_CALLBACK = ll.llama_log_callback(_on_mtmd_log)  # module-level: must outlive every call
 
 
+@functools.cache
+def _route_logs() -> None:
+    """libmtmd's and its helper's messages into our log (warnings and errors), once a process."""
+    mt.mtmd_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+    mt.mtmd_helper_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
 def _decode(ctx: Any, index: int, data: bytes, max_pixels: int) -> Any:
     """An mtmd bitmap of the image bytes (stb_image, in libmtmd's helper); MediaError for bytes
     that are not an image, audio, or more than `max_pixels` pixels (0: no limit)."""
@@ -76,6 +84,7 @@ def decode_rgb(index: int, data: bytes, max_pixels: int = 0) -> np.ndarray:
     is NULL, which it reads only for audio (refused by the magic check first); bytes stb_image
     cannot decode go on to its video path, which keeps the context without reading it and gives
     no pixels (a MediaError here)."""
+    _route_logs()
     bitmap = _decode(None, index, data, max_pixels)
     try:
         nx, ny = int(mt.mtmd_bitmap_get_nx(bitmap)), int(mt.mtmd_bitmap_get_ny(bitmap))
@@ -125,8 +134,7 @@ class MtmdVision:
 
     def __init__(self, mmproj_path: str, text_model: Any, n_embd: int, *, threads: int = 1,
                  max_pixels: int = 0, use_gpu: bool = True, share: EncodeShare | None = None) -> None:
-        mt.mtmd_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-        mt.mtmd_helper_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        _route_logs()
         params = mt.mtmd_context_params_default()
         params.use_gpu = use_gpu
         self._share = share or EncodeShare(2 * threads)
