@@ -6,6 +6,7 @@ libmtmd makes, for images that need each kind of resize and for a grid of severa
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -78,6 +79,20 @@ def test_torch_worker_answers_an_image_as_the_llama_cpp_worker(
     assert _answer(ours) == _answer(theirs)
     assert ours.json()["usage"]["prompt_tokens"] == theirs.json()["usage"]["prompt_tokens"]
     assert ours.json()["usage"]["completion_tokens"] == 12
+
+
+def test_image_rows_batched_with_text_rows_give_the_answer_alone(torch_worker: str) -> None:
+    """The image's runs go into steps shared with other slots' token rows (BatchEntry.embd beside
+    token entries in one forward pass): its greedy answer is the one it gets alone."""
+    messages = [_turn(data_url(png(90, 40, 8)), "Describe it.")]
+    body = {"messages": messages, "max_tokens": 12, "temperature": 0, "cache_prompt": False}
+    url = f"{torch_worker}/v1/chat/completions"
+    alone = _answer(httpx.post(url, json=body, timeout=60))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        text = pool.submit(_chat, torch_worker, [{"role": "user", "content": "Tell me a story."}], 48)
+        beside = pool.submit(httpx.post, url, json=body, timeout=60)
+        assert _answer(beside.result()) == alone
+        assert text.result().status_code == 200
 
 
 def test_torch_worker_says_it_takes_images(torch_worker: str) -> None:
