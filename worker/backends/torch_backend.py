@@ -221,6 +221,7 @@ class TorchBackend:
             iter_tensors(
                 self._files, dtype=self.dtype, device=self.device,
                 progress=lambda f: self._progress("loading weights", f),
+                keep=lambda name: not name.startswith(_VISION_PREFIXES),  # `_load_vision` reads those
             )
         )
         self._n_params = sum(p.numel() for p in model.parameters())
