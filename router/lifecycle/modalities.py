@@ -1,6 +1,8 @@
 """What a model takes as input, known without loading it: text always; images and audio when its
 preset names a projector (`mmproj`) whose GGUF header says it has a vision or an audio encoder
-(`clip.has_vision_encoder`, `clip.has_audio_encoder`, as llama.cpp's converter writes them).
+(`clip.has_vision_encoder`, `clip.has_audio_encoder`, as llama.cpp's converter writes them);
+images for an HF folder on the torch backend whose config.json is a model the torch backend
+serves images for (an Idefics3: worker/protocol/modalities.py, the rule the worker loads by).
 Read once per file version (path, size, mtime) and cached."""
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 
 from router.lifecycle.gguf_header import GGUFHeaderError, read_keys
 from router.presets import ModelPreset
+from worker.protocol.modalities import folder_takes_images
 
 log = logging.getLogger("router.modalities")
 _KEYS = ("clip.has_vision_encoder", "clip.has_audio_encoder")
@@ -20,13 +23,28 @@ def modalities(preset: ModelPreset) -> dict[str, bool]:
     """llama-server's /props `modalities`: {"vision": ..., "audio": ...}."""
     p = preset.mmproj
     if p is None:
-        return {"vision": False, "audio": False}
+        return {"vision": _hf_vision(preset), "audio": False}
     try:
         st = p.stat()
     except OSError:
         return {"vision": False, "audio": False}
     vision, audio = _read(p, st.st_size, st.st_mtime_ns)
     return {"vision": vision, "audio": audio}
+
+
+def _hf_vision(preset: ModelPreset) -> bool:
+    if preset.model is None or preset.resolved_backend != "torch" or preset.embedding:
+        return False
+    try:
+        st = (preset.model / "config.json").stat()
+    except OSError:
+        return False
+    return _folder_vision(preset.model, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _folder_vision(path: Path, size: int, mtime_ns: int) -> bool:
+    return folder_takes_images(path)
 
 
 @functools.lru_cache(maxsize=256)

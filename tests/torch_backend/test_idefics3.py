@@ -121,3 +121,24 @@ def test_gguf_twin_encodes_the_same_rows_and_answers_the_same(
     expected = _greedy(torch_backend, prompt.tokens, ours_media, 8)
     assert _greedy(gguf, prompt.tokens, prompt.media, 8) == expected
     gguf.close()
+
+
+def test_image_rows_beside_token_rows_in_one_step(tiny_vlm: VlmPaths, ours: Idefics3Vision) -> None:
+    """`decode` with an image run (BatchEntry.embd) and another sequence's token rows in one forward
+    pass: the image sequence's logits are the ones it gets alone (bitwise on the exact CPU recipe)."""
+    backend = TorchBackend(str(tiny_vlm.hf_dir), n_ctx=512, n_slots=2, n_batch=256, device="cpu")
+    rows = ours(torch.from_numpy(_pixels(5)[None])).reshape(-1, ours.cfg.text_hidden_size).numpy()
+    head, image = [1, 5, 6, 7], [0] * rows.shape[0]  # media ids become token 0 in decode anyway
+    other = BatchEntry(1, list(range(10, 40)), 0, True)
+
+    def image_logits(beside: bool) -> torch.Tensor:
+        backend.seq_rm(-1, 0)
+        assert backend.decode([BatchEntry(0, head, 0, False)]) is DecodeStatus.OK
+        entries = [BatchEntry(0, image, len(head), True, embd=rows), *([other] if beside else [])]
+        assert backend.decode(entries) is DecodeStatus.OK
+        return torch.from_numpy(backend.logits_row(0))
+
+    alone, beside = image_logits(False), image_logits(True)
+    if backend.recipe.exact_rows:
+        assert torch.equal(alone, beside)
+    torch.testing.assert_close(alone, beside, atol=1e-5, rtol=0)

@@ -8,6 +8,7 @@ from pathlib import Path
 from router.lifecycle.modalities import modalities
 from router.lifecycle.process import worker_argv
 from router.presets import load_presets, scan_models_dir
+from worker.testing.tiny_models import ModelPaths
 from worker.testing.tiny_vlm import VlmPaths
 
 
@@ -39,3 +40,16 @@ def test_mmproj_key_resolves_beside_the_preset_and_a_missing_one_fails_that_mode
     assert got["vlm"].mmproj == (tmp_path / "proj.gguf").resolve() and got["vlm"].model_error is None
     assert got["broken"].model_error is not None and "mmproj path 'nowhere.gguf'" in got["broken"].model_error
     assert modalities(got["broken"]) == {"vision": False, "audio": False}
+
+
+def test_an_idefics3_folder_on_the_torch_backend_takes_images(
+    tmp_path: Path, tiny_vlm: VlmPaths, tiny_models: ModelPaths
+) -> None:
+    """No projector: the folder's config.json says (worker/protocol/modalities.py), as the worker
+    loads its vision side; a text-only folder, or the VLM as an embedding model, does not."""
+    preset = tmp_path / "p.ini"
+    preset.write_text(f"[vlm]\nmodel = {tiny_vlm.hf_dir}\n\n[text]\nmodel = {tiny_models.hf_dir}\n\n"
+                      f"[vlm-embed]\nmodel = {tiny_vlm.hf_dir}\nembedding = true\n")
+    got = {p.name: modalities(p) for p in load_presets(preset)}
+    assert got == {"vlm": {"vision": True, "audio": False}, "text": {"vision": False, "audio": False},
+                   "vlm-embed": {"vision": False, "audio": False}}

@@ -6,6 +6,7 @@
     mtmd           libmtmd (an mmproj): images decoded, tokenized and encoded, an LRU of encodings
     llama_cpp      GGUF files through llama-cpp-python's ctypes API
     torch_backend  HF folders through our own PyTorch model (worker/torch_model/)
+    torch_vision   an Idefics3 folder's images on the torch backend: libmtmd's prompt, our tower's rows
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class BackendOptions:
     # None: all layers when the build can offload
     n_gpu_layers: int | None = field(default=None, metadata={"only": "llama_cpp"})
     mmproj: str | None = field(default=None, metadata={"only": "llama_cpp"})  # image input (libmtmd)
-    image_max_pixels: int = field(default=0, metadata={"only": "llama_cpp"})  # 0: no limit
+    image_max_pixels: int = 0  # a vision model's decoded images at most (0: no limit)
     cache_type_k: str = field(default="f16", metadata={"only": "llama_cpp"})
     cache_type_v: str = field(default="f16", metadata={"only": "llama_cpp"})
     flash_attn: str = field(default="auto", metadata={"only": "llama_cpp"})

@@ -14,6 +14,7 @@ rest (`EncodeShare`): an encode never stops the engine, which only ever sees fin
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import threading
 import time
@@ -45,6 +46,55 @@ def _on_mtmd_log(level: int, text: bytes, _user: Any) -> None:
 
 
 _LOG_CALLBACK = ll.llama_log_callback(_on_mtmd_log)  # module-level: must outlive every call
+
+
+@functools.cache
+def _route_logs() -> None:
+    """libmtmd's and its helper's messages into our log (warnings and errors), once a process."""
+    mt.mtmd_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+    mt.mtmd_helper_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+
+
+def _decode(ctx: Any, index: int, data: bytes, max_pixels: int) -> Any:
+    """An mtmd bitmap of the image bytes (stb_image, in libmtmd's helper); MediaError for bytes
+    that are not an image, audio, or more than `max_pixels` pixels (0: no limit)."""
+    if not data:
+        raise MediaError(f"image {index}: no bytes")
+    if not data.startswith(_IMAGE_MAGIC):  # stb_image's formats; anything else would go to ffmpeg
+        raise MediaError(f"image {index}: not a PNG, JPEG, GIF or BMP image")
+    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    bitmap = mt.mtmd_helper_bitmap_init_from_buf(ctx, buf, len(data), False)
+    if not bitmap:
+        raise MediaError(f"image {index}: the bytes are not an image this server can decode")
+    if mt.mtmd_bitmap_is_audio(bitmap):
+        mt.mtmd_bitmap_free(bitmap)
+        raise MediaError(f"image {index}: audio, not an image")
+    nx, ny = int(mt.mtmd_bitmap_get_nx(bitmap)), int(mt.mtmd_bitmap_get_ny(bitmap))
+    if max_pixels and nx * ny > max_pixels:
+        mt.mtmd_bitmap_free(bitmap)
+        raise MediaError(f"image {index}: {nx}x{ny} = {nx * ny} pixels is over this server's "
+                         f"--image-max-pixels {max_pixels}")
+    return bitmap
+
+
+def decode_rgb(index: int, data: bytes, max_pixels: int = 0) -> np.ndarray:
+    """The image as RGB uint8 [height, width, 3], decoded as the llama.cpp backend decodes it
+    (stb_image through libmtmd's helper: the same pixels for JPEG too), for a vision side that
+    is not libmtmd's (worker/backends/torch_vision.py). No model is needed: the helper's context
+    is NULL, which it reads only for audio (refused by the magic check first); bytes stb_image
+    cannot decode go on to its video path, which keeps the context without reading it and gives
+    no pixels (a MediaError here)."""
+    _route_logs()
+    bitmap = _decode(None, index, data, max_pixels)
+    try:
+        nx, ny = int(mt.mtmd_bitmap_get_nx(bitmap)), int(mt.mtmd_bitmap_get_ny(bitmap))
+        if nx <= 0 or ny <= 0:
+            raise MediaError(f"image {index}: the bytes are not an image this server can decode")
+        ptr = mt.mtmd_bitmap_get_data(bitmap)
+        rgb: np.ndarray = np.ctypeslib.as_array(ptr, shape=(ny * nx * 3,)).copy().reshape(ny, nx, 3)
+        return rgb
+    finally:
+        mt.mtmd_bitmap_free(bitmap)
 
 
 class EncodeShare:
@@ -84,8 +134,7 @@ class MtmdVision:
 
     def __init__(self, mmproj_path: str, text_model: Any, n_embd: int, *, threads: int = 1,
                  max_pixels: int = 0, use_gpu: bool = True, share: EncodeShare | None = None) -> None:
-        mt.mtmd_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
-        mt.mtmd_helper_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        _route_logs()
         params = mt.mtmd_context_params_default()
         params.use_gpu = use_gpu
         self._share = share or EncodeShare(2 * threads)
@@ -117,23 +166,8 @@ class MtmdVision:
                     mt.mtmd_bitmap_free(b)
 
     def _bitmap(self, index: int, data: bytes) -> Any:
-        if not data:
-            raise MediaError(f"image {index}: no bytes")
-        if not data.startswith(_IMAGE_MAGIC):  # stb_image's formats; anything else would go to ffmpeg
-            raise MediaError(f"image {index}: not a PNG, JPEG, GIF or BMP image")
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-        bitmap = mt.mtmd_helper_bitmap_init_from_buf(self._ctx, buf, len(data), False)
-        if not bitmap:
-            raise MediaError(f"image {index}: the bytes are not an image this server can decode")
-        if mt.mtmd_bitmap_is_audio(bitmap):
-            mt.mtmd_bitmap_free(bitmap)
-            raise MediaError(f"image {index}: audio, not an image")
+        bitmap = _decode(self._ctx, index, data, self.max_pixels)
         mt.mtmd_bitmap_set_id(bitmap, str(index).encode())
-        nx, ny = int(mt.mtmd_bitmap_get_nx(bitmap)), int(mt.mtmd_bitmap_get_ny(bitmap))
-        if self.max_pixels and nx * ny > self.max_pixels:
-            mt.mtmd_bitmap_free(bitmap)
-            raise MediaError(f"image {index}: {nx}x{ny} = {nx * ny} pixels is over this server's "
-                             f"--image-max-pixels {self.max_pixels}")
         return bitmap
 
     def _tokenize_and_encode(self, text: str, images: Sequence[bytes], bitmaps: list[Any]) -> MediaPrompt:

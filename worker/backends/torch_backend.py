@@ -31,6 +31,14 @@ Sleep: on CUDA the weights move to pinned host memory and the KV cache is freed;
 are dropped and `wake` reloads from disk (either way the KV contents are gone). Construction
 (and wake) ends with one tiny warm-up step.
 
+Images (an Idefics3/SmolVLM folder, worker/protocol/modalities.py; not as an embedding model):
+the vision tower and connector load beside the text model, and `vision` is a TorchVision
+(worker/backends/torch_vision.py) that makes, off the engine thread, the prompt libmtmd makes
+for the GGUF twin. Image rows enter `decode` as `BatchEntry.embd`: they replace those rows'
+token embeddings (`Model.forward`'s `embd`), in the same step as any other rows; a step without
+them costs one check. The CUDA graphs capture token rows only: a step with image rows runs
+eagerly.
+
 Embedding models (`embedding=True`): `decode` runs the same layers, takes every row's
 final-normed hidden state (`Model.hidden_states`) instead of logits, and pools each entry that
 asks for logits as llama.cpp does (worker/backends/base.py). The default pooling is the
@@ -67,6 +75,7 @@ from worker.backends.base import (
     SampleItem,
 )
 from worker.backends.media import Vision
+from worker.protocol.modalities import folder_takes_images
 from worker.protocol.sampling import SamplingParams
 from worker.text.rerank import QWEN3_RERANK_TEMPLATE, RERANK_LABELS, is_qwen3_reranker
 from worker.torch_model.config import ModelConfig, load_config
@@ -74,9 +83,11 @@ from worker.torch_model.kv_cache import MAX_MASK_SEQS, KVCache
 from worker.torch_model.model import Model, linear
 from worker.torch_model.sampler import SamplerState, new_state, sample_rows
 from worker.torch_model.tokenizer import HFTokenizer
+from worker.torch_model.vision import Idefics3Vision, load_vision_config
 from worker.torch_model.weights import checkpoint_files, iter_tensors, tensor_names
 
 log = logging.getLogger(__name__)
+_VISION_PREFIXES = ("model.vision_model.", "model.connector.")  # a VLM's (worker/torch_model/vision.py)
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
@@ -117,6 +128,7 @@ class TorchBackend:
         cpu_kernels: bool = True,
         embedding: bool = False,
         pooling: Pooling | None = None,
+        image_max_pixels: int = 0,
     ) -> None:
         if threads is not None and threads > 0:
             torch.set_num_threads(threads)  # one backend per worker process: global is fine
@@ -131,7 +143,7 @@ class TorchBackend:
         self.pooling: Pooling | None = (pooling or default_pooling(self._path)) if embedding else None
         self._embeddings: list[np.ndarray] = []  # per logits entry of the last decode (embedding models)
         self.pools_in_pieces = self.pooling in ("last", "rank")  # a causal model: the last row is final
-        self.vision: Vision | None = None  # no image input on this backend yet
+        self.vision: Vision | None = None  # an Idefics3 folder's (`_load_vision`), when generating
         self._labels: list[int] | None = None  # a Qwen3-Reranker's "yes" and "no" token ids
         if self.pooling == "rank" and is_qwen3_reranker(self._path):
             self._labels = [self.tokenizer.token_id(t) for t in RERANK_LABELS]
@@ -147,8 +159,7 @@ class TorchBackend:
         self.n_batch = n_batch
         self.n_ubatch = n_ubatch
         self._files = checkpoint_files(self._path)
-        vision = ("model.vision_model.", "model.connector.")  # a VLM's (worker/torch_model/vision.py)
-        names = {n for n in tensor_names(self._files) if not n.startswith(vision)}
+        names = {n for n in tensor_names(self._files) if not n.startswith(_VISION_PREFIXES)}
         if self.pooling == "rank" and any(n.startswith(("score.", "classifier.")) for n in names):
             raise ValueError(
                 "rank pooling through a sequence-classification head (score/classifier weights) is "
@@ -172,6 +183,8 @@ class TorchBackend:
         self._logits = torch.empty(0)
         self._sleeping = False
         self._load_weights()
+        if not embedding and folder_takes_images(self._path):
+            self.vision = self._load_vision(image_max_pixels)
         self.recipe = self._recipe()
         self._alloc_kv()
         self._warm_up()
@@ -208,6 +221,7 @@ class TorchBackend:
             iter_tensors(
                 self._files, dtype=self.dtype, device=self.device,
                 progress=lambda f: self._progress("loading weights", f),
+                keep=lambda name: not name.startswith(_VISION_PREFIXES),  # `_load_vision` reads those
             )
         )
         self._n_params = sum(p.numel() for p in model.parameters())
@@ -216,6 +230,16 @@ class TorchBackend:
         if self._cpu_kernels:
             model.use_cpu_kernels()  # float32/bfloat16 on the CPU only
         self._model = model
+
+    def _load_vision(self, max_pixels: int) -> Vision:
+        """The vision tower and connector (worker/torch_model/vision.py) on the text model's device
+        and dtype, behind worker/backends/torch_vision.py's prompt layout. Kept through sleep."""
+        from worker.backends.torch_vision import TorchVision  # libmtmd's image decoder: a VLM only
+
+        tower = Idefics3Vision(load_vision_config(self._path), dtype=self.dtype, device=self.device)
+        tower.load_weights(iter_tensors(self._files, dtype=self.dtype, device=self.device,
+                                        keep=lambda name: name.startswith(_VISION_PREFIXES)))
+        return TorchVision(self._path, tower, self.tokenizer, max_pixels=max_pixels)
 
     def _recipe(self) -> RowRecipe:
         """Exact only where every row is batch invariant (see model.py): the fused kernels on

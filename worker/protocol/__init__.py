@@ -7,4 +7,5 @@
     sampling     `SamplingParams`, the plain value the request models convert themselves into
     front        the CORS and API-key ASGI layers, llama-server's rules, used by both servers
     profile_log  profiling runs and their JSONL event format (/start_profile, /stop_profile)
+    modalities   what an HF model folder takes as input (images: an Idefics3), for both sides
 """

@@ -197,9 +197,10 @@ def write_hf_vlm(out_dir: Path, tok: Tokenizer, weights: dict[str, np.ndarray]) 
 
 
 def write_mmproj(path: Path, vision: dict[str, np.ndarray], n_embd_text: int, v: VisionSpec = VISION,
-                 name: str = TEXT.name, f16: bool = False) -> None:
+                 name: str = TEXT.name, f16: bool = False, longest_edge: int | None = None) -> None:
     """The vision tower and projector as convert_hf_to_gguf.py --mmproj writes them: F32, or F16
-    matrices (norms, biases and the embeddings stay F32, as the converter keeps them)."""
+    matrices (norms, biases and the embeddings stay F32, as the converter keeps them).
+    `longest_edge`: the preprocessor's size.longest_edge (default: one tile)."""
     import gguf
 
     tmp = path.with_suffix(".gguf.tmp")
@@ -221,7 +222,7 @@ def write_mmproj(path: Path, vision: dict[str, np.ndarray], n_embd_text: int, v:
     w.add_vision_attention_layernorm_eps(v.layer_norm_eps)
     w.add_vision_projector_scale_factor(v.scale_factor)
     w.add_vision_use_gelu(True)
-    w.add_vision_preproc_image_size(v.image_size)
+    w.add_vision_preproc_image_size(longest_edge or v.image_size)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, v.layers)
     for hf_name, t in vision.items():
         stem, _, suffix = hf_name.rpartition(".")

@@ -40,8 +40,10 @@ def iter_tensors(
     dtype: torch.dtype,
     device: torch.device | str,
     progress: Callable[[float], None] | None = None,
+    keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) in `dtype` on `device`; `progress` gets the fraction of bytes read."""
+    """Yield (name, tensor) in `dtype` on `device`; `progress` gets the fraction of bytes read.
+    `keep`: only the tensors whose names it accepts are read (e.g. a VLM's vision side)."""
     total = sum(p.stat().st_size for p in files) or 1
     done = 0
     dev = torch.device(device)
@@ -54,6 +56,8 @@ def iter_tensors(
         )
         with safe_open(str(path), framework="pt", device=open_device) as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if keep is not None and not keep(name):
+                    continue
                 tensor = f.get_tensor(name)
                 done += tensor.numel() * tensor.element_size()
                 yield name, tensor.to(device=dev, dtype=dtype)
