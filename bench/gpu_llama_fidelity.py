@@ -22,17 +22,7 @@ import httpx
 import numpy as np
 
 from bench.common import free_port
-
-QUESTIONS = [
-    "Name three primary colors.",
-    "What is the capital of Japan?",
-    "Write a haiku about the sea.",
-    "Explain what a CPU does in one paragraph.",
-    "List five fruits.",
-    "Why is the sky blue?",
-    "Give me a tip for learning to code.",
-    "What is the chemical symbol for gold?",
-]
+from tests.realmodel.test_fidelity import QUESTIONS  # the same 8 chat prompts as the CPU test
 
 
 def first_diff(a: list[int], b: list[int]) -> int | None:
