@@ -58,6 +58,19 @@ def test_bad_input_is_a_400_envelope(worker: Worker, path: str, body: dict[str, 
     assert str(err["param"]).startswith(param)
 
 
+def test_an_image_for_a_text_model_names_what_this_backend_needs(worker: Worker) -> None:
+    """A text-only model refuses an image with the way to serve one on its own backend: llama.cpp
+    takes a projector (--mmproj), torch reads images for an Idefics3 folder only."""
+    content = [{"type": "text", "text": "hi"},
+               {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    r = worker.post(CHAT, {"messages": [{"role": "user", "content": content}], "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "not_supported_error" and err["param"] == "messages"
+    hint, other = ("--mmproj", "Idefics3") if worker.backend == "llama_cpp" else ("Idefics3", "--mmproj")
+    assert hint in err["message"] and other not in err["message"], err["message"]
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b"\xff\xfe"])
 def test_malformed_body_is_a_400(worker: Worker, raw: bytes) -> None:
     import httpx

@@ -109,8 +109,10 @@ def chat_media(state: WorkerState, backend: Vocab, messages: list[ChatMessage],
     if not has_media(messages, images):
         return None
     if backend.vision is None:
+        how = ("serve it with --mmproj" if state.backend_kind == "llama_cpp"
+               else "the torch backend reads images for an Idefics3/SmolVLM model folder only")
         raise APIError(f"model {state.model_id!r} does not accept images (it has no vision projector: "
-                       "serve it with --mmproj)", param="messages", type="not_supported_error")
+                       f"{how})", param="messages", type="not_supported_error")
     media = extract(messages, images, backend.vision.marker, state.model_id)
     if len(media.urls) > state.media.max_images:
         raise APIError(f"{len(media.urls)} images in one request; this server takes at most "
