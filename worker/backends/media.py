@@ -17,6 +17,7 @@ whatever else runs: so a request's rows, and its greedy output, do not depend on
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -76,6 +77,29 @@ def rows_of(media: dict[int, np.ndarray], tokens: Sequence[int]) -> np.ndarray:
     """The embeddings of a run of media ids (one chunk's consecutive rows)."""
     key, row = split_id(tokens[0])
     return media[key][row : row + len(tokens)]
+
+
+class ChunkCache:
+    """Encoded image chunks by media key, the least recently used dropped past `capacity`: what
+    lets the same image in a follow-up turn skip its encode (both vision sides; the caller locks)."""
+
+    def __init__(self, capacity: int = 256) -> None:  # a tiny VLM's chunk is 4 KB, a SmolVLM tile's 150 KB
+        self.capacity = capacity
+        self._rows: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def get(self, key: int, n_rows: int | None = None) -> np.ndarray | None:
+        """The chunk's rows (None: not cached, or cached with another row count)."""
+        rows = self._rows.get(key)
+        if rows is None or (n_rows is not None and rows.shape[0] != n_rows):
+            return None
+        self._rows.move_to_end(key)
+        return rows
+
+    def put(self, key: int, rows: np.ndarray) -> None:
+        self._rows[key] = rows
+        self._rows.move_to_end(key)
+        while len(self._rows) > self.capacity:
+            self._rows.popitem(last=False)
 
 
 class MediaError(ValueError):

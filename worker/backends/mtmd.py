@@ -18,7 +18,6 @@ import functools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +25,7 @@ import llama_cpp as ll
 import llama_cpp.mtmd_cpp as mt
 import numpy as np
 
-from worker.backends.media import MediaError, MediaPrompt, chunk_ids, media_key
+from worker.backends.media import ChunkCache, MediaError, MediaPrompt, chunk_ids, media_key
 
 log = logging.getLogger("worker.mtmd")
 
@@ -35,7 +34,6 @@ _CHUNK_IMAGE = mt.MTMD_INPUT_CHUNK_TYPE_IMAGE
 # PNG, JPEG, GIF, BMP: what stb_image decodes. libmtmd's helper hands any other bytes to ffprobe
 # and ffmpeg (a video), which must not run on whatever a client sends.
 _IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM")
-_CACHE_CHUNKS = 256  # encoded chunks kept (the tiny VLM's are 4 KB; a SmolVLM tile's 150 KB)
 
 
 def _on_mtmd_log(level: int, text: bytes, _user: Any) -> None:
@@ -152,7 +150,7 @@ class MtmdVision:
         self.n_embd = n_embd
         self.max_pixels = max_pixels
         self._lock = threading.Lock()
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache = ChunkCache()
 
     def prepare(self, text: str, images: Sequence[bytes]) -> MediaPrompt:
         with self._lock:
@@ -213,9 +211,8 @@ class MtmdVision:
         return out
 
     def _embeddings(self, chunk: Any, key: int, n_rows: int, out: MediaPrompt) -> np.ndarray:
-        cached = self._cache.get(key)
-        if cached is not None and cached.shape[0] == n_rows:
-            self._cache.move_to_end(key)
+        cached = self._cache.get(key, n_rows)
+        if cached is not None:
             out.n_cached += 1
             return cached
         def encode() -> tuple[int, float]:
@@ -229,9 +226,7 @@ class MtmdVision:
         emb = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_embd)).copy()
         out.encode_seconds += seconds
         out.n_encoded += 1
-        self._cache[key] = emb
-        while len(self._cache) > _CACHE_CHUNKS:
-            self._cache.popitem(last=False)
+        self._cache.put(key, emb)
         return emb
 
     def close(self) -> None:

@@ -26,21 +26,19 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from worker.backends.media import MediaError, MediaPrompt, chunk_ids, media_key
+from worker.backends.media import ChunkCache, MediaError, MediaPrompt, chunk_ids, media_key
 from worker.backends.mtmd import decode_rgb
 from worker.torch_model.image import Triple, idefics3_tiles, normalize
 from worker.torch_model.tokenizer import HFTokenizer
 from worker.torch_model.vision import Idefics3Vision
 
 MARKER = "<__media__>"  # libmtmd's default marker (mtmd_default_marker), so both backends take one text
-_CACHE_CHUNKS = 256  # encoded chunks kept, as worker/backends/mtmd.py
 _LAYOUT = ("\n\n", "<fake_token_around_image>", "<global-img>", "\n")
 
 
@@ -61,7 +59,7 @@ class TorchVision:
         self._tok = tokenizer
         self._ids = _lookup(tokenizer, _LAYOUT)
         self._lock = threading.Lock()
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._cache = ChunkCache()
 
     def prepare(self, text: str, images: Sequence[bytes]) -> MediaPrompt:
         n_markers = text.count(self.marker)
@@ -106,7 +104,6 @@ class TorchVision:
             for j, key in enumerate(keys):
                 cached = self._cache.get(key)
                 if cached is not None:
-                    self._cache.move_to_end(key)
                     rows[j] = cached
             todo = [j for j in range(len(keys)) if j not in rows]
             out.n_cached += len(keys) - len(todo)
@@ -118,9 +115,8 @@ class TorchVision:
                 out.encode_seconds += time.perf_counter() - t0
                 out.n_encoded += len(todo)
                 for j, emb in zip(todo, encoded, strict=True):
-                    rows[j] = self._cache[keys[j]] = emb
-                while len(self._cache) > _CACHE_CHUNKS:
-                    self._cache.popitem(last=False)
+                    rows[j] = emb
+                    self._cache.put(keys[j], emb)
             return [rows[j] for j in range(len(keys))]
 
 
