@@ -105,12 +105,12 @@ def check_accepts(vision: Vision | None, kinds: set[str], model: str, backend_ki
         raise APIError(f"model {model!r} does not accept images ({how})", param="messages",
                        type="not_supported_error")
     if "audio" in kinds and (vision is None or not vision.has_audio):
-        if vision is not None:
-            how = "its projector has no audio encoder"
-        elif backend_kind == "llama_cpp":
-            how = "it has no audio projector: serve it with the --mmproj of an audio model"
-        else:
+        if backend_kind != "llama_cpp":
             how = "the torch backend takes no audio"
+        elif vision is not None:
+            how = "its projector has no audio encoder"
+        else:
+            how = "it has no audio projector: serve it with the --mmproj of an audio model"
         raise APIError(f"model {model!r} does not accept audio ({how})", param="messages",
                        type="not_supported_error")
 
