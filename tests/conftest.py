@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.util import ROOT
+from worker.testing.tiny_audio import AudioModelPaths, ensure_audio_model
 from worker.testing.tiny_models import ModelPaths, ensure_model
 from worker.testing.tiny_vlm import VlmPaths, ensure_vlm
 
@@ -29,6 +30,12 @@ def tiny_reranker() -> ModelPaths:
 def tiny_vlm() -> VlmPaths:
     """The tiny SmolVLM (Idefics3): HF folder, text GGUF and mmproj GGUF of the same weights."""
     return ensure_vlm(ROOT / "models")
+
+
+@pytest.fixture(scope="session")
+def tiny_audio() -> AudioModelPaths:
+    """The tiny Ultravox-style audio model: text GGUF and audio mmproj (Whisper encoder)."""
+    return ensure_audio_model(ROOT / "models")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -111,3 +111,33 @@ def preset_defaults(ctx_size: int) -> str:
     """The `[defaults]` section the real-worker router tests share: a small context, 2 slots, one
     thread each (2 cores here), a quick stop."""
     return f"[defaults]\nctx-size = {ctx_size}\nparallel = 2\nthreads = 1\nstop-timeout = 5\n"
+
+
+def llama_server_binary() -> Path | None:
+    """llama.cpp's own llama-server, built by scripts/build_llama_server.sh from the pinned
+    sources ($OMNI_LLAMA_SERVER wins): None when there is none."""
+    env = os.environ.get("OMNI_LLAMA_SERVER")
+    if env:
+        return Path(env)
+    hits = sorted(ROOT.glob("third_party/llama-server-build-*/bin/llama-server"))
+    return hits[-1] if hits else None
+
+
+@contextlib.contextmanager
+def run_llama_server(model: str | Path, *args: str, log_path: Path, timeout: float = 60.0) -> Iterator[str]:
+    """Start llama-server on `model` with ARGS on a free port (output to `log_path`); yield its
+    base URL once healthy. Skips the test when there is no llama-server."""
+    import pytest
+
+    binary = llama_server_binary()
+    if binary is None or not binary.is_file():
+        pytest.skip("no llama-server: run scripts/build_llama_server.sh (or set OMNI_LLAMA_SERVER)")
+    port = free_port()
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen([str(binary), "-m", str(model), "--port", str(port), "--no-warmup", *args],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy(proc, f"http://127.0.0.1:{port}", timeout)
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            stop_process(proc)

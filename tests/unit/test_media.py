@@ -1,5 +1,5 @@
-"""Media ids (worker/backends/media.py) and the cores an encode takes from the decode (mtmd.py):
-pure parts, no model."""
+"""Media ids (worker/backends/media.py), the cores an encode takes from the decode (mtmd.py), and
+how chat parts become markers and media items (worker/server/media.py): pure parts, no model."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from worker.backends.media import (
+    AudioBytes,
     chunk_ids,
     is_media,
     media_id,
@@ -18,7 +19,9 @@ from worker.backends.media import (
     run_piece,
     split_id,
 )
-from worker.backends.mtmd import EncodeShare
+from worker.backends.mtmd import EncodeShare, is_audio_file, labels
+from worker.protocol.wire import ChatMessage
+from worker.server.media import AudioPart, extract, media_kinds
 
 A = media_key(b"image a", 0)
 B = media_key(b"image b", 0)
@@ -74,3 +77,40 @@ def test_an_encode_takes_half_the_cores_from_the_decode_while_it_runs() -> None:
     t.join(10)
     assert share.decode_threads() == 4 and share.encoding(lambda: 7) == 7
     assert EncodeShare(threads=1).encode_threads == 1 and EncodeShare(threads=1).decode_threads() == 1
+
+
+@pytest.mark.parametrize(
+    ("data", "is_audio"),
+    [
+        (b"RIFF\x24\x00\x00\x00WAVEfmt ", True),
+        (b"ID3\x04\x00\x00\x00\x00\x00\x00\x00\x00", True),
+        (b"\xff\xfb\x90\x64" + b"\x00" * 8, True),  # an MPEG frame sync
+        (b"fLaC\x00\x00\x00\x22" + b"\x00" * 4, True),
+        (b"RIFF\x24\x00\x00\x00AVI LIST", False),  # RIFF, not WAVE
+        (b"\xff\xd8\xff\xe0" + b"\x00" * 8, False),  # a JPEG is no MPEG sync (0xD8)
+        (b"\x89PNG\r\n\x1a\n" + b"\x00" * 4, False),
+        (b"RIFF", False),  # under 12 bytes, as libmtmd's helper
+    ],
+    ids=["wav", "mp3-id3", "mp3-sync", "flac", "avi", "jpeg", "png", "short"],
+)
+def test_is_audio_file_is_libmtmds_test(data: bytes, is_audio: bool) -> None:
+    assert is_audio_file(data) is is_audio
+
+
+def test_errors_count_images_and_audio_apart() -> None:
+    media = [b"png", AudioBytes(b"wav"), b"jpg", AudioBytes(b"mp3")]
+    assert labels(media) == ["image 0", "audio 0", "image 1", "audio 1"]
+    assert media_key(AudioBytes(b"x"), 0) == media_key(b"x", 0)  # keyed by the bytes alone
+
+
+def test_audio_parts_become_markers_in_order_with_the_images() -> None:
+    audio = {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [ChatMessage(role="user", content=[{"type": "text", "text": "Hear"}, audio,
+                                                  {"type": "text", "text": "and see"}, image])]
+    assert media_kinds(messages, None) == {"image", "audio"}
+    assert media_kinds([ChatMessage(role="user", content="hi")], None) == set()
+    got = extract(messages, None, "<M>")
+    assert got.messages[0].content == "Hear<M>and see<M>"
+    assert got.items == [AudioPart("UklGRg==", "wav"), "data:image/png;base64,AAAA"]
+    assert (got.n_images, got.n_audio) == (1, 1)

@@ -5,45 +5,23 @@ image parts, the same libmtmd tiles)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.util import ROOT, free_port, run_worker, stop_process, wait_healthy
+from tests.util import run_llama_server, run_worker
 from worker.testing.tiny_vlm import VlmPaths, data_url, png
 
 ARGS = ["-np", "1", "-c", "2048", "-t", "1"]
 
 
-def _llama_server() -> Path | None:
-    env = os.environ.get("OMNI_LLAMA_SERVER")
-    if env:
-        return Path(env)
-    hits = sorted(ROOT.glob("third_party/llama-server-build-*/bin/llama-server"))
-    return hits[-1] if hits else None
-
-
 @pytest.fixture(scope="module")
 def llama_server(tiny_vlm: VlmPaths, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = _llama_server()
-    if binary is None or not binary.is_file():
-        pytest.skip("no llama-server: run scripts/build_llama_server.sh (or set OMNI_LLAMA_SERVER)")
-    port = free_port()
-    log = (tmp_path_factory.mktemp("llama-server") / "log").open("wb")
-    proc = subprocess.Popen([str(binary), "-m", str(tiny_vlm.gguf), "--mmproj", str(tiny_vlm.mmproj),
-                             "--port", str(port), "--no-warmup", *ARGS],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_healthy(proc, f"http://127.0.0.1:{port}", 60)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop_process(proc)
-        log.close()
+    log = tmp_path_factory.mktemp("llama-server") / "log"
+    with run_llama_server(tiny_vlm.gguf, "--mmproj", str(tiny_vlm.mmproj), *ARGS, log_path=log) as base:
+        yield base
 
 
 def _chat(base: str, content: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """The inference backends, and choosing one. Imports are lazy: the GGUF path never imports torch
 (fast start).
 
-    media          images in a prompt: media ids (keyed by the image bytes), the `Vision` contract
+    media          images and audio in a prompt: media ids (keyed by the bytes), the `Vision` contract
     base           the contract: `Vocab` (thread-safe, the HTTP side) and `Backend` (the engine's)
-    mtmd           libmtmd (an mmproj): images decoded, tokenized and encoded, an LRU of encodings
+    mtmd           libmtmd (an mmproj): images and audio decoded, tokenized and encoded, an LRU of encodings
     llama_cpp      GGUF files through llama-cpp-python's ctypes API
     torch_backend  HF folders through our own PyTorch model (worker/torch_model/)
     torch_vision   an Idefics3 folder's images on the torch backend: libmtmd's prompt, our tower's rows
@@ -41,8 +41,10 @@ class BackendOptions:
     pooling: Pooling | None = None  # with `embedding`: None = the model's own (llama-server's default)
     # None: all layers when the build can offload
     n_gpu_layers: int | None = field(default=None, metadata={"only": "llama_cpp"})
-    mmproj: str | None = field(default=None, metadata={"only": "llama_cpp"})  # image input (libmtmd)
+    mmproj: str | None = field(default=None, metadata={"only": "llama_cpp"})  # image/audio input (libmtmd)
     image_max_pixels: int = 0  # a vision model's decoded images at most (0: no limit)
+    # an audio model's decoded audio at most, in seconds (0: no limit)
+    audio_max_seconds: float = field(default=0.0, metadata={"only": "llama_cpp"})
     cache_type_k: str = field(default="f16", metadata={"only": "llama_cpp"})
     cache_type_v: str = field(default="f16", metadata={"only": "llama_cpp"})
     flash_attn: str = field(default="auto", metadata={"only": "llama_cpp"})

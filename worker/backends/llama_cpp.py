@@ -238,6 +238,7 @@ class LlamaCppBackend:
         pooling: Pooling | None = None,
         mmproj: str | None = None,
         image_max_pixels: int = 0,
+        audio_max_seconds: float = 0.0,
     ) -> None:
         _init_llama_backend()
         if not os.path.isfile(model_path):
@@ -301,13 +302,13 @@ class LlamaCppBackend:
         self._meta = self._read_meta()
         self._buf = _BatchBuffers(self.n_batch)
         n_embd = int(ll.llama_model_n_embd(self._model))  # (a vocab-only model says 0)
-        self._ebuf = _EmbdBuffers(self.n_batch, n_embd) if mmproj else None  # image rows
+        self._ebuf = _EmbdBuffers(self.n_batch, n_embd) if mmproj else None  # image and audio rows
         # libmtmd tokenizes with the vocab-only model, which outlives sleep.
         self._share = EncodeShare(self._threads) if mmproj else None  # the cores, beside an encode
         self._cur_threads = self._threads
         self.vision: Vision | None = MtmdVision(
             mmproj, self._vocab_model, n_embd, max_pixels=image_max_pixels,
-            use_gpu=self._n_gpu_layers != 0, share=self._share,
+            max_audio_seconds=audio_max_seconds, use_gpu=self._n_gpu_layers != 0, share=self._share,
         ) if mmproj else None
         self._arange = np.arange(self.n_ctx + self.n_batch, dtype=np.int32)
         self._token_data = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
@@ -514,7 +515,7 @@ class LlamaCppBackend:
         for k, call in enumerate(calls):
             buf: _BatchBuffers | _EmbdBuffers = self._buf
             if call[0].embd is not None:  # an image chunk's rows: a call of their own
-                assert self._ebuf is not None, "image rows for a model loaded without --mmproj"
+                assert self._ebuf is not None, "media rows for a model loaded without --mmproj"
                 buf = self._ebuf
             rows = buf.fill(call, self._arange, self._embedding)
             ret = ll.llama_decode(self._ctx, buf.batch)
@@ -579,7 +580,7 @@ class LlamaCppBackend:
                 last.append(e)
             else:
                 calls.append([e])
-        calls.extend([e] for e in entries if e.embd is not None)  # image rows: each chunk's run alone
+        calls.extend([e] for e in entries if e.embd is not None)  # media rows: each chunk's run alone
         if rows and self._embedding:  # one-token inputs: the one-row kernel always, alone or not
             calls.extend([r] for r in rows)
         elif rows:

@@ -1,16 +1,16 @@
-"""Images in a prompt: how their rows travel through the engine as token ids.
+"""Images and audio in a prompt: how their rows travel through the engine as token ids.
 
-A prompt with images is one list of ids, as a text prompt is: an image chunk of n rows (the
-embeddings libmtmd's projector makes of one tile) takes n *media ids*, negative numbers that
-say which chunk and which of its rows: `media_id(key, j)`. `key` is a hash of the image's
-bytes and the chunk's index in that image, so the engine's prefix matching (slots, the
-prompt cache) keys image rows by the image bytes with no code of its own: the same image at
-the same place in a follow-up turn is the same ids, and its KV rows are reused, never
-computed again. The embeddings themselves ride with the task (`Task.media`: key ->
+A prompt with media is one list of ids, as a text prompt is: a media chunk of n rows (the
+embeddings a projector makes of one image tile, or of one 30 s window of audio) takes n *media
+ids*, negative numbers that say which chunk and which of its rows: `media_id(key, j)`. `key`
+is a hash of the media's bytes and the chunk's index in them, so the engine's prefix matching
+(slots, the prompt cache) keys media rows by the bytes with no code of its own: the same image
+or audio at the same place in a follow-up turn is the same ids, and its KV rows are reused,
+never computed again. The embeddings themselves ride with the task (`Task.media`: key ->
 float32[n, n_embd]) and enter a batch as `BatchEntry.embd`.
 
 The scheduler cuts a prompt with media ids in *runs*: a run is text tokens up to the next
-image chunk, or the rows of one chunk, and each run goes in one piece (cut only at n_ubatch),
+media chunk, or the rows of one chunk, and each run goes in one piece (cut only at n_ubatch),
 whatever else runs: so a request's rows, and its greedy output, do not depend on the load.
 """
 
@@ -28,9 +28,9 @@ _ROW_BITS = 20  # rows of one chunk: up to 2**20
 _KEY_BITS = 40  # key and row fit an int64 (numpy token arrays): 61 bits with the sign
 
 
-def media_key(image: bytes, chunk_index: int) -> int:
-    """The key of an image's `chunk_index`-th chunk: 40 bits of a SHA-256 of the bytes."""
-    digest = hashlib.sha256(image + chunk_index.to_bytes(4, "little")).digest()
+def media_key(data: bytes, chunk_index: int) -> int:
+    """The key of an image's or audio's `chunk_index`-th chunk: 40 bits of a SHA-256 of the bytes."""
+    digest = hashlib.sha256(data + chunk_index.to_bytes(4, "little")).digest()
     return int.from_bytes(digest[: _KEY_BITS // 8], "little")
 
 
@@ -80,8 +80,9 @@ def rows_of(media: dict[int, np.ndarray], tokens: Sequence[int]) -> np.ndarray:
 
 
 class ChunkCache:
-    """Encoded image chunks by media key, the least recently used dropped past `capacity`: what
-    lets the same image in a follow-up turn skip its encode (both vision sides; the caller locks)."""
+    """Encoded media chunks by media key, the least recently used dropped past `capacity`: what
+    lets the same image or audio in a follow-up turn skip its encode (both vision sides; the
+    caller locks)."""
 
     def __init__(self, capacity: int = 256) -> None:  # a tiny VLM's chunk is 4 KB, a SmolVLM tile's 150 KB
         self.capacity = capacity
@@ -103,13 +104,18 @@ class ChunkCache:
 
 
 class MediaError(ValueError):
-    """An image the request sent cannot be used (undecodable, too large): a 400."""
+    """An image or audio the request sent cannot be used (undecodable, too large): a 400."""
+
+
+class AudioBytes(bytes):
+    """The bytes of an audio part (`input_audio`): `Vision.prepare` decodes them as audio, never
+    as an image (plain `bytes` are an image). A subclass, so hashing and the cache see bytes."""
 
 
 @dataclass(slots=True)
 class MediaPrompt:
-    """A prompt with its images tokenized: ids (text and media), the chunks' embeddings, and
-    how many chunks were encoded now and how many came from the cache of encoded images."""
+    """A prompt with its media tokenized: ids (text and media), the chunks' embeddings, and
+    how many chunks were encoded now and how many came from the cache of encoded chunks."""
 
     tokens: list[int]
     media: dict[int, np.ndarray] = field(default_factory=dict)
@@ -119,12 +125,16 @@ class MediaPrompt:
 
 
 class Vision(Protocol):
-    """A model's vision side (its mmproj), thread-safe: what the HTTP layer calls, off the event
-    loop, before the task goes to the engine. The engine thread never waits for an encode."""
+    """A model's media side (its mmproj: images, audio or both), thread-safe: what the HTTP layer
+    calls, off the event loop, before the task goes to the engine. The engine thread never waits
+    for an encode."""
 
-    marker: str  # where an image goes in the prompt text
+    marker: str  # where an image or an audio goes in the prompt text
+    has_vision: bool  # takes images
+    has_audio: bool  # takes audio (`AudioBytes`)
 
-    def prepare(self, text: str, images: Sequence[bytes]) -> MediaPrompt:
-        """Tokenize `text`, whose markers stand for `images` in order, and encode the images
-        (cached by their bytes). Raises MediaError for an image it cannot use."""
+    def prepare(self, text: str, media: Sequence[bytes]) -> MediaPrompt:
+        """Tokenize `text`, whose markers stand for `media` in order (each an image's bytes, or
+        an `AudioBytes`), and encode them (cached by their bytes). Raises MediaError for media
+        it cannot use."""
         ...

@@ -1,14 +1,17 @@
 """libmtmd (llama.cpp's multimodal library) through the pinned llama-cpp-python's ctypes bindings
-(`llama_cpp.mtmd_cpp`): a model's mmproj, images decoded, tokenized and encoded.
+(`llama_cpp.mtmd_cpp`): a model's mmproj, images and audio decoded, tokenized and encoded.
 
 `MtmdVision.prepare` runs on an HTTP worker thread, never on the engine thread: it decodes the
-images (stb_image, in libmtmd's helper), checks their size, tokenizes the prompt with libmtmd
-(its layout of image chunks and the text around them, e.g. idefics3's tiles with
-<row_R_col_C> tokens), and encodes each image chunk with the vision tower, unless a chunk of
-the same bytes is in the cache of encoded chunks (an LRU keyed like the media ids, see
-worker/backends/media.py). One lock serializes libmtmd: its context holds one output buffer.
-The encoder runs beside the engine's decode, on half the cores, while the engine decodes on the
-rest (`EncodeShare`): an encode never stops the engine, which only ever sees finished embeddings.
+images (stb_image, in libmtmd's helper) and the audio (WAV, MP3, FLAC: miniaudio, in the same
+helper, resampled to the projector's rate), checks their size, tokenizes the prompt with
+libmtmd (its layout of media chunks and the text around them, e.g. idefics3's tiles with
+<row_R_col_C> tokens; a Whisper encoder's 30 s windows), and encodes each media chunk with the
+projector's encoder, unless a chunk of the same bytes is in the cache of encoded chunks (an LRU
+keyed like the media ids, see worker/backends/media.py). Audio chunks take the same path as
+image chunks from there: media ids, embeddings, runs. One lock serializes libmtmd: its context
+holds one output buffer. The encoder runs beside the engine's decode, on half the cores, while
+the engine decodes on the rest (`EncodeShare`): an encode never stops the engine, which only
+ever sees finished embeddings.
 """
 
 from __future__ import annotations
@@ -25,15 +28,26 @@ import llama_cpp as ll
 import llama_cpp.mtmd_cpp as mt
 import numpy as np
 
-from worker.backends.media import ChunkCache, MediaError, MediaPrompt, chunk_ids, media_key
+from worker.backends.media import AudioBytes, ChunkCache, MediaError, MediaPrompt, chunk_ids, media_key
 
 log = logging.getLogger("worker.mtmd")
 
 _CHUNK_TEXT = mt.MTMD_INPUT_CHUNK_TYPE_TEXT
 _CHUNK_IMAGE = mt.MTMD_INPUT_CHUNK_TYPE_IMAGE
+_CHUNK_AUDIO = mt.MTMD_INPUT_CHUNK_TYPE_AUDIO
 # PNG, JPEG, GIF, BMP: what stb_image decodes. libmtmd's helper hands any other bytes to ffprobe
 # and ffmpeg (a video), which must not run on whatever a client sends.
 _IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"BM")
+
+
+def is_audio_file(data: bytes) -> bool:
+    """libmtmd's helper's test (mtmd-helper.cpp `is_audio_file`), which sends the bytes to
+    miniaudio rather than stb_image: WAV (RIFF....WAVE), MP3 (an ID3 tag or an MPEG frame sync),
+    FLAC (fLaC). At least 12 bytes, as there."""
+    if len(data) < 12:
+        return False
+    return ((data[:4] == b"RIFF" and data[8:12] == b"WAVE") or data[:3] == b"ID3"
+            or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0) or data[:4] == b"fLaC")
 
 
 def _on_mtmd_log(level: int, text: bytes, _user: Any) -> None:
@@ -53,26 +67,52 @@ def _route_logs() -> None:
     mt.mtmd_helper_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
-def _decode(ctx: Any, index: int, data: bytes, max_pixels: int) -> Any:
+def _decode(ctx: Any, where: str, data: bytes, max_pixels: int) -> Any:
     """An mtmd bitmap of the image bytes (stb_image, in libmtmd's helper); MediaError for bytes
     that are not an image, audio, or more than `max_pixels` pixels (0: no limit)."""
     if not data:
-        raise MediaError(f"image {index}: no bytes")
+        raise MediaError(f"{where}: no bytes")
     if not data.startswith(_IMAGE_MAGIC):  # stb_image's formats; anything else would go to ffmpeg
-        raise MediaError(f"image {index}: not a PNG, JPEG, GIF or BMP image")
-    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
-    bitmap = mt.mtmd_helper_bitmap_init_from_buf(ctx, buf, len(data), False)
+        raise MediaError(f"{where}: not a PNG, JPEG, GIF or BMP image")
+    bitmap = _helper_bitmap(ctx, data)
     if not bitmap:
-        raise MediaError(f"image {index}: the bytes are not an image this server can decode")
+        raise MediaError(f"{where}: the bytes are not an image this server can decode")
     if mt.mtmd_bitmap_is_audio(bitmap):
         mt.mtmd_bitmap_free(bitmap)
-        raise MediaError(f"image {index}: audio, not an image")
+        raise MediaError(f"{where}: audio, not an image")
     nx, ny = int(mt.mtmd_bitmap_get_nx(bitmap)), int(mt.mtmd_bitmap_get_ny(bitmap))
     if max_pixels and nx * ny > max_pixels:
         mt.mtmd_bitmap_free(bitmap)
-        raise MediaError(f"image {index}: {nx}x{ny} = {nx * ny} pixels is over this server's "
+        raise MediaError(f"{where}: {nx}x{ny} = {nx * ny} pixels is over this server's "
                          f"--image-max-pixels {max_pixels}")
     return bitmap
+
+
+def _decode_audio(ctx: Any, where: str, data: bytes, max_seconds: float) -> Any:
+    """An mtmd bitmap of the audio bytes (miniaudio, in libmtmd's helper: mono float samples at
+    the projector's rate); MediaError for bytes that are not WAV, MP3 or FLAC audio, that do not
+    decode, that hold no samples, or more than `max_seconds` of them (0: no limit)."""
+    if not is_audio_file(data):  # anything else would go to stb_image, then to ffmpeg
+        raise MediaError(f"{where}: not WAV, MP3 or FLAC audio")
+    bitmap = _helper_bitmap(ctx, data)
+    if not bitmap:
+        raise MediaError(f"{where}: the bytes are not audio this server can decode")
+    if not mt.mtmd_bitmap_is_audio(bitmap):
+        mt.mtmd_bitmap_free(bitmap)
+        raise MediaError(f"{where}: an image, not audio")
+    n_samples = int(mt.mtmd_bitmap_get_n_bytes(bitmap)) // 4  # float32
+    seconds = n_samples / max(1, int(mt.mtmd_get_audio_sample_rate(ctx)))
+    if n_samples == 0 or (max_seconds and seconds > max_seconds):
+        mt.mtmd_bitmap_free(bitmap)
+        why = "no samples" if n_samples == 0 else (
+            f"{seconds:.1f} s is over this server's --audio-max-seconds {max_seconds:g}")
+        raise MediaError(f"{where}: {why}")
+    return bitmap
+
+
+def _helper_bitmap(ctx: Any, data: bytes) -> Any:
+    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    return mt.mtmd_helper_bitmap_init_from_buf(ctx, buf, len(data), False)
 
 
 def decode_rgb(index: int, data: bytes, max_pixels: int = 0) -> np.ndarray:
@@ -83,7 +123,7 @@ def decode_rgb(index: int, data: bytes, max_pixels: int = 0) -> np.ndarray:
     cannot decode go on to its video path, which keeps the context without reading it and gives
     no pixels (a MediaError here)."""
     _route_logs()
-    bitmap = _decode(None, index, data, max_pixels)
+    bitmap = _decode(None, f"image {index}", data, max_pixels)
     try:
         nx, ny = int(mt.mtmd_bitmap_get_nx(bitmap)), int(mt.mtmd_bitmap_get_ny(bitmap))
         if nx <= 0 or ny <= 0:
@@ -128,10 +168,12 @@ class EncodeShare:
 
 
 class MtmdVision:
-    """The `Vision` of a GGUF model (worker/backends/media.py) from its mmproj file."""
+    """The `Vision` of a GGUF model (worker/backends/media.py) from its mmproj file: images when
+    it has a vision encoder, audio when it has an audio encoder (`has_vision`, `has_audio`)."""
 
     def __init__(self, mmproj_path: str, text_model: Any, n_embd: int, *, threads: int = 1,
-                 max_pixels: int = 0, use_gpu: bool = True, share: EncodeShare | None = None) -> None:
+                 max_pixels: int = 0, max_audio_seconds: float = 0.0, use_gpu: bool = True,
+                 share: EncodeShare | None = None) -> None:
         _route_logs()
         params = mt.mtmd_context_params_default()
         params.use_gpu = use_gpu
@@ -149,26 +191,35 @@ class MtmdVision:
         self.marker = (mt.mtmd_default_marker() or b"<__media__>").decode()
         self.n_embd = n_embd
         self.max_pixels = max_pixels
+        self.max_audio_seconds = max_audio_seconds
         self._lock = threading.Lock()
         self._cache = ChunkCache()
 
-    def prepare(self, text: str, images: Sequence[bytes]) -> MediaPrompt:
+    def prepare(self, text: str, media: Sequence[bytes]) -> MediaPrompt:
         with self._lock:
             if self._ctx is None:
                 raise RuntimeError("the model is closed")
-            bitmaps = [self._bitmap(i, data) for i, data in enumerate(images)]
+            bitmaps: list[Any] = []
             try:
-                return self._tokenize_and_encode(text, images, bitmaps)
+                for i, (where, data) in enumerate(zip(labels(media), media, strict=True)):
+                    bitmaps.append(self._bitmap(i, where, data))
+                return self._tokenize_and_encode(text, media, bitmaps)
             finally:
                 for b in bitmaps:
                     mt.mtmd_bitmap_free(b)
 
-    def _bitmap(self, index: int, data: bytes) -> Any:
-        bitmap = _decode(self._ctx, index, data, self.max_pixels)
+    def _bitmap(self, index: int, where: str, data: bytes) -> Any:
+        is_audio = isinstance(data, AudioBytes)
+        if not (self.has_audio if is_audio else self.has_vision):  # the HTTP side refuses it first
+            raise MediaError(f"{where}: this projector has no {'audio' if is_audio else 'vision'} encoder")
+        if is_audio:
+            bitmap = _decode_audio(self._ctx, where, data, self.max_audio_seconds)
+        else:
+            bitmap = _decode(self._ctx, where, data, self.max_pixels)
         mt.mtmd_bitmap_set_id(bitmap, str(index).encode())
         return bitmap
 
-    def _tokenize_and_encode(self, text: str, images: Sequence[bytes], bitmaps: list[Any]) -> MediaPrompt:
+    def _tokenize_and_encode(self, text: str, media: Sequence[bytes], bitmaps: list[Any]) -> MediaPrompt:
         data = text.encode()
         inp = mt.mtmd_input_text(data, len(data), True, True)
         chunks = mt.mtmd_input_chunks_init()
@@ -176,17 +227,17 @@ class MtmdVision:
             arr = (mt.mtmd_bitmap_p_ctypes * max(1, len(bitmaps)))(*bitmaps)
             ret = mt.mtmd_tokenize(self._ctx, chunks, ctypes.byref(inp), arr, len(bitmaps))
             if ret == 1:
-                raise MediaError(f"the prompt has {text.count(self.marker)} image markers "
-                                 f"for {len(images)} images")
+                raise MediaError(f"the prompt has {text.count(self.marker)} media markers "
+                                 f"for {len(media)} images and audio parts")
             if ret != 0:
-                raise MediaError(f"libmtmd could not preprocess the images (status {ret})")
-            return self._walk(chunks, images)
+                raise MediaError(f"libmtmd could not preprocess the images or audio (status {ret})")
+            return self._walk(chunks, media)
         finally:
             mt.mtmd_input_chunks_free(chunks)
 
-    def _walk(self, chunks: Any, images: Sequence[bytes]) -> MediaPrompt:
+    def _walk(self, chunks: Any, media: Sequence[bytes]) -> MediaPrompt:
         out = MediaPrompt(tokens=[])
-        seen: dict[int, int] = {}  # image index -> its chunks so far
+        seen: dict[int, int] = {}  # media index -> its chunks so far
         for i in range(int(mt.mtmd_input_chunks_size(chunks))):
             chunk = mt.mtmd_input_chunks_get(chunks, i)
             kind = mt.mtmd_input_chunk_get_type(chunk)
@@ -195,16 +246,16 @@ class MtmdVision:
                 ptr = mt.mtmd_input_chunk_get_tokens_text(chunk, ctypes.byref(n))
                 out.tokens.extend(ptr[j] for j in range(n.value))
                 continue
-            if kind != _CHUNK_IMAGE:
-                raise MediaError("audio input is not supported")
-            image = int((mt.mtmd_input_chunk_get_id(chunk) or b"0").decode())  # the bitmap's id: its index
-            key = media_key(images[image], seen.get(image, 0))
-            seen[image] = seen.get(image, 0) + 1
+            if kind not in (_CHUNK_IMAGE, _CHUNK_AUDIO):
+                raise MediaError(f"libmtmd made a chunk of unknown type {kind}")
+            index = int((mt.mtmd_input_chunk_get_id(chunk) or b"0").decode())  # the bitmap's id: its index
+            key = media_key(media[index], seen.get(index, 0))
+            seen[index] = seen.get(index, 0) + 1
             n_rows = int(mt.mtmd_input_chunk_get_n_tokens(chunk))
             if int(mt.mtmd_input_chunk_get_n_pos(chunk)) != n_rows:
-                raise MediaError("this projector's images use M-RoPE positions, which are not supported")
+                raise MediaError("this projector's media use M-RoPE positions, which are not supported")
             if mt.mtmd_decode_use_non_causal(self._ctx, chunk):  # e.g. Gemma 3's
-                raise MediaError("this projector's images need non-causal attention over their rows, "
+                raise MediaError("this projector's media need non-causal attention over their rows, "
                                  "which is not supported yet")
             out.media[key] = self._embeddings(chunk, key, n_rows, out)
             out.tokens.extend(chunk_ids(key, n_rows))
@@ -221,7 +272,7 @@ class MtmdVision:
 
         status, seconds = self._share.encoding(encode)
         if status != 0:
-            raise RuntimeError("libmtmd failed to encode an image")
+            raise RuntimeError("libmtmd failed to encode a media chunk")
         ptr = mt.mtmd_get_output_embd(self._ctx)
         emb = np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_embd)).copy()
         out.encode_seconds += seconds
@@ -234,3 +285,14 @@ class MtmdVision:
             if self._ctx is not None:
                 mt.mtmd_free(self._ctx)
                 self._ctx = None
+
+
+def labels(media: Sequence[bytes]) -> list[str]:
+    """How errors name each item: "image 0", "audio 0", ... counted per kind, in order."""
+    counts = {"image": 0, "audio": 0}
+    out = []
+    for data in media:
+        kind = "audio" if isinstance(data, AudioBytes) else "image"
+        out.append(f"{kind} {counts[kind]}")
+        counts[kind] += 1
+    return out

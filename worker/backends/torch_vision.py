@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.backends.media import ChunkCache, MediaError, MediaPrompt, chunk_ids, media_key
+from worker.backends.media import AudioBytes, ChunkCache, MediaError, MediaPrompt, chunk_ids, media_key
 from worker.backends.mtmd import decode_rgb
 from worker.torch_model.image import Triple, idefics3_tiles, normalize
 from worker.torch_model.tokenizer import HFTokenizer
@@ -54,6 +54,8 @@ class TorchVision:
         self.mean = _triple(pre.get("image_mean", [0.5] * 3))
         self.std = _triple(pre.get("image_std", [0.5] * 3))
         self.marker = MARKER
+        self.has_vision = True
+        self.has_audio = False  # no audio side on the torch backend
         self.max_pixels = max_pixels
         self._tower = tower
         self._tok = tokenizer
@@ -62,6 +64,8 @@ class TorchVision:
         self._cache = ChunkCache()
 
     def prepare(self, text: str, images: Sequence[bytes]) -> MediaPrompt:
+        if any(isinstance(data, AudioBytes) for data in images):  # the HTTP side refuses it first
+            raise MediaError("audio input is not supported on the torch backend")
         n_markers = text.count(self.marker)
         if n_markers != len(images):
             raise MediaError(f"the prompt has {n_markers} image markers for {len(images)} images")

@@ -80,12 +80,14 @@ class WorkerMetrics:
         self.embeddings = Counter("omni:embeddings", "Embedding and rerank inputs evaluated", registry=r)
         self.kv_cells_used = Gauge("omni:kv_cache_tokens", "KV cells in use", registry=r)
         self.image_chunks_encoded = Counter(
-            "omni:image_chunks_encoded", "Image chunks run through the vision encoder", registry=r
+            "omni:image_chunks_encoded", "Image and audio chunks run through the projector's encoder",
+            registry=r,
         )
-        self.image_chunks_cached = Counter("omni:image_chunks_cached", "Image chunks whose embeddings came "
-                                           "from the cache of encoded images (same bytes)", registry=r)
-        self.image_encode_seconds = Counter("omni:image_encode_seconds", "Time spent encoding images",
-                                            registry=r)
+        self.image_chunks_cached = Counter("omni:image_chunks_cached", "Image and audio chunks whose "
+                                           "embeddings came from the cache of encoded chunks (same bytes)",
+                                           registry=r)
+        self.image_encode_seconds = Counter("omni:image_encode_seconds",
+                                            "Time spent encoding images and audio", registry=r)
         self.kv_usage_ratio = Gauge(
             "omni:kv_cache_usage_ratio", "KV cells in use / KV cells in all", registry=r
         )

@@ -22,7 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 _BEAM = "beam search is not implemented"
-_MEDIA = "sglang-omni's audio and video inputs are not implemented yet (images are: see `images`)"
+_MEDIA = ("sglang-omni's audio and video inputs are not implemented yet (images are: see `images`; "
+          "audio goes in chat `input_audio` parts)")
 
 # ---- Not implemented YET. Whoever makes one of these work declares it as a real field on the
 # wire model and deletes its line here (and its row in docs/compatibility.md).

@@ -291,12 +291,19 @@ def serve(
     ),
     # -- HTTP server --
     mmproj: str | None = typer.Option(
-        None, "--mmproj", "-mm", help="a GGUF model's multimodal projector (image input, through libmtmd)"
+        None, "--mmproj", "-mm",
+        help="a GGUF model's multimodal projector (image and/or audio input, through libmtmd)",
     ),
     image_max_pixels: int = typer.Option(
         0, "--image-max-pixels", min=0, help="refuse (400) a decoded image of more pixels (0: no limit)"
     ),
     max_images: int = typer.Option(8, "--max-images", min=0, help="images per request at most (400 over it)"),
+    audio_max_seconds: float = typer.Option(
+        0.0, "--audio-max-seconds", min=0, help="refuse (400) decoded audio longer than this (0: no limit)"
+    ),
+    max_audio: int = typer.Option(
+        4, "--max-audio", min=0, help="audio parts per request at most (400 over it)"
+    ),
     allowed_local_media_path: str | None = typer.Option(
         None, "--allowed-local-media-path", help="file:// image URLs are read only under this directory"
     ),
@@ -457,6 +464,7 @@ def serve(
     options = BackendOptions(
         mmproj=mmproj,
         image_max_pixels=image_max_pixels,
+        audio_max_seconds=audio_max_seconds,
         n_ctx=ctx_size,
         n_slots=parallel,
         kv_unified=kv_unified,
@@ -526,7 +534,7 @@ def serve(
         slot_save_path=slot_save_path,
         is_cors_proxy_on=ui_mcp_proxy,
         template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
-        media=MediaPolicy(allowed_local_media_path, allow_remote_media, max_images),
+        media=MediaPolicy(allowed_local_media_path, allow_remote_media, max_images, max_audio),
     )
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.server.routes import build_app

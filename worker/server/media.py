@@ -1,8 +1,9 @@
-"""Images in chat requests: where they come from, the limits, and the 400s.
+"""Images and audio in chat requests: where they come from, the limits, and the 400s.
 
 A chat message's image parts (OpenAI's `image_url`, also `input_image` with its URL as a
-string) and sglang-omni's request-level `images` list (prepended to the last user message)
-become the model's media marker in the text, and their bytes are loaded here, in order:
+string), its audio parts (OpenAI's `input_audio`: base64 `data` and a `format`) and
+sglang-omni's request-level `images` list (prepended to the last user message) become the
+model's media marker in the text, and their bytes are loaded here, in order. Images:
 
 - `data:` URLs (base64): always;
 - `file://` URLs and plain paths: only under `--allowed-local-media-path` (llama-server's
@@ -10,10 +11,14 @@ become the model's media marker in the text, and their bytes are loaded here, in
 - `http(s)://` URLs: only with `--allow-remote-media` (the box may have no internet), with a
   timeout and the size limit.
 
-Limits: `--max-images` per request, `MAX_IMAGE_BYTES` per image, and the model's
-`--image-max-pixels` (checked by the backend once the image is decoded). Every failure is a
-400 that says which image and why; a model without a vision projector answers 400
-not_supported_error naming the model. Audio parts are refused the same way (not supported).
+Audio: the part's base64 `data` only (no URLs, as OpenAI's); `format` "wav" or "mp3" (OpenAI's),
+or "flac" (libmtmd decodes it too). The bytes decide how they are decoded, as in llama-server.
+
+Limits: `--max-images` and `--max-audio` per request, `MAX_MEDIA_BYTES` per image or audio,
+and the model's `--image-max-pixels` and `--audio-max-seconds` (checked by the backend once
+decoded). Every failure is a 400 that says which image or audio ("image 0", "audio 1": counted
+per kind, in order) and why; a model whose projector lacks the encoder (or that has no
+projector) answers 400 not_supported_error naming the model (`check_accepts`).
 """
 
 from __future__ import annotations
@@ -27,37 +32,87 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from worker.backends.media import AudioBytes, Vision
 from worker.protocol.errors import APIError
 from worker.protocol.wire import ChatMessage
 
-MAX_IMAGE_BYTES = 20 * 1024 * 1024
+MAX_MEDIA_BYTES = 20 * 1024 * 1024  # an image's or an audio's bytes
 _REMOTE_TIMEOUT_S = 10.0
 _IMAGE_PARTS = ("image_url", "input_image", "image")
-_AUDIO_PARTS = ("input_audio", "audio")
+_AUDIO_PARTS = ("input_audio",)
+AUDIO_FORMATS = ("wav", "mp3", "flac")
 
 
 @dataclass(frozen=True, slots=True)
 class MediaPolicy:
-    """The worker's flags on image input."""
+    """The worker's flags on image and audio input."""
 
     allowed_local_path: str | None = None  # --allowed-local-media-path
     allow_remote: bool = False  # --allow-remote-media
     max_images: int = 8  # --max-images: per request
+    max_audio: int = 4  # --max-audio: per request
+
+
+@dataclass(frozen=True, slots=True)
+class AudioPart:
+    """An `input_audio` part: its base64 data (decoded off the event loop) and declared format."""
+
+    data: str
+    format: str
 
 
 @dataclass(slots=True)
 class ChatMedia:
-    """The request's messages with every image part replaced by the marker, and the images' URLs."""
+    """The request's messages with every image and audio part replaced by the marker, and what
+    each marker stands for, in order: an image's URL or an audio part."""
 
     messages: list[ChatMessage]
-    urls: list[str]
+    items: list[str | AudioPart]
+
+    @property
+    def n_images(self) -> int:
+        return sum(isinstance(i, str) for i in self.items)
+
+    @property
+    def n_audio(self) -> int:
+        return len(self.items) - self.n_images
 
 
-def has_media(messages: list[ChatMessage], images: list[str] | None) -> bool:
-    if images:
-        return True
-    return any(isinstance(m.content, list) and any(p.get("type") in _IMAGE_PARTS + _AUDIO_PARTS
-                                                     for p in m.content) for m in messages)
+def media_kinds(messages: list[ChatMessage], images: list[str] | None) -> set[str]:
+    """Which media the request sends: "image", "audio" (empty: none)."""
+    kinds = {"image"} if images else set()
+    for m in messages:
+        if isinstance(m.content, list):
+            for p in m.content:
+                kind = p.get("type")
+                if kind in _IMAGE_PARTS:
+                    kinds.add("image")
+                elif kind in _AUDIO_PARTS:
+                    kinds.add("audio")
+    return kinds
+
+
+def check_accepts(vision: Vision | None, kinds: set[str], model: str, backend_kind: str) -> None:
+    """400 not_supported_error, naming the model, for media it has no encoder for."""
+    if "image" in kinds and (vision is None or not vision.has_vision):
+        if vision is not None:
+            how = "its projector has no vision encoder"
+        elif backend_kind == "llama_cpp":
+            how = "it has no vision projector: serve it with --mmproj"
+        else:
+            how = ("it has no vision projector: the torch backend reads images for an "
+                   "Idefics3/SmolVLM model folder only")
+        raise APIError(f"model {model!r} does not accept images ({how})", param="messages",
+                       type="not_supported_error")
+    if "audio" in kinds and (vision is None or not vision.has_audio):
+        if backend_kind != "llama_cpp":
+            how = "the torch backend takes no audio"
+        elif vision is not None:
+            how = "its projector has no audio encoder"
+        else:
+            how = "it has no audio projector: serve it with the --mmproj of an audio model"
+        raise APIError(f"model {model!r} does not accept audio ({how})", param="messages",
+                       type="not_supported_error")
 
 
 def _url_of(part: dict[str, Any]) -> str:
@@ -69,11 +124,26 @@ def _url_of(part: dict[str, Any]) -> str:
     return value
 
 
-def extract(messages: list[ChatMessage], images: list[str] | None, marker: str, model: str) -> ChatMedia:
-    """Flatten each message with images into one string as llama-server does (text parts joined
-    with newlines, none before or after an image's `marker`), noting the images' URLs in order;
-    sglang-omni's `images` go first in the last user message. Audio is refused (not supported)."""
-    urls: list[str] = []
+def _audio_of(part: dict[str, Any], index: int) -> AudioPart:
+    where = f"audio {index}"
+    value = part.get("input_audio")
+    if not isinstance(value, dict):
+        raise APIError(f"{where}: an input_audio part needs an `input_audio` object "
+                       '({"data": base64, "format": "wav"|"mp3"})', param="messages")
+    data, fmt = value.get("data"), value.get("format")
+    if not isinstance(data, str) or not data:
+        raise APIError(f"{where}: `input_audio.data` must be the audio's bytes in base64", param="messages")
+    if fmt not in AUDIO_FORMATS:
+        raise APIError(f"{where}: `input_audio.format` must be one of {', '.join(AUDIO_FORMATS)}, "
+                       f"not {fmt!r}", param="messages")
+    return AudioPart(data, fmt)
+
+
+def extract(messages: list[ChatMessage], images: list[str] | None, marker: str) -> ChatMedia:
+    """Flatten each message with media into one string as llama-server does (text parts joined
+    with newlines, none before or after an image's or an audio's `marker`), noting the images'
+    URLs and the audio parts in order; sglang-omni's `images` go first in the last user message."""
+    items: list[str | AudioPart] = []
     out: list[ChatMessage] = []
     last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
     if images and last_user < 0:
@@ -92,11 +162,11 @@ def extract(messages: list[ChatMessage], images: list[str] | None, marker: str, 
         after_marker = False
         for p in parts:
             kind = p.get("type")
-            if kind in _AUDIO_PARTS:
-                raise APIError(f"audio input is not supported by model {model!r}", param="messages",
-                               type="not_supported_error")
             if kind in _IMAGE_PARTS:
-                urls.append(_url_of(p))
+                items.append(_url_of(p))
+                text, after_marker = text + marker, True
+            elif kind in _AUDIO_PARTS:
+                items.append(_audio_of(p, sum(isinstance(x, AudioPart) for x in items)))
                 text, after_marker = text + marker, True
             elif kind in ("text", "input_text"):
                 sep = "\n" if text and not after_marker else ""
@@ -104,7 +174,34 @@ def extract(messages: list[ChatMessage], images: list[str] | None, marker: str, 
             else:
                 raise APIError(f"content part type {kind!r} is not supported", param="messages")
         out.append(m.model_copy(update={"content": text}))
-    return ChatMedia(out, urls)
+    return ChatMedia(out, items)
+
+
+def load_media(items: list[str | AudioPart], policy: MediaPolicy) -> list[bytes]:
+    """Each item's bytes, in order (an audio's as `AudioBytes`); blocking: file and network reads."""
+    out: list[bytes] = []
+    n_images = n_audio = 0
+    for item in items:
+        if isinstance(item, AudioPart):
+            out.append(load_audio(n_audio, item))
+            n_audio += 1
+        else:
+            out.append(load_image(n_images, item, policy))
+            n_images += 1
+    return out
+
+
+def load_audio(index: int, part: AudioPart) -> AudioBytes:
+    where = f"audio {index}"
+    if len(part.data) > (MAX_MEDIA_BYTES + 2) // 3 * 4 + 4:
+        raise APIError(f"{where}: over the limit of {MAX_MEDIA_BYTES} bytes", param="messages")
+    try:
+        data = base64.b64decode(part.data, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(f"{where}: `input_audio.data` is not valid base64", param="messages") from None
+    if len(data) > MAX_MEDIA_BYTES:
+        raise APIError(f"{where}: {len(data)} bytes is over the limit of {MAX_MEDIA_BYTES}", param="messages")
+    return AudioBytes(data)
 
 
 def load_image(index: int, url: str, policy: MediaPolicy) -> bytes:
@@ -126,8 +223,8 @@ def load_image(index: int, url: str, policy: MediaPolicy) -> bytes:
         data = _fetch(where, url)
     else:
         data = _read_local(where, url, policy)
-    if len(data) > MAX_IMAGE_BYTES:
-        raise APIError(f"{where}: {len(data)} bytes is over the limit of {MAX_IMAGE_BYTES}", param="messages")
+    if len(data) > MAX_MEDIA_BYTES:
+        raise APIError(f"{where}: {len(data)} bytes is over the limit of {MAX_MEDIA_BYTES}", param="messages")
     return data
 
 
@@ -142,7 +239,7 @@ def _read_local(where: str, url: str, policy: MediaPolicy) -> bytes:
         raise APIError(f"{where}: {path!r} is outside --allowed-local-media-path", param="messages")
     try:
         with real.open("rb") as f:
-            return f.read(MAX_IMAGE_BYTES + 1)
+            return f.read(MAX_MEDIA_BYTES + 1)
     except OSError as e:
         raise APIError(f"{where}: cannot read {path!r}: {e.strerror}", param="messages") from None
 
@@ -150,7 +247,7 @@ def _read_local(where: str, url: str, policy: MediaPolicy) -> bytes:
 def _fetch(where: str, url: str) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=_REMOTE_TIMEOUT_S) as r:  # http(s) only, checked above
-            data: bytes = r.read(MAX_IMAGE_BYTES + 1)
+            data: bytes = r.read(MAX_MEDIA_BYTES + 1)
             return data
     except OSError as e:
         raise APIError(f"{where}: cannot fetch {url!r}: {e}", param="messages") from None

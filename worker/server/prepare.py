@@ -24,7 +24,7 @@ from worker.protocol.errors import APIError
 from worker.protocol.sampling import SamplingParams
 from worker.protocol.wire import ChatCompletionRequest, ChatMessage, new_id, now
 from worker.server.context import BackendLRU, check_prompt, tokenize_text
-from worker.server.media import ChatMedia, extract, has_media, load_image
+from worker.server.media import ChatMedia, check_accepts, extract, load_media, media_kinds
 from worker.server.openai_format import ResponseInfo
 from worker.server.state import REASONING_FORMATS, WorkerState
 from worker.server.structured import (
@@ -51,7 +51,7 @@ class PreparedChat:
     tokens: list[int]
     params: SamplingParams
     chat: ChatOutputConfig | None
-    media: dict[int, Any] = dataclasses.field(default_factory=dict)  # image chunks' embeddings (media ids)
+    media: dict[int, Any] = dataclasses.field(default_factory=dict)  # media chunks' embeddings (media ids)
 
 
 async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRequest) -> PreparedChat:
@@ -104,31 +104,33 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
 
 def chat_media(state: WorkerState, backend: Vocab, messages: list[ChatMessage],
                images: list[str] | None) -> ChatMedia | None:
-    """The request's images as marker text and URLs (None: it has none). 400s: a text-only
-    model, too many images, audio."""
-    if not has_media(messages, images):
+    """The request's images and audio as marker text and what each marker stands for (None: it
+    has none). 400s: a model without the encoder (not_supported_error), too many of either."""
+    kinds = media_kinds(messages, images)
+    if not kinds:
         return None
-    if backend.vision is None:
-        how = ("serve it with --mmproj" if state.backend_kind == "llama_cpp"
-               else "the torch backend reads images for an Idefics3/SmolVLM model folder only")
-        raise APIError(f"model {state.model_id!r} does not accept images (it has no vision projector: "
-                       f"{how})", param="messages", type="not_supported_error")
-    media = extract(messages, images, backend.vision.marker, state.model_id)
-    if len(media.urls) > state.media.max_images:
-        raise APIError(f"{len(media.urls)} images in one request; this server takes at most "
+    check_accepts(backend.vision, kinds, state.model_id, state.backend_kind)
+    assert backend.vision is not None
+    media = extract(messages, images, backend.vision.marker)
+    if media.n_images > state.media.max_images:
+        raise APIError(f"{media.n_images} images in one request; this server takes at most "
                        f"{state.media.max_images} (--max-images)", param="messages")
+    if media.n_audio > state.media.max_audio:
+        raise APIError(f"{media.n_audio} audio parts in one request; this server takes at most "
+                       f"{state.media.max_audio} (--max-audio)", param="messages")
     return media
 
 
 async def media_prompt(state: WorkerState, backend: Vocab, text: str, media: ChatMedia) -> MediaPrompt:
-    """Load, decode, tokenize and encode the images (off the event loop; cached by their bytes)."""
+    """Load, decode, tokenize and encode the images and audio (off the event loop; cached by
+    their bytes)."""
     vision = backend.vision
     assert vision is not None
 
     def run() -> MediaPrompt:
-        images = [load_image(i, url, state.media) for i, url in enumerate(media.urls)]
+        items = load_media(media.items, state.media)
         try:
-            return vision.prepare(text, images)
+            return vision.prepare(text, items)
         except MediaError as e:
             raise APIError(str(e), param="messages") from None
 

@@ -52,6 +52,7 @@ def props(state: WorkerState, backend: Vocab) -> dict[str, Any]:
         "bos_token": m.bos_token,
         "eos_token": m.eos_token,
         "is_sleeping": backend.is_sleeping,
-        "modalities": {"vision": backend.vision is not None, "audio": False},
+        "modalities": {"vision": backend.vision is not None and backend.vision.has_vision,
+                       "audio": backend.vision is not None and backend.vision.has_audio},
         "build_info": "omni-worker",
     }
