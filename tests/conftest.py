@@ -6,6 +6,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+# OpenMP threads that wait for work sleep instead of spinning: torch in this process (and in any
+# worker left at its default thread count) runs two threads on this 2-core box, and when another
+# process holds a core a spinning waiter only keeps its partner from running (tests/torch_backend
+# took 183 s instead of ~20 under load). Read once, when torch loads its OpenMP runtime: so here,
+# before anything imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 from tests.util import ROOT
