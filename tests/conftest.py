@@ -6,6 +6,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
+# OpenMP threads that wait for work sleep instead of spinning: torch in this process (and in any
+# worker left at its default thread count) runs two threads on this 2-core box, and when another
+# process holds a core a spinning waiter only keeps its partner from running. Measured on
+# tests/torch_backend/test_determinism.py: 70 s -> 12 s beside one busy nice-0 process, at a cost
+# of 12 s -> 15 s on an idle box (GOMP_SPINCOUNT=10000 instead: 17 s and 13 s). Read once, when
+# torch loads its OpenMP runtime: so here, before anything imports torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 from tests.util import ROOT

@@ -4,9 +4,11 @@ SmolLM2-135M on a busy 2-core box, before every first load)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,11 +32,18 @@ FILES = [
 ]
 
 
-@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
-def test_every_scalar_key_matches_ggufreader(path: Path) -> None:
+@functools.cache
+def _reader_fields(path: Path) -> dict[str, Any]:
+    """GGUFReader's fields, parsed once per file for the module: it reads the whole file (about
+    5 s for SmolLM2 here), and both tests below only read them."""
     from gguf import GGUFReader
 
-    fields = GGUFReader(path).fields
+    return dict(GGUFReader(path).fields)
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
+def test_every_scalar_key_matches_ggufreader(path: Path) -> None:
+    fields = _reader_fields(path)
     expected = {k: f.contents() for k, f in fields.items()
                 if not k.startswith("GGUF.") and not k.startswith("tokenizer.ggml.")}
     got = read_keys(path, lambda k: not k.startswith("tokenizer.ggml."), stop_when=lambda _found: False)
@@ -45,9 +54,7 @@ def test_every_scalar_key_matches_ggufreader(path: Path) -> None:
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
 def test_the_shape_matches_what_llama_cpp_reports(path: Path) -> None:
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
+    fields = _reader_fields(path)
     arch = str(fields["general.architecture"].contents())
     shape = gguf_shape(path)
     assert shape is not None

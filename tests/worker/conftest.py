@@ -30,8 +30,9 @@ N_SLOTS = 4
 CTX = 2048
 # F32 weights and KV cache, no flash attention: logits within ~1e-6 of transformers' on the HF
 # twin, for the tests that compare the two backends. (Greedy output is reproducible with the
-# defaults too: tests/worker/test_determinism.py.) One thread: on a small shared box
-# llama.cpp's spinning pool only loses time.
+# defaults too: tests/worker/test_determinism.py.) One thread on both backends: on a small shared
+# box llama.cpp's spinning pool only loses time, and torch's two OpenMP threads crawl whenever
+# another process holds a core (test_structured's torch half took 77 s instead of 10).
 EXACT_GGUF_ARGS = ["--cache-type-k", "f32", "--cache-type-v", "f32", "--flash-attn", "off", "--threads", "1"]
 
 
@@ -80,7 +81,7 @@ class Worker:
 def worker_args(backend: str, models: ModelPaths) -> tuple[Path, list[str]]:
     if backend == "llama_cpp":
         return models.gguf_f32, EXACT_GGUF_ARGS
-    return models.hf_dir, ["--backend", "torch", "--dtype", "float32"]
+    return models.hf_dir, ["--backend", "torch", "--dtype", "float32", "--threads", "1"]
 
 
 def require_backend(backend: str) -> None:

@@ -1,5 +1,7 @@
 """A conversation's KV is reused turn after turn (issue 24): real workers with their DEFAULT
-flags (llama.cpp: flash attention auto, f16 KV cache; torch on the CPU), chat completions
+flags (llama.cpp: flash attention auto, f16 KV cache; torch on the CPU) but one thread (as in
+test_determinism: two spinning threads of a nice-19 worker crawl beside a busy process; this
+file took 113 s that way beside two, 6 s on an idle box), chat completions
 rendered by the model's template, the rows evaluated read from `timings.prompt_n` and
 `usage.prompt_tokens_details.cached_tokens`.
 
@@ -29,7 +31,7 @@ def chat_worker(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> Iter
     backend = str(request.param)
     require_backend(backend)
     model = tiny_models.gguf_f32 if backend == "llama_cpp" else tiny_models.hf_dir
-    args = ["--parallel", "2", "--ctx-size", "4096", "--backend", backend]
+    args = ["--parallel", "2", "--ctx-size", "4096", "--backend", backend, "--threads", "1"]
     if backend == "torch":
         args += ["--device", "cpu"]
     with run_worker(model, *args, timeout=120) as url:

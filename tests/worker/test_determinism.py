@@ -1,6 +1,10 @@
 """Same input, same output: greedy results do not depend on what else runs, and a shared
 prefix is computed once. Real workers with their DEFAULT flags (llama.cpp: flash attention
-auto, f16 KV cache, a KV stream per slot; torch on the CPU: float32 on the fused kernels).
+auto, f16 KV cache, a KV stream per slot; torch on the CPU: float32 on the fused kernels),
+but one thread: llama.cpp's threads split the rows of a result, not its sums, and torch
+probes its batch invariance at the worker's own thread count; and on a shared 2-core box two
+spinning threads of a nice-19 worker crawl whenever another process holds a core (this file
+took 170 s with two, 20 s with one, under the same load).
 
 Prompts are token ids of lengths on both sides of 64 (llama.cpp's flash attention runs other
 kernels for pieces of >= 64 rows) and answers are long enough (32 tokens) for a difference at
@@ -32,7 +36,7 @@ def default_worker(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> I
     backend, _, variant = str(request.param).partition("-")
     require_backend(backend)
     model = tiny_models.gguf_f32 if backend == "llama_cpp" else tiny_models.hf_dir
-    args = ["--parallel", str(N_SLOTS), "--ctx-size", "4096", "--backend", backend]
+    args = ["--parallel", str(N_SLOTS), "--ctx-size", "4096", "--backend", backend, "--threads", "1"]
     if variant == "fa-off":
         args += ["--flash-attn", "off"]
     if backend == "torch":

@@ -14,6 +14,7 @@ the HF folder).
 from __future__ import annotations
 
 import base64
+import contextlib
 import re
 import threading
 from collections.abc import Iterator
@@ -47,17 +48,40 @@ def _args(backend: str, models: ModelPaths) -> tuple[Path, list[str]]:
     return models.hf_dir, ["--backend", "torch", "--dtype", "float32"]
 
 
-def _start(backend: str, models: ModelPaths, *flags: str) -> Iterator[str]:
-    require_backend(backend)
-    model, extra = _args(backend, models)
-    with run_worker(model, *COMMON, *extra, *flags, timeout=120) as url:
-        yield url
+class Workers:
+    """Workers started on first use and kept to the end of the module, one per (backend, model,
+    flags): the fixtures and the twin tests that want the same worker share its process (a torch
+    worker takes seconds to start). Tests only send requests to them; none changes a worker's
+    state, and the engine-step counts are read as differences."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._urls: dict[tuple[str, str, tuple[str, ...]], str] = {}
+
+    def get(self, backend: str, models: ModelPaths, *flags: str) -> str:
+        require_backend(backend)
+        model, extra = _args(backend, models)
+        key = (backend, str(model), flags)
+        if key not in self._urls:
+            self._urls[key] = self._stack.enter_context(
+                run_worker(model, *COMMON, *extra, *flags, timeout=120)
+            )
+        return self._urls[key]
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[Workers]:
+    with contextlib.ExitStack() as stack:
+        yield Workers(stack)
+
+
+EMBED_FLAGS = ("--embedding", "--pooling", "mean", "--ubatch-size", "512")
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def embed(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> Iterator[str]:
+def embed(request: pytest.FixtureRequest, tiny_models: ModelPaths, workers: Workers) -> str:
     """An embedding worker, mean pooling; its ubatch (512, 510 on llama.cpp) is above its 256 cells a slot."""
-    yield from _start(request.param, tiny_models, "--embedding", "--pooling", "mean", "--ubatch-size", "512")
+    return workers.get(request.param, tiny_models, *EMBED_FLAGS)
 
 
 RERANKERS = [(b, m) for m in ("llama", "qwen3-reranker") for b in BACKENDS]
@@ -65,10 +89,10 @@ RERANKERS = [(b, m) for m in ("llama", "qwen3-reranker") for b in BACKENDS]
 
 @pytest.fixture(scope="module", params=RERANKERS, ids=[f"{b}-{m}" for b, m in RERANKERS])
 def reranker(
-    request: pytest.FixtureRequest, tiny_models: ModelPaths, tiny_reranker: ModelPaths
-) -> Iterator[str]:
+    request: pytest.FixtureRequest, tiny_models: ModelPaths, tiny_reranker: ModelPaths, workers: Workers
+) -> str:
     backend, kind = request.param
-    yield from _start(backend, tiny_models if kind == "llama" else tiny_reranker, "--reranking")
+    return workers.get(backend, tiny_models if kind == "llama" else tiny_reranker, "--reranking")
 
 
 def _is_qwen3_reranker(url: str) -> bool:
@@ -242,40 +266,41 @@ def test_separate_requests_share_an_engine_step(backend: str, tiny_models: Model
         engine.stop()
 
 
-def test_gguf_and_hf_twins_agree(tiny_models: ModelPaths) -> None:
+def test_gguf_and_hf_twins_agree(tiny_models: ModelPaths, workers: Workers) -> None:
     """Normalized embeddings of the F32 GGUF and the HF folder agree to 1e-4, every pooling; with
-    last pooling an input longer than the ubatch goes in pieces (as llama-server's can_split)."""
+    last pooling an input longer than the ubatch goes in pieces (as llama-server's can_split).
+    Mean pooling on the `embed` workers (ubatch 512: these inputs fit either way)."""
     require_backend("torch")
     long_input = [(7 * i) % 1000 + 3 for i in range(200)]
     for pooling in ("mean", "last", "cls"):
         out = []
         for backend in BACKENDS:
-            for url in _start(
-                backend, tiny_models, "--embedding", "--pooling", pooling, "--ubatch-size", "128"
-            ):
-                inputs: list[object] = [*TEXTS, long_input] if pooling == "last" else list(TEXTS)
-                steps = _metric(url, "llamacpp:n_decode_total")
-                out.append(_vectors(url, inputs))
-                if pooling == "last":
-                    assert _metric(url, "llamacpp:n_decode_total") - steps >= 2  # the long one took 2 steps
-                    r = _post(url, "/v1/embeddings", {"input": [5] * 256})
-                    assert r.status_code == 400
-                    assert "exceeds the available context size (256 tokens)" in r.json()["error"]["message"]
+            flags = EMBED_FLAGS if pooling == "mean" else (
+                "--embedding", "--pooling", pooling, "--ubatch-size", "128")
+            url = workers.get(backend, tiny_models, *flags)
+            inputs: list[object] = [*TEXTS, long_input] if pooling == "last" else list(TEXTS)
+            steps = _metric(url, "llamacpp:n_decode_total")
+            out.append(_vectors(url, inputs))
+            if pooling == "last":
+                assert _metric(url, "llamacpp:n_decode_total") - steps >= 2  # the long one took 2 steps
+                r = _post(url, "/v1/embeddings", {"input": [5] * 256})
+                assert r.status_code == 400
+                assert "exceeds the available context size (256 tokens)" in r.json()["error"]["message"]
         diff = float(np.abs(out[0] - out[1]).max())
         print(f"pooling {pooling}: GGUF vs HF max abs diff {diff:.3g}")
         assert diff < 1e-4
 
 
-def test_pooling_none_gives_token_vectors(tiny_models: ModelPaths) -> None:
-    for url in _start("llama_cpp", tiny_models, "--embedding", "--pooling", "none"):
-        n = len(_tokens(url, TEXTS[0]))
-        rows = _post(url, "/embedding", {"content": TEXTS[0]}).json()[0]["embedding"]
-        assert len(rows) == n and all(len(r) == 64 for r in rows)
-        r = _post(url, "/v1/embeddings", {"input": TEXTS[0]})
-        assert (
-            r.status_code == 400
-            and "Pooling type 'none' is not OAI compatible" in r.json()["error"]["message"]
-        )
+def test_pooling_none_gives_token_vectors(tiny_models: ModelPaths, workers: Workers) -> None:
+    url = workers.get("llama_cpp", tiny_models, "--embedding", "--pooling", "none")
+    n = len(_tokens(url, TEXTS[0]))
+    rows = _post(url, "/embedding", {"content": TEXTS[0]}).json()[0]["embedding"]
+    assert len(rows) == n and all(len(r) == 64 for r in rows)
+    r = _post(url, "/v1/embeddings", {"input": TEXTS[0]})
+    assert (
+        r.status_code == 400
+        and "Pooling type 'none' is not OAI compatible" in r.json()["error"]["message"]
+    )
 
 
 @pytest.mark.parametrize(
@@ -432,13 +457,13 @@ def test_rerank_bad_requests(reranker: str, body: dict[str, object]) -> None:
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3-reranker"])
 def test_rerank_gguf_and_hf_twins_agree(
-    kind: str, tiny_models: ModelPaths, tiny_reranker: ModelPaths
+    kind: str, tiny_models: ModelPaths, tiny_reranker: ModelPaths, workers: Workers
 ) -> None:
     require_backend("torch")
     out = []
     for backend in BACKENDS:
-        for url in _start(backend, tiny_models if kind == "llama" else tiny_reranker, "--reranking"):
-            out.append(np.array(_scores(url)))
+        url = workers.get(backend, tiny_models if kind == "llama" else tiny_reranker, "--reranking")
+        out.append(np.array(_scores(url)))
     diff = float(np.abs(out[0] - out[1]).max())
     print(
         f"rerank scores ({kind}): GGUF vs HF max abs diff {diff:.3g}; scores {np.round(out[0], 4).tolist()}"

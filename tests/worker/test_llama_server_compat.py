@@ -8,6 +8,7 @@ Real worker processes on the tiny GGUF (and a FIM variant of it, written by the 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import socket
@@ -19,8 +20,14 @@ import httpx
 import pytest
 
 from tests.util import wait_until
-from tests.worker.test_llama_server_cli import serve
+from tests.worker.test_llama_server_cli import serve as serve_as_given
 from worker.testing.tiny_models import ModelPaths, write_fim_variant
+
+
+def serve(*args: str, host: str = "127.0.0.1") -> contextlib.AbstractContextManager[str]:
+    """A worker on `args` and one thread: its default, every core, spins and crawls on a shared
+    2-core box (test_context_full_stops_at_n_ctx took 62 s that way, under 2 s with one)."""
+    return serve_as_given(*args, "-t", "1", host=host)
 
 
 @pytest.fixture(scope="module")
