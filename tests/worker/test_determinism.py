@@ -1,10 +1,13 @@
 """Same input, same output: greedy results do not depend on what else runs, and a shared
 prefix is computed once. Real workers with their DEFAULT flags (llama.cpp: flash attention
 auto, f16 KV cache, a KV stream per slot; torch on the CPU: float32 on the fused kernels),
-but one thread: llama.cpp's threads split the rows of a result, not its sums, and torch
-probes its batch invariance at the worker's own thread count; and on a shared 2-core box two
-spinning threads of a nice-19 worker crawl whenever another process holds a core (this file
-took 170 s with two, 20 s with one, under the same load).
+but one thread: on a shared 2-core box two spinning threads of a nice-19 worker crawl
+whenever another process holds a core (this file took 170 s with two, 20 s with one, under the
+same load). What one thread leaves out: llama.cpp's threads mostly split the rows of a result,
+not its sums, but flash attention's split-KV path (a lone row over 512+ cells) sums one chunk
+of cells per thread, so the two-chunk reduction is not exercised here (nor in tests/realmodel,
+which runs one thread for the same reason). Torch probes its batch invariance at the worker's
+own thread count.
 
 Prompts are token ids of lengths on both sides of 64 (llama.cpp's flash attention runs other
 kernels for pieces of >= 64 rows) and answers are long enough (32 tokens) for a difference at
