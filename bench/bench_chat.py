@@ -17,7 +17,9 @@ caps them). Workloads, each run with N conversations at once:
 
 Per workload, N and server: TTFT p50/p99 per turn (first content token), prompt rows evaluated
 per turn (`timings.prompt_n`), end-to-end time per conversation and generated tokens/s. Rounds
-are interleaved (the server order alternates) and each number is the median over rounds. The
+are interleaved (the server order alternates) and each number is the median over rounds; the
+ratios are also given paired (each round's conversations differ: the median of the per-round
+ratios on the same conversations is steadier than the ratio of medians). The
 answers of the two servers are compared turn by turn and the number that differ is reported
 (both are greedy on the same file; kernels differ at rounding level, so a few may).
 `--svg PATH` writes TTFT per turn (multiturn, N = 1) for both servers.
@@ -294,10 +296,16 @@ def report(result: dict[str, Any], names: list[str], args: argparse.Namespace) -
         for n in result["cells"]:
             a, b = (samples.get((workload, n, x), []) for x in names[:2])
             if a and b:
+                # paired: each round's conversations differ (their topics, so their answers' length);
+                # the ratio of the two servers on the same round's conversations, then the median
+                pair = {k: median([x[k] / y[k] for x, y in zip(a, b, strict=False)])
+                        for k in ("ttft_p50", "e2e_s")}
                 lines.append(
                     f"\nN={n}: ours/llama-server TTFT p50 "
-                    f"{median([s['ttft_p50'] for s in a]) / median([s['ttft_p50'] for s in b]):.2f}x, "
-                    f"e2e {median([s['e2e_s'] for s in a]) / median([s['e2e_s'] for s in b]):.2f}x"
+                    f"{median([s['ttft_p50'] for s in a]) / median([s['ttft_p50'] for s in b]):.2f}x "
+                    f"(paired per round {pair['ttft_p50']:.2f}x), "
+                    f"e2e {median([s['e2e_s'] for s in a]) / median([s['e2e_s'] for s in b]):.2f}x "
+                    f"(paired {pair['e2e_s']:.2f}x)"
                 )
     return "\n".join(lines)
 

@@ -136,7 +136,9 @@ def main() -> None:
     ys = np.array([costs[n][0] for n in ROWS])
 
     def cost(n: int) -> float:
-        return float(np.interp(n, xs, ys)) if n <= ROWS[-1] else float(ys[-1] + (n - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+        if n <= ROWS[-1]:
+            return float(np.interp(n, xs, ys))
+        return float(ys[-1] + (n - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))  # the last slope
 
     data = answers(args.model, args.threads, args.max_tokens)
     print(f"\noracle prompt lookup (size_n {args.size_n}, drafts up to {args.cap}) on the rewrite answers:")
