@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -141,3 +142,17 @@ def run_llama_server(model: str | Path, *args: str, log_path: Path, timeout: flo
             yield f"http://127.0.0.1:{port}"
         finally:
             stop_process(proc)
+
+
+def answer(r: httpx.Response) -> str:
+    """The message text of a 200 chat completion (the response's body in the failure)."""
+    assert r.status_code == 200, r.text
+    text: str = r.json()["choices"][0]["message"]["content"]
+    return text
+
+
+def metric(base: str, name: str) -> float:
+    """One unlabelled sample of a server's /metrics."""
+    m = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{base}/metrics", timeout=10).text, re.M)
+    assert m is not None, f"{name} not in /metrics"
+    return float(m.group(1))

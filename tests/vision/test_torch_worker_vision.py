@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.util import run_worker
+from tests.util import answer, metric, run_worker
 from worker.backends.torch_vision import TorchVision
 from worker.testing.tiny_vlm import TEXT, VISION, VlmPaths, data_url, make_vision_weights, png, write_mmproj
 from worker.torch_model.image import idefics3_tiles
@@ -57,16 +56,6 @@ def _turn(url: str, text: str = "What is in this image?") -> dict[str, Any]:
     return {"role": "user", "content": parts}
 
 
-def _answer(r: httpx.Response) -> str:
-    assert r.status_code == 200, r.text
-    text: str = r.json()["choices"][0]["message"]["content"]
-    return text
-
-
-def _metric(base: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", httpx.get(f"{base}/metrics", timeout=10).text, re.M)
-    assert m is not None, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 @pytest.mark.parametrize(("width", "height", "seed"), SIZES, ids=[f"{w}x{h}" for w, h, _ in SIZES])
@@ -76,7 +65,7 @@ def test_torch_worker_answers_an_image_as_the_llama_cpp_worker(
     """Greedy, 12 tokens: the same text and the same prompt size from both backends."""
     messages = [_turn(data_url(png(width, height, seed)))]
     ours, theirs = _chat(torch_worker, messages), _chat(llama_worker, messages)
-    assert _answer(ours) == _answer(theirs)
+    assert answer(ours) == answer(theirs)
     assert ours.json()["usage"]["prompt_tokens"] == theirs.json()["usage"]["prompt_tokens"]
     assert ours.json()["usage"]["completion_tokens"] == 12
 
@@ -87,11 +76,11 @@ def test_image_rows_batched_with_text_rows_give_the_answer_alone(torch_worker: s
     messages = [_turn(data_url(png(90, 40, 8)), "Describe it.")]
     body = {"messages": messages, "max_tokens": 12, "temperature": 0, "cache_prompt": False}
     url = f"{torch_worker}/v1/chat/completions"
-    alone = _answer(httpx.post(url, json=body, timeout=60))
+    alone = answer(httpx.post(url, json=body, timeout=60))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         text = pool.submit(_chat, torch_worker, [{"role": "user", "content": "Tell me a story."}], 48)
         beside = pool.submit(httpx.post, url, json=body, timeout=60)
-        assert _answer(beside.result()) == alone
+        assert answer(beside.result()) == alone
         assert text.result().status_code == 200
 
 
@@ -102,16 +91,16 @@ def test_torch_worker_says_it_takes_images(torch_worker: str) -> None:
 
 def test_a_follow_up_turn_reuses_the_image_rows(torch_worker: str) -> None:
     url = data_url(png(70, 70, 11))
-    encoded = _metric(torch_worker, "omni:image_chunks_encoded_total")
-    cached = _metric(torch_worker, "omni:image_chunks_cached_total")
+    encoded = metric(torch_worker, "omni:image_chunks_encoded_total")
+    cached = metric(torch_worker, "omni:image_chunks_cached_total")
     first = _chat(torch_worker, [_turn(url)])
-    assert _metric(torch_worker, "omni:image_chunks_encoded_total") == encoded + 2  # overview + one slice
-    follow_up = [_turn(url), {"role": "assistant", "content": _answer(first)},
+    assert metric(torch_worker, "omni:image_chunks_encoded_total") == encoded + 2  # overview + one slice
+    follow_up = [_turn(url), {"role": "assistant", "content": answer(first)},
                  {"role": "user", "content": "Say more."}]
     r = _chat(torch_worker, follow_up, 8)
-    _answer(r)
-    assert _metric(torch_worker, "omni:image_chunks_encoded_total") == encoded + 2
-    assert _metric(torch_worker, "omni:image_chunks_cached_total") == cached + 2
+    answer(r)
+    assert metric(torch_worker, "omni:image_chunks_encoded_total") == encoded + 2
+    assert metric(torch_worker, "omni:image_chunks_cached_total") == cached + 2
     # the first turn's KV rows, the image's among them, were reused, not computed again
     n_first = first.json()["usage"]["prompt_tokens"]
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_first

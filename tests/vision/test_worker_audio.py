@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 
 from router.lifecycle.modalities import modalities
 from router.presets import load_presets
-from tests.util import ROOT, run_worker
+from tests.util import ROOT, answer, metric, run_worker
 from worker.testing.tiny_audio import AUDIO, AudioModelPaths, wav
 from worker.testing.tiny_models import ModelPaths
 from worker.testing.tiny_vlm import VlmPaths, data_url, png
@@ -50,17 +49,6 @@ def _chat(base: str, content: Any, max_tokens: int = 12, **extra: Any) -> httpx.
     return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
 
 
-def _answer(r: httpx.Response) -> str:
-    assert r.status_code == 200, r.text
-    text: str = r.json()["choices"][0]["message"]["content"]
-    return text
-
-
-def _metric(base: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m is not None, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def test_audio_changes_the_answer_and_counts_as_prompt_rows(audio: str) -> None:
@@ -69,48 +57,48 @@ def test_audio_changes_the_answer_and_counts_as_prompt_rows(audio: str) -> None:
     text = _chat(audio, "What do you hear?")
     # one 30 s window: 3000 mel frames, halved by the encoder, stacked by 10
     assert a.json()["usage"]["prompt_tokens"] == text.json()["usage"]["prompt_tokens"] + AUDIO.rows_per_chunk
-    assert _answer(a) != _answer(b)
+    assert answer(a) != answer(b)
 
 
 def test_audio_over_30_seconds_is_one_chunk_per_window(audio: str) -> None:
     """libmtmd cuts audio in 30 s windows, each its own chunk (and its own media key)."""
-    encoded = _metric(audio, "omni:image_chunks_encoded_total")
+    encoded = metric(audio, "omni:image_chunks_encoded_total")
     r = _chat(audio, _audio_turn(wav(31.0, 5)), 4)
     text = _chat(audio, "What do you hear?", 4)
     n_text = text.json()["usage"]["prompt_tokens"]
     assert r.json()["usage"]["prompt_tokens"] == n_text + 2 * AUDIO.rows_per_chunk
-    assert _metric(audio, "omni:image_chunks_encoded_total") == encoded + 2
+    assert metric(audio, "omni:image_chunks_encoded_total") == encoded + 2
 
 
 def test_greedy_output_is_the_same_whatever_else_runs(audio: str) -> None:
     """An audio request alone, beside 3 text requests, and beside another audio request."""
     clip = _audio_turn(wav(1.0, 7, 300.0), "Transcribe it.")
     other = _audio_turn(wav(0.5, 8, 900.0), "And this one?")
-    alone = _answer(_chat(audio, clip, cache_prompt=False))
+    alone = answer(_chat(audio, clip, cache_prompt=False))
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         texts = [pool.submit(_chat, audio, f"Tell me about slot {i}", 24) for i in range(3)]
         beside_text = pool.submit(_chat, audio, clip, cache_prompt=False)
-        assert _answer(beside_text.result()) == alone
+        assert answer(beside_text.result()) == alone
         assert all(f.result().status_code == 200 for f in texts)
         two = [pool.submit(_chat, audio, clip, cache_prompt=False), pool.submit(_chat, audio, other)]
-        assert _answer(two[0].result()) == alone
-        assert _answer(two[1].result()) == _answer(_chat(audio, other, cache_prompt=False))
+        assert answer(two[0].result()) == alone
+        assert answer(two[1].result()) == answer(_chat(audio, other, cache_prompt=False))
 
 
 def test_the_same_audio_twice_is_encoded_once(audio: str) -> None:
     clip = wav(1.0, 11, 660.0)
-    encoded = _metric(audio, "omni:image_chunks_encoded_total")
-    cached = _metric(audio, "omni:image_chunks_cached_total")
+    encoded = metric(audio, "omni:image_chunks_encoded_total")
+    cached = metric(audio, "omni:image_chunks_cached_total")
     first = _chat(audio, _audio_turn(clip))
-    assert _metric(audio, "omni:image_chunks_encoded_total") == encoded + 1  # one 30 s window
+    assert metric(audio, "omni:image_chunks_encoded_total") == encoded + 1  # one 30 s window
     follow_up = [{"role": "user", "content": _audio_turn(clip)},
-                 {"role": "assistant", "content": _answer(first)},
+                 {"role": "assistant", "content": answer(first)},
                  {"role": "user", "content": "Say more."}]
     r = httpx.post(f"{audio}/v1/chat/completions",
                    json={"messages": follow_up, "max_tokens": 8, "temperature": 0}, timeout=60)
-    _answer(r)
-    assert _metric(audio, "omni:image_chunks_encoded_total") == encoded + 1
-    assert _metric(audio, "omni:image_chunks_cached_total") == cached + 1
+    answer(r)
+    assert metric(audio, "omni:image_chunks_encoded_total") == encoded + 1
+    assert metric(audio, "omni:image_chunks_cached_total") == cached + 1
     # and the audio's KV rows were reused from the first turn's slot, not computed again
     n_first = first.json()["usage"]["prompt_tokens"]
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_first
@@ -130,7 +118,7 @@ def test_mp3_audio_answers(audio: str) -> None:
     if mp3 is None or not mp3.is_file():
         pytest.skip("no MP3 to send: llama.cpp's tools/mtmd/test-2.mp3 (or set OMNI_TEST_MP3)")
     r = _chat(audio, _audio_turn(mp3.read_bytes(), fmt="mp3"))
-    _answer(r)
+    answer(r)
     assert r.json()["usage"]["prompt_tokens"] > AUDIO.rows_per_chunk
 
 

@@ -6,7 +6,6 @@ model), greedy output independent of what else runs, and one encode per image by
 from __future__ import annotations
 
 import concurrent.futures
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.util import run_worker
+from tests.util import answer, metric, run_worker
 from worker.testing.tiny_models import ModelPaths
 from worker.testing.tiny_vlm import VlmPaths, data_url, png
 
@@ -48,17 +47,6 @@ def _image_turn(url: str, text: str = "What is in this image?") -> list[dict[str
     return [{"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": url}}]
 
 
-def _answer(r: httpx.Response) -> str:
-    assert r.status_code == 200, r.text
-    text: str = r.json()["choices"][0]["message"]["content"]
-    return text
-
-
-def _metric(base: str, name: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m is not None, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def test_image_changes_the_answer_and_counts_as_prompt_rows(vlm: str) -> None:
@@ -67,50 +55,50 @@ def test_image_changes_the_answer_and_counts_as_prompt_rows(vlm: str) -> None:
     text = _chat(vlm, "What is in this image?")
     # two tiles (overview + one slice) of 16 rows each, plus the tile tokens around them
     assert a.json()["usage"]["prompt_tokens"] > text.json()["usage"]["prompt_tokens"] + 32
-    assert _answer(a) != _answer(b)
+    assert answer(a) != answer(b)
 
 
 def test_greedy_output_is_the_same_whatever_else_runs(vlm: str) -> None:
     """An image request alone, beside 3 text requests, and beside another image request."""
     img = _image_turn(data_url(png(64, 64, 7)), "Describe it.")
     other = _image_turn(data_url(png(90, 40, 8)), "And this one?")
-    alone = _answer(_chat(vlm, img, cache_prompt=False))
+    alone = answer(_chat(vlm, img, cache_prompt=False))
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         texts = [pool.submit(_chat, vlm, f"Tell me about slot {i}", 24) for i in range(3)]
         beside_text = pool.submit(_chat, vlm, img, cache_prompt=False)
-        assert _answer(beside_text.result()) == alone
+        assert answer(beside_text.result()) == alone
         assert all(f.result().status_code == 200 for f in texts)
         two = [pool.submit(_chat, vlm, img, cache_prompt=False), pool.submit(_chat, vlm, other)]
-        assert _answer(two[0].result()) == alone
-        assert _answer(two[1].result()) == _answer(_chat(vlm, other, cache_prompt=False))
+        assert answer(two[0].result()) == alone
+        assert answer(two[1].result()) == answer(_chat(vlm, other, cache_prompt=False))
 
 
 def test_the_same_image_twice_is_encoded_once(vlm: str) -> None:
     url = data_url(png(70, 70, 11))
-    encoded = _metric(vlm, "omni:image_chunks_encoded_total")
-    cached = _metric(vlm, "omni:image_chunks_cached_total")
+    encoded = metric(vlm, "omni:image_chunks_encoded_total")
+    cached = metric(vlm, "omni:image_chunks_cached_total")
     first = _chat(vlm, _image_turn(url))
-    assert _metric(vlm, "omni:image_chunks_encoded_total") == encoded + 2  # overview + one slice
+    assert metric(vlm, "omni:image_chunks_encoded_total") == encoded + 2  # overview + one slice
     follow_up = [{"role": "user", "content": _image_turn(url)},
-                 {"role": "assistant", "content": _answer(first)},
+                 {"role": "assistant", "content": answer(first)},
                  {"role": "user", "content": "Say more."}]
     r = httpx.post(f"{vlm}/v1/chat/completions",
                    json={"messages": follow_up, "max_tokens": 8, "temperature": 0}, timeout=60)
-    _answer(r)
-    assert _metric(vlm, "omni:image_chunks_encoded_total") == encoded + 2
-    assert _metric(vlm, "omni:image_chunks_cached_total") == cached + 2
+    answer(r)
+    assert metric(vlm, "omni:image_chunks_encoded_total") == encoded + 2
+    assert metric(vlm, "omni:image_chunks_cached_total") == cached + 2
     # and the image's KV rows were reused from the first turn's slot, not computed again
     n_first = first.json()["usage"]["prompt_tokens"]
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_first
 
 
-def test_local_file_and_sglang_images_give_the_data_url_answer(vlm: str, media_dir: Path) -> None:
-    expected = _answer(_chat(vlm, _image_turn(data_url((media_dir / "a.png").read_bytes()))))
-    assert _answer(_chat(vlm, _image_turn(f"file://{media_dir / 'a.png'}"))) == expected
+def test_local_file_and_sglang_images_give_the_data_urlanswer(vlm: str, media_dir: Path) -> None:
+    expected = answer(_chat(vlm, _image_turn(data_url((media_dir / "a.png").read_bytes()))))
+    assert answer(_chat(vlm, _image_turn(f"file://{media_dir / 'a.png'}"))) == expected
     # sglang-omni's `images`: the images go first in the last user message
     first = [{"type": "image_url", "image_url": {"url": data_url((media_dir / "a.png").read_bytes())}},
              {"type": "text", "text": "What is in this image?"}]
-    assert _answer(_chat(vlm, "What is in this image?", images=[str(media_dir / "a.png")])) == _answer(
+    assert answer(_chat(vlm, "What is in this image?", images=[str(media_dir / "a.png")])) == answer(
         _chat(vlm, first))
 
 
