@@ -92,7 +92,7 @@ def test_the_same_image_twice_is_encoded_once(vlm: str) -> None:
     assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= n_first
 
 
-def test_local_file_and_sglang_images_give_the_data_urlanswer(vlm: str, media_dir: Path) -> None:
+def test_local_file_and_sglang_images_give_the_data_url_answer(vlm: str, media_dir: Path) -> None:
     expected = answer(_chat(vlm, _image_turn(data_url((media_dir / "a.png").read_bytes()))))
     assert answer(_chat(vlm, _image_turn(f"file://{media_dir / 'a.png'}"))) == expected
     # sglang-omni's `images`: the images go first in the last user message
