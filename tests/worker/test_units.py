@@ -181,3 +181,38 @@ def test_tokenize_text_reuses_the_ids_of_a_repeated_text() -> None:
     other = asyncio.run(tokenize_text(v, "hello", False, True))
     assert again == [ord(c) for c in "hello"] + [1] and other == [ord(c) for c in "hello"]
     assert counting.calls == 2
+
+
+def test_greedy_argmax_picks_what_llama_cpps_greedy_chain_picks(tiny_models: ModelPaths) -> None:
+    """`sample`'s argmax path for a greedy sampler (a logit bias, then greedy) against the same
+    chain run by llama.cpp on the same rows: random rows, ties, a -inf bias on the best token,
+    every token biased away, and a NaN (left to llama.cpp)."""
+    import numpy as np
+
+    from worker.backends.llama_cpp import LlamaCppBackend, _address, _greedy
+
+    backend = LlamaCppBackend(str(tiny_models.gguf_f32), n_ctx=256, n_slots=1, n_batch=64)
+    try:
+        n = backend.n_vocab
+        rng = np.random.default_rng(0)
+        rows = [rng.standard_normal(n).astype(np.float32) for _ in range(20)]
+        tie = np.zeros(n, dtype=np.float32)
+        tie[[7, 3, 11]] = 5.0  # the first of equal maxima, in id order
+        rows.append(tie)
+        biases = [{}, {int(np.argmax(rows[0])): float("-inf")}, {1: 3.5, 2: -1.25},
+                  dict.fromkeys(range(n), float("-inf"))]
+        for bias in biases:
+            params = SamplingParams(temperature=0.0, logit_bias=bias)
+            sampler = backend.new_sampler(params, 0)
+            ids, values = backend._argmax[_address(sampler)]
+            for row in rows:
+                assert _greedy(row, ids, values) == backend._sample_row(sampler, row.copy(), None)
+            backend.free_sampler(sampler)
+        nan = rows[1].copy()
+        nan[5] = np.nan
+        assert _greedy(nan, np.zeros(0, np.int64), np.zeros(0, np.float32)) == -1
+        penalized = backend.new_sampler(SamplingParams(temperature=0.0, repeat_penalty=1.3), 0)
+        assert _address(penalized) not in backend._argmax  # penalties keep llama.cpp's chain
+        backend.free_sampler(penalized)
+    finally:
+        backend.close()

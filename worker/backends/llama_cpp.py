@@ -125,6 +125,20 @@ _vocab_is_eog = _holding_gil(ll.llama_vocab_is_eog)
 _token_to_piece = _holding_gil(ll.llama_token_to_piece)
 
 
+def _address(sampler: Any) -> int:
+    return ctypes.cast(sampler, ctypes.c_void_p).value or 0
+
+
+def _greedy(logits: np.ndarray, ids: np.ndarray, bias: np.ndarray) -> int:
+    """llama.cpp's logit-bias then greedy sampler on one row: the first token of the highest
+    biased logit; -1 when that is NaN (the sampler's own `>` never picks a NaN: let it decide)."""
+    if len(ids):
+        logits = logits.copy()
+        logits[ids] += bias
+    token = int(np.argmax(logits))
+    return -1 if np.isnan(logits[token]) else token
+
+
 def _init_llama_backend() -> None:
     global _backend_ready
     if not _backend_ready:
@@ -313,6 +327,10 @@ class LlamaCppBackend:
         self._arange = np.arange(self.n_ctx + self.n_batch, dtype=np.int32)
         self._token_data = np.zeros(self.n_vocab, dtype=_TOKEN_DATA)
         self._vocab_ids = np.arange(self.n_vocab, dtype=np.int32)
+        # Samplers that are a logit bias (or none) and greedy: sampler address -> the bias's
+        # (token ids, values). `sample` picks their token with one numpy argmax over the row in
+        # place of llama_sampler_sample, which first copies the whole vocabulary into candidates.
+        self._argmax: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     # -- loading ------------------------------------------------------------------------
     def abort_loading(self) -> None:
@@ -684,6 +702,10 @@ class LlamaCppBackend:
             )
         if params.is_greedy:
             add(chain, ll.llama_sampler_init_greedy())
+            if not params.has_penalties:
+                ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+                values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+                self._argmax[_address(chain)] = (ids, values)
             return chain
         if params.top_k > 0:
             add(chain, ll.llama_sampler_init_top_k(params.top_k))
@@ -696,6 +718,7 @@ class LlamaCppBackend:
         return chain
 
     def free_sampler(self, sampler: Any) -> None:
+        self._argmax.pop(_address(sampler), None)
         ll.llama_sampler_free(sampler)
 
     def _logits_row(self, batch_idx: int) -> np.ndarray:
@@ -717,7 +740,14 @@ class LlamaCppBackend:
             if p.logprobs:
                 logprobs = _log_softmax(row if row is not None else self._logits_row(idx))
             post: list[tuple[int, float]] | None = [] if p.logprobs and p.post_sampling_probs else None
-            if row is None and post is None:  # a row of the last llama_decode: the sampler reads it in place
+            argmax = self._argmax.get(_address(item.sampler)) if row is None and item.mask is None else None
+            if argmax is not None and post is None:  # greedy: llama.cpp's pick, without the candidates' copy
+                token = _greedy(self._logits_row(idx), *argmax)
+                if token < 0:
+                    token = int(_sampler_sample(item.sampler, self._ctx, idx))
+                else:
+                    _sampler_accept(item.sampler, token)
+            elif row is None and post is None:  # a row of the last llama_decode: the sampler reads it
                 if item.mask is not None:
                     self._logits_row(idx)[~item.mask] = -np.inf
                 token = int(_sampler_sample(item.sampler, self._ctx, idx))
