@@ -678,6 +678,7 @@ class LlamaCppBackend:
 
     def new_sampler(self, params: SamplingParams, seed: int) -> Any:
         chain = ll.llama_sampler_chain_init(ll.llama_sampler_chain_params(no_perf=True))
+        self._argmax.pop(_address(chain), None)  # a sampler freed unseen may have left its address
         add = ll.llama_sampler_chain_add
         bias = dict(params.logit_bias)
         if params.ignore_eos:
