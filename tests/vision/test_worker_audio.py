@@ -139,14 +139,16 @@ def _b64(data: bytes) -> str:
         (_raw_part({"data": "@@@@", "format": "wav"}), "audio 0: `input_audio.data` is not valid base64"),
         (_raw_part({"data": _b64(wav(0.2, 1)), "format": "ogg"}), "`input_audio.format` must be one of"),
         (_raw_part({"data": _b64(wav(0.2, 1))}), "`input_audio.format` must be one of"),
+        (_audio_turn(wav(0.2, 1), fmt="mp3"),
+         "audio 0: `input_audio.format` is 'mp3', but the bytes are WAV"),
         (_raw_part({"format": "wav"}), "`input_audio.data` must be"),
         (_raw_part("UklGRg=="), "needs an `input_audio` object"),
         (_audio_turn(wav(41.0, 3)), "audio 0: 41.0 s is over this server's --audio-max-seconds 40"),
         ([_part(wav(0.2, 1)), _part(wav(0.2, 2)), _part(wav(0.2, 3))], "at most 2 (--max-audio)"),
         ([_part(wav(0.2, 1)), _part(b"garbage, not audio!")], "audio 1: not WAV"),
     ],
-    ids=["garbage", "png-as-audio", "broken-wav", "bad-base64", "unknown-format", "no-format", "no-data",
-         "not-an-object", "too-long", "too-many", "second-is-bad"],
+    ids=["garbage", "png-as-audio", "broken-wav", "bad-base64", "unknown-format", "no-format", "wrong-format",
+         "no-data", "not-an-object", "too-long", "too-many", "second-is-bad"],
 )
 def test_bad_audio_is_a_400(audio: str, content: list[dict[str, Any]], message: str) -> None:
     r = _chat(audio, content)

@@ -107,6 +107,19 @@ class MediaError(ValueError):
     """An image or audio the request sent cannot be used (undecodable, too large): a 400."""
 
 
+def audio_format(data: bytes) -> str | None:
+    """"wav", "mp3" or "flac" by libmtmd's helper's test (mtmd-helper.cpp `is_audio_file`, which
+    sends such bytes to miniaudio): RIFF....WAVE, an ID3 tag or an MPEG frame sync, fLaC; at least
+    12 bytes, as there. None: not audio libmtmd decodes."""
+    if len(data) < 12:
+        return None
+    if data[:4] == b"RIFF" and data[8:12] == b"WAVE":
+        return "wav"
+    if data[:3] == b"ID3" or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0):
+        return "mp3"
+    return "flac" if data[:4] == b"fLaC" else None
+
+
 class AudioBytes(bytes):
     """The bytes of an audio part (`input_audio`): `Vision.prepare` decodes them as audio, never
     as an image (plain `bytes` are an image). A subclass, so hashing and the cache see bytes."""

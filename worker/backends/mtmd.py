@@ -28,7 +28,15 @@ import llama_cpp as ll
 import llama_cpp.mtmd_cpp as mt
 import numpy as np
 
-from worker.backends.media import AudioBytes, ChunkCache, MediaError, MediaPrompt, chunk_ids, media_key
+from worker.backends.media import (
+    AudioBytes,
+    ChunkCache,
+    MediaError,
+    MediaPrompt,
+    audio_format,
+    chunk_ids,
+    media_key,
+)
 
 log = logging.getLogger("worker.mtmd")
 
@@ -41,13 +49,8 @@ _IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"B
 
 
 def is_audio_file(data: bytes) -> bool:
-    """libmtmd's helper's test (mtmd-helper.cpp `is_audio_file`), which sends the bytes to
-    miniaudio rather than stb_image: WAV (RIFF....WAVE), MP3 (an ID3 tag or an MPEG frame sync),
-    FLAC (fLaC). At least 12 bytes, as there."""
-    if len(data) < 12:
-        return False
-    return ((data[:4] == b"RIFF" and data[8:12] == b"WAVE") or data[:3] == b"ID3"
-            or (data[0] == 0xFF and data[1] & 0xE0 == 0xE0) or data[:4] == b"fLaC")
+    """Whether libmtmd's helper would decode these bytes as audio (see `audio_format`)."""
+    return audio_format(data) is not None
 
 
 def _on_mtmd_log(level: int, text: bytes, _user: Any) -> None:

@@ -12,7 +12,8 @@ model's media marker in the text, and their bytes are loaded here, in order. Ima
   timeout and the size limit.
 
 Audio: the part's base64 `data` only (no URLs, as OpenAI's); `format` "wav" or "mp3" (OpenAI's),
-or "flac" (libmtmd decodes it too). The bytes decide how they are decoded, as in llama-server.
+or "flac" (libmtmd decodes it too). libmtmd decodes by the bytes; a `format` the bytes
+contradict is a 400.
 
 Limits: `--max-images` and `--max-audio` per request, `MAX_MEDIA_BYTES` per image or audio,
 and the model's `--image-max-pixels` and `--audio-max-seconds` (checked by the backend once
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from worker.backends.media import AudioBytes, Vision
+from worker.backends.media import AudioBytes, Vision, audio_format
 from worker.protocol.errors import APIError
 from worker.protocol.wire import ChatMessage
 
@@ -201,6 +202,10 @@ def load_audio(index: int, part: AudioPart) -> AudioBytes:
         raise APIError(f"{where}: `input_audio.data` is not valid base64", param="messages") from None
     if len(data) > MAX_MEDIA_BYTES:
         raise APIError(f"{where}: {len(data)} bytes is over the limit of {MAX_MEDIA_BYTES}", param="messages")
+    found = audio_format(data)  # bytes that are no audio at all: the backend's 400 says so
+    if found is not None and found != part.format:
+        raise APIError(f"{where}: `input_audio.format` is {part.format!r}, but the bytes are {found.upper()}",
+                       param="messages")
     return AudioBytes(data)
 
 
