@@ -50,13 +50,40 @@ def test_run_length(feed: list[int], run: int) -> None:
     assert run_length(feed) == run
 
 
-def test_run_piece_is_the_whole_run_or_nothing() -> None:
+def test_run_piece_takes_text_whole_and_a_chunk_whole_with_media_piece_0() -> None:
     feed = [*chunk_ids(A, 16), 7, 8]
-    assert run_piece(feed, room=100, max_piece=512) == 16
-    assert run_piece(feed, room=10, max_piece=512) == 0  # waits for a step with room
-    assert run_piece(feed, room=100, max_piece=8) == 8  # cut at n_ubatch only
+    assert run_piece(feed, max_piece=512) == 16
+    assert run_piece(feed, max_piece=8) == 8  # cut at n_ubatch only
+    assert run_piece([7, 8, 9, *chunk_ids(A, 4)], max_piece=512, media_piece=2) == 3  # text: whole
     rows = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
     np.testing.assert_array_equal(rows_of({A: rows}, feed[5:9]), rows[5:9])
+
+
+def _pieces(feed: list[int], media_piece: int) -> list[int]:
+    out = []
+    while feed:
+        n = run_piece(feed, max_piece=512, media_piece=media_piece)
+        out.append(n)
+        feed = feed[n:]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("n_rows", "start", "pieces"),
+    [
+        (64, 0, [16, 16, 16, 16]),
+        (81, 0, [16, 16, 16, 16, 17]),  # a SmolVLM tile: the last row goes with the piece before
+        (150, 0, [16] * 9 + [6]),  # 30 s of the tiny Ultravox: the 6 left over are a piece of their own
+        (17, 0, [17]),
+        (10, 0, [10]),
+        (64, 5, [11, 16, 16, 16]),  # resumed inside a chunk: the same cuts after the first
+        (64, 15, [17, 16, 16]),  # ... never a one-row piece
+    ],
+)
+def test_a_chunk_goes_in_pieces_at_fixed_rows(n_rows: int, start: int, pieces: list[int]) -> None:
+    feed = [*chunk_ids(A, n_rows)[start:], 7, 8]
+    assert _pieces(feed, 16) == [*pieces, 2]
+    assert all(p >= 2 for p in pieces)
 
 
 def test_an_encode_takes_half_the_cores_from_the_decode_while_it_runs() -> None:
@@ -64,19 +91,42 @@ def test_an_encode_takes_half_the_cores_from_the_decode_while_it_runs() -> None:
     assert (share.encode_threads, share.decode_threads()) == (2, 4)
     started, release = threading.Event(), threading.Event()
 
-    def encode() -> str:
-        started.set()
-        release.wait(10)
-        return "rows"
+    def encode() -> None:
+        with share.encoding():
+            started.set()
+            release.wait(10)
 
-    t = threading.Thread(target=share.encoding, args=(encode,))
+    t = threading.Thread(target=encode)
     t.start()
     assert started.wait(10)
-    assert share.decode_threads() == 2  # the engine's next steps leave the encoder its cores
+    with share.step() as n:
+        assert n == 2  # the engine's next steps leave the encoder its cores
     release.set()
     t.join(10)
-    assert share.decode_threads() == 4 and share.encoding(lambda: 7) == 7
+    with share.step() as n:
+        assert n == 4
     assert EncodeShare(threads=1).encode_threads == 1 and EncodeShare(threads=1).decode_threads() == 1
+
+
+def test_an_encode_waits_for_the_end_of_a_step_that_took_every_core() -> None:
+    share = EncodeShare(threads=2)
+    events: list[str] = []
+    encoded = threading.Event()
+
+    def encode() -> None:
+        with share.encoding():
+            events.append("encode")
+        encoded.set()
+
+    with share.step() as n:
+        assert n == 2
+        t = threading.Thread(target=encode)
+        t.start()
+        assert not encoded.wait(0.2)  # held back while the step runs on both cores
+        events.append("step ends")
+    assert encoded.wait(10)
+    t.join(10)
+    assert events == ["step ends", "encode"]
 
 
 @pytest.mark.parametrize(

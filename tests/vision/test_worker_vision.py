@@ -6,6 +6,7 @@ model), greedy output independent of what else runs, and one encode per image by
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,3 +158,32 @@ def test_rows_do_not_depend_on_the_thread_count(tiny_vlm: VlmPaths) -> None:
         rows.append(np.concatenate([prompt_row, b.logits_row(0)]))
     b.close()
     np.testing.assert_array_equal(rows[0], rows[1])
+
+
+def test_a_chunk_under_64_rows_gives_the_same_rows_whole_or_in_pieces(tiny_vlm: VlmPaths) -> None:
+    """What `--media-piece` relies on (worker/backends/media.py): llama.cpp decodes a media chunk
+    of fewer than 64 rows with flash attention's per-row kernel whether it goes whole (as
+    llama-server does) or in pieces of 2+ rows, so its rows, and the next decode row, are bitwise
+    the same either way."""
+    import numpy as np
+
+    from worker.backends.base import BatchEntry
+    from worker.backends.llama_cpp import LlamaCppBackend
+    from worker.backends.media import chunk_ids
+
+    b = LlamaCppBackend(str(tiny_vlm.gguf), n_ctx=512, n_slots=1, threads=2, mmproj=str(tiny_vlm.mmproj))
+    n_embd = b._ebuf.embd.shape[1]  # type: ignore[union-attr]
+    emb = np.random.default_rng(0).standard_normal((63, n_embd)).astype(np.float32)
+    ids = chunk_ids(12345, 63)
+    rows = []
+    for cuts in ([0, 63], [0, 16, 32, 48, 63], [0, 2, 9, 40, 61, 63]):
+        b.seq_rm(0, 0)
+        b.decode([BatchEntry(0, [5, 6, 7], 0, False)])
+        for lo, hi in itertools.pairwise(cuts):
+            b.decode([BatchEntry(0, ids[lo:hi], 3 + lo, hi == 63, embd=emb[lo:hi])])
+        last_media_row = b.logits_row(0)
+        b.decode([BatchEntry(0, [9], 66, True)])
+        rows.append(np.concatenate([last_media_row, b.logits_row(0)]))
+    b.close()
+    np.testing.assert_array_equal(rows[0], rows[1])
+    np.testing.assert_array_equal(rows[0], rows[2])

@@ -515,12 +515,13 @@ class LlamaCppBackend:
     # -- engine thread ----------------------------------------------------------------------
     def decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus:
         """Prompt pieces first (each its own ubatch), then every one-row entry in one call."""
-        if self._share is not None:  # fewer threads while an image is encoded beside (mtmd.py)
-            n = self._share.decode_threads()
+        if self._share is None:
+            return self._decode(entries)
+        with self._share.step() as n:  # fewer threads while media are encoded beside (mtmd.py)
             if n != self._cur_threads:
                 ll.llama_set_n_threads(self._ctx, n, n)
                 self._cur_threads = n
-        return self._decode(entries)
+            return self._decode(entries)
 
     def _decode(self, entries: Sequence[BatchEntry]) -> DecodeStatus:
         n = sum(len(e.tokens) for e in entries)

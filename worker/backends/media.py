@@ -10,8 +10,22 @@ never computed again. The embeddings themselves ride with the task (`Task.media`
 float32[n, n_embd]) and enter a batch as `BatchEntry.embd`.
 
 The scheduler cuts a prompt with media ids in *runs*: a run is text tokens up to the next
-media chunk, or the rows of one chunk, and each run goes in one piece (cut only at n_ubatch),
-whatever else runs: so a request's rows, and its greedy output, do not depend on the load.
+media chunk, or the rows of one chunk. A text run goes in one piece (cut only at n_ubatch); a
+chunk's rows go in pieces of `--media-piece` rows (16) at fixed rows of the chunk (`run_piece`),
+under the prefill budget that long text prompts get while other slots generate. The cuts never
+depend on the load, so a request's rows, and its greedy output, do not either.
+
+Why pieces: a chunk decoded whole stalls every generating slot for its whole call (64 rows of
+the benchmark VLM: ~80 ms beside a ~21 ms decode step, and a SmolVLM tile has 81 rows), and
+its encode already halves their speed (`EncodeShare`, worker/backends/mtmd.py).
+
+What it costs: llama.cpp's flash attention computes a call's rows of one sequence with its
+per-row kernel below 64 rows and a tiled one from 64 (`RowRecipe`), and llama-server decodes a
+chunk whole. A chunk of fewer than 64 rows gets the per-row kernel either way (the same bits in
+any piece of 2+ rows), so its rows stay llama-server's bit for bit; a chunk of 64+ rows cut in
+pieces under 64 does not (equal up to float rounding: greedy output may part from
+llama-server's where two tokens are that close). `--media-piece 0` decodes chunks whole, as
+llama-server does, and gives up the latency bound. Measured in bench/bench_vision.py.
 """
 
 from __future__ import annotations
@@ -66,11 +80,19 @@ def run_length(feed: Sequence[int]) -> int:
     return n
 
 
-def run_piece(feed: Sequence[int], room: int, max_piece: int) -> int:
-    """Rows of the next piece of a prompt with media: the leading run, cut at `max_piece` only;
-    0 when it does not fit the `room` this step has (it goes whole in a later step)."""
-    n = min(run_length(feed), max_piece)
-    return n if n <= room else 0
+def run_piece(feed: Sequence[int], max_piece: int, media_piece: int = 0) -> int:
+    """Rows of the next piece of a prompt with media: a text run whole, a chunk's rows in pieces
+    of `media_piece` rows at fixed places (rows [0, p), [p, 2p), ... of the chunk, a last row
+    left over going with the piece before it: a one-row piece is a decode row, another kernel),
+    or whole with `media_piece` 0; everything cut at `max_piece` only."""
+    n = run_length(feed)
+    if media_piece > 0 and is_media(feed[0]):
+        row = split_id(feed[0])[1]
+        end = (row // media_piece + 1) * media_piece - row  # rows to the next boundary
+        if end < 2:
+            end += media_piece
+        n = n if n - end < 2 else end
+    return min(n, max_piece)
 
 
 def rows_of(media: dict[int, np.ndarray], tokens: Sequence[int]) -> np.ndarray:

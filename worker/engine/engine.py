@@ -133,18 +133,21 @@ class Engine:
         *,
         cache_ram_mib: int = 0,
         strict_reuse: bool = False,
+        media_piece: int = 16,
         spec: SpecConfig | None = None,
         draft_factory: BackendFactory | None = None,
         disk_cache: DiskCacheConfig | None = None,
     ) -> None:
         """`cache_ram_mib`: the host-RAM prompt cache (worker/engine/prompt_cache.py); 0 off, -1 unbounded.
         `strict_reuse`: reuse no row of another class, not even a finished request's (Determinism).
-        `spec`: speculative decoding (worker/engine/speculation.py)."""
+        `spec`: speculative decoding (worker/engine/speculation.py).
+        `media_piece`: rows of an image's or audio's chunk per piece (worker/backends/media.py)."""
         self._factory = factory
         self._spec_config = spec or SpecConfig()
         self._draft_factory = draft_factory  # the draft model's (--spec-draft-model)
         self._draft: DraftModel | None = None
         self._strict_reuse = strict_reuse
+        self._media_piece = media_piece
         self._cache_ram_mib = cache_ram_mib
         self._disk_config = disk_cache
         self._disk: DiskTier | None = None  # made with the scheduler
@@ -266,6 +269,7 @@ class Engine:
         use_spec = self._backend.pooling is None  # a request may opt in without --spec-type
         self._scheduler = Scheduler(
             self._backend, self.n_slots, self._metrics, prompt_cache, reuse_history=not self._strict_reuse,
+            media_piece=self._media_piece,
             spec=Speculator(self._spec_config, self._metrics, self._draft) if use_spec else None,
         )
         if (config := self._disk_config) is not None:

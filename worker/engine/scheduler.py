@@ -111,12 +111,15 @@ class Plan:
 class Scheduler:
     def __init__(
         self, backend: Backend, n_slots: int, metrics: WorkerMetrics, prompt_cache: PromptCache | None = None,
-        *, reuse_history: bool = True, spec: Speculator | None = None,
+        *, reuse_history: bool = True, spec: Speculator | None = None, media_piece: int = 16,
     ) -> None:
         """`reuse_history` off (`--strict-reuse`): finished requests' rows too are reused only
         where they are of the class the new prompt would compute (see the module doc).
-        `spec`: speculative drafts for generating slots (worker/engine/speculation.py)."""
+        `spec`: speculative drafts for generating slots (worker/engine/speculation.py).
+        `media_piece`: rows of a piece of an image's or audio's chunk (0: whole), see
+        worker/backends/media.py."""
         self._backend = backend
+        self.media_piece = media_piece
         self.spec = spec
         self.reuse_history = reuse_history
         self._metrics = metrics
@@ -384,8 +387,8 @@ class Scheduler:
         cap = self._backend.n_batch - plan.n_decode_rows
         if self._prefill_cap is not None:
             cap = min(cap, self._prefill_cap)
-        long = [_rows_to_compute(s) for s in prefilling if _rows_to_compute(s) > SHORT_PROMPT]
-        budget = self.budget.grant(len(decoding), cap, self._recipe.min_piece(long[0])) if long else 0
+        long = [s for s in prefilling if _rows_to_compute(s) > SHORT_PROMPT or _at_media(s)]
+        budget = self.budget.grant(len(decoding), cap, self._min_piece(long[0])) if long else 0
         used = short_used = 0  # rows of long prompts (against the budget), of short ones
         for s in prefilling:
             if s.source is not None and not self._take_source(s):
@@ -395,12 +398,17 @@ class Scheduler:
                 continue
             assert s.task is not None
             whole = s.task.is_embedding and not self._backend.pools_in_pieces
-            is_short = _rows_to_compute(s) <= SHORT_PROMPT or whole or bool(s.task.media)
+            # A prompt with media goes in runs: text whole, a chunk's rows in fixed pieces under the
+            # budget (worker/backends/media.py).
+            long_text = _rows_to_compute(s) > SHORT_PROMPT and not whole
+            is_short = not _at_media(s) if s.task.media else not long_text
             room = cap - used - short_used
             limit = min(room, self._backend.n_ubatch - short_used) if is_short else min(room, budget - used)
-            n = self._piece(s, limit) if not whole else len(s.feed) if len(s.feed) <= limit else 0
-            if s.task.media:  # a prompt with images goes in whole runs (worker/backends/media.py)
-                n = run_piece(s.feed, room, min(self._backend.n_batch, self._backend.n_ubatch))
+            if s.task.media:
+                n = run_piece(s.feed, min(self._backend.n_batch, self._backend.n_ubatch), self.media_piece)
+                n = n if n <= (room if is_short else limit) else 0  # whole, in a later step
+            else:
+                n = self._piece(s, limit) if not whole else len(s.feed) if len(s.feed) <= limit else 0
             if self._backend.kv_unified and n > free:
                 while free < n and self.kv.evict_idle_cache():
                     free = self.kv.free() - sum(len(e.tokens) for _, e in plan.entries)
@@ -425,6 +433,12 @@ class Scheduler:
         ):
             self._preempt_youngest()  # prompts fill the pool and nothing can move
         return plan
+
+    def _min_piece(self, slot: Slot) -> int:
+        """The fewest rows of the slot's next prompt piece (what the budget must come to)."""
+        if _at_media(slot):
+            return run_piece(slot.feed, min(self._backend.n_batch, self._backend.n_ubatch), self.media_piece)
+        return self._recipe.min_piece(_rows_to_compute(slot))
 
     def _piece(self, slot: Slot, budget: int) -> int:
         """Rows `slot` decodes this step: a piece of its prompt the recipe allows; generated
@@ -573,6 +587,11 @@ class Scheduler:
 
 def _arrival(slot: Slot) -> float:
     return slot.task.stats.t_arrival if slot.task else 0.0
+
+
+def _at_media(slot: Slot) -> bool:
+    """The slot's next prompt rows are a media chunk's."""
+    return bool(slot.task and slot.task.media and slot.feed and is_media(slot.feed[0]))
 
 
 def _rows_to_compute(slot: Slot) -> int:

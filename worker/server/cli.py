@@ -298,6 +298,11 @@ def serve(
         0, "--image-max-pixels", min=0, help="refuse (400) a decoded image of more pixels (0: no limit)"
     ),
     max_images: int = typer.Option(8, "--max-images", min=0, help="images per request at most (400 over it)"),
+    media_piece: int = typer.Option(
+        16, "--media-piece", min=0,
+        help="rows of an image's or audio's chunk decoded per step beside generating slots, at fixed rows "
+        "(0: a chunk whole, as llama-server; see docs/vision.md)",
+    ),
     audio_max_seconds: float = typer.Option(
         0.0, "--audio-max-seconds", min=0, help="refuse (400) decoded audio longer than this (0: no limit)"
     ),
@@ -511,6 +516,7 @@ def serve(
         on_load_failed,
         cache_ram_mib=cache_ram,
         strict_reuse=strict_reuse,
+        media_piece=media_piece,
         spec=spec,
         draft_factory=_draft_loader(spec_draft_model, options) if spec_draft_model is not None else None,
         disk_cache=disk,
