@@ -27,7 +27,9 @@ computed, cut by the recipe as if it were a prompt of its own.
 Planning (`plan`). One token per generating slot, then prompt pieces, oldest request first.
 Short prompts (up to `SHORT_PROMPT` tokens, a ubatch of them per step) go in at once, so a
 burst of chat turns starts generating together; longer ones are cut to a per-step row budget
-(`PrefillBudget`) that keeps the generating slots' inter-token latency bounded.
+(`PrefillBudget`) that keeps the generating slots' inter-token latency bounded. A prompt with
+images or audio goes in runs: its text whole, each media chunk in fixed pieces under that
+budget (worker/backends/media.py).
 
 Embedding tasks (an embedding model) are stateless, as in llama-server: no prefix reuse (they
 come with `cache_prompt` off). With a pooling that reads every row (mean, cls, none) a prompt
