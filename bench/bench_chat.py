@@ -180,6 +180,19 @@ async def run_cell(
         )))
 
 
+async def decode_seconds(server: Server) -> float | None:
+    """Our worker's time in the model's forward passes so far (`omni:decode_seconds_total`, with
+    --metrics); None for a server without it."""
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=30) as client:
+        r = await client.get("/metrics")
+    if r.status_code != 200:
+        return None
+    for line in r.text.splitlines():
+        if line.startswith("omni:decode_seconds_total "):
+            return float(line.split()[1])
+    return None
+
+
 def cell_stats(convs: list[Conversation], wall_s: float) -> dict[str, Any]:
     n_turns = max(len(c.turns) for c in convs)
     per_turn = []
@@ -198,6 +211,7 @@ def cell_stats(convs: list[Conversation], wall_s: float) -> dict[str, Any]:
         "per_turn": per_turn,
         "ttft_p50": percentile(all_ttft, 50), "ttft_p99": percentile(all_ttft, 99),
         "e2e_s": median([c.e2e_s for c in convs]), "tok_s": tokens / wall_s if wall_s > 0 else float("nan"),
+        "wall_s": wall_s,
         "texts": [[t.text for t in c.turns] for c in convs],
     }
 
@@ -253,9 +267,13 @@ async def main_async(args: argparse.Namespace, servers: list[Server]) -> dict[st
             for n in cells:
                 order = servers if (r + n) % 2 == 0 else servers[::-1]
                 for s in order:
+                    decode0 = await decode_seconds(s)
                     t0 = time.perf_counter()
                     convs = await run_cell(s, workload, n, r, args)
                     st = cell_stats(convs, time.perf_counter() - t0)
+                    decode1 = await decode_seconds(s)
+                    both = decode0 is not None and decode1 is not None
+                    st["decode_s"] = decode1 - decode0 if both else None  # type: ignore[operator]
                     samples.setdefault((workload, n, s.name), []).append(st)
                     print(f"round {r} {workload} N={n} {s.name}: TTFT p50 {st['ttft_p50']:.0f} ms, "
                           f"e2e {st['e2e_s']:.2f} s, {st['tok_s']:.1f} tok/s, rows/turn "
@@ -307,6 +325,18 @@ def report(result: dict[str, Any], names: list[str], args: argparse.Namespace) -
                     f"e2e {median([s['e2e_s'] for s in a]) / median([s['e2e_s'] for s in b]):.2f}x "
                     f"(paired {pair['e2e_s']:.2f}x)"
                 )
+                if all(x.get("decode_s") is not None for x in a):
+                    # A floor for any server on these kernels: every step's rows are forced (one
+                    # token per generating conversation, each turn's new prompt rows), so our time
+                    # in the forward passes is time llama-server's own steps take too.
+                    pairs = list(zip(a, b, strict=False))
+                    wall = median([x["wall_s"] / y["wall_s"] for x, y in pairs])
+                    share = median([x["decode_s"] / x["wall_s"] for x in a])
+                    floor = median([x["decode_s"] / y["wall_s"] for x, y in pairs])
+                    lines.append(
+                        f"N={n}: wall per round, paired {wall:.2f}x; ours in forward passes {share:.0%} of "
+                        f"its wall; ours' forward-pass seconds / llama-server's wall, paired {floor:.2f}x"
+                    )
     return "\n".join(lines)
 
 
@@ -328,6 +358,7 @@ def main() -> None:
     p.add_argument("--server-arg", action="append", default=[])
     args = p.parse_args()
     args.url, args.kv_unified = [], False
+    args.worker_arg = [*args.worker_arg, "--metrics"]  # its forward-pass seconds (decode_seconds)
     log_dir = Path(tempfile.mkdtemp(prefix="bench_chat_"))
     servers, notes = build_targets(args, log_dir)
     for note in notes:

@@ -81,6 +81,8 @@ def test_metrics_count_requests_tokens_a_load_and_an_eviction(router_factory: Fa
     assert ("omni:kv_cache_tokens", frozenset({("model", "a")})) in after
     assert value(after, "omni:requests_total", model="a", reason="length") == 3.0
     assert value(after, "omni:prefix_cache_hit_tokens_total", model="a") > 0  # the same prompt 3 times
+    decode_s = value(after, "omni:decode_seconds_total", model="a")  # within the 3 requests' time
+    assert 0 < decode_s < value(after, "omni_router:e2e_request_latency_seconds_sum", model="a")
     assert 0 < value(after, "omni:kv_cache_usage_ratio", model="a") <= 1
     assert value(after, "omni_router:requests_total", model="a", route="/v1/completions", status="200") == 3.0
     assert value(after, "omni_router:model_loads_total", model="a") == 1.0

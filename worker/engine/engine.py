@@ -449,7 +449,9 @@ class Engine:
                     masks.wait()  # unused: the matchers' state did not change
                 scheduler.on_no_kv_space(plan)
                 return
-            to_sample = scheduler.commit(plan, (time.perf_counter() - t0) * 1e3)
+            step_s = time.perf_counter() - t0
+            self._metrics.decode_seconds.inc(step_s)
+            to_sample = scheduler.commit(plan, step_s * 1e3)
             self._metrics.n_busy_slots.inc(scheduler.n_busy())
         if backend.pooling is not None:  # an embedding model: an evaluated prompt is a finished task
             for i, task in enumerate(scheduler.release_pooled(to_sample)):

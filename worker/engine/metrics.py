@@ -123,6 +123,12 @@ class WorkerMetrics:
         self.prompt_cache_disk_size = Gauge(
             "omni:prompt_cache_disk_size_bytes", "Size of the model's disk prompt-cache folder", registry=r
         )
+        self.decode_seconds = Counter(
+            "omni:decode_seconds",
+            "Seconds the engine spent in the backend's decode calls (the model's forward passes): the "
+            "kernel time every step pays, the rest of a request's time is the server's",
+            registry=r,
+        )
         self.prompt_rows_evaluated = Counter(
             "omni:prompt_rows_evaluated", "Prompt rows decoded (counted as they are decoded)", registry=r
         )
