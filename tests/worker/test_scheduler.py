@@ -37,9 +37,11 @@ class KVRecorder:
         unified: bool = False,
         recipe: RowRecipe | None = None,
         n_ubatch: int | None = None,
+        runs_by_seq_id: bool = False,
     ) -> None:
         self.n_seq_max = n_slots + 1
         self.kv_unified = unified
+        self.runs_by_seq_id = runs_by_seq_id
         self.n_ctx = n_ctx if unified else n_ctx // n_slots * self.n_seq_max
         self.n_ctx_seq = n_ctx if unified else n_ctx // n_slots
         self.n_batch = n_batch
@@ -296,6 +298,42 @@ def test_a_prefix_is_copied_from_a_busy_slot() -> None:
     assert kv.copies == [(0, 1, 30)]
     assert next(e for s, e in plan.entries if s.id == 1).pos == 30
     assert b.slots[1].task is not None and b.slots[1].task.stats.n_cached == 30
+
+
+def test_busy_slots_stay_packed_and_a_conversation_is_copied_next_to_them() -> None:
+    """llama.cpp decodes a run of consecutive busy sequences in one pass over the weights: with
+    4 conversations whose turns were left in slots 0, 2, 4 and 6, the next turns run in slots
+    0-3, their histories copied over (policy.pick_slot)."""
+    b, kv = make(n_slots=8, n_ctx=8 * 64, n_batch=64, runs_by_seq_id=True)
+    histories = [[100 + 10 * i + j for j in range(20)] for i in range(8)]
+    for h in histories:  # one turn each, all at once: conversation i in slot i
+        b.enqueue(task(h))
+    for _ in range(3):
+        step(b, kv)
+    assert [s.cache[:20] for s in b.slots] == histories
+    for s in b.slots:
+        s.release()
+    for i in (0, 2, 4, 6):
+        b.enqueue(task([*b.slots[i].cache, 900 + i, 901 + i]))
+    plan = step(b, kv)
+    assert sorted(s.id for s in b.slots if s.task is not None) == [0, 1, 2, 3]
+    assert sorted((src, dst) for src, dst, _ in kv.copies) == [(2, 1), (4, 2), (6, 3)]
+    assert sorted(len(e.tokens) for _, e in plan.entries) == [2, 2, 2, 2]  # the new messages only
+
+
+def test_without_runs_by_seq_id_a_conversation_stays_in_its_slot() -> None:
+    b, kv = make(n_slots=4, n_ctx=4 * 64, n_batch=64)
+    histories = [[100 + 10 * i + j for j in range(20)] for i in range(4)]
+    for h in histories:
+        b.enqueue(task(h))
+    for _ in range(3):
+        step(b, kv)
+    for s in b.slots:
+        s.release()
+    b.enqueue(task([*b.slots[0].cache, 5]))
+    b.enqueue(task([*b.slots[3].cache, 5]))
+    step(b, kv)
+    assert sorted(s.id for s in b.slots if s.task is not None) == [0, 3] and not kv.copies
 
 
 def test_a_burst_with_a_common_prefix_computes_the_prefix_once() -> None:

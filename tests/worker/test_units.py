@@ -87,6 +87,25 @@ def test_pick_slot(
     assert (chosen.id if chosen else None) == expected
 
 
+@pytest.mark.parametrize(
+    ("busy", "best", "expected"),
+    [
+        ([], 5, 5),  # nothing busy: the best prefix, no copy
+        ([0], 5, 1),  # next to slot 0; the prefix will be copied from slot 5
+        ([0, 1], 2, 2),  # the best prefix is next to them anyway
+        ([3], 4, 4),  # 2 and 4 both keep one run: the better prefix of the two
+        ([3], 7, 2),  # ... or the lowest of them
+        ([0, 2], 6, 1),  # the gap: one run instead of two
+    ],
+)
+def test_pick_slot_keeps_busy_slots_packed(busy: list[int], best: int, expected: int) -> None:
+    idle = [_slot(i, [i], used=0.0) for i in range(8) if i not in busy]
+    reuse = [10 if s.id == best else 0 for s in idle]
+    chosen = pick_slot(idle, reuse, id_slot=-1, n_slots=8, busy=busy, packed=True)
+    assert chosen is not None and chosen.id == expected
+    assert pick_slot(idle, reuse, id_slot=-1, n_slots=8, busy=busy, packed=False).id == best  # type: ignore[union-attr]
+
+
 def test_kv_victims_and_youngest() -> None:
     slots = [_slot(0, [1], 3.0), _slot(1, [], 1.0), _slot(2, [2], 2.0), _slot(3, [3], 0.0, busy=True)]
     assert [s.id for s in kv_victims(slots)] == [2, 0]

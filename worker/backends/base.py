@@ -217,6 +217,9 @@ class Backend(Vocab, Protocol):
     n_ctx: int  # KV cells in all (streams or the shared pool)
     n_seq_max: int  # slots + 1: the last sequence is the staging one
     kv_unified: bool  # one pool shared by all sequences (else a stream per sequence)
+    # a decode costs a pass over the weights per run of consecutive sequence ids in it (llama.cpp's
+    # per-sequence KV streams): the scheduler keeps busy slots packed (policy.pick_slot)
+    runs_by_seq_id: bool
     supports_seq_state: bool  # seq_state_get/set work (the engine then keeps a prompt cache)
     recipe: RowRecipe
 

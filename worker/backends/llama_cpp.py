@@ -291,6 +291,7 @@ class LlamaCppBackend:
         self._type_v = KV_TYPES[cache_type_v]
         self.flash_attn = flash_attn
         self.kv_unified = kv_unified
+        self.runs_by_seq_id = not kv_unified  # llama.cpp's split_equal: a ubatch per run of consecutive ids
         # "auto" is flash attention on the CPU (llama.cpp's choice); its recipe holds either way.
         # Without it prompt pieces may be of any size >= 2 rows, which bounds the others'
         # inter-token latency better while a long prompt comes in on a small CPU.
@@ -654,8 +655,16 @@ class LlamaCppBackend:
         if self.kv_unified:  # the cells are shared, nothing is copied
             _memory_seq_rm(self._mem, dst, 0, -1)
             ll.llama_memory_seq_cp(self._mem, src, dst, 0, n)
-        else:  # across streams llama.cpp copies the whole stream (at the next decode), then we cut
-            ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+        else:
+            # Across streams llama_memory_seq_cp copies the cells' metadata at once but the data
+            # only at the next decode: a state saved or restored meanwhile (the prompt cache, on
+            # either stream) would be read stale or overwritten. The sequence's state instead is
+            # copied now, and only its own cells, not the whole stream.
+            state = self.seq_state_get(src)
+            _memory_seq_rm(self._mem, dst, 0, -1)
+            if state is None or not self.seq_state_set(dst, state):
+                _memory_seq_rm(self._mem, dst, 0, -1)
+                ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
             _memory_seq_rm(self._mem, dst, n, -1)
 
     def seq_state_get(self, seq_id: int) -> bytearray | None:

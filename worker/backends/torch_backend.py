@@ -153,6 +153,7 @@ class TorchBackend:
             raise ValueError(f"n_slots must be at least 1, not {n_slots}")
         n_ctx = n_ctx if n_ctx > 0 else self.cfg.max_position_embeddings
         self.kv_unified = kv_unified
+        self.runs_by_seq_id = False  # one forward for a step's rows, whatever their sequences
         self.n_seq_max = n_slots + 1  # the last one is the engine's staging sequence
         self.n_ctx_seq = n_ctx if kv_unified else max(n_ctx // n_slots, 1)
         self.n_ctx = n_ctx if kv_unified else self.n_ctx_seq * self.n_seq_max

@@ -7,9 +7,12 @@
   the common prefix, whatever its class (`MIXED_CLASS` marks such a sequence); see
   worker/engine/engine.py, Determinism.
 - `pick_slot`: the idle slot for a new task. An explicit `id_slot` wins if that slot is idle;
-  otherwise the one whose own cache it may reuse most, else the lowest-numbered idle slot:
-  llama.cpp splits a decode into one ubatch per run of consecutive sequence ids, so busy slots
-  packed from 0 keep a step to one pass over the weights.
+  otherwise the one whose own cache it may reuse most, else the lowest-numbered idle slot, among
+  those that keep the busy slots in the fewest runs of consecutive ids: llama.cpp (per-sequence
+  KV streams) splits a decode into one ubatch per such run, one pass over the weights each, so
+  packed busy slots keep a step to one pass (measured on SmolLM2 Q4_1, 4 streams at -np 8:
+  ~38 ms a step in slots 0-3, ~55 ms in slots 0, 3, 5, 7; llama-server scatters them so too).
+  A prefix in a slot that is not picked is copied over (`Scheduler._better_prefix`).
 - `piece_len`: how many prompt rows a slot decodes this step, within the step's budget, in
   pieces the backend's recipe allows.
 - `kv_victims`, `youngest` (one KV pool shared by all slots only): whose cells go first when
@@ -65,15 +68,33 @@ def reusable(n_common: int, cached: Rows, wanted: Rows, decode_class: int) -> in
     return n_common
 
 
-def pick_slot(idle: Sequence[Slot], reuse: Sequence[int], *, id_slot: int, n_slots: int) -> Slot | None:
+def pick_slot(
+    idle: Sequence[Slot], reuse: Sequence[int], *, id_slot: int, n_slots: int,
+    busy: Sequence[int] = (), packed: bool = False,
+) -> Slot | None:
     """The slot for a new task among `idle` (reuse[i]: what it may keep of idle[i]'s cache);
-    None if it must wait (no idle slot, or the `id_slot` it asked for is busy)."""
+    None if it must wait (no idle slot, or the `id_slot` it asked for is busy).
+
+    `packed` (llama.cpp's KV streams: a pass over the weights per run of consecutive busy
+    sequence ids): only the idle slots that leave the `busy` ones with the fewest runs are
+    candidates, so that 4 conversations that left their turns in slots 0, 3, 5 and 7 go on in
+    one pass a step instead of four (their prefixes are then copied over, `_better_prefix`)."""
     if 0 <= id_slot < n_slots:
         return next((s for s in idle if s.id == id_slot), None)
     if not idle:
         return None
+    if packed and busy:
+        taken = set(busy)
+        runs = [n_runs(taken | {s.id}) for s in idle]
+        keep = [i for i, r in enumerate(runs) if r == min(runs)]
+        idle, reuse = [idle[i] for i in keep], [reuse[i] for i in keep]
     best = max(range(len(idle)), key=lambda i: (reuse[i], -idle[i].id))
     return idle[best] if reuse[best] > 0 else min(idle, key=lambda s: s.id)
+
+
+def n_runs(ids: set[int]) -> int:
+    """Runs of consecutive integers in `ids`: {0, 1, 3} has 2."""
+    return sum(1 for i in ids if i - 1 not in ids)
 
 
 def piece_len(remaining: int, budget: int, min_piece: int, max_piece: int) -> int:

@@ -239,12 +239,21 @@ class Scheduler:
         wanted = self._wanted(task)
         p = task.params
         own = [self._reuse_left(s, tokens, wanted) if p.cache_prompt else 0 for s in idle]
-        slot = pick_slot(
-            idle, own, id_slot=p.id_slot if candidates is self.slots else -1, n_slots=len(self.slots)
-        )
+        id_slot = p.id_slot if candidates is self.slots else -1
+        explicit = 0 <= id_slot < len(self.slots)
+        packed = self._backend.runs_by_seq_id and candidates is self.slots and not explicit
+        busy = [s.id for s in self.slots if s.task is not None]
+        slot = pick_slot(idle, own, id_slot=id_slot, n_slots=len(self.slots), busy=busy, packed=packed)
         if slot is None:
             return False
         n_keep = own[idle.index(slot)]
+        home = pick_slot(idle, own, id_slot=-1, n_slots=len(self.slots)) if packed else slot
+        if home is not None and home is not slot and own[idle.index(home)] > n_keep:
+            # Packed elsewhere: take the very rows the slot it would have had holds, whatever the
+            # gain, so that the answer does not depend on which slots were busy.
+            self.kv.save_tail(slot, 0)
+            n_keep = own[idle.index(home)]
+            self.kv.copy(home, slot, n_keep)
         logits = slot.logits if slot.n_logits == n_keep == len(tokens) else None
         if p.cache_prompt:
             n_keep, logits = self._better_prefix(slot, task, tokens, wanted, n_keep, logits)
