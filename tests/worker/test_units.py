@@ -235,3 +235,34 @@ def test_greedy_argmax_picks_what_llama_cpps_greedy_chain_picks(tiny_models: Mod
         backend.free_sampler(penalized)
     finally:
         backend.close()
+
+
+def test_a_cross_stream_copy_is_done_before_the_source_is_restored_over(tiny_models: ModelPaths) -> None:
+    """Regression: llama_memory_seq_cp across KV streams copies the data only at the next decode,
+    so a prompt-cache restore into the source in the same step (the scheduler places one task
+    after another before decoding) reached the copy's destination instead of the source's rows."""
+    import numpy as np
+
+    from worker.backends.base import BatchEntry
+    from worker.backends.llama_cpp import LlamaCppBackend
+
+    b = LlamaCppBackend(str(tiny_models.gguf_f32), n_ctx=512, n_slots=3, n_batch=64, threads=1)
+    try:
+        a, other = list(range(10, 40)), list(range(500, 530))
+
+        def next_row(seq: int, prefix: list[int]) -> np.ndarray:
+            b.decode([BatchEntry(seq, [7], len(prefix), True)])
+            return b.logits_row(0).copy()
+
+        b.decode([BatchEntry(0, a, 0, False)])
+        b.decode([BatchEntry(2, other, 0, False)])
+        saved_other = b.seq_state_get(2)
+        b.seq_cp(0, 1, len(a))  # seq 1 takes a's rows ...
+        b.seq_rm(0, 0)
+        assert saved_other is not None and b.seq_state_set(0, saved_other)  # ... then seq 0 is restored over
+        copied = next_row(1, a)
+        b.seq_rm(2, 0)
+        b.decode([BatchEntry(2, a, 0, False)])
+        np.testing.assert_array_equal(copied, next_row(2, a))  # a's own rows, not the restored ones
+    finally:
+        b.close()
