@@ -6,7 +6,8 @@ A generating step of N conversations is one `llama_decode` of N rows, one per se
 rows are forced (each conversation needs its previous token), so no server running llama.cpp's
 kernels can take less per step than that call. This script measures the call bare, in process
 (llama-cpp-python, the real SmolLM2 Q4_1, flash attention on, `-np 4 -c 8192`-style KV streams,
-`--threads`, the sequences at position ~200), then each server's steady inter-token gap with N
+`--threads`, the sequences going on from position 200 in blocks of calls of one shape, so that
+llama.cpp reuses its graph as in steady decoding), then each server's steady inter-token gap with N
 long greedy streams (`ignore_eos`, tokens 50 to 300 of each), in interleaved rounds. A server
 whose ITL equals the bare step has nothing left to win at that N; what ours has above it is
 the per-token cost of the worker around the call (HTTP, Python).
@@ -67,9 +68,10 @@ def bare_steps(model: Path, sizes: list[int], threads: int, reps: int) -> dict[i
         for s in range(n_seq):
             decode([s], 200, 0)  # a prompt's worth of context in each stream
         times: dict[int, list[float]] = {k: [] for k in sizes}
-        for _ in range(reps):
+        for _ in range(3):  # blocks of one shape, as steady decoding runs (llama.cpp reuses the graph)
             for k in sizes:
-                times[k].append(decode(list(range(k)), 1, 200))
+                for i in range(reps):
+                    times[k].append(decode(list(range(k)), 1, 200 + i))
                 for s in range(k):
                     ll.llama_memory_seq_rm(mem, s, 200, -1)
         return {k: statistics.median(v) for k, v in times.items()}
@@ -109,7 +111,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reps", type=int, default=100, help="bare calls of each size")
+    ap.add_argument("--reps", type=int, default=60, help="bare calls of each size, per block (3 blocks)")
     ap.add_argument("--llama-server", default=None)
     args = ap.parse_args()
     sizes = [int(x) for x in args.concurrency.split(",")]
