@@ -16,18 +16,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.bench_worker import find_llama_server
-from bench.common import ROOT, Server, free_port
+from bench.bench_worker import ours_and_llama_server
+from bench.common import ROOT
 
 MODEL = ROOT / "models" / "smollm2-135m-instruct-q4_1.gguf"
 TOPICS = ["lighthouses", "bicycles", "volcanoes", "bees", "glaciers", "pianos", "comets", "forests"]
@@ -87,20 +84,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-server", default=None)
     args = ap.parse_args()
-    binary = Path(args.llama_server) if args.llama_server else find_llama_server()
-    if binary is None:
-        raise SystemExit("no llama-server: run scripts/build_llama_server.sh (or pass --llama-server)")
-    log_dir = Path(tempfile.mkdtemp(prefix="bench_slots_"))
-    p, t = str(args.parallel), str(args.threads)
-    servers = []
-    for name, cmd in (
-        ("ours", [sys.executable, "-m", "worker.server.cli", "--model", str(args.model), "--parallel", p,
-                  "--ctx-size", "8192", "--threads", t]),
-        ("llama-server", [str(binary), "-m", str(args.model), "-np", p, "-c", "8192", "-t", t]),
-    ):
-        port = free_port()
-        servers.append(Server(name, f"http://127.0.0.1:{port}", cmd=[*cmd, "--port", str(port)],
-                              log_path=log_dir / f"{name}.log", env={**os.environ, "PYTHONPATH": str(ROOT)}))
+    servers = ours_and_llama_server(args.model, args.parallel, args.threads, args.llama_server, "bench_slots")
     back = list(range(0, args.parallel, 2))[:4]
     itl: dict[str, list[float]] = {s.name: [] for s in servers}
     try:

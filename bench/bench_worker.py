@@ -102,6 +102,7 @@ import random
 import shlex
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -369,6 +370,29 @@ class Target:
 def find_llama_server() -> Path | None:
     hits = sorted(ROOT.glob("third_party/llama-server-build-*/bin/llama-server"))
     return hits[-1] if hits else None
+
+
+def ours_and_llama_server(
+    model: Path, parallel: int, threads: int, binary: str | None, tag: str, ctx_size: int = 8192
+) -> list[Server]:
+    """Our worker and llama-server on `model`, both at their defaults but for these flags (`ours
+    --parallel P --ctx-size C --threads T`, `llama-server -np P -c C -t T`), logs in a temporary
+    folder; `binary` None: the one scripts/build_llama_server.sh built."""
+    path = Path(binary) if binary else find_llama_server()
+    if path is None:
+        raise SystemExit("no llama-server: run scripts/build_llama_server.sh (or pass --llama-server)")
+    log_dir = Path(tempfile.mkdtemp(prefix=f"{tag}_"))
+    p, c, t = str(parallel), str(ctx_size), str(threads)
+    servers = []
+    for name, cmd in (
+        ("ours", [sys.executable, "-m", "worker.server.cli", "--model", str(model), "--parallel", p,
+                  "--ctx-size", c, "--threads", t]),
+        ("llama-server", [str(path), "-m", str(model), "-np", p, "-c", c, "-t", t]),
+    ):
+        port = free_port()
+        servers.append(Server(name, f"http://127.0.0.1:{port}", cmd=[*cmd, "--port", str(port)],
+                              log_path=log_dir / f"{name}.log", env={**os.environ, "PYTHONPATH": str(ROOT)}))
+    return servers
 
 
 def build_targets(args: argparse.Namespace, log_dir: Path) -> tuple[list[Server], list[str]]:

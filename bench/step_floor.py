@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.bench_worker import find_llama_server
-from bench.common import ROOT, Server, free_port
+from bench.bench_worker import ours_and_llama_server
+from bench.common import ROOT
 
 MODEL = ROOT / "models" / "smollm2-135m-instruct-q4_1.gguf"
 
@@ -118,20 +116,7 @@ def main() -> None:
     bare = bare_steps(args.model, sizes, args.threads, args.reps)
     print("bare llama_decode of k one-row sequences: "
           + ", ".join(f"k={k} {ms:.2f} ms" for k, ms in bare.items()), flush=True)
-    binary = Path(args.llama_server) if args.llama_server else find_llama_server()
-    if binary is None:
-        raise SystemExit("no llama-server: run scripts/build_llama_server.sh (or pass --llama-server)")
-    p, t = str(max(sizes)), str(args.threads)
-    log_dir = Path(tempfile.mkdtemp(prefix="step_floor_"))
-    servers = []
-    for name, cmd in (
-        ("ours", [sys.executable, "-m", "worker.server.cli", "--model", str(args.model), "--parallel", p,
-                  "--ctx-size", "8192", "--threads", t]),
-        ("llama-server", [str(binary), "-m", str(args.model), "-np", p, "-c", "8192", "-t", t]),
-    ):
-        port = free_port()
-        servers.append(Server(name, f"http://127.0.0.1:{port}", cmd=[*cmd, "--port", str(port)],
-                              log_path=log_dir / f"{name}.log", env={**os.environ, "PYTHONPATH": str(ROOT)}))
+    servers = ours_and_llama_server(args.model, max(sizes), args.threads, args.llama_server, "step_floor")
     itl: dict[tuple[str, int], list[float]] = {}
     try:
         for s in servers:
