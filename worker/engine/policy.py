@@ -12,7 +12,7 @@
   KV streams) splits a decode into one ubatch per such run, one pass over the weights each, so
   packed busy slots keep a step to one pass (measured on SmolLM2 Q4_1, 4 streams at -np 8:
   ~38 ms a step in slots 0-3, ~55 ms in slots 0, 3, 5, 7; llama-server scatters them so too).
-  A prefix in a slot that is not picked is copied over (`Scheduler._better_prefix`).
+  A prefix in a slot that is not picked is copied over (`Scheduler._place`).
 - `piece_len`: how many prompt rows a slot decodes this step, within the step's budget, in
   pieces the backend's recipe allows.
 - `kv_victims`, `youngest` (one KV pool shared by all slots only): whose cells go first when
@@ -78,7 +78,7 @@ def pick_slot(
     `packed` (llama.cpp's KV streams: a pass over the weights per run of consecutive busy
     sequence ids): only the idle slots that leave the `busy` ones with the fewest runs are
     candidates, so that 4 conversations that left their turns in slots 0, 3, 5 and 7 go on in
-    one pass a step instead of four (their prefixes are then copied over, `_better_prefix`)."""
+    one pass a step instead of four (their prefixes are then copied over, `Scheduler._place`)."""
     if 0 <= id_slot < n_slots:
         return next((s for s in idle if s.id == id_slot), None)
     if not idle:

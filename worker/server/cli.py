@@ -300,8 +300,8 @@ def serve(
     max_images: int = typer.Option(8, "--max-images", min=0, help="images per request at most (400 over it)"),
     media_piece: int = typer.Option(
         16, "--media-piece", min=0,
-        help="rows of an image's or audio's chunk decoded per step beside generating slots, at fixed rows "
-        "(0: a chunk whole, as llama-server; see docs/vision.md)",
+        help="rows of an image's or audio's chunk per decode, cut at fixed rows so that generating slots "
+        "are not held for a whole chunk (0: each chunk whole, as llama-server; see docs/vision.md)",
     ),
     audio_max_seconds: float = typer.Option(
         0.0, "--audio-max-seconds", min=0, help="refuse (400) decoded audio longer than this (0: no limit)"
