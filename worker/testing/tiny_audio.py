@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.testing.tiny_models import ModelSpec, make_weights, train_tokenizer, write_gguf
+from worker.testing.tiny_models import ModelSpec, build_once, make_weights, train_tokenizer, write_gguf
 
 FORMAT_VERSION = 1  # bump to force regeneration when the layout changes
 SAMPLE_RATE = 16000  # libmtmd's for Whisper encoders
@@ -169,16 +169,13 @@ def wav(seconds: float, seed: int, freq: float = 440.0, rate: int = SAMPLE_RATE)
 def ensure_audio_model(out: Path, force: bool = False) -> AudioModelPaths:
     """Generate the tiny audio model under `out` unless it is already there (idempotent)."""
     paths = audio_paths(out)
-    stamp = out / ".tiny-audio.done"
-    expected = f"{FORMAT_VERSION}:{TEXT}:{AUDIO}"
-    if not force and stamp.exists() and stamp.read_text() == expected:
-        return paths
-    out.mkdir(parents=True, exist_ok=True)
-    stamp.unlink(missing_ok=True)
-    tok = train_tokenizer(TEXT)
-    write_gguf(paths.gguf, TEXT, tok, make_weights(TEXT, tok.get_vocab_size()), f16=False)
-    write_audio_mmproj(paths.mmproj, make_audio_weights(AUDIO, TEXT.hidden, TEXT.seed), TEXT.hidden)
-    stamp.write_text(expected)
+
+    def build() -> None:
+        tok = train_tokenizer(TEXT)
+        write_gguf(paths.gguf, TEXT, tok, make_weights(TEXT, tok.get_vocab_size()), f16=False)
+        write_audio_mmproj(paths.mmproj, make_audio_weights(AUDIO, TEXT.hidden, TEXT.seed), TEXT.hidden)
+
+    build_once(out / ".tiny-audio.done", f"{FORMAT_VERSION}:{TEXT}:{AUDIO}", build, force)
     return paths
 
 

@@ -33,6 +33,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -400,24 +401,32 @@ def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, n
 # --------------------------------------------------------------------------- entry points
 
 
+def build_once(stamp: Path, key: str, build: Callable[[], None], force: bool = False) -> None:
+    """Run `build` unless `stamp` says it already ran for `key` (the generators' idempotence: the
+    key names the format version and the specs, so a change of either regenerates)."""
+    if not force and stamp.exists() and stamp.read_text() == key:
+        return
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
+    build()
+    stamp.write_text(key)
+
+
 def ensure_model(out: Path, size: str = "tiny", force: bool = False) -> ModelPaths:
     """Generate the model of `size` under `out` unless it is already there (idempotent)."""
     spec = SPECS[size]
     paths = model_paths(out, spec)
-    stamp = out / f".{size}.done"
-    expected = f"{FORMAT_VERSION}:{spec}"
-    if not force and stamp.exists() and stamp.read_text() == expected:
-        return paths
-    out.mkdir(parents=True, exist_ok=True)
-    stamp.unlink(missing_ok=True)
-    tok = train_tokenizer(spec)
-    weights = make_weights(spec, tok.get_vocab_size())
-    if paths.hf_dir.exists():
-        shutil.rmtree(paths.hf_dir)
-    write_hf(paths.hf_dir, spec, tok, weights)
-    write_gguf(paths.gguf_f32, spec, tok, weights, f16=False)
-    write_gguf(paths.gguf_f16, spec, tok, weights, f16=True)
-    stamp.write_text(expected)
+
+    def build() -> None:
+        tok = train_tokenizer(spec)
+        weights = make_weights(spec, tok.get_vocab_size())
+        if paths.hf_dir.exists():
+            shutil.rmtree(paths.hf_dir)
+        write_hf(paths.hf_dir, spec, tok, weights)
+        write_gguf(paths.gguf_f32, spec, tok, weights, f16=False)
+        write_gguf(paths.gguf_f16, spec, tok, weights, f16=True)
+
+    build_once(out / f".{size}.done", f"{FORMAT_VERSION}:{spec}", build, force)
     return paths
 
 

@@ -39,6 +39,7 @@ from worker.testing.tiny_models import (
     CHATML_TEMPLATE,
     ModelSpec,
     _special_ids,
+    build_once,
     make_weights,
     text_config,
     train_tokenizer,
@@ -264,21 +265,18 @@ def data_url(image: bytes, mime: str = "image/png") -> str:
 def ensure_vlm(out: Path, force: bool = False) -> VlmPaths:
     """Generate the tiny VLM under `out` unless it is already there (idempotent)."""
     paths = vlm_paths(out)
-    stamp = out / ".tiny-vlm.done"
-    expected = f"{FORMAT_VERSION}:{TEXT}:{VISION}"
-    if not force and stamp.exists() and stamp.read_text() == expected:
-        return paths
-    out.mkdir(parents=True, exist_ok=True)
-    stamp.unlink(missing_ok=True)
-    tok = train_tokenizer(TEXT)
-    text = make_weights(TEXT, tok.get_vocab_size())
-    vision = make_vision_weights(VISION, TEXT.hidden, TEXT.seed)
-    if paths.hf_dir.exists():
-        shutil.rmtree(paths.hf_dir)
-    write_hf_vlm(paths.hf_dir, tok, hf_weights(text, vision))
-    write_gguf(paths.gguf, TEXT, tok, text, f16=False)
-    write_mmproj(paths.mmproj, vision, TEXT.hidden)
-    stamp.write_text(expected)
+
+    def build() -> None:
+        tok = train_tokenizer(TEXT)
+        text = make_weights(TEXT, tok.get_vocab_size())
+        vision = make_vision_weights(VISION, TEXT.hidden, TEXT.seed)
+        if paths.hf_dir.exists():
+            shutil.rmtree(paths.hf_dir)
+        write_hf_vlm(paths.hf_dir, tok, hf_weights(text, vision))
+        write_gguf(paths.gguf, TEXT, tok, text, f16=False)
+        write_mmproj(paths.mmproj, vision, TEXT.hidden)
+
+    build_once(out / ".tiny-vlm.done", f"{FORMAT_VERSION}:{TEXT}:{VISION}", build, force)
     return paths
 
 
@@ -286,17 +284,15 @@ def ensure_small_vlm(out: Path) -> VlmPaths:
     """The benchmarks' VLM (SMALL_*): F16 text GGUF and mmproj only (`hf_dir` is not written)."""
     name = SMALL_TEXT.name
     paths = VlmPaths(out / name, out / f"{name}-f16.gguf", out / f"mmproj-{name}-f16.gguf")
-    stamp = out / ".small-vlm.done"
-    expected = f"{FORMAT_VERSION}:{SMALL_TEXT}:{SMALL_VISION}"
-    if stamp.exists() and stamp.read_text() == expected:
-        return paths
-    out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(SMALL_TEXT)
-    text = make_weights(SMALL_TEXT, tok.get_vocab_size())
-    write_gguf(paths.gguf, SMALL_TEXT, tok, text, f16=True)
-    vision = make_vision_weights(SMALL_VISION, SMALL_TEXT.hidden, SMALL_TEXT.seed)
-    write_mmproj(paths.mmproj, vision, SMALL_TEXT.hidden, SMALL_VISION, name, f16=True)
-    stamp.write_text(expected)
+
+    def build() -> None:
+        tok = train_tokenizer(SMALL_TEXT)
+        text = make_weights(SMALL_TEXT, tok.get_vocab_size())
+        write_gguf(paths.gguf, SMALL_TEXT, tok, text, f16=True)
+        vision = make_vision_weights(SMALL_VISION, SMALL_TEXT.hidden, SMALL_TEXT.seed)
+        write_mmproj(paths.mmproj, vision, SMALL_TEXT.hidden, SMALL_VISION, name, f16=True)
+
+    build_once(out / ".small-vlm.done", f"{FORMAT_VERSION}:{SMALL_TEXT}:{SMALL_VISION}", build)
     return paths
 
 
