@@ -66,16 +66,17 @@ def chunk_ids(key: int, n_rows: int) -> list[int]:
     return [media_id(key, j) for j in range(n_rows)]
 
 
-def run_length(feed: Sequence[int]) -> int:
+def run_length(feed: Sequence[int], limit: int | None = None) -> int:
     """Rows of the leading run of `feed`: text tokens up to the next media id, or the
-    consecutive rows of one chunk."""
-    if not feed:
+    consecutive rows of one chunk; counted up to `limit` at most (the engine asks every step)."""
+    end = len(feed) if limit is None else min(len(feed), limit)
+    if end <= 0:
         return 0
     if not is_media(feed[0]):
-        return next((i for i, t in enumerate(feed) if is_media(t)), len(feed))
+        return next((i for i in range(end) if is_media(feed[i])), end)
     key, row = split_id(feed[0])
     n = 1
-    while n < len(feed) and feed[n] == media_id(key, row + n):
+    while n < end and feed[n] == media_id(key, row + n):
         n += 1
     return n
 
@@ -85,14 +86,14 @@ def run_piece(feed: Sequence[int], max_piece: int, media_piece: int = 0) -> int:
     of `media_piece` rows at fixed places (rows [0, p), [p, 2p), ... of the chunk, a last row
     left over going with the piece before it: a one-row piece is a decode row, another kernel),
     or whole with `media_piece` 0; everything cut at `max_piece` only."""
-    n = run_length(feed)
-    if media_piece > 0 and is_media(feed[0]):
-        row = split_id(feed[0])[1]
-        end = (row // media_piece + 1) * media_piece - row  # rows to the next boundary
-        if end < 2:
-            end += media_piece
-        n = n if n - end < 2 else end
-    return min(n, max_piece)
+    if media_piece <= 0 or not feed or not is_media(feed[0]):
+        return run_length(feed, max_piece)
+    row = split_id(feed[0])[1]
+    end = (row // media_piece + 1) * media_piece - row  # rows to the next boundary
+    if end < 2:
+        end += media_piece
+    n = run_length(feed, end + 2)  # enough to see whether a single row would be left
+    return min(n if n - end < 2 else end, max_piece)
 
 
 def rows_of(media: dict[int, np.ndarray], tokens: Sequence[int]) -> np.ndarray:
