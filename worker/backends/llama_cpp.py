@@ -660,11 +660,10 @@ class LlamaCppBackend:
             # only at the next decode: a state saved or restored meanwhile (the prompt cache, on
             # either stream) would be read stale or overwritten. The sequence's state instead is
             # copied now, and only its own cells, not the whole stream.
-            state = self.seq_state_get(src)
+            state = self.seq_state_get(src)  # None: src holds nothing, and neither will dst
             _memory_seq_rm(self._mem, dst, 0, -1)
-            if state is None or not self.seq_state_set(dst, state):
-                _memory_seq_rm(self._mem, dst, 0, -1)
-                ll.llama_memory_seq_cp(self._mem, src, dst, -1, -1)
+            if state is not None and not self.seq_state_set(dst, state):
+                raise RuntimeError(f"could not copy sequence {src}'s KV into sequence {dst}")
             _memory_seq_rm(self._mem, dst, n, -1)
 
     def seq_state_get(self, seq_id: int) -> bytearray | None:
