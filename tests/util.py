@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
@@ -149,6 +149,15 @@ def answer(r: httpx.Response) -> str:
     assert r.status_code == 200, r.text
     text: str = r.json()["choices"][0]["message"]["content"]
     return text
+
+
+def greedy_chat(base: str, content: Any, max_tokens: int = 24, timeout: float = 120) -> dict[str, Any]:
+    """The JSON of a 200 greedy chat completion of one user message (`content`: text or parts)."""
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
 
 
 def metric(base: str, name: str) -> float:

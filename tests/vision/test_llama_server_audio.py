@@ -10,10 +10,9 @@ import base64
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 
-from tests.util import run_llama_server, run_worker
+from tests.util import greedy_chat, run_llama_server, run_worker
 from worker.testing.tiny_audio import AudioModelPaths, wav
 
 ARGS = ["-np", "1", "-c", "2048", "-t", "1"]
@@ -30,23 +29,15 @@ def _audio(data: bytes) -> dict[str, Any]:
     return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": "wav"}}
 
 
-def _chat(base: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0}
-    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
-
-
 def test_llama_server_gives_our_greedy_answer(llama_server: str, tiny_audio: AudioModelPaths) -> None:
     prompts = [
         [{"type": "text", "text": "What do you hear?"}, _audio(wav(1.0, 1, 440.0))],
         [_audio(wav(2.5, 2, 300.0)), {"type": "text", "text": "Transcribe it."}, _audio(wav(0.7, 3, 1500.0))],
         [{"type": "text", "text": "A long one:"}, _audio(wav(31.0, 4, 800.0))],  # two 30 s windows
     ]
-    theirs = [_chat(llama_server, p) for p in prompts]
+    theirs = [greedy_chat(llama_server, p) for p in prompts]
     with run_worker(tiny_audio.gguf, "--mmproj", str(tiny_audio.mmproj), *ARGS) as base:
-        ours = [_chat(base, p) for p in prompts]
+        ours = [greedy_chat(base, p) for p in prompts]
     for a, b in zip(ours, theirs, strict=True):
         assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
         assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"] == 24

@@ -6,12 +6,10 @@ image parts, the same libmtmd tiles)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-import httpx
 import pytest
 
-from tests.util import run_llama_server, run_worker
+from tests.util import greedy_chat, run_llama_server, run_worker
 from worker.testing.tiny_vlm import VlmPaths, data_url, png
 
 ARGS = ["-np", "1", "-c", "2048", "-t", "1"]
@@ -24,14 +22,6 @@ def llama_server(tiny_vlm: VlmPaths, tmp_path_factory: pytest.TempPathFactory) -
         yield base
 
 
-def _chat(base: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0}
-    r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
-
-
 def test_llama_server_gives_our_greedy_answer(llama_server: str, tiny_vlm: VlmPaths) -> None:
     prompts = [
         [{"type": "text", "text": "What is in this image?"},
@@ -40,9 +30,9 @@ def test_llama_server_gives_our_greedy_answer(llama_server: str, tiny_vlm: VlmPa
          {"type": "text", "text": "Describe it."},
          {"type": "image_url", "image_url": {"url": data_url(png(30, 30, 3))}}],
     ]
-    theirs = [_chat(llama_server, p) for p in prompts]
+    theirs = [greedy_chat(llama_server, p) for p in prompts]
     with run_worker(tiny_vlm.gguf, "--mmproj", str(tiny_vlm.mmproj), *ARGS) as base:
-        ours = [_chat(base, p) for p in prompts]
+        ours = [greedy_chat(base, p) for p in prompts]
     for a, b in zip(ours, theirs, strict=True):
         assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
         assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
