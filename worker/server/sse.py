@@ -86,19 +86,23 @@ def event_stream(gen: Generation, chunks: AsyncIterator[bytes]) -> GenerationRes
     interval = keepalive_interval()
 
     async def produce(send: Send) -> None:
-        lock = anyio.Lock()  # a comment never lands inside an event
-        last = anyio.current_time()
+        # An event is one ASGI message, which the server writes whole, so the lock only orders a
+        # comment against a pending event. asyncio's Lock takes its free path without yielding;
+        # anyio's yields to the loop on every acquire (a checkpoint), one loop turn per token.
+        lock = asyncio.Lock()
+        clock = asyncio.get_running_loop().time
+        last = clock()
 
         async def body(data: bytes) -> None:
             nonlocal last
             async with lock:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
-                last = anyio.current_time()
+                last = clock()
 
         async def keep_alive() -> None:
             while True:
-                await anyio.sleep(max(0.0, last + interval - anyio.current_time()))
-                if anyio.current_time() - last >= interval:
+                await asyncio.sleep(max(0.0, last + interval - clock()))
+                if clock() - last >= interval:
                     await body(KEEPALIVE)
 
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
