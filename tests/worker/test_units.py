@@ -266,3 +266,35 @@ def test_a_cross_stream_copy_is_done_before_the_source_is_restored_over(tiny_mod
         np.testing.assert_array_equal(copied, next_row(2, a))  # a's own rows, not the restored ones
     finally:
         b.close()
+
+
+def test_logits_rows_are_llama_cpps_rows_of_each_output(tiny_models: ModelPaths) -> None:
+    """The backend reads a decode's logits as one view of llama.cpp's output buffer. Each output
+    must be the row llama_get_logits_ith gives for its batch index: in a step of prompt pieces
+    (several outputs each) and one-row entries out of sequence order, which llama.cpp splits
+    into several ubatches per KV stream and then puts back in batch order."""
+    import llama_cpp as ll
+    import numpy as np
+
+    from worker.backends.base import BatchEntry
+    from worker.backends.llama_cpp import LlamaCppBackend
+
+    b = LlamaCppBackend(str(tiny_models.gguf_f32), n_ctx=512, n_slots=4, n_batch=64, threads=1)
+    try:
+        for s in (0, 1):
+            b.decode([BatchEntry(s, list(range(20 + s, 30 + s)), 0, False)])
+        entries = [
+            BatchEntry(3, list(range(40, 52)), 0, True, n_outputs=3),
+            BatchEntry(1, [9], 10, True),
+            BatchEntry(2, list(range(60, 65)), 0, True),
+            BatchEntry(0, [8], 10, True),
+        ]
+        b.decode(entries)
+        # the last llama_decode's outputs (rows of earlier calls of the step were copied out)
+        last = [(i, row) for i, (copied, row) in enumerate(b._outputs) if copied is None]
+        assert len(last) >= 2
+        for i, batch_idx in last:
+            ptr = ll.llama_get_logits_ith(b._ctx, batch_idx)
+            np.testing.assert_array_equal(b.logits_row(i), np.ctypeslib.as_array(ptr, shape=(b.n_vocab,)))
+    finally:
+        b.close()

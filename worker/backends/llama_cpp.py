@@ -117,7 +117,7 @@ def _holding_gil(cfunc: Any) -> Any:
 
 
 _sampler_sample = _holding_gil(ll.llama_sampler_sample)
-_get_logits_ith = _holding_gil(ll.llama_get_logits_ith)
+_get_logits = _holding_gil(ll.llama_get_logits)
 _memory_seq_rm = _holding_gil(ll.llama_memory_seq_rm)
 _sampler_apply = _holding_gil(ll.llama_sampler_apply)
 _sampler_accept = _holding_gil(ll.llama_sampler_accept)
@@ -303,6 +303,11 @@ class LlamaCppBackend:
         self._outputs: list[
             tuple[np.ndarray | None, int]
         ] = []  # per logits entry: (copied row | None, batch row)
+        # The last llama_decode's logits: one view of llama.cpp's output buffer per (address, rows)
+        # (the buffer moves only when it grows), and each output's batch row -> its row there.
+        self._views: dict[tuple[int, int], np.ndarray] = {}
+        self._view: np.ndarray | None = None
+        self._row_of: dict[int, int] = {}
         self._pieces: dict[int, bytes] = {}
         self._eog_ids: list[int] | None = None
 
@@ -550,6 +555,8 @@ class LlamaCppBackend:
             if self._embedding:
                 pooled.update(self._read_embeddings(call))
                 continue
+            if rows:
+                self._take_logits(rows)
             is_last = k == len(calls) - 1
             it = iter(rows)
             for e in call:
@@ -731,9 +738,30 @@ class LlamaCppBackend:
         self._argmax.pop(_address(sampler), None)
         ll.llama_sampler_free(sampler)
 
+    def _take_logits(self, rows: list[int]) -> None:
+        """After a llama_decode: its output rows (batch indices, in batch order, which is the
+        order of llama.cpp's output buffer) as rows of one numpy view. One call per decode
+        instead of a llama_get_logits_ith and an array wrapper per output: right after a decode
+        has streamed the weights through the caches, each of those cost 30-60 us."""
+        address = ctypes.cast(_get_logits(self._ctx), ctypes.c_void_p).value or 0
+        if address == 0:
+            raise RuntimeError("llama.cpp returned no logits for the last decode")
+        key = (address, len(rows))
+        view = self._views.get(key)
+        if view is None:
+            if any(a != address for a, _ in self._views):
+                self._views.clear()  # the buffer moved: views of the old one would dangle
+            buf = (ctypes.c_float * (len(rows) * self.n_vocab)).from_address(address)
+            view = self._views[key] = np.frombuffer(memoryview(buf).cast("B"), dtype=np.float32).reshape(
+                len(rows), self.n_vocab)
+        self._view = view
+        self._row_of = {r: j for j, r in enumerate(rows)}
+
     def _logits_row(self, batch_idx: int) -> np.ndarray:
-        ptr = _get_logits_ith(self._ctx, batch_idx)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+        """The logits of the last llama_decode's output at batch index `batch_idx` (a view)."""
+        assert self._view is not None
+        row: np.ndarray = self._view[self._row_of[batch_idx]]
+        return row
 
     def logits_row(self, logits_index: int) -> np.ndarray:
         copied, row = self._outputs[logits_index]
