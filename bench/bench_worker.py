@@ -4,6 +4,7 @@
     .venv/bin/python -m bench.bench_worker --workload shared-prefix         # or overload, long-prompt
     .venv/bin/python -m bench.bench_worker --quick                          # 2 rounds
     .venv/bin/python -m bench.bench_worker --targets llama-server,llama-server   # harness self-check
+    .venv/bin/python -m bench.bench_worker --rounds 3 --restarts 4          # 12 rounds, 4 process pairs
     .venv/bin/python -m bench.bench_worker --targets "ours,llama-server:-fa off"  # a target's own flags
     .venv/bin/python -m bench.bench_worker --url mine=http://127.0.0.1:8080 --targets mine
     .venv/bin/python -m bench.bench_worker --json-schema builtin --concurrency 1,8   # constrained vs not
@@ -16,7 +17,11 @@ target may carry its own extra flags: `--targets "ours,llama-server:-fa off"` (k
 flags). Each target is warmed up (one request, one burst of `--parallel` requests, then one unrecorded
 burst or round of the workload) and stays up for the whole run. Then, for each of `--rounds` rounds (5)
 and each concurrency N of the workload, every target runs the workload's burst or round in turn; the turn
-order flips every round, so slow drifts of this shared machine hit both sides alike.
+order flips every round, so slow drifts of this shared machine hit both sides alike. With `--restarts K`
+all of this is done K times with fresh processes (started in alternating order), the rounds numbered on:
+on this VM a process can run up to ~20% faster or slower than an identical one for its whole life (the
+self-check once read 0.81x in all 5 of its rounds, then 1.06x in the next run), which no number of rounds
+within one process averages out.
 
 Every request is a streaming `/v1/completions` with a token-id prompt of normal vocabulary tokens,
 temperature 0 and `ignore_eos`, and must generate exactly its `max_tokens` (from `usage.completion_tokens`,
@@ -888,7 +893,10 @@ def log_sample(s: Sample, rounds: int) -> None:
         + "".join(f"  NOTE: {note}" for note in s.notes))
 
 
-async def run(args: argparse.Namespace, servers: list[Server], vocab: list[int]) -> list[Sample]:
+async def run(
+    args: argparse.Namespace, servers: list[Server], vocab: list[int], first_round: int = 0
+) -> list[Sample]:
+    """`--rounds` rounds numbered from `first_round` (a restart's rounds follow the last one's)."""
     timeout = httpx.Timeout(args.request_timeout, connect=10.0)
     limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
     clients = [httpx.AsyncClient(base_url=s.base_url, timeout=timeout, limits=limits) for s in servers]
@@ -902,12 +910,12 @@ async def run(args: argparse.Namespace, servers: list[Server], vocab: list[int])
             await warm_up(bench, t)
         samples: list[Sample] = []
         fastest: dict[tuple[str, int], float] = {}  # clean attempt wall time per (target, N)
-        for round_idx in range(args.rounds):
+        for round_idx in range(first_round, first_round + args.rounds):
             order = targets if round_idx % 2 == 0 else list(reversed(targets))
             for n in WORKLOADS[args.workload].cells(args):
                 for t in order:
                     samples.append(await measure_with_retries(bench, t, targets, n, round_idx, fastest))
-                    log_sample(samples[-1], args.rounds)
+                    log_sample(samples[-1], args.rounds * args.restarts)
         return samples
     finally:
         for c in clients:
@@ -1050,8 +1058,9 @@ def print_report(table: dict[str, Any], samples: list[Sample], names: list[str],
     print("Each figure is the median over rounds of the burst's or round's value. CPUs: used by the target; "
           "noise: CPUs used meanwhile by other processes on the machine (medians).")
     print("Reading ratios: two identical llama-servers (--targets llama-server,llama-server, the harness "
-          "self-check) differ by up to ~5% in median tok/s on a quiet box;\nratios within 0.95-1.05x are "
-          "noise, p99s and TTFTs vary more: run that self-check with this --workload to see its floor.")
+          "self-check) read 0.81x to 1.08x in tok/s at N=4\non this 2-core VM (four runs, 2026-11-26, one "
+          "of them 12 rounds in 4 fresh process pairs): ratios inside that band are noise. p99s and TTFTs "
+          "vary more;\nrun that self-check with this --workload and --restarts to see its floor.")
     discarded = sum(s.num_discarded for s in samples)
     if discarded:
         print(f"{discarded} attempts were rerun (other processes used the CPUs meanwhile, or see the notes).")
@@ -1109,6 +1118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="threads for both servers (0: each server's own default)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--quick", action="store_true", help="2 rounds (a smoke run, not a measurement)")
+    p.add_argument(
+        "--restarts", type=int, default=1,
+        help="start fresh server processes this many times, --rounds rounds each (the start order "
+        "alternates). On this VM one process can run ~20%% slower or faster than an identical one for "
+        "its whole life, which rounds within one process do not average out (the self-check "
+        "llama-server,llama-server read 0.81x in one run and 1.06x in the next)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="new tokens per request (default: 64; shared-prefix 16; long-prompt: the decoders' "
                         "count, sized from the measured speed)")
@@ -1211,7 +1226,8 @@ def main(argv: list[str] | None = None) -> int:
     kv = "one unified KV cache" if args.kv_unified else f"{args.ctx_size // args.parallel} cells per slot"
     header = [
         f"model {args.model} | {args.parallel} slots | ctx {args.ctx_size} ({kv}) | threads "
-        f"{args.threads or 'server default'} | {args.rounds} rounds | ignore_eos, temperature 0",
+        f"{args.threads or 'server default'} | {args.rounds} rounds"
+        + (f" x {args.restarts} restarts" if args.restarts > 1 else "") + " | ignore_eos, temperature 0",
         describe_workload(args),
         *notes,
         f"logs: {log_dir}",
@@ -1219,13 +1235,18 @@ def main(argv: list[str] | None = None) -> int:
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
         + f" ({os.cpu_count()} CPUs)",
     ]
+    samples: list[Sample] = []
     try:
-        for s in servers:
-            log(f"starting {s.name}: {' '.join(s.cmd) if s.cmd else s.base_url}")
-            t0 = time.monotonic()
-            s.start(args.start_timeout)
-            log(f"{s.name} healthy after {time.monotonic() - t0:.1f}s")
-        samples = asyncio.run(run(args, servers, vocab))
+        for k in range(args.restarts):  # fresh processes, started in alternating order
+            if k:
+                for s in servers:
+                    s.stop()
+            for s in servers if k % 2 == 0 else list(reversed(servers)):
+                log(f"starting {s.name}: {' '.join(s.cmd) if s.cmd else s.base_url}")
+                t0 = time.monotonic()
+                s.start(args.start_timeout)
+                log(f"{s.name} healthy after {time.monotonic() - t0:.1f}s")
+            samples += asyncio.run(run(args, servers, vocab, first_round=k * args.rounds))
     except ServerStartError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
