@@ -752,8 +752,7 @@ class LlamaCppBackend:
             if any(a != address for a, _ in self._views):
                 self._views.clear()  # the buffer moved: views of the old one would dangle
             buf = (ctypes.c_float * (len(rows) * self.n_vocab)).from_address(address)
-            view = self._views[key] = np.frombuffer(memoryview(buf).cast("B"), dtype=np.float32).reshape(
-                len(rows), self.n_vocab)
+            view = self._views[key] = np.ctypeslib.as_array(buf).reshape(len(rows), self.n_vocab)
         self._view = view
         self._row_of = {r: j for j, r in enumerate(rows)}
 
