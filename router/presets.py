@@ -351,6 +351,8 @@ def _worker_key(key: str, value: Any, where: str) -> tuple[str, Any]:
     from router import worker_flags
 
     spelled = _spelling(key)
+    if spelled.startswith("llama-arg-"):  # llama-server's environment name of a worker flag
+        spelled = spelled[len("llama-arg-"):]
     found = worker_flags.lookup(spelled)
     if found is not None and found.flag.name in worker_flags.ROUTER_OWNED:
         raise PresetError(f"{where}: {key!r} cannot be set in a preset: "

@@ -93,7 +93,8 @@ def _index() -> dict[str, Lookup]:
         for spelling in (*longs, *(o[1:] for o in opt["opts"] if not o.startswith("--"))):
             out.setdefault(spelling, Lookup(flag, False))
         if negation is not None:
-            out[negation] = Lookup(flag, True)
+            for spelling in (negation, *(o[1:] for o in opt["secondary_opts"] if not o.startswith("--"))):
+                out[spelling] = Lookup(flag, True)  # `no-X`, and its short form (`nr`)
     return out
 
 

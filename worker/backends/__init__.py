@@ -48,6 +48,8 @@ class BackendOptions:
     cache_type_k: str = field(default="f16", metadata={"only": "llama_cpp"})
     cache_type_v: str = field(default="f16", metadata={"only": "llama_cpp"})
     flash_attn: str = field(default="auto", metadata={"only": "llama_cpp"})
+    # the CPU's extra weight buffer types (llama-server's --repack/--no-repack; weight_buffers.py)
+    repack: str = field(default="auto", metadata={"only": "llama_cpp"})
     device: str | None = field(default=None, metadata={"only": "torch"})
     dtype: str | None = field(default=None, metadata={"only": "torch"})
     # CUDA graphs / torch.compile for decode steps

@@ -54,10 +54,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import llama_cpp as ll
-import llama_cpp.llama_cpp as llc
 import numpy as np
 
+from worker.backends import weight_buffers
 from worker.backends.base import (
     BatchEntry,
     DecodeStatus,
@@ -67,6 +66,7 @@ from worker.backends.base import (
     Sample,
     SampleItem,
 )
+from worker.backends.llama_lib import RUNTIME, ll, llc
 from worker.backends.media import Vision
 from worker.backends.mtmd import EncodeShare, MtmdVision
 from worker.protocol.sampling import SamplingParams
@@ -92,12 +92,17 @@ _GGML_LOG_CONT = 5
 _backend_ready = False
 
 
+_buffers = weight_buffers.BufferReport()  # the weight buffers of the load in progress
+
+
 def _on_llama_log(level: int, text: bytes, _user: Any) -> None:
     # Only warnings and errors: llama.cpp's info chatter would flood the router's 50-line tail.
     if level >= _GGML_LOG_WARN and level != _GGML_LOG_CONT and text:
         msg = text.decode(errors="replace").rstrip()
         if msg:
             log.warning("llama.cpp: %s", msg)
+    elif _buffers.active and text:
+        _buffers.feed(text.decode(errors="replace"))
 
 
 _LOG_CALLBACK = ll.llama_log_callback(_on_llama_log)  # module-level: must outlive every call
@@ -253,8 +258,11 @@ class LlamaCppBackend:
         mmproj: str | None = None,
         image_max_pixels: int = 0,
         audio_max_seconds: float = 0.0,
+        repack: weight_buffers.RepackMode = "auto",
     ) -> None:
         _init_llama_backend()
+        if repack not in weight_buffers.REPACK_MODES:
+            raise ValueError(f"repack: {repack!r} is not one of {', '.join(weight_buffers.REPACK_MODES)}")
         if not os.path.isfile(model_path):
             raise FileNotFoundError(f"model file not found: {model_path}")
         for name, value in (("cache_type_k", cache_type_k), ("cache_type_v", cache_type_v)):
@@ -311,6 +319,14 @@ class LlamaCppBackend:
         self._pieces: dict[int, bytes] = {}
         self._eog_ids: list[int] | None = None
 
+        # Which extra buffer types the weights may take (worker/backends/weight_buffers.py),
+        # decided before the full load; the buffers they took are read from llama.cpp's report.
+        self.repack = weight_buffers.plan(repack, weight_buffers.available(llc._lib))
+        self.weight_buffers: dict[str, float] = {}
+        self.cxx_runtime = RUNTIME
+        log.info("weights: extra buffer types %s (%s)%s", ", ".join(self.repack.allowed) or "none",
+                 self.repack.reason,
+                 f"; left out: {', '.join(self.repack.left_out)}" if self.repack.left_out else "")
         self._vocab_model = self._load_model(vocab_only=True)
         self._vocab = ll.llama_model_get_vocab(self._vocab_model)
         self._grammar_lock = threading.Lock()
@@ -355,7 +371,15 @@ class LlamaCppBackend:
 
             self._progress_cb = ll.llama_progress_callback(on_progress)  # kept alive on self
             params.progress_callback = self._progress_cb
-        model = ll.llama_model_load_from_file(self._path.encode(), params)
+            params.use_extra_bufts = self.repack.use_extra_bufts
+            weight_buffers.restrict(llc._lib, self.repack.allowed)
+            _buffers.sizes, _buffers.active = {}, True
+        try:
+            model = ll.llama_model_load_from_file(self._path.encode(), params)
+        finally:
+            if not vocab_only:
+                _buffers.active = False
+                self.weight_buffers = {k: round(v, 2) for k, v in _buffers.sizes.items()}
         if not model:
             if self._abort.is_set():
                 raise RuntimeError("model loading aborted")

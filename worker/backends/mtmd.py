@@ -25,10 +25,9 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import llama_cpp as ll
-import llama_cpp.mtmd_cpp as mt
 import numpy as np
 
+from worker.backends.llama_lib import ll, mt
 from worker.backends.media import (
     AudioBytes,
     ChunkCache,

@@ -89,8 +89,8 @@ def kv_settings(kind: str, options: BackendOptions) -> dict[str, object]:
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
     keys: tuple[str, ...] = ("n_ubatch", "kv_unified", "embedding", "pooling")
-    keys += ("n_gpu_layers", "cache_type_k", "cache_type_v", "flash_attn") if kind == "llama_cpp" else (
-        "device", "dtype", "compile")
+    keys += ("n_gpu_layers", "cache_type_k", "cache_type_v", "flash_attn", "repack") if kind == "llama_cpp" \
+        else ("device", "dtype", "compile")
     return {"backend": kind, "version": version, **{k: getattr(options, k) for k in keys}}
 
 

@@ -190,6 +190,14 @@ def serve(
         help="KV cache type for V (llama.cpp backend)",
     ),
     flash_attn: str = typer.Option("auto", "--flash-attn", "-fa", metavar="auto|on|off"),
+    repack: bool | None = typer.Option(
+        None,
+        "--repack/--no-repack",
+        " /-nr",
+        envvar="LLAMA_ARG_REPACK",
+        help="llama.cpp backend: weights in the CPU's extra buffer types (repacked for its kernels). "
+        "Default: all but AMX, which crashes llama.cpp's decode; --repack: all (AMX too); --no-repack: none",
+    ),
     device: str | None = typer.Option(None, "--device", help="torch backend: cpu, cuda, ..."),
     dtype: str | None = typer.Option(None, "--dtype", help="torch backend: float32, bfloat16, ..."),
     compile: bool = typer.Option(
@@ -480,6 +488,7 @@ def serve(
         cache_type_k=cache_type_k,
         cache_type_v=cache_type_v,
         flash_attn=flash_attn,
+        repack="auto" if repack is None else "on" if repack else "off",
         device=device,
         dtype=dtype,
         compile=compile,

@@ -37,9 +37,26 @@ def _default_params(d: SamplingParams) -> dict[str, Any]:
     }
 
 
+def _weights(backend: Vocab) -> dict[str, Any] | None:
+    """The llama.cpp backend's weight placement: the --repack decision and the buffers the weights
+    took, in MiB (worker/backends/weight_buffers.py), and the C++ runtime decision."""
+    plan = getattr(backend, "repack", None)
+    if plan is None:
+        return None
+    runtime = backend.cxx_runtime  # type: ignore[attr-defined]  # the llama.cpp backend's, as `repack`
+    return {
+        "repack": plan.mode,
+        "extra_buffer_types": list(plan.allowed),
+        "left_out": list(plan.left_out),
+        "reason": plan.reason,
+        "buffers_mib": dict(backend.weight_buffers),  # type: ignore[attr-defined]
+        "cxx_runtime": {"preloaded": runtime.preload, "reason": runtime.reason},
+    }
+
+
 def props(state: WorkerState, backend: Vocab) -> dict[str, Any]:
     m = backend.meta
-    return {
+    out = {
         "default_generation_settings": {
             "n_ctx": backend.n_ctx_seq,
             "params": _default_params(state.defaults),
@@ -56,3 +73,7 @@ def props(state: WorkerState, backend: Vocab) -> dict[str, Any]:
                        "audio": backend.vision is not None and backend.vision.has_audio},
         "build_info": "omni-worker",
     }
+    weights = _weights(backend)
+    if weights is not None:
+        out["weights"] = weights
+    return out
