@@ -91,3 +91,22 @@ def test_bad_prompts_are_400(url: str) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = httpx.post(f"{url}/completion", json={**BASE, "prompt": [{"x": 1}]}, timeout=10)
     assert r.status_code == 400
+
+
+def test_response_fields_reduce_the_final_object(url: str) -> None:
+    """llama-server's response_fields (its test_completion_response_fields): the final object
+    has the listed fields only, a nested one under its path, a missing path left out; in a
+    stream the last object is reduced the same way, the token objects are not."""
+    fields = ["content", "generation_settings/n_predict", "prompt", "timings/no_such_key"]
+    whole = _post(url, prompt="hello world", n_predict=6)
+    body = _post(url, prompt="hello world", n_predict=6, response_fields=fields)
+    assert body == {"content": whole["content"], "generation_settings/n_predict": 6,
+                    "prompt": whole["prompt"]}
+    streamed = _stream(url, prompt="hello world", n_predict=3, response_fields=["stop"])
+    events = [json.loads(e) for e in streamed]
+    assert events[-1] == {"stop": True}
+    assert all("content" in e for e in events[:-1])
+    assert _post(url, prompt="hello world", response_fields=[])["generation_settings"]
+    bad = {**BASE, "prompt": "x", "response_fields": "content"}
+    r = httpx.post(url + "/completion", json=bad, timeout=30)
+    assert r.status_code == 400 and "response_fields" in r.text

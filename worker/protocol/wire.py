@@ -341,7 +341,11 @@ def _json_prompt(obj: dict[str, Any]) -> str:
 
 
 class _NativeSamplingRequest(_SamplingRequest):
-    """llama-server's native endpoints: `n_probs` top log-probabilities per token."""
+    """llama-server's native endpoints: `n_probs` top log-probabilities per token;
+    `response_fields`: the final object reduced to these fields, `a/b` a nested one (its key is
+    the path), a path that is not there left out."""
+
+    response_fields: list[str] = Field(default_factory=list)
 
     def to_sampling_params(
         self, defaults: SamplingParams | None = None, tokenize: Tokenize | None = None

@@ -38,6 +38,22 @@ class NativeInfo:
     timings_per_token: bool = False
     n_ctx: int = 0  # a slot's context: a generation that filled it is `truncated`
     banned: tuple[int, ...] = ()  # ignore_eos: the end-of-generation tokens, never sampled (bias -inf)
+    response_fields: tuple[str, ...] = ()  # the final object reduced to these paths (none: whole)
+
+
+def pick_fields(paths: tuple[str, ...], obj: dict[str, Any]) -> dict[str, Any]:
+    """llama-server's response_fields: each path (`a/b/c`) that leads through objects to a value
+    becomes a key of the result, the path itself; the others are left out."""
+    out: dict[str, Any] = {}
+    for path in paths:
+        cur: Any = obj
+        for key in path.split("/"):
+            if not isinstance(cur, dict) or key not in cur:
+                break
+            cur = cur[key]
+        else:
+            out[path] = cur
+    return out
 
 
 def _token(piece: bytes) -> str:
@@ -158,7 +174,7 @@ class NativeResults:
         }
         if not stream and c.probs:
             out["completion_probabilities"] = c.probs
-        return out
+        return pick_fields(self.info.response_fields, out) if self.info.response_fields else out
 
 
 async def stream_native(gen: Generation, results: NativeResults) -> AsyncIterator[bytes]:
@@ -220,6 +236,7 @@ def run_native(state: WorkerState, backend: Vocab, req: NativeCompletionRequest 
         req.timings_per_token,
         backend.n_ctx_seq,
         banned,
+        tuple(req.response_fields),
     )
     results = NativeResults(gen, info)
     if req.stream:
