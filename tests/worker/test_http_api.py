@@ -17,8 +17,8 @@ MSG = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        (CHAT, {"messages": MSG, "max_tokens": -1}, "max_tokens"),
         (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
+        (CHAT, {"messages": MSG, "max_tokens": -2}, "max_tokens"),
         (CHAT, {"messages": MSG, "top_p": 1.5}, "top_p"),
         (CHAT, {"messages": MSG, "n": 0}, "n"),
         (CHAT, {"messages": MSG, "temperature": -0.5}, "temperature"),

@@ -69,6 +69,7 @@ from worker.backends.base import (
 from worker.backends.llama_lib import RUNTIME, ll, llc
 from worker.backends.media import Vision
 from worker.backends.mtmd import EncodeShare, MtmdVision
+from worker.protocol.sampler_order import DEFAULT_ORDER
 from worker.protocol.sampling import SamplingParams
 from worker.text.fim import FimTokens
 
@@ -727,36 +728,43 @@ class LlamaCppBackend:
         if bias:
             arr = (ll.llama_logit_bias * len(bias))(*(ll.llama_logit_bias(t, b) for t, b in bias.items()))
             add(chain, ll.llama_sampler_init_logit_bias(self.n_vocab, len(bias), arr))
-        if params.has_penalties:
-            # llama.cpp allocates the whole window up front: a client's 2**31 would be 8 GB per
-            # sampler (an OOM kill); more than the context is never looked at anyway.
-            last_n = self.n_ctx if params.repeat_last_n < 0 else min(params.repeat_last_n, self.n_ctx)
-            add(
-                chain,
-                ll.llama_sampler_init_penalties(
-                    self.n_vocab,
-                    last_n,
-                    params.repeat_penalty,
-                    params.frequency_penalty,
-                    params.presence_penalty,
-                ),
-            )
-        if params.is_greedy:
+        default_order = params.order == DEFAULT_ORDER
+        if params.is_greedy and default_order:
+            if params.has_penalties:
+                add(chain, self._penalties(params))
             add(chain, ll.llama_sampler_init_greedy())
             if not params.has_penalties:
                 ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
                 values = np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
                 self._argmax[_address(chain)] = (ids, values)
             return chain
-        if params.top_k > 0:
-            add(chain, ll.llama_sampler_init_top_k(params.top_k))
-        if params.top_p < 1.0:
-            add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
-        if params.min_p > 0.0:
-            add(chain, ll.llama_sampler_init_min_p(params.min_p, 1))
-        add(chain, ll.llama_sampler_init_temp(params.temperature))
-        add(chain, ll.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+        # The request's chain, in its order (llama-server's `samplers`; a stage that is off adds
+        # nothing). Greedy: the truncations keep the top token, so they matter only before the
+        # penalties, and temperature 0 is the greedy pick itself.
+        for stage in params.order:
+            if stage == "penalties" and params.has_penalties:
+                add(chain, self._penalties(params))
+            elif stage == "top_k" and params.top_k > 0:
+                add(chain, ll.llama_sampler_init_top_k(params.top_k))
+            elif stage == "top_p" and params.top_p < 1.0:
+                add(chain, ll.llama_sampler_init_top_p(params.top_p, 1))
+            elif stage == "min_p" and params.min_p > 0.0:
+                add(chain, ll.llama_sampler_init_min_p(params.min_p, 1))
+            elif stage == "temperature" and not params.is_greedy:
+                add(chain, ll.llama_sampler_init_temp(params.temperature))
+        if params.is_greedy:
+            add(chain, ll.llama_sampler_init_greedy())
+        else:
+            add(chain, ll.llama_sampler_init_dist(seed & 0xFFFFFFFF))
         return chain
+
+    def _penalties(self, params: SamplingParams) -> Any:
+        # llama.cpp allocates the whole window up front: a client's 2**31 would be 8 GB per
+        # sampler (an OOM kill); more than the context is never looked at anyway.
+        last_n = self.n_ctx if params.repeat_last_n < 0 else min(params.repeat_last_n, self.n_ctx)
+        return ll.llama_sampler_init_penalties(
+            self.n_vocab, last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
+        )
 
     def free_sampler(self, sampler: Any) -> None:
         self._argmax.pop(_address(sampler), None)

@@ -81,6 +81,9 @@ class SamplingParams:
     grammar: CompiledGrammar | None = None
     reasoning_budget: ReasoningCap | None = None  # thinking_budget_tokens
     speculative: SpecRequest | None = None  # the request's speculative-decoding settings
+    # The sampler chain's stages in the order they run (llama-server's `samplers`; those left
+    # out are off: worker/protocol/sampler_order.py). The default is llama-server's.
+    order: tuple[str, ...] = ("penalties", "top_k", "top_p", "min_p", "temperature")
 
     @property
     def is_greedy(self) -> bool:

@@ -67,6 +67,9 @@ REFUSED: dict[str, str] = {
     "functions": "the deprecated `functions` form: send `tools`",
     "function_call": "the deprecated `function_call` form: send `tool_choice`",
     "include_stop_str_in_output": "a matched stop string is always left out of the output",
+    # llama-server's sampling on the accelerator: sampling here runs in the engine, on the host
+    "backend_sampling": "sampling runs in the engine on the host (llama-server's backend sampling "
+                        "is not implemented; false is what runs)",
 }
 
 _NO_USERS = "an end-user id: there is no per-user policy or quota here"
@@ -74,6 +77,7 @@ _ONE_TIER = "there is one service tier"
 _CACHE_KEY = "the prompt cache is keyed by the prompt's tokens themselves, every prefix is reused"
 _ONE_VERBOSITY = "only the default ('medium'): no model served here is tuned for verbosity levels"
 _REPLAYED = "what a response returns on its items; clients send those items back as input: kept, no effect"
+_DRY = "a setting of DRY, which runs only with dry_multiplier > 0 (refused)"
 _CACHE_CONTROL = "every prompt prefix is cached anyway (reads show as cache_read_input_tokens)"
 
 # ---- Accepted and inert: "Model.field" -> why accepting it without an effect is honest. The
@@ -112,6 +116,15 @@ INERT: dict[str, str] = {
     "Tool.cache_control": _CACHE_CONTROL,
     "ToolResultBlock.cache_control": _CACHE_CONTROL,
     "ToolUseBlock.cache_control": _CACHE_CONTROL,
+    "_SamplingRequest.dynatemp_exponent": "a setting of dynamic temperature, which runs only with "
+                                          "dynatemp_range > 0 (refused)",
+    "_SamplingRequest.xtc_threshold": "a setting of XTC, which runs only with xtc_probability > 0 (refused)",
+    "_SamplingRequest.dry_base": _DRY,
+    "_SamplingRequest.dry_allowed_length": _DRY,
+    "_SamplingRequest.dry_penalty_last_n": _DRY,
+    "_SamplingRequest.dry_sequence_breakers": _DRY,
+    "_SamplingRequest.reasoning_control": "llama-server makes reasoning endable at run time with it; no "
+                                          "route here ends it, and the output is the same either way",
     "TextBlock.citations": "only an empty list (no document blocks are served, so nothing can be cited)",
 }
 
@@ -130,6 +143,7 @@ NEUTRAL: dict[str, Any] = {
     "xtc_probability": 0.0,
     "dry_multiplier": 0.0,
     "top_n_sigma": -1.0,
+    "backend_sampling": False,
 }
 
 

@@ -11,6 +11,7 @@ Errors are `worker.protocol.errors.APIError` (the envelope shared with the route
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import uuid
@@ -19,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from worker.protocol import sampler_order
 from worker.protocol.sampling import SamplingParams, SpecRequest
 from worker.protocol.strict import StrictModel
 
@@ -77,7 +79,7 @@ class _SamplingRequest(StrictModel):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=-1)  # -1: unlimited (llama-server's, its web UI sends it)
     n_predict: int | None = None  # llama-server alias; -1 = unlimited
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, ge=0, le=1)
@@ -103,6 +105,16 @@ class _SamplingRequest(StrictModel):
     return_progress: bool = False  # llama-server: stream `prompt_progress` while the prompt is computed
     post_sampling_probs: bool = False  # llama-server: n_probs as probabilities after the sampler chain
     timings_per_token: bool = False  # llama-server: progress (and final) chunks carry `timings`
+    # llama-server: the sampler chain's order and members (worker/protocol/sampler_order.py)
+    samplers: str | list[str] | None = None
+    # Settings of samplers that can only be off here (their switch is in strict.NEUTRAL): inert.
+    dynatemp_exponent: float | None = None
+    xtc_threshold: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    reasoning_control: bool | None = None  # llama.cpp's web UI sends true: see strict.INERT
     nvext: NvExt | None = None
     user: str | None = None
     # Constrained output (worker/server/structured.py): at most one of these.
@@ -133,6 +145,20 @@ class _SamplingRequest(StrictModel):
             return None
         return SpecRequest(n_max=n_max, n_min=self.speculative_n_min, size_n=self.max_ngram_size)
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_not_zero(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("max_tokens must be at least 1 (or -1: unlimited)")
+        return v
+
+    @field_validator("samplers")
+    @classmethod
+    def _known_samplers(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if v is not None:
+            sampler_order.parse(v)  # a ValueError names what is wrong
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
@@ -157,7 +183,7 @@ class _SamplingRequest(StrictModel):
         """max_tokens, else n_predict (-1: unlimited), else the server's `-n` (llama-server's
         n_predict_max: the request's own value wins)."""
         if self.max_tokens is not None:
-            return self.max_tokens
+            return self.max_tokens if self.max_tokens >= 0 else None
         if self.n_predict is not None:
             return self.n_predict if self.n_predict >= 0 else None
         return default
@@ -173,7 +199,7 @@ class _SamplingRequest(StrictModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         greedy = bool(self.greedy_sampling or nv.greedy_sampling)
         rep = self.repeat_penalty or self.repetition_penalty or nv.repetition_penalty
-        return SamplingParams(
+        params = SamplingParams(
             temperature=0.0 if greedy else (d.temperature if self.temperature is None else self.temperature),
             top_k=nv.top_k if nv.top_k is not None else (d.top_k if self.top_k is None else self.top_k),
             top_p=d.top_p if self.top_p is None else self.top_p,
@@ -198,6 +224,21 @@ class _SamplingRequest(StrictModel):
             post_sampling_probs=self.post_sampling_probs,
             speculative=self._speculative(),
         )
+        if self.samplers is None:
+            return params
+        order = sampler_order.parse(self.samplers)
+        off: dict[str, Any] = {}  # a stage left out of the chain is not applied
+        if "penalties" not in order:
+            off |= {"repeat_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+        if "top_k" not in order:
+            off["top_k"] = 0
+        if "top_p" not in order:
+            off["top_p"] = 1.0
+        if "min_p" not in order:
+            off["min_p"] = 0.0
+        if "temperature" not in order:
+            off["temperature"] = 1.0
+        return dataclasses.replace(params, order=order, **off)
 
 
 ContentPart = dict[str, Any]

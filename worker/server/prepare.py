@@ -20,6 +20,7 @@ from worker.backends.base import Vocab
 from worker.backends.media import MediaError, MediaPrompt
 from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.reasoning_budget import reasoning_budget
+from worker.protocol import sampler_order
 from worker.protocol.errors import APIError
 from worker.protocol.sampling import SamplingParams
 from worker.protocol.wire import ChatCompletionRequest, ChatMessage, new_id, now
@@ -281,6 +282,9 @@ def sampling_params(state: WorkerState, backend: Vocab, req: Any) -> SamplingPar
         )
     except ValueError as e:
         raise APIError(str(e), param="logit_bias") from None
+    if state.backend_kind == "torch" and not sampler_order.penalties_first(params):
+        raise APIError("the torch backend applies the penalties first in the sampler chain: "
+                           "put `penalties` before the other samplers that are on", param="samplers")
     return params
 
 

@@ -2,7 +2,8 @@
 
 Per row: mask (False = forbidden) -> logit_bias (+ EOG bans for ignore_eos) -> penalties (repeat /
 presence / frequency over the last `repeat_last_n` accepted tokens) -> greedy argmax when
-temperature <= 0, else top_k -> top_p -> min_p -> temperature -> draw. Each stage is one tensor op
+temperature <= 0, else top_k -> top_p -> min_p -> temperature -> draw (those four in the order of
+the request's `samplers`, if it gives one; penalties always first). Each stage is one tensor op
 over all rows; the only per-row Python work is gathering sparse bias/penalty entries and drawing one
 uniform per row from that request's own `torch.Generator` (so a seed reproduces the same tokens
 whatever else shares the batch). Logprobs come from the raw logits (log-softmax before any stage).
@@ -116,33 +117,41 @@ def _apply_penalties(x: Tensor, states: Sequence[SamplerState], params: Sequence
 
 
 def _draw(
-    x: Tensor, states: Sequence[SamplerState], params: Sequence[SamplingParams]
+    x: Tensor, states: Sequence[SamplerState], params: Sequence[SamplingParams], order: tuple[str, ...]
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """top_k -> top_p -> min_p -> temperature -> one draw per row; returns (token ids [S], the final
-    probabilities [S, K] of the candidates [S, K], most likely first)."""
+    """The truncations and temperature in `order` (the rows' common chain: default top_k -> top_p
+    -> min_p -> temperature), then one draw per row; returns (token ids [S], the final
+    probabilities [S, K] of the candidates [S, K], most likely first). Each truncation keeps a
+    prefix of the sorted candidates; top_p and min_p see the temperature only when it comes first."""
     n_vocab = x.shape[1]
     dev = x.device
     top_k = [p.top_k if 0 < p.top_k < n_vocab else n_vocab for p in params]
-    k_max = max(top_k)
+    stages = [s for s in order if s != "penalties"]
+    # the top k_max candidates suffice when top_k runs first; after another stage, all of them
+    k_max = max(top_k) if stages[:1] == ["top_k"] else n_vocab
     vals, idx = torch.topk(x, k_max, dim=-1) if k_max < n_vocab else torch.sort(x, dim=-1, descending=True)
     cols = torch.arange(k_max, device=dev)
-    vals = vals.masked_fill(cols[None, :] >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
+    divisor = torch.ones(len(params), dtype=x.dtype, device=dev)  # the temperatures applied so far
+    for stage in stages:
+        if stage == "top_k":
+            vals = vals.masked_fill(cols[None, :] >= torch.tensor(top_k, device=dev)[:, None], float("-inf"))
+        elif stage == "top_p":
+            top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev)
+            if bool((top_p < 1.0).any()):
+                probs = torch.softmax(vals / divisor[:, None], dim=-1)
+                before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each candidate
+                drop = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+                drop[:, 0] = False  # llama.cpp always keeps the first candidate
+                vals = vals.masked_fill(drop, float("-inf"))
+        elif stage == "min_p":
+            min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev)
+            if bool((min_p > 0.0).any()):
+                floor = vals[:, :1] + torch.log(min_p.clamp_min(1e-38))[:, None] * divisor[:, None]
+                vals = vals.masked_fill((vals < floor) & (min_p[:, None] > 0.0), float("-inf"))
+        elif stage == "temperature":
+            divisor = divisor * torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)
 
-    top_p = torch.tensor([p.top_p for p in params], dtype=x.dtype, device=dev)
-    if bool((top_p < 1.0).any()):
-        probs = torch.softmax(vals, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly before each candidate
-        drop = (before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-        drop[:, 0] = False  # llama.cpp always keeps the first candidate
-        vals = vals.masked_fill(drop, float("-inf"))
-
-    min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype, device=dev)
-    if bool((min_p > 0.0).any()):
-        floor = vals[:, :1] + torch.log(min_p.clamp_min(1e-38))[:, None]
-        vals = vals.masked_fill((vals < floor) & (min_p[:, None] > 0.0), float("-inf"))
-
-    temp = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=dev)
-    probs = torch.nan_to_num(torch.softmax(vals / temp[:, None], dim=-1), nan=0.0)
+    probs = torch.nan_to_num(torch.softmax(vals / divisor[:, None], dim=-1), nan=0.0)
     cdf = torch.cumsum(probs, dim=-1)
     u = torch.cat([torch.rand(1, generator=s.generator) for s in states]).to(device=dev, dtype=cdf.dtype)
     choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).clamp_max(k_max - 1)
@@ -167,11 +176,14 @@ def sample_rows(
     tokens = x.argmax(dim=-1)
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
     post: dict[int, list[tuple[int, float]]] = {}
-    if sampled:
-        sel = torch.tensor(sampled, device=x.device)
-        drawn, probs, idx = _draw(x[sel], [states[i] for i in sampled], [params[i] for i in sampled])
+    groups: dict[tuple[str, ...], list[int]] = {}  # rows by their chain (one group, but for `samplers`)
+    for i in sampled:
+        groups.setdefault(params[i].order, []).append(i)
+    for order, rows in groups.items():
+        sel = torch.tensor(rows, device=x.device)
+        drawn, probs, idx = _draw(x[sel], [states[i] for i in rows], [params[i] for i in rows], order)
         tokens = tokens.index_copy(0, sel, drawn)
-        for j, i in enumerate(sampled):
+        for j, i in enumerate(rows):
             if params[i].logprobs and params[i].post_sampling_probs:
                 pairs = zip(idx[j].tolist(), probs[j].tolist(), strict=True)
                 post[i] = [(t, q) for t, q in pairs if q > 0]
