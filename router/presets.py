@@ -320,6 +320,8 @@ _ENV = {
     "slot-save-path": "slot-save-path",
     "mmproj": "mmproj",
 }
+# ... and of the omni-worker flags that read one (typer's envvar), passed through as worker flags
+_ENV_WORKER = {"repack": "repack"}
 _NEGATABLE = ("kv-unified", "jinja")  # llama-server's `--no-X` switches: `no-X = true` means X = false
 VALID_KEYS = ", ".join(sorted(_KEYS))
 
@@ -352,7 +354,7 @@ def _worker_key(key: str, value: Any, where: str) -> tuple[str, Any]:
 
     spelled = _spelling(key)
     if spelled.startswith("llama-arg-"):  # llama-server's environment name of a worker flag
-        spelled = spelled[len("llama-arg-"):]
+        spelled = _ENV_WORKER.get(spelled[len("llama-arg-"):], spelled)
     found = worker_flags.lookup(spelled)
     if found is not None and found.flag.name in worker_flags.ROUTER_OWNED:
         raise PresetError(f"{where}: {key!r} cannot be set in a preset: "

@@ -75,7 +75,7 @@ def test_completion_logprobs_is_a_count() -> None:
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"messages": MSG, "max_tokens": -1}, "max_tokens"),
+        ({"messages": MSG, "max_tokens": -2}, "max_tokens"),
         ({"messages": MSG, "top_p": 1.5}, "top_p"),
         ({"messages": MSG, "n": 0}, "n"),
         ({"messages": MSG, "temperature": -0.1}, "temperature"),

@@ -37,6 +37,10 @@ def _load(tmp_path: Path, body: str) -> list[str]:
         ("slots = false", ["--no-slots"]),
         ("props = true", ["--props"]),  # a plain switch
         ("props = false", []),
+        ("repack = false", ["--no-repack"]),  # llama-server's --repack/--no-repack
+        ("nr = true", ["--no-repack"]),  # its short form -nr
+        ("LLAMA_ARG_REPACK = false", ["--no-repack"]),  # and its environment name
+        ("repack = true", ["--repack"]),
         (
             "LLAMA_ARG_TOP_K = 5",
             None,

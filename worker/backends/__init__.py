@@ -5,6 +5,9 @@
     base           the contract: `Vocab` (thread-safe, the HTTP side) and `Backend` (the engine's)
     mtmd           libmtmd (an mmproj): images and audio decoded, tokenized and encoded, an LRU of encodings
     llama_cpp      GGUF files through llama-cpp-python's ctypes API
+    llama_lib      llama-cpp-python, imported once the C++ runtime is settled (cxx_runtime)
+    cxx_runtime    one C++ runtime per worker process: the system's libstdc++ first where needed
+    weight_buffers --repack: which CPU buffer types the weights may take (AMX left out), and which they took
     torch_backend  HF folders through our own PyTorch model (worker/torch_model/)
     torch_vision   an Idefics3 folder's images on the torch backend: libmtmd's prompt, our tower's rows
 """

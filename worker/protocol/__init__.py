@@ -5,6 +5,7 @@
     errors       the one error envelope (`APIError`) and request-body parsing
     wire         the request models of every route the worker serves (the router's OpenAPI schemas)
     sampling     `SamplingParams`, the plain value the request models convert themselves into
+    sampler_order  llama-server's `samplers`: the sampler chain's order and members
     front        the CORS and API-key ASGI layers, llama-server's rules, used by both servers
     profile_log  profiling runs and their JSONL event format (/start_profile, /stop_profile)
     modalities   what an HF model folder takes as input (images: an Idefics3), for both sides
