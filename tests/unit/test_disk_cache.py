@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from worker.engine.disk_cache import DiskCache, entry_name, fingerprint, parse_size
+from worker.backends import BackendOptions
+from worker.engine.disk_cache import DiskCache, entry_name, fingerprint, kv_settings, parse_size
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.prompt_cache import CachedPrompt
 
@@ -110,6 +111,9 @@ def test_the_fingerprint_changes_with_the_model_file_and_the_kv_settings(tmp_pat
     fp = fingerprint(str(model), settings)
     assert fingerprint(str(model), settings) == fp
     assert fingerprint(str(model), {**settings, "cache_type_k": "q8_0"}) != fp
+    assert kv_settings("llama_cpp", BackendOptions(), 16) != kv_settings("llama_cpp", BackendOptions(), 0)
+    no_repack = BackendOptions(repack="off")
+    assert kv_settings("llama_cpp", no_repack) != kv_settings("llama_cpp", BackendOptions())
     model.write_bytes(b"GGUF" + bytes(4999) + b"\x01")  # same size, new weights
     assert fingerprint(str(model), settings) != fp
     folder = tmp_path / "hf"

@@ -4,6 +4,7 @@
     media          images and audio in a prompt: media ids (keyed by the bytes), the `Vision` contract
     base           the contract: `Vocab` (thread-safe, the HTTP side) and `Backend` (the engine's)
     mtmd           libmtmd (an mmproj): images and audio decoded, tokenized and encoded, an LRU of encodings
+    media_probe    an image's size and an audio's length from the header: decode bombs refused first
     llama_cpp      GGUF files through llama-cpp-python's ctypes API
     llama_lib      llama-cpp-python, imported once the C++ runtime is settled (cxx_runtime)
     cxx_runtime    one C++ runtime per worker process: the system's libstdc++ first where needed

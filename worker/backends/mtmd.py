@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from worker.backends import media_probe
 from worker.backends.llama_lib import ll, mt
 from worker.backends.media import (
     AudioBytes,
@@ -77,6 +78,11 @@ def _decode(ctx: Any, where: str, data: bytes, max_pixels: int) -> Any:
         raise MediaError(f"{where}: no bytes")
     if not data.startswith(_IMAGE_MAGIC):  # stb_image's formats; anything else would go to ffmpeg
         raise MediaError(f"{where}: not a PNG, JPEG, GIF or BMP image")
+    size = media_probe.image_size(data)  # before decoding: a small file may hold a huge image
+    if max_pixels and size is not None and size[0] * size[1] > max_pixels:
+        nx, ny = size
+        raise MediaError(f"{where}: {nx}x{ny} = {nx * ny} pixels is over this server's "
+                         f"--image-max-pixels {max_pixels} (read from its header, not decoded)")
     bitmap = _helper_bitmap(ctx, data)
     if not bitmap:
         raise MediaError(f"{where}: the bytes are not an image this server can decode")
@@ -97,6 +103,10 @@ def _decode_audio(ctx: Any, where: str, data: bytes, max_seconds: float) -> Any:
     decode, that hold no samples, or more than `max_seconds` of them (0: no limit)."""
     if not is_audio_file(data):  # anything else would go to stb_image, then to ffmpeg
         raise MediaError(f"{where}: not WAV, MP3 or FLAC audio")
+    said = media_probe.audio_seconds(data)  # before decoding: a small file may hold hours
+    if max_seconds and said is not None and said > max_seconds:
+        raise MediaError(f"{where}: {said:.1f} s is over this server's --audio-max-seconds {max_seconds:g} "
+                         "(read from its header, not decoded)")
     bitmap = _helper_bitmap(ctx, data)
     if not bitmap:
         raise MediaError(f"{where}: the bytes are not audio this server can decode")

@@ -80,9 +80,10 @@ def model_identity(model_path: str) -> list[list[object]]:
     return out
 
 
-def kv_settings(kind: str, options: BackendOptions) -> dict[str, object]:
+def kv_settings(kind: str, options: BackendOptions, media_piece: int = 0) -> dict[str, object]:
     """The settings of `options` that change KV values (not the context size: a state fits or not),
-    with the backend and its version."""
+    with the backend and its version, and the engine's --media-piece (an image's rows go in
+    pieces of that many: other pieces, other kernels, other KV)."""
     package = "llama_cpp_python" if kind == "llama_cpp" else "torch"
     try:
         version = importlib.metadata.version(package)
@@ -91,7 +92,8 @@ def kv_settings(kind: str, options: BackendOptions) -> dict[str, object]:
     keys: tuple[str, ...] = ("n_ubatch", "kv_unified", "embedding", "pooling")
     keys += ("n_gpu_layers", "cache_type_k", "cache_type_v", "flash_attn", "repack") if kind == "llama_cpp" \
         else ("device", "dtype", "compile")
-    return {"backend": kind, "version": version, **{k: getattr(options, k) for k in keys}}
+    return {"backend": kind, "version": version, "media_piece": media_piece,
+            **{k: getattr(options, k) for k in keys}}
 
 
 def fingerprint(model_path: str, settings: Mapping[str, object]) -> str:

@@ -42,6 +42,14 @@ log = logging.getLogger("worker")
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 _LOAD_FAILURE_GRACE_S = 1.0  # let /health report the 500 before exiting
+# Default media limits, checked on the header before anything is decoded (worker/backends/
+# media_probe.py). 50 megapixels: a 48 or 50 MP phone photo still goes in, while the vision
+# encoders served here shrink every image to a few megapixels at most (SmolVLM: 1536 px on the
+# longest side, 2.4 MP), so nothing a model can see is lost; a 50 MP decode is 150 MB of RGB.
+# 30 minutes of audio: 115 MB of 16 kHz float samples once decoded, and more audio tokens than
+# a slot's context holds (an audio encoder gives several tokens per second of sound).
+IMAGE_MAX_PIXELS = 50_000_000
+AUDIO_MAX_SECONDS = 1800.0
 
 
 class _Server(uvicorn.Server):
@@ -303,7 +311,8 @@ def serve(
         help="a GGUF model's multimodal projector (image and/or audio input, through libmtmd)",
     ),
     image_max_pixels: int = typer.Option(
-        0, "--image-max-pixels", min=0, help="refuse (400) a decoded image of more pixels (0: no limit)"
+        IMAGE_MAX_PIXELS, "--image-max-pixels", min=0,
+        help="refuse (400) an image of more pixels, read from its header before decoding (0: no limit)",
     ),
     max_images: int = typer.Option(8, "--max-images", min=0, help="images per request at most (400 over it)"),
     media_piece: int = typer.Option(
@@ -312,7 +321,8 @@ def serve(
         "are not held for a whole chunk (0: each chunk whole, as llama-server; see docs/vision.md)",
     ),
     audio_max_seconds: float = typer.Option(
-        0.0, "--audio-max-seconds", min=0, help="refuse (400) decoded audio longer than this (0: no limit)"
+        AUDIO_MAX_SECONDS, "--audio-max-seconds", min=0,
+        help="refuse (400) audio longer than this, read from its header before decoding (0: no limit)",
     ),
     max_audio: int = typer.Option(
         4, "--max-audio", min=0, help="audio parts per request at most (400 over it)"
@@ -503,7 +513,7 @@ def serve(
     disk = None
     has_file = model is not None and Path(model).exists()  # if not: no disk tier, the load says why
     if cache_dir is not None and cache_disk_bytes > 0 and cache_ram != 0 and model is not None and has_file:
-        fp = fingerprint(model, kv_settings(kind, options))
+        fp = fingerprint(model, kv_settings(kind, options, media_piece))
         disk = DiskCacheConfig(Path(cache_dir), cache_disk_bytes, fp)
     api_keys = _api_keys(api_key, api_key_file)
     metrics = WorkerMetrics()

@@ -224,7 +224,10 @@ async def collect_native(gen: Generation, results: NativeResults) -> tuple[int, 
 def run_native(state: WorkerState, backend: Vocab, req: NativeCompletionRequest | InfillRequest,
                params: SamplingParams, token_prompts: list[list[int]]) -> Response:
     """Run a native /completion or /infill request: streamed, or aggregated into one body."""
-    texts = [b"".join(backend.token_to_piece(t) for t in p).decode(errors="replace") for p in token_prompts]
+    # The final object's `prompt`: its tokens as text, special ones too (llama-server's
+    # detokenize(ctx, true): "<s> I believe ..." for a model that adds a BOS)
+    texts = [b"".join(backend.token_to_piece(t, True) for t in p).decode(errors="replace")
+             for p in token_prompts]
     gen = Generation(state.engine, token_prompts, params, quiet_tokens=not req.stream)
     banned = state.eog_ids if params.ignore_eos else ()  # the backends ban them: echoed as llama-server does
     info = NativeInfo(

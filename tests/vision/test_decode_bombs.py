@@ -1,0 +1,159 @@
+"""Decode bombs are refused from the header, before anything is decoded
+(worker/backends/media_probe.py), by default: a 144-megapixel PNG of 0.4 MB, a FLAC that says
+ten hours, 19 MiB of 8 kbps MP3 (5.5 hours). Each is a 400 naming the limit, and the worker's
+memory does not grow by what the decode would have taken."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+import zlib
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+from tests.util import run_worker
+from worker.backends.media_probe import audio_seconds, image_size
+from worker.backends.mtmd import decode_rgb
+from worker.testing.tiny_audio import AudioModelPaths, wav
+from worker.testing.tiny_vlm import VlmPaths, data_url, png
+
+ARGS = ["-np", "1", "-c", "1024", "--threads", "1"]  # the media limits at their defaults
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A real PNG of black pixels: width x height RGB, a few hundred KB on the wire."""
+    z = zlib.compressobj(9)
+    row = b"\x00" * (1 + 3 * width)
+    body = b"".join(z.compress(row) for _ in range(height)) + z.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", body) + _chunk(b"IEND", b"")
+
+
+def bmp(width: int, height: int) -> bytes:
+    """A real 24-bit BMP (rows padded to 4 bytes), grey."""
+    stride = (3 * width + 3) & ~3
+    pixels = bytes([128]) * (stride * height)
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 24, 0, len(pixels), 2835, 2835, 0, 0)
+    head = struct.pack("<2sIHHI", b"BM", 14 + 40 + len(pixels), 0, 0, 14 + 40)
+    return head + info + pixels
+
+
+def flac_header(seconds: float, rate: int = 8000) -> bytes:
+    """fLaC and a STREAMINFO block that says `seconds` of mono 16-bit audio (no frames follow)."""
+    total = int(seconds * rate)
+    bits = rate << 44 | 0 << 41 | 15 << 36 | total
+    info = struct.pack(">HH", 4096, 4096) + b"\x00" * 6 + bits.to_bytes(8, "big") + b"\x00" * 16
+    return b"fLaC" + bytes([0x80, 0, 0, len(info)]) + info
+
+
+def mp3_frames(n_bytes: int) -> bytes:
+    """MPEG-2 layer III frames at 8 kbps, 16 kHz (36 bytes, 36 ms each), silent."""
+    frame = bytes([0xFF, 0xF3, 0x18, 0xC4]) + b"\x00" * 32
+    return frame * (n_bytes // len(frame))
+
+
+@pytest.mark.parametrize(
+    ("data", "size"),
+    [
+        (png(7, 5, 1), (7, 5)),
+        (bmp(9, 4), (9, 4)),
+        (b"GIF89a" + struct.pack("<HH", 640, 480) + b"\x00" * 8, (640, 480)),
+        # JPEG: SOI, an APP0 segment, then a baseline frame header: height 300, width 400
+        (b"\xff\xd8\xff\xe0" + struct.pack(">H", 16) + b"JFIF\x00" + b"\x00" * 9
+         + b"\xff\xc0" + struct.pack(">HBHH", 17, 8, 300, 400) + b"\x00" * 10, (400, 300)),
+        (b"\xff\xd8\xff\xda\x00\x08", None),  # a scan before any frame header: the header says nothing
+        (b"\x89PNG\r\n\x1a\n", None),  # truncated
+    ],
+)
+def test_image_size(data: bytes, size: tuple[int, int] | None) -> None:
+    assert image_size(data) == size
+
+
+def test_the_header_agrees_with_the_decoder() -> None:
+    for data in (png(13, 6, 2), bmp(11, 3)):
+        rgb = decode_rgb(0, data)
+        assert image_size(data) == (rgb.shape[1], rgb.shape[0])
+
+
+@pytest.mark.parametrize(
+    ("data", "seconds"),
+    [
+        (wav(2.5, 1), 2.5),
+        (flac_header(36000), 36000.0),
+        (flac_header(0), None),  # unknown length: the decoder's output is checked instead
+        (mp3_frames(36 * 1000), 36.0),  # 1,000 frames of 36 ms, from the bit rate
+        (b"ID3\x03\x00\x00\x00\x00\x00\x00" + mp3_frames(36 * 10), 0.36),
+        (b"\x00" * 100, None),
+    ],
+)
+def test_audio_seconds(data: bytes, seconds: float | None) -> None:
+    got = audio_seconds(data)
+    assert (got is None) if seconds is None else got == pytest.approx(seconds, rel=1e-6)
+
+
+def _chat(url: str, part: dict[str, Any]) -> tuple[httpx.Response, float]:
+    content = [{"type": "text", "text": "what?"}, part]
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    return r, time.perf_counter() - t0
+
+
+def _rss(url: str) -> int:
+    pid = httpx.get(url + "/health", timeout=10)  # the worker's own process: found by its port
+    assert pid.status_code == 200
+    port = int(url.rsplit(":", 1)[1])
+    for c in psutil.net_connections("tcp"):
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+            return int(psutil.Process(c.pid).memory_info().rss)
+    pytest.skip("cannot see the worker's process (no permission to list its sockets)")
+
+
+@pytest.fixture(scope="module")
+def vision(tiny_vlm: VlmPaths) -> Iterator[str]:
+    with run_worker(tiny_vlm.gguf, "--mmproj", str(tiny_vlm.mmproj), *ARGS) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def audio(tiny_audio: AudioModelPaths) -> Iterator[str]:
+    with run_worker(tiny_audio.gguf, "--mmproj", str(tiny_audio.mmproj), *ARGS) as url:
+        yield url
+
+
+def test_a_144_megapixel_png_is_refused_by_default(vision: str) -> None:
+    bomb = png_bomb(12000, 12000)
+    assert len(bomb) < 1_000_000  # 432 MB of pixels in under a megabyte
+    before = _rss(vision)
+    r, seconds = _chat(vision, {"type": "image_url", "image_url": {"url": data_url(bomb)}})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "12000x12000" in message and "--image-max-pixels 50000000" in message, message
+    assert _rss(vision) - before < 100 * 2**20  # nothing near the 432 MB a decode takes
+    print(f"144 MP PNG ({len(bomb)} bytes) refused in {seconds * 1000:.1f} ms")
+    ok, _ = _chat(vision, {"type": "image_url", "image_url": {"url": data_url(png(64, 48, 3))}})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize(("name", "data", "fmt"), [
+    ("10 h of FLAC", flac_header(36000), "flac"),
+    ("19 MiB of 8 kbps MP3", mp3_frames(19 * 2**20), "mp3"),
+])
+def test_hours_of_audio_are_refused_by_default(audio: str, name: str, data: bytes, fmt: str) -> None:
+    before = _rss(audio)
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
+    r, seconds = _chat(audio, part)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "--audio-max-seconds 1800" in message and "header" in message, message
+    assert _rss(audio) - before < 100 * 2**20
+    print(f"{name} refused in {seconds * 1000:.1f} ms")
