@@ -48,6 +48,10 @@ embedding does not depend on what else was batched. Rank pooling on a Qwen3-Rera
 (worker/text/rerank.py) is its classifier as llama.cpp runs the converted GGUF: the LM head's
 "yes" and "no" logits of the last row, softmaxed; on any other model it is llama.cpp's rank
 without a head (the last row's first element).
+
+Why one file of over 500 lines: it is the one module through which the engine drives the torch
+model (the Backend Protocol's methods, loading on CPU or CUDA, sleep and wake, the KV pool's
+calls); the model, its kernels, the KV cache and the sampler are modules of their own.
 """
 
 from __future__ import annotations

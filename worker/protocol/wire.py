@@ -7,6 +7,10 @@ models, so they are a public contract: a change here changes the router's schema
 shapes, which only the tests parse, are in tests/worker/wire_models.py.)
 
 Errors are `worker.protocol.errors.APIError` (the envelope shared with the router).
+
+Why one file of over 500 lines: it is one document, the router's OpenAPI contract for every
+body the worker takes, and its request models share `_SamplingRequest`'s fields and their one
+conversion into `SamplingParams`; split by route, that shared half would be read in pieces.
 """
 
 from __future__ import annotations

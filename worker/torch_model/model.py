@@ -43,6 +43,10 @@ invariant either: those results hold to rounding only.
 
 Without the kernels (float16, a GPU, or no C compiler) `Layer.forward` runs the same layer as
 torch ops, attention through SDPA over keys gathered by the tables.
+
+Why one file of over 500 lines: the forward pass and the loading that lays out its weights are
+one unit whose layouts must agree (q/k/v and gate/up packed as row slices, oneDNN-prepacked
+matrices, the fused kernels' inputs); the kernels and the attention plan live elsewhere.
 """
 
 from __future__ import annotations
