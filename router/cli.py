@@ -64,6 +64,24 @@ memory, alias, backend, cmd, upstream): see the README's first section."""
 
 
 @cli.command(epilog=EPILOG)
+def raise_open_files_limit() -> tuple[int, int, int]:
+    """Raise the soft RLIMIT_NOFILE to the hard one (the workers inherit it): a router holds a
+    descriptor per client connection and one per request forwarded to a worker, and the usual
+    soft default of 1,024 (or even 20,000) is the first wall under load. (soft before, soft
+    now, hard); a failure to raise it leaves it as it was."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            return soft, soft, hard
+        return soft, target, hard
+    return soft, soft, hard
+
+
 def serve(
     preset: Annotated[
         list[Path],
@@ -173,6 +191,10 @@ def serve(
     logging.getLogger("httpcore").setLevel(logging.INFO)  # --log-level debug: not a line per /health poll
     for line in banner(presets, host, port, has_api_key=bool(api_key), log_level=log_level.lower()):
         logging.getLogger("omni.router").info("%s", line)
+    soft, new_soft, hard = raise_open_files_limit()
+    logging.getLogger("omni.router").info(
+        "open files: soft limit %s%s, hard limit %s (each streamed request holds a client and a "
+        "worker connection)", soft, f" -> {new_soft}" if new_soft != soft else "", hard)
 
     import uvicorn
 
