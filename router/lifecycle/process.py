@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import errno
 import logging
 import os
 import shlex
@@ -109,6 +110,11 @@ class LoadError(Exception):
     pass
 
 
+# Spawn errors that say the box is short of something for now, not that the model is broken:
+# out of descriptors (per process or system-wide), of memory or processes, or a port in use.
+TRANSIENT_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EAGAIN, errno.EADDRINUSE})
+
+
 class SpawnError(LoadError):
     """A spawn that failed for a reason outside the model (a Ray node lost while the worker
     started): retried with backoff, unlike a command that cannot run (permanent)."""
@@ -133,15 +139,22 @@ class WorkerProcess:
                     nice: int | None = None) -> WorkerProcess:
         """`nice`: the child's niceness (a Ray actor runs niced; its worker should not be)."""
         parent = os.getpid()
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=lambda: _die_with_parent(parent, nice),
-            env=env,
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=lambda: _die_with_parent(parent, nice),
+                env=env,
+            )
+        except OSError as e:
+            if e.errno in TRANSIENT_ERRNOS:  # the box, not the model: retried with backoff
+                code = errno.errorcode.get(e.errno or 0, "?")
+                raise SpawnError(f"could not start its process: {os.strerror(e.errno or 0)} ({code}, "
+                                 "transient: retried with backoff)") from e
+            raise  # e.g. the program does not exist: permanent
         log.info("model %s: spawned pid %d: %s", name, proc.pid, shlex.join(argv))
         return cls(proc, name)
 
