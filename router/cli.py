@@ -63,7 +63,6 @@ router's own keys (ttl, unload-after, load-timeout, stop-timeout, pin,
 memory, alias, backend, cmd, upstream): see the README's first section."""
 
 
-@cli.command(epilog=EPILOG)
 def raise_open_files_limit() -> tuple[int, int, int]:
     """Raise the soft RLIMIT_NOFILE to the hard one (the workers inherit it): a router holds a
     descriptor per client connection and one per request forwarded to a worker, and the usual
@@ -82,6 +81,7 @@ def raise_open_files_limit() -> tuple[int, int, int]:
     return soft, soft, hard
 
 
+@cli.command(epilog=EPILOG)
 def serve(
     preset: Annotated[
         list[Path],
