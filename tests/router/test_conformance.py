@@ -465,3 +465,18 @@ def test_responses_input_tokens_count_the_instructions(router: Router) -> None:
 
 def test_model_admin_bodies_refuse_unknown_fields(router: Router) -> None:
     refused(router.post("/models/load", {"model": "tiny", "force": True}), "force")
+
+
+def test_llama_cpp_web_ui_request_bodies_are_served(router: Router) -> None:
+    """llama.cpp's own web UI (tools/ui of the pinned sources) through the router: its chat body
+    with every sampler knob, `samplers`, `backend_sampling: false`, `max_tokens: -1`; and the
+    same with a `samplers` string the UI may keep in its settings. Reproduces: each was a 400
+    "Unrecognized request argument" after the conformance pass (issue 38)."""
+    from tests.worker.test_sampler_order import WEBUI_BODY
+
+    for samplers in (WEBUI_BODY["samplers"], "kypmt"):
+        body = {**WEBUI_BODY, "model": "tiny", "samplers": samplers, "max_tokens": 4}
+        with httpx.stream("POST", router.base + "/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200, r.read()
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) > 2

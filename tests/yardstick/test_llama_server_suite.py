@@ -58,8 +58,15 @@ TESTS = [
     f"{FILE}::test_completion_with_json_schema",
     f"{FILE}::test_completion_with_grammar",
     f"{FILE}::test_completion_with_invalid_grammar",
+    "unit/test_completion.py::test_completion_response_fields",
 ]
+# response_fields (issue 38): both cases run; the second also asserts the prompt reads "<s> ..."
+# as on the suite's own model, whose tokenizer adds a BOS. The tiny model adds none, and the
+# reference llama-server fails that assertion the same way on it (2026-11-27, same shim).
+FIELDS = "unit/test_completion.py::test_completion_response_fields[I believe the meaning of life is"
+FIELDS_PROMPT_ONLY = f"{FIELDS}-32-response_fields1]"
 EXPECTED_PASS = [
+    f"{FIELDS}-8-response_fields0]",
     f"{FILE}::test_completion_with_response_format[response_format0-6-\"42\"]",
     f"{FILE}::test_completion_with_response_format[response_format1-10-[ -3000 ]]",
     f"{FILE}::test_completion_with_response_format[response_format2-10-\"foooooo\"]",
@@ -106,3 +113,11 @@ def test_passes_what_llama_server_passes(suite_results: dict[str, dict[str, str]
     result = suite_results.get(nodeid)
     assert result is not None, f"{nodeid} did not run; ran: {sorted(suite_results)}"
     assert result["outcome"] == "passed", f"{result['outcome']}: {result['message']}"
+
+
+def test_response_fields_differ_from_the_suites_model_only_by_its_bos(
+        suite_results: dict[str, dict[str, str]]) -> None:
+    result = suite_results.get(FIELDS_PROMPT_ONLY)
+    assert result is not None, f"{FIELDS_PROMPT_ONLY} did not run; ran: {sorted(suite_results)}"
+    # passed on a model that adds a BOS; on the tiny one, only the "<s> " prefix may be missing
+    assert result["outcome"] == "passed" or "== '<s> I believ" in result["message"], result["message"]
