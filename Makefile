@@ -1,7 +1,8 @@
 # One command to run the demo, one to run the tests. Both set everything up on a fresh clone.
 #   make run    install, set up the demo models (the real SmolLM2 and the tiny ones), serve presets/demo.toml on 127.0.0.1:8080
 #   make test   install (with test extras), generate the test models, lint, type-check, test
-#   make soak   the long runs (-m soak): 500 streams on real workers, full schemathesis, llama.cpp's embedding tests
+#   make soak   the long runs (-m soak): 500 streams on real workers, full schemathesis, llama.cpp's embedding tests,
+#               llama.cpp built with the C++ runtime in its libraries, llama.cpp's own web UI through the router
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -74,7 +75,7 @@ test: setup-test models lint
 	$(VENV)/bin/pytest -n $(PYTEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 soak: setup-test models
-	$(VENV)/bin/pytest tests/reliability tests/yardstick -m soak -s $(PYTEST_ARGS)
+	$(VENV)/bin/pytest tests/reliability tests/yardstick tests/webui -m soak -s $(PYTEST_ARGS)
 
 bench: setup-test models
 	$(PY) -m worker.testing.tiny_models --out models --size small

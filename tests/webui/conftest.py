@@ -60,13 +60,13 @@ class Router:
 
 
 @contextlib.contextmanager
-def start_router(tmp: Path, preset: Path) -> Iterator[Router]:
-    """A real router on `preset` (the API key set), healthy; stopped on leaving."""
+def start_router(tmp: Path, preset: Path, api_key: str | None = API_KEY) -> Iterator[Router]:
+    """A real router on `preset` (the API key set, unless None), healthy; stopped on leaving."""
     port = free_port()
     log_path = tmp / "router.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port),
-           "--api-key", API_KEY]
+           *(["--api-key", api_key] if api_key else [])]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

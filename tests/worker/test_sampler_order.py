@@ -8,9 +8,11 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.util import run_worker
 from tests.worker.conftest import Worker
 from worker.protocol.sampler_order import DEFAULT_ORDER, parse
 from worker.protocol.wire import ChatCompletionRequest
+from worker.testing.tiny_models import ModelPaths
 
 # What llama.cpp's web UI (tools/ui of the pinned sources, chat.service.ts) sends with its default
 # settings: every sampler knob, `samplers` as a list, backend_sampling false, max_tokens -1.
@@ -22,7 +24,7 @@ WEBUI_BODY: dict[str, Any] = {
     "presence_penalty": 0, "frequency_penalty": 0, "dry_multiplier": 0, "dry_base": 1.75,
     "dry_allowed_length": 2, "dry_penalty_last_n": -1,
     "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"], "backend_sampling": False,
-    "timings_per_token": True,
+    "timings_per_token": True, "sse_ping_interval": 1,
 }
 
 
@@ -100,3 +102,23 @@ def test_the_web_uis_request_body_is_served(worker: Worker) -> None:
     assert lines[-1] == "data: [DONE]"
     with httpx.stream("POST", worker.url + "/v1/chat/completions", json=WEBUI_BODY, timeout=60) as r:
         assert r.status_code == 200  # max_tokens -1: until EOS or a full context
+
+
+def test_sse_ping_interval_sets_the_keep_alive(tiny_models: ModelPaths,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama-server's sse_ping_interval (its web UI sends 1): a stream's keep-alive comment after
+    that many silent seconds, -1 for none. Here the worker's own interval is 1 ms, so its
+    comments come between tokens unless the request says otherwise."""
+    monkeypatch.setenv("OMNI_SSE_KEEPALIVE_S", "0.001")
+
+    def comments(url: str, **extra: Any) -> int:
+        body = {"prompt": "the quick brown fox", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                "stream": True, **extra}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            return sum(1 for line in r.iter_lines() if line.startswith(": keep-alive"))
+
+    with run_worker(tiny_models.gguf_f32, "--parallel", "1", "--ctx-size", "256", "--threads", "1") as url:
+        assert comments(url) > 0
+        assert comments(url, sse_ping_interval=-1) == 0
+        assert comments(url, sse_ping_interval=3600) == 0

@@ -84,6 +84,9 @@ class SamplingParams:
     # The sampler chain's stages in the order they run (llama-server's `samplers`; those left
     # out are off: worker/protocol/sampler_order.py). The default is llama-server's.
     order: tuple[str, ...] = ("penalties", "top_k", "top_p", "min_p", "temperature")
+    # A stream's keep-alive comment after this many silent seconds (llama-server's
+    # sse_ping_interval; <= 0: none); None: the worker's own (worker/server/sse.py).
+    sse_ping_interval: float | None = None
 
     @property
     def is_greedy(self) -> bool:

@@ -111,6 +111,8 @@ class _SamplingRequest(StrictModel):
     timings_per_token: bool = False  # llama-server: progress (and final) chunks carry `timings`
     # llama-server: the sampler chain's order and members (worker/protocol/sampler_order.py)
     samplers: str | list[str] | None = None
+    # llama-server: seconds of silence before a stream's keep-alive comment, -1 none (its web UI sends 1)
+    sse_ping_interval: int | None = Field(default=None, ge=-1)
     # Settings of samplers that can only be off here (their switch is in strict.NEUTRAL): inert.
     dynatemp_exponent: float | None = None
     xtc_threshold: float | None = None
@@ -227,6 +229,7 @@ class _SamplingRequest(StrictModel):
             return_progress=self.return_progress and self.stream,  # progress only ever goes out in a stream
             post_sampling_probs=self.post_sampling_probs,
             speculative=self._speculative(),
+            sse_ping_interval=None if self.sse_ping_interval is None else float(self.sse_ping_interval),
         )
         if self.samplers is None:
             return params

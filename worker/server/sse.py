@@ -82,8 +82,10 @@ def keepalive_interval() -> float:
 
 def event_stream(gen: Generation, chunks: AsyncIterator[bytes]) -> GenerationResponse:
     """Server-sent events from `chunks` (an iterator over the generation's events), with a
-    keep-alive comment whenever nothing was sent for `keepalive_interval()` seconds."""
-    interval = keepalive_interval()
+    keep-alive comment whenever nothing was sent for `keepalive_interval()` seconds, or for the
+    request's own `sse_ping_interval` (llama-server's; <= 0: none)."""
+    asked = gen.params.sse_ping_interval
+    interval = keepalive_interval() if asked is None else max(0.0, asked)
 
     async def produce(send: Send) -> None:
         # An event is one ASGI message, which the server writes whole, so the lock only orders a
