@@ -12,6 +12,7 @@ disk_cache    the disk tier of the prompt cache (`--cache-dir`, `--cache-disk`):
 disk_tier     the engine's side of it: read a prefix before admission, write on stop and sleep
 slot_file     llama-server's slot files (`--slot-save-path`)
 speculation   speculative decoding: prompt-lookup drafts verified in the shared batch
+step_cost     what a decode step costs per row, measured, and the draft length that pays
 draft_model   speculative decoding's draft model (--spec-draft-model): a KV stream per slot
 grammar       constrained decoding: per-slot token masks (llguidance)
 reasoning_budget  thinking_budget_tokens: the reasoning block's end forced after N tokens

@@ -451,6 +451,8 @@ class Engine:
                 return
             step_s = time.perf_counter() - t0
             self._metrics.decode_seconds.inc(step_s)
+            if scheduler.spec is not None:  # what a step costs per row: how long a draft pays
+                scheduler.spec.cost.observe(sum(len(entry.tokens) for _, entry in plan.entries), step_s)
             to_sample = scheduler.commit(plan, step_s * 1e3)
             self._metrics.n_busy_slots.inc(scheduler.n_busy())
         if backend.pooling is not None:  # an embedding model: an evaluated prompt is a finished task

@@ -27,12 +27,15 @@ round differently).
 
 Adaptive K. Per slot: K doubles after a fully accepted draft, falls to accepted + 1 after a
 partial one and halves after a rejected one; after `_PAUSE_AFTER` rejected drafts in a row the
-slot stops drafting for a backoff of steps that doubles each time (up to `_MAX_PAUSE`). A slot
-drafts only while its recent acceptance rate pays for the verify rows: a bar when it
-generates alone, a higher one beside another generating slot (`_MIN_RATE_*`: on a CPU, rows
-are compute-bound once several slots share a step). Under load speculation yields: no drafts
-in a step where a prompt is being computed or a task waits for a slot (verify rows would take
-the prompt pieces' place), none beside more than `max_generating` generating slots, and the
+slot stops drafting for a backoff of steps that doubles each time (up to `_MAX_PAUSE`). Whether
+and how long to draft follows the hardware (worker/engine/step_cost.py): the engine measures
+what a step costs per row, and a slot drafts the length that gives the most tokens per unit of
+cost at its recent acceptance rate (at most K), or nothing when no length beats a plain step.
+On a CPU, where a verify row costs ~0.65 of a step, that asks for a high rate and short drafts,
+and beside several generating slots it stops drafting; where rows are nearly free (a GPU) it
+drafts up to the cap. Before anything is measured a slot drafts K (the first verify step is the
+measurement). Under load speculation yields: no drafts in a step where a prompt is being
+computed or a task waits for a slot (verify rows would take the prompt pieces' place), and the
 step's verify rows are capped by `max_rows`.
 
 Not speculated: constrained output (a grammar's mask depends on every token before it), a
@@ -48,6 +51,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from worker.backends.base import Backend, Sample, SampleItem
+from worker.engine.step_cost import StepCost, draft_length
 
 if TYPE_CHECKING:
     from worker.engine.draft_model import DraftModel
@@ -61,14 +65,6 @@ SPEC_TYPES: tuple[str, ...] = ("none", "ngram-simple", "draft-simple")
 _START_K = 2  # a slot's first draft (a wrong one costs little; K doubles while drafts hold)
 _PAUSE_AFTER = 3  # rejected drafts in a row before a slot pauses drafting
 _MAX_PAUSE = 64  # steps
-# The acceptance rate (accepted / drafted, averaged over a slot's recent drafts) a slot needs to
-# draft: alone, and beside other generating slots. Measured with SmolLM2-135M Q4_1 on the 2-core
-# box (llama.cpp, CPU time of one decode): a one-row step streams the weights once (17.7 ms with
-# one thread) and each further row of a verify entry adds its compute (~11-13 ms: 0.65 of a
-# step); beside 7 other generating slots a verify row costs ~0.85 of a token's share of the
-# step. A draft pays when its acceptance rate is above those ratios.
-_MIN_RATE_ALONE = 0.6
-_MIN_RATE_LOADED = 0.9
 _RATE_RECOVERY = 0.02  # per step without a draft, a slot's rate creeps back up (it may try again)
 
 
@@ -83,10 +79,8 @@ class SpecConfig:
     n_min: int = 0  # --spec-draft-n-min: a shorter draft is not verified
     p_min: float = 0.0  # --spec-draft-p-min: a draft model stops below this probability
     max_rows: int = 32  # verify rows per step, all slots together
-    # More generating slots than this: no drafts. A verify row costs about a token's share of
-    # the step there on a CPU, so even drafts that are nearly always right gain nothing
-    # (measured: 0.85x at N = 8 with 85% of the drafted tokens accepted).
-    max_generating: int = 2
+    # More generating slots than this: no drafts (None: as many as the measured cost allows)
+    max_generating: int | None = None
 
     @property
     def cap(self) -> int:
@@ -136,7 +130,7 @@ def accept_point_mass(draft: int, p: np.ndarray, rng: np.random.Generator) -> in
 class _SlotState:
     task_id: int = -1
     k: int = _START_K
-    rate: float = 1.0  # accepted / drafted, a moving average (optimistic at first)
+    rate: float = 1.0  # a drafted token's chance to be accepted, a moving estimate (optimistic at first)
     n_rejected: int = 0  # drafts in a row with nothing accepted
     pause: int = 0  # steps left without drafting
     backoff: int = 4
@@ -155,6 +149,7 @@ class Speculator:
     config: SpecConfig
     metrics: WorkerMetrics
     draft_model: DraftModel | None = None  # --spec-type draft-simple
+    cost: StepCost = field(default_factory=StepCost)  # the engine feeds it every decode
     _slots: dict[int, _SlotState] = field(default_factory=dict)
     _pending: list[_Pending] = field(default_factory=list)
 
@@ -165,17 +160,18 @@ class Speculator:
         """Drafts for this step's generating slots (slot id -> tokens), `room` rows at most;
         none when `is_busy` (a prompt is being computed or a task waits: speculation yields)."""
         self._pending = []
-        if is_busy or len(decoding) > self.config.max_generating:
+        cap = self.config.max_generating
+        if is_busy or (cap is not None and len(decoding) > cap):
             return {}
         out: dict[int, list[int]] = {}
         rows = min(self.config.max_rows, room)
-        min_rate = _MIN_RATE_ALONE if len(decoding) == 1 else _MIN_RATE_LOADED
+        ratio = self.cost.row_ratio(len(decoding))  # a draft row's cost over a slot's share; None: unmeasured
         wants: dict[int, tuple[Slot, Task, int, int]] = {}  # for the draft model
         for slot in decoding:
             task = slot.task
             if task is None or not slot.feed or rows <= 0:
                 continue
-            plan = self._plan(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2), min_rate)
+            plan = self._plan(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2), ratio)
             if plan is None:
                 continue
             k, n_min, size_n = plan
@@ -197,7 +193,7 @@ class Speculator:
                     self._pending.append(_Pending(slot, task, drafted[i]))
         return out
 
-    def _plan(self, slot: Slot, task: Task, room: int, min_rate: float) -> tuple[int, int, int] | None:
+    def _plan(self, slot: Slot, task: Task, room: int, ratio: float | None) -> tuple[int, int, int] | None:
         """(most tokens to draft, fewest worth verifying, n-gram size) for this slot now, or None."""
         p = task.params
         req = p.speculative  # a request that sets any speculative field opts in, whatever --spec-type
@@ -208,15 +204,16 @@ class Speculator:
         st = self._slots.get(slot.id)
         if st is None or st.task_id != task.id:
             st = self._slots[slot.id] = _SlotState(task.id)
-        if st.pause > 0 or st.rate < min_rate:
-            st.pause = max(0, st.pause - 1)
-            st.rate = min(1.0, st.rate + _RATE_RECOVERY)
-            return None
         cfg = self.config
         n_max = cfg.cap if req is None or req.n_max is None else min(cfg.cap, req.n_max)
         n_min = cfg.n_min if req is None or req.n_min is None else req.n_min
         size_n = cfg.size_n if req is None or req.size_n is None else req.size_n
-        k = min(st.k, n_max, room)
+        worth = min(n_max, room) if ratio is None else draft_length(st.rate, ratio, min(n_max, room))
+        if st.pause > 0 or worth == 0:
+            st.pause = max(0, st.pause - 1)
+            st.rate = min(1.0, st.rate + _RATE_RECOVERY)
+            return None
+        k = min(st.k, worth)
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - task.stats.n_decoded - 1)
         return (k, n_min, size_n) if k >= max(1, n_min) else None
@@ -271,7 +268,10 @@ class Speculator:
     def _adapt(self, slot_id: int, n_draft: int, n_ok: int, task_id: int = -1) -> None:
         st = self._slots.setdefault(slot_id, _SlotState(task_id))
         cap = self.config.cap
-        st.rate = 0.5 * st.rate + 0.5 * n_ok / max(1, n_draft)
+        # a drafted token's acceptance, estimated as a geometric run: n_ok accepted, then one miss
+        # (none when the whole draft held)
+        seen = 1.0 if n_ok >= n_draft else n_ok / (n_ok + 1)
+        st.rate = 0.5 * st.rate + 0.5 * seen
         if n_ok == n_draft:
             st.k = min(cap, max(st.k, n_draft) * 2)
         elif n_ok > 0:
