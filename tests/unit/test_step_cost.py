@@ -62,3 +62,19 @@ def test_beside_other_generating_slots_a_row_costs_more_of_a_share() -> None:
     assert alone is not None and eight is not None
     assert alone == pytest.approx(0.65) and eight > 0.9
     assert draft_length(0.9, alone, 16) > 0 and draft_length(0.9, eight, 16) == 0
+
+
+def test_an_extra_decode_call_beside_others_is_counted() -> None:
+    """llama.cpp runs a verify entry in a decode call of its own beside one-row entries: beside
+    7 others on a CPU-like curve that call alone costs more than a plain step's share."""
+    cost = curve(1.0, 0.65)
+    eight_rows, eight_call = cost.row_ratio(8), cost.call_ratio(8)
+    assert eight_rows is not None and eight_call is not None
+    assert eight_call > 1.0
+    assert draft_length(0.99, eight_rows, 16, eight_call) == 0
+    gpu = curve(1.0, 0.02)  # rows nearly free, a call is not
+    rows, call = gpu.row_ratio(8), gpu.call_ratio(8)
+    assert rows is not None and call is not None
+    assert draft_length(0.97, rows, 16, 0.0) == 16  # one forward pass for all (torch)
+    # a whole extra call: only a long draft that nearly always holds pays for it
+    assert [draft_length(a, rows, 16, call) for a in (0.5, 0.8, 0.9, 0.97)] == [0, 0, 0, 16]

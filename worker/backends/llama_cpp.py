@@ -238,6 +238,9 @@ class LlamaCppBackend:
     """The `Backend` Protocol over a GGUF file (see worker/backends/base.py)."""
 
     supports_seq_state = True
+    # A verify entry (several rows of one sequence) runs in a llama_decode of its own beside the
+    # one-row entries (`_calls`): drafting beside other generating slots costs that call too.
+    verify_apart = True
 
     def __init__(
         self,

@@ -270,7 +270,8 @@ class Engine:
         self._scheduler = Scheduler(
             self._backend, self.n_slots, self._metrics, prompt_cache, reuse_history=not self._strict_reuse,
             media_piece=self._media_piece,
-            spec=Speculator(self._spec_config, self._metrics, self._draft) if use_spec else None,
+            spec=Speculator(self._spec_config, self._metrics, self._draft,
+                            verify_apart=getattr(self._backend, "verify_apart", False)) if use_spec else None,
         )
         if (config := self._disk_config) is not None:
             r = self._backend.recipe

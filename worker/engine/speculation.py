@@ -150,6 +150,7 @@ class Speculator:
     metrics: WorkerMetrics
     draft_model: DraftModel | None = None  # --spec-type draft-simple
     cost: StepCost = field(default_factory=StepCost)  # the engine feeds it every decode
+    verify_apart: bool = False  # the backend runs a verify entry in a decode call of its own
     _slots: dict[int, _SlotState] = field(default_factory=dict)
     _pending: list[_Pending] = field(default_factory=list)
 
@@ -166,12 +167,15 @@ class Speculator:
         out: dict[int, list[int]] = {}
         rows = min(self.config.max_rows, room)
         ratio = self.cost.row_ratio(len(decoding))  # a draft row's cost over a slot's share; None: unmeasured
+        fixed = 0.0  # drafting's own cost beside others: the verify entry's extra decode call
+        if self.verify_apart and len(decoding) > 1:
+            fixed = self.cost.call_ratio(len(decoding)) or 0.0
         wants: dict[int, tuple[Slot, Task, int, int]] = {}  # for the draft model
         for slot in decoding:
             task = slot.task
             if task is None or not slot.feed or rows <= 0:
                 continue
-            plan = self._plan(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2), ratio)
+            plan = self._plan(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2), ratio, fixed)
             if plan is None:
                 continue
             k, n_min, size_n = plan
@@ -193,7 +197,8 @@ class Speculator:
                     self._pending.append(_Pending(slot, task, drafted[i]))
         return out
 
-    def _plan(self, slot: Slot, task: Task, room: int, ratio: float | None) -> tuple[int, int, int] | None:
+    def _plan(self, slot: Slot, task: Task, room: int, ratio: float | None,
+              fixed: float = 0.0) -> tuple[int, int, int] | None:
         """(most tokens to draft, fewest worth verifying, n-gram size) for this slot now, or None."""
         p = task.params
         req = p.speculative  # a request that sets any speculative field opts in, whatever --spec-type
@@ -208,7 +213,7 @@ class Speculator:
         n_max = cfg.cap if req is None or req.n_max is None else min(cfg.cap, req.n_max)
         n_min = cfg.n_min if req is None or req.n_min is None else req.n_min
         size_n = cfg.size_n if req is None or req.size_n is None else req.size_n
-        worth = min(n_max, room) if ratio is None else draft_length(st.rate, ratio, min(n_max, room))
+        worth = min(n_max, room) if ratio is None else draft_length(st.rate, ratio, min(n_max, room), fixed)
         if st.pause > 0 or worth == 0:
             st.pause = max(0, st.pause - 1)
             st.rate = min(1.0, st.rate + _RATE_RECOVERY)

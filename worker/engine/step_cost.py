@@ -14,10 +14,14 @@ rows add `k * slope`. With each drafted token accepted with probability `a` (the
 acceptance rate) and the first mismatch ending the run, the step emits on average
 `E(k) = 1 + a + ... + a^k` tokens for that slot. In units of its share, the cost is
 `1 + k * r` with `r = slope / (step(n) / n)`; the length chosen maximises `E(k) / (1 + k r)` over
-k <= the cap, and is 0 (no draft) unless some k beats 1, the plain step. With r = 0.65 and one
-slot that asks `a > 0.65` for a single draft token, and long drafts only near a = 1; with r =
-0.05 it drafts the whole cap at any rate a well-guessed n-gram reaches. Beside many generating
-slots, r rises towards 1 on a CPU (each row is compute), and drafting stops by itself.
+k <= the cap, and is 0 (no draft) unless some k beats 1, the plain step. Where the backend runs
+a verify entry in a decode call of its own beside the one-row entries (llama.cpp: other kernels
+for several rows of one sequence, `verify_apart`), drafting beside other generating slots also
+costs that call, a one-row step's `base` more: `1 + f + k r` with `f = base / (step(n) / n)`.
+With r = 0.65 and one slot that asks `a > 0.65` for a single draft token, and long drafts only
+near a = 1; with r = 0.05 it drafts the whole cap at any rate a well-guessed n-gram reaches.
+Beside many generating slots, r rises towards 1 on a CPU (each row is compute), and drafting
+stops by itself.
 """
 
 from __future__ import annotations
@@ -63,6 +67,17 @@ class StepCost:
         share = (base + slope * (n - 1)) / n
         return max(0.0, slope) / share if share > 0 else None
 
+    def call_ratio(self, n_generating: int) -> float | None:
+        """One more decode call (a one-row step's cost) over one generating slot's share of a
+        plain step of `n_generating` slots; None while nothing is measured."""
+        f = self.fit()
+        if f is None:
+            return None
+        base, slope = f
+        n = max(1, n_generating)
+        share = (base + slope * (n - 1)) / n
+        return base / share if share > 0 else None
+
 
 def _least_squares(mean: dict[int, float]) -> tuple[float, float]:
     xs = [float(r - 1) for r in mean]
@@ -85,12 +100,13 @@ def expected_tokens(rate: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def draft_length(rate: float, row_ratio: float, cap: int) -> int:
-    """The draft length (0..cap) with the most tokens per unit of cost, `E(k) / (1 + k r)`;
-    0 unless drafting beats the plain step."""
+def draft_length(rate: float, row_ratio: float, cap: int, fixed: float = 0.0) -> int:
+    """The draft length (0..cap) with the most tokens per unit of cost, `E(k) / (1 + f + k r)`,
+    `f` the cost of drafting at all (an extra decode call, in the same units); 0 unless
+    drafting beats the plain step."""
     best_k, best = 0, 1.0
     for k in range(1, max(0, cap) + 1):
-        value = expected_tokens(rate, k) / (1.0 + k * row_ratio)
+        value = expected_tokens(rate, k) / (1.0 + fixed + k * row_ratio)
         if value > best * (1.0 + 1e-9):
             best_k, best = k, value
     return best_k
