@@ -1,6 +1,7 @@
 """What a decode step costs as a function of its rows, measured, and the draft length it pays for.
 
-The engine times every `llama_decode` (or forward pass) with the number of rows it held
+The engine times every step, its decode and the sampling of every row it verified (Python's
+share included: per accepted draft token a sampler call), with the number of rows it held
 (`StepCost.observe`). For the few rows a speculative step adds, a step's cost is close to linear
 in its rows: `base` (the weights streamed once, the fixed overheads) plus `slope` per further
 row. Both are fitted, by least squares, to the running means of steps of 1 to `MAX_ROWS` rows:
