@@ -34,7 +34,8 @@ cost at its recent acceptance rate (at most K), or nothing when no length beats 
 On a CPU, where a verify row costs ~0.65 of a step, that asks for a high rate and short drafts,
 and beside several generating slots it stops drafting; where rows are nearly free (a GPU) it
 drafts up to the cap. Before anything is measured a slot drafts K (the first verify step is the
-measurement). Under load speculation yields: no drafts in a step where a prompt is being
+measurement), and so does a request that asks for a draft length itself
+(`num_assistant_tokens`, `speculative.n_max`: llama-server drafts whenever it can). Under load speculation yields: no drafts in a step where a prompt is being
 computed or a task waits for a slot (verify rows would take the prompt pieces' place), and the
 step's verify rows are capped by `max_rows`.
 
@@ -213,7 +214,11 @@ class Speculator:
         n_max = cfg.cap if req is None or req.n_max is None else min(cfg.cap, req.n_max)
         n_min = cfg.n_min if req is None or req.n_min is None else req.n_min
         size_n = cfg.size_n if req is None or req.size_n is None else req.size_n
-        worth = min(n_max, room) if ratio is None else draft_length(st.rate, ratio, min(n_max, room), fixed)
+        # A request that asks for drafts of a length (num_assistant_tokens, speculative.n_max)
+        # gets them, as llama-server drafts; otherwise the measured cost decides.
+        asked = req is not None and bool(req.n_max)
+        worth = min(n_max, room) if ratio is None or asked else \
+            draft_length(st.rate, ratio, min(n_max, room), fixed)
         if st.pause > 0 or worth == 0:
             st.pause = max(0, st.pause - 1)
             st.rate = min(1.0, st.rate + _RATE_RECOVERY)
