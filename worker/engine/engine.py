@@ -452,6 +452,8 @@ class Engine:
                 return
             step_s = time.perf_counter() - t0
             self._metrics.decode_seconds.inc(step_s)
+            if scheduler.spec is not None:  # what a decode costs per row: how long a draft pays
+                scheduler.spec.cost.observe(sum(len(entry.tokens) for _, entry in plan.entries), step_s)
             to_sample = scheduler.commit(plan, step_s * 1e3)
             self._metrics.n_busy_slots.inc(scheduler.n_busy())
         if backend.pooling is not None:  # an embedding model: an evaluated prompt is a finished task
@@ -482,11 +484,6 @@ class Engine:
                 one = partial(_one, scheduler, self._read_token)
                 for task, verdict, slot_id in spec.verify(backend, one):
                     self._report_end(task, slot_id, verdict)
-        if scheduler.spec is not None and plan.entries:
-            # What a step costs per row, the decode and the sampling of every row it verified:
-            # how long a draft pays (worker/engine/step_cost.py).
-            scheduler.spec.cost.observe(sum(len(entry.tokens) for _, entry in plan.entries),
-                                        time.perf_counter() - t0)
 
     def _wait_masks(self, masks: MaskBatch) -> list[Any]:
         rows = masks.wait()

@@ -35,9 +35,10 @@ On a CPU, where a verify row costs ~0.65 of a step, that asks for a high rate an
 and beside several generating slots it stops drafting; where rows are nearly free (a GPU) it
 drafts up to the cap. Before anything is measured a slot drafts K (the first verify step is the
 measurement), and so does a request that asks for a draft length itself
-(`num_assistant_tokens`, `speculative.n_max`: llama-server drafts whenever it can). Under load speculation yields: no drafts in a step where a prompt is being
-computed or a task waits for a slot (verify rows would take the prompt pieces' place), and the
-step's verify rows are capped by `max_rows`.
+(`num_assistant_tokens`, `speculative.n_max`: llama-server drafts whenever it can). Under load
+speculation yields: no drafts in a step where a prompt is being computed or a task waits for a
+slot (verify rows would take the prompt pieces' place), and the step's verify rows are capped
+by `max_rows`.
 
 Not speculated: constrained output (a grammar's mask depends on every token before it), a
 reasoning budget (it may replace a sampled token), embedding tasks, the staging sequence.

@@ -1,8 +1,9 @@
 """What a decode step costs as a function of its rows, measured, and the draft length it pays for.
 
-The engine times every step, its decode and the sampling of every row it verified (Python's
-share included: per accepted draft token a sampler call), with the number of rows it held
-(`StepCost.observe`). For the few rows a speculative step adds, a step's cost is close to linear
+The engine times every decode (`llama_decode`, or the torch forward pass) with the number of
+rows it held (`StepCost.observe`). Timing the whole step instead (its sampling too) was tried
+and measured worse: prompt steps sample one row of many, decode steps every row, so the fit
+mixed two costs and rewrite fell from 1.34-1.54x to 0.99x (bench_spec, 2026-11-27). For the few rows a speculative step adds, a step's cost is close to linear
 in its rows: `base` (the weights streamed once, the fixed overheads) plus `slope` per further
 row. Both are fitted, by least squares, to the running means of steps of 1 to `MAX_ROWS` rows:
 the row counts of generating slots and verify entries, not long prompt pieces, whose tiled
