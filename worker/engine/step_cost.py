@@ -3,7 +3,8 @@
 The engine times every decode (`llama_decode`, or the torch forward pass) with the number of
 rows it held (`StepCost.observe`). Timing the whole step instead (its sampling too) was tried
 and measured worse: prompt steps sample one row of many, decode steps every row, so the fit
-mixed two costs and rewrite fell from 1.34-1.54x to 0.99x (bench_spec, 2026-11-27). For the few rows a speculative step adds, a step's cost is close to linear
+mixed two costs and rewrite fell from 1.34-1.54x to 0.99x (bench_spec, 2026-11-27).
+For the few rows a speculative step adds, a step's cost is close to linear
 in its rows: `base` (the weights streamed once, the fixed overheads) plus `slope` per further
 row. Both are fitted, by least squares, to the running means of steps of 1 to `MAX_ROWS` rows:
 the row counts of generating slots and verify entries, not long prompt pieces, whose tiled
