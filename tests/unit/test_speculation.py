@@ -195,3 +195,26 @@ def test_unmeasured_a_slot_drafts_k_to_measure() -> None:
     assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {0: [3, 4]}
     _cpu_like(spec)
     assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {}  # 0.1 pays for nothing
+
+
+def test_drafting_that_measures_slower_stops_but_is_rechecked() -> None:
+    """The model said drafting pays; whole steps with drafts emitted fewer tokens a second than
+    plain ones at this count of generating slots: the slots stop drafting there, but for one
+    step in _RECHECK_EVERY."""
+    from worker.engine.speculation import _RECHECK_EVERY, _YIELD_MIN
+
+    spec = Speculator(SpecConfig("ngram-simple", size_n=2, n_max=16), WorkerMetrics())
+    slot = _slot_with_task(SamplingParams(temperature=0), [1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
+    for drafted, tok_s in ((True, 80.0), (False, 100.0)):
+        for _ in range(_YIELD_MIN):
+            spec._step = (1, drafted)
+            spec.record_step(1, 1 / tok_s)
+    n_drafting = sum(bool(spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64))
+                     for _ in range(2 * _RECHECK_EVERY))
+    assert n_drafting == 2
+    other = Speculator(SpecConfig("ngram-simple", size_n=2, n_max=16), WorkerMetrics())
+    for drafted, tok_s in ((True, 120.0), (False, 100.0)):  # drafting measured faster: it goes on
+        for _ in range(_YIELD_MIN):
+            other._step = (1, drafted)
+            other.record_step(1, 1 / tok_s)
+    assert other.drafts([slot], is_busy=False, n_ctx_seq=100, room=64)

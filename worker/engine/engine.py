@@ -484,6 +484,8 @@ class Engine:
                 one = partial(_one, scheduler, self._read_token)
                 for task, verdict, slot_id in spec.verify(backend, one):
                     self._report_end(task, slot_id, verdict)
+            if scheduler.spec is not None and plan.entries:  # drafting's measured yield
+                scheduler.spec.record_step(len(samples), time.perf_counter() - t0)
 
     def _wait_masks(self, masks: MaskBatch) -> list[Any]:
         rows = masks.wait()
