@@ -10,20 +10,11 @@
 #   JOBS=4 NICE=0 scripts/build_llama_server.sh
 set -euo pipefail
 
-VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-JOBS="${JOBS:-2}"
-NICE="${NICE:-10}"
-
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PY="${PYTHON:-$ROOT/.venv/bin/python}"
-TP="$ROOT/third_party"
+# shellcheck source=scripts/third_party.sh
+source "$(dirname "${BASH_SOURCE[0]}")/third_party.sh"
 DIST="$TP/dist"
-SRC="$TP/llama-cpp-python-$VERSION"
-LLAMA="$SRC/vendor/llama.cpp"
 BUILD="$TP/llama-server-build-$VERSION"
 BIN="$BUILD/bin/llama-server"
-
-log() { echo "[build_llama_server] $*" >&2; }
 
 if [[ -x "$BIN" ]]; then
     log "already built"

@@ -7,16 +7,10 @@
 # (git-ignored). Idempotent. Prints the folder of the libraries as its last line.
 set -euo pipefail
 
-VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-JOBS="${JOBS:-2}"
-NICE="${NICE:-10}"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-TP="$ROOT/third_party"
-LLAMA="$TP/llama-cpp-python-$VERSION/vendor/llama.cpp"
+# shellcheck source=scripts/third_party.sh
+source "$(dirname "${BASH_SOURCE[0]}")/third_party.sh"
 BUILD="$TP/llama-static-runtime-$VERSION"
 LIBS="$BUILD/bin"
-
-log() { echo "[build_llama_static_runtime] $*" >&2; }
 
 if [[ -f "$LIBS/libllama.so" && -f "$LIBS/libmtmd.so" ]]; then
     log "already built"

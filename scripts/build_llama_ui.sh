@@ -6,14 +6,11 @@
 # folder of the built UI as its last line; exit 3 when npm or the sources are missing.
 set -euo pipefail
 
-VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-TP="$ROOT/third_party"
-UI_SRC="$TP/llama-cpp-python-$VERSION/vendor/llama.cpp/tools/ui"
+# shellcheck source=scripts/third_party.sh
+source "$(dirname "${BASH_SOURCE[0]}")/third_party.sh"
+UI_SRC="$LLAMA/tools/ui"
 WORK="$TP/llama-ui-$VERSION"
 DIST="$WORK/dist"
-
-log() { echo "[build_llama_ui] $*" >&2; }
 
 if [[ -f "$DIST/index.html" ]]; then
     log "already built"

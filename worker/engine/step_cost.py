@@ -62,24 +62,24 @@ class StepCost:
     def row_ratio(self, n_generating: int) -> float | None:
         """A draft row's cost over one generating slot's share of a plain step of `n_generating`
         slots (`r` in the module doc); None while nothing is measured."""
-        f = self.fit()
-        if f is None:
-            return None
-        base, slope = f
-        n = max(1, n_generating)
-        share = (base + slope * (n - 1)) / n
-        return max(0.0, slope) / share if share > 0 else None
+        got = self._share(n_generating)
+        return None if got is None else got[1] / got[2]
 
     def call_ratio(self, n_generating: int) -> float | None:
         """One more decode call (a one-row step's cost) over one generating slot's share of a
         plain step of `n_generating` slots; None while nothing is measured."""
+        got = self._share(n_generating)
+        return None if got is None else got[0] / got[2]
+
+    def _share(self, n_generating: int) -> tuple[float, float, float] | None:
+        """(base, slope, one of `n_generating` slots' share of a plain step), or None."""
         f = self.fit()
         if f is None:
             return None
         base, slope = f
         n = max(1, n_generating)
         share = (base + slope * (n - 1)) / n
-        return base / share if share > 0 else None
+        return (base, max(0.0, slope), share) if share > 0 else None
 
 
 def _least_squares(mean: dict[int, float]) -> tuple[float, float]:
