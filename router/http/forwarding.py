@@ -131,12 +131,17 @@ class Forwarder:
         qs = scope.get("query_string", b"")
         target = upstream_path + ("?" + qs.decode("latin-1") if qs and method == "GET" else "")
         try:
-            base = await self.requests.admit(handle, trace)
-            try:
-                trace.status = await self._forward_with_retry(send, handle, method, base, target, scope, body,
-                                                              trace.request_id)
-            finally:
-                handle.release()
+            for attempt in range(1 + REQUEUES):
+                base = await self.requests.admit(handle, trace)
+                try:
+                    trace.status = await self._forward_with_retry(
+                        send, handle, method, base, target, scope, body, trace.request_id,
+                        can_requeue=attempt < REQUEUES)
+                    break
+                except _WorkerGone:
+                    continue  # back in the model's queue: served by the respawned worker
+                finally:
+                    handle.release()
         except APIError as e:
             trace.status = e.status_code
             await send_error(send, e)
@@ -158,7 +163,7 @@ class Forwarder:
             self.requests.end(trace)
 
     async def _forward_with_retry(self, send: Send, handle: ModelHandle, method: str, base: str, target: str,
-                                  scope: Scope, body: bytes, rid: str) -> int:
+                                  scope: Scope, body: bytes, rid: str, can_requeue: bool = False) -> int:
         headers = [*request_headers(scope["headers"]), (REQUEST_ID_HEADER, rid.encode())]
         for attempt in (1, 2):
             try:
@@ -176,6 +181,8 @@ class Forwarder:
                 )
             except UpstreamUnavailable as e:
                 # A keep-alive connection the worker closed just as we reused it: retry once.
+                if (attempt == 2 or not e.retryable) and can_requeue and await _is_gone(handle, base):
+                    raise _WorkerGone from None  # it crashed: nothing was sent, wait for the respawn
                 if attempt == 2 or not e.retryable:
                     raise APIError(
                         str(e),
@@ -185,6 +192,31 @@ class Forwarder:
                         headers={"Retry-After": "1"},
                     ) from None
         raise AssertionError("unreachable")
+
+
+# A request whose worker died before answering it (nothing sent to the client yet: it was
+# admitted just as the worker was killed, or the worker died on it) goes back to the model's
+# queue this many times at most, and is served by the respawned worker. Bounded, so that a
+# request that itself crashes the worker ends (503) after that many respawns.
+REQUEUES = 2
+_GONE_WAIT_S = 2.0  # how long to wait for the model's owner to see the worker's exit
+
+
+class _WorkerGone(Exception):
+    pass
+
+
+async def _is_gone(handle: ModelHandle, base: str) -> bool:
+    """Whether the worker at `base` has gone: its model left READY or moved to another worker
+    (the exit is seen by the owner's watcher, a moment after the connection failed)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + _GONE_WAIT_S
+    while True:
+        if handle.state is not ModelState.READY or handle.base_url != base:
+            return True
+        if loop.time() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
 
 
 def query_autoload(query: bytes) -> bool:

@@ -54,6 +54,10 @@ log = logging.getLogger("omni.router.model")
 STABLE_AFTER_S = 60.0  # a model READY this long before crashing starts its backoff afresh
 MAX_BACKOFF_S = 30.0
 QUEUED_NOTICE_S = 0.2  # a load not granted a slot this soon shows "queued" (else straight to "spawning")
+WORKER_DEFAULT_SLOTS = 4  # omni-worker's --parallel default
+# Requests forwarded to one of our workers at most: its slots and this many more, so that a slot
+# that frees is refilled from the worker's own queue without a round trip to the router.
+FORWARD_MARGIN = 2
 _WORKER_LOADED = re.compile(r"model loaded in ([\d.]+) s")
 _STRAYS: set[asyncio.Task[Any]] = set()
 
@@ -186,8 +190,24 @@ class ModelHandle:
     def is_draining(self) -> bool:
         return self.phase is Phase.DRAINING
 
+    @property
+    def forward_limit(self) -> int | None:
+        """Requests forwarded to the worker at once at most (None: no bound, for a `cmd` or
+        remote upstream whose capacity we do not know). The rest wait here, in arrival order:
+        a worker that crashes fails only what it was running, and what waits here is served
+        after the respawn (`_fail`)."""
+        p = self.preset
+        if p.is_remote or p.backend == "cmd":
+            return None
+        return (p.parallel or WORKER_DEFAULT_SLOTS) + FORWARD_MARGIN
+
+    def _has_room(self) -> bool:
+        limit = self.forward_limit
+        return limit is None or self.num_in_flight < limit
+
     def can_admit(self) -> bool:
-        return self.phase is Phase.READY
+        # FIFO: while requests wait here for room, a new one queues behind them
+        return self.phase is Phase.READY and not self._waiters and self._has_room()
 
     def admit(self) -> str:
         self.num_in_flight += 1
@@ -198,6 +218,8 @@ class ModelHandle:
     def release(self) -> None:
         self.num_in_flight -= 1
         self.last_used = time.monotonic()
+        if self._waiters and self.phase is Phase.READY:
+            self._commands.put_nowait(msg.Poke())  # room for the next waiting request
         if self.num_in_flight == 0 and not self.preset.is_remote:
             if self.phase is Phase.DRAINING or self._ttl() > 0 or self._unload_after() > 0:
                 self._commands.put_nowait(
@@ -408,7 +430,8 @@ class ModelHandle:
             return
         phase = self.phase
         if phase is Phase.READY:
-            reply.set_result(self.admit())
+            self._waiters.append(reply)  # behind those already waiting for room
+            self._resolve_waiters()
             return
         if phase is Phase.FAILED and self.is_permanent and self._file_stamp() == self._failed_stamp:
             reply.set_exception(_permanent(self.name, self.error or "", self.log_tail))
@@ -553,8 +576,9 @@ class ModelHandle:
             self._begin_stop(failure=error)
 
     def _resolve_waiters(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for w in waiters:
+        """Admit waiting requests in arrival order while the worker has room (`forward_limit`)."""
+        while self._waiters and self._has_room():
+            w = self._waiters.pop(0)
             if not w.done():
                 w.set_result(self.admit())
 
@@ -789,14 +813,20 @@ class ModelHandle:
             self._set(Phase.UNLOADED)
         else:
             reason = self._failure or proc.exit_cause or f"exited with code {code}"
-            self._fail(code, diagnose(self.log_tail, code, reason, was_ready=self.ready_since > 0))
+            was_serving = self.phase is Phase.READY or self.phase is Phase.DRAINING
+            self._fail(code, diagnose(self.log_tail, code, reason, was_ready=self.ready_since > 0),
+                       keep_waiters=was_serving)
         self._resolve_stop_waiters(True)
         self._apply_pending()
         self._prune_waiters()
         if self._waiters and self.phase is Phase.UNLOADED:
             self._begin_queue()  # requests arrived while it was stopping
 
-    def _fail(self, code: int | None, failure: LoadFailure) -> None:
+    def _fail(self, code: int | None, failure: LoadFailure, keep_waiters: bool = False) -> None:
+        """FAILED, with a backoff before the next load. `keep_waiters`: the worker crashed while
+        serving; the requests still waiting here were never forwarded to it, so they stay queued
+        and the model loads again once the backoff is over (a crash loop is still paced by the
+        backoff, up to MAX_BACKOFF_S; a load that fails, or a permanent failure, fails them)."""
         self._cancel_effect()
         now = time.monotonic()
         if self.ready_since and now - self.ready_since > STABLE_AFTER_S:
@@ -819,6 +849,13 @@ class ModelHandle:
             failure.cause,
         )
         self._set(Phase.FAILED)
+        self._prune_waiters()
+        if keep_waiters and not failure.is_permanent and self._waiters:
+            delay = self.retry_at - now
+            log.info("model %s: %d queued requests wait for the respawn in %.1f s", self.name,
+                     len(self._waiters), delay)
+            asyncio.get_running_loop().call_later(delay, self._commands.put_nowait, msg.Load())
+            return
         self._fail_waiters(
             "",
             error=_permanent(self.name, failure.cause, self.log_tail)
@@ -871,6 +908,8 @@ class ModelHandle:
 
     def _on_poke(self) -> None:
         self._prune_waiters()
+        if self.phase is Phase.READY and self._waiters:
+            self._resolve_waiters()  # a forwarded request ended: room for the next
         if self.phase is Phase.QUEUED and not self._waiters:
             self._cancel_effect()  # every client left while queued for a slot
             self._set(Phase.UNLOADED)
