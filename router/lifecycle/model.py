@@ -55,6 +55,7 @@ STABLE_AFTER_S = 60.0  # a model READY this long before crashing starts its back
 MAX_BACKOFF_S = 30.0
 QUEUED_NOTICE_S = 0.2  # a load not granted a slot this soon shows "queued" (else straight to "spawning")
 WORKER_DEFAULT_SLOTS = 4  # omni-worker's --parallel default
+KILLED_LOADS_KEPT = 3  # loads killed by a signal in a row that keep their queued requests waiting
 # Requests forwarded to one of our workers at most: its slots and this many more, so that a slot
 # that frees is refilled from the worker's own queue without a round trip to the router.
 FORWARD_MARGIN = 2
@@ -814,8 +815,11 @@ class ModelHandle:
         else:
             reason = self._failure or proc.exit_cause or f"exited with code {code}"
             was_serving = self.phase is Phase.READY or self.phase is Phase.DRAINING
+            # killed by a signal while loading (SIGKILL from outside, the OOM killer): transient,
+            # but a load that kills itself again and again is a crash loop, cut off after a few
+            killed = code < 0 and self.failures < KILLED_LOADS_KEPT
             self._fail(code, diagnose(self.log_tail, code, reason, was_ready=self.ready_since > 0),
-                       keep_waiters=was_serving)
+                       keep_waiters=was_serving or killed)
         self._resolve_stop_waiters(True)
         self._apply_pending()
         self._prune_waiters()
@@ -824,8 +828,8 @@ class ModelHandle:
 
     def _fail(self, code: int | None, failure: LoadFailure, keep_waiters: bool = False) -> None:
         """FAILED, with a backoff before the next load. `keep_waiters`: the worker crashed while
-        serving; the requests still waiting here were never forwarded to it, so they stay queued
-        and the model loads again once the backoff is over (a crash loop is still paced by the
+        serving; the model loads again once the backoff is over, and the requests still waiting
+        here, never forwarded to it, stay queued for it (a crash loop is still paced by the
         backoff, up to MAX_BACKOFF_S; a load that fails, or a permanent failure, fails them)."""
         self._cancel_effect()
         now = time.monotonic()
@@ -850,18 +854,27 @@ class ModelHandle:
         )
         self._set(Phase.FAILED)
         self._prune_waiters()
-        if keep_waiters and not failure.is_permanent and self._waiters:
+        if keep_waiters and not failure.is_permanent:
+            # It was serving: it comes back after the backoff, with or without requests waiting
+            # (a crash must not leave a model that was in use `failed` until someone asks).
             delay = self.retry_at - now
-            log.info("model %s: %d queued requests wait for the respawn in %.1f s", self.name,
-                     len(self._waiters), delay)
-            asyncio.get_running_loop().call_later(delay, self._commands.put_nowait, msg.Load())
-            return
+            log.info("model %s: respawning in %.1f s; %d queued requests wait for it", self.name, delay,
+                     len(self._waiters))
+            asyncio.get_running_loop().call_later(delay, self._respawn_if_failed)
+            if self._waiters:
+                return
         self._fail_waiters(
             "",
             error=_permanent(self.name, failure.cause, self.log_tail)
             if failure.is_permanent
             else _unavailable(f"model {self.name!r} failed to load: {failure.cause}"),
         )
+
+    def _respawn_if_failed(self) -> None:
+        """The backoff after a crash is over: load again, unless something else (an unload, a
+        reload, a request) has moved the model on meanwhile."""
+        if self.phase is Phase.FAILED and not self.is_removed:
+            self._commands.put_nowait(msg.Load())
 
     def _fail_missing(self) -> None:
         """The preset's model file does not exist: FAILED, permanent until the file is there."""
