@@ -132,7 +132,7 @@ class Forwarder:
         target = upstream_path + ("?" + qs.decode("latin-1") if qs and method == "GET" else "")
         try:
             for attempt in range(1 + REQUEUES):
-                base = await self.requests.admit(handle, trace)
+                base = await self.requests.admit(handle, trace, requeued=attempt > 0)
                 try:
                     trace.status = await self._forward_with_retry(
                         send, handle, method, base, target, scope, body, trace.request_id,

@@ -19,6 +19,7 @@ from router.presets import ModelPreset
 @dataclass
 class EnsureReady:
     reply: asyncio.Future[str]
+    requeued: bool = False  # sent back by a worker that died on it: it waits through the backoff
 
 
 @dataclass

@@ -254,8 +254,10 @@ class ModelHandle:
 
     # ---- public commands
 
-    async def ensure_ready(self) -> str:
-        """Return the worker's base URL with one request admitted; the caller must `release()`."""
+    async def ensure_ready(self, requeued: bool = False) -> str:
+        """Return the worker's base URL with one request admitted; the caller must `release()`.
+        `requeued`: a request whose worker died before answering it: it waits through the crash
+        backoff for the respawn instead of a 503."""
         if self.can_admit():
             return self.admit()
         waiting = self.deps.waiting
@@ -264,7 +266,7 @@ class ModelHandle:
             raise _unavailable("too many queued requests, retry later", retry_after=1)
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(self._on_waiter_done)
-        self._post(msg.EnsureReady(fut))
+        self._post(msg.EnsureReady(fut, requeued))
         waiting.num_waiting += 1
         try:
             return await fut
@@ -366,8 +368,8 @@ class ModelHandle:
 
     def _handle(self, cmd: msg.Command) -> None:
         match cmd:
-            case msg.EnsureReady(reply):
-                self._on_ensure_ready(reply)
+            case msg.EnsureReady(reply, requeued):
+                self._on_ensure_ready(reply, requeued)
             case msg.Load():
                 self._on_load()
             case msg.Sleep(reply):
@@ -426,10 +428,14 @@ class ModelHandle:
 
     # ---- loading
 
-    def _on_ensure_ready(self, reply: asyncio.Future[str]) -> None:
+    def _on_ensure_ready(self, reply: asyncio.Future[str], requeued: bool = False) -> None:
         if reply.done():
             return
         phase = self.phase
+        if requeued and phase is Phase.FAILED and not self.is_permanent and time.monotonic() < self.retry_at:
+            self._waiters.append(reply)  # its worker died on it: it waits for the respawn
+            asyncio.get_running_loop().call_later(self.retry_at - time.monotonic(), self._respawn_if_failed)
+            return
         if phase is Phase.READY:
             self._waiters.append(reply)  # behind those already waiting for room
             self._resolve_waiters()
@@ -828,9 +834,10 @@ class ModelHandle:
 
     def _fail(self, code: int | None, failure: LoadFailure, keep_waiters: bool = False) -> None:
         """FAILED, with a backoff before the next load. `keep_waiters`: the worker crashed while
-        serving; the model loads again once the backoff is over, and the requests still waiting
-        here, never forwarded to it, stay queued for it (a crash loop is still paced by the
-        backoff, up to MAX_BACKOFF_S; a load that fails, or a permanent failure, fails them)."""
+        serving (or was killed while loading); the requests still waiting here were never
+        forwarded to it, so they stay queued and the model loads again once the backoff is over
+        (a crash loop is still paced by the backoff, up to MAX_BACKOFF_S; a load that fails by
+        itself, or a permanent failure, fails them)."""
         self._cancel_effect()
         now = time.monotonic()
         if self.ready_since and now - self.ready_since > STABLE_AFTER_S:
@@ -854,15 +861,15 @@ class ModelHandle:
         )
         self._set(Phase.FAILED)
         self._prune_waiters()
-        if keep_waiters and not failure.is_permanent:
-            # It was serving: it comes back after the backoff, with or without requests waiting
-            # (a crash must not leave a model that was in use `failed` until someone asks).
+        if keep_waiters and not failure.is_permanent and self._waiters:
+            # Requests wait here that were never forwarded to it: it comes back for them after
+            # the backoff. (With nobody waiting it stays FAILED, shown with its exit, and the next
+            # request loads it: a crash is not permanent.)
             delay = self.retry_at - now
-            log.info("model %s: respawning in %.1f s; %d queued requests wait for it", self.name, delay,
-                     len(self._waiters))
+            log.info("model %s: %d queued requests wait for the respawn in %.1f s", self.name,
+                     len(self._waiters), delay)
             asyncio.get_running_loop().call_later(delay, self._respawn_if_failed)
-            if self._waiters:
-                return
+            return
         self._fail_waiters(
             "",
             error=_permanent(self.name, failure.cause, self.log_tail)

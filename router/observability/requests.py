@@ -32,12 +32,13 @@ class ActiveRequests:
         self.active[id(trace)] = trace
         return trace
 
-    async def admit(self, handle: ModelHandle, trace: RequestTrace) -> str:
-        """`handle.ensure_ready()`, marking whether (and in which model state) the request waited."""
+    async def admit(self, handle: ModelHandle, trace: RequestTrace, requeued: bool = False) -> str:
+        """`handle.ensure_ready()`, marking whether (and in which model state) the request waited.
+        `requeued`: its worker died before answering it; it waits for the respawn."""
         is_waiting = not handle.can_admit()
         if is_waiting:
             trace.queued(handle.state.value)
-        base = await handle.ensure_ready()
+        base = await handle.ensure_ready(requeued)
         if is_waiting and self._profiling.profiler.is_active:
             try:
                 await self._profiling.joined(handle.name)  # a worker that just loaded joins the run first
