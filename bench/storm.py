@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models-max", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--router-arg", action="append", default=[], help="another router flag (repeatable)")
     args = ap.parse_args(argv)
     _raise_nofile()
     names = [f"m{i}" for i in range(args.models)]
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     log = (tmp / "router.log").open("wb")
     router = subprocess.Popen(
         [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port), "--models-max",
-         str(args.models_max), "--max-queue", str(args.streams * 2), "--log-level", "warning"],
+         str(args.models_max), "--max-queue", str(args.streams * 2), "--log-level", "warning",
+         *args.router_arg],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:

@@ -125,6 +125,9 @@ def serve(
         ),
     ] = "auto",
     max_queue: Annotated[int, typer.Option(min=0, help="requests allowed to wait for a model")] = 256,
+    forward_margin: Annotated[int, typer.Option(
+        min=0, help="requests forwarded to one of our workers beyond its slots; the rest wait in the router",
+    )] = 2,
     api_key: Annotated[list[str], typer.Option(help="required bearer key (repeatable)")] = [],  # noqa: B006  # typer copies it, never mutated
     cors_origin: Annotated[list[str], typer.Option(help="allowed CORS origin (repeatable, * for any)")] = [],  # noqa: B006  # typer copies it, never mutated
     ctx_size: Annotated[int | None, typer.Option("--ctx-size", "-c", help="override for every model")] = None,
@@ -204,6 +207,7 @@ def serve(
     config = PoolConfig(
         models_max=models_max,
         max_queue=max_queue,
+        forward_margin=forward_margin,
         sleep_idle_seconds=sleep_idle_seconds,
         unload_idle_seconds=unload_idle_seconds,
         ram_budget=budgets[0],

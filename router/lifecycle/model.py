@@ -56,8 +56,9 @@ MAX_BACKOFF_S = 30.0
 QUEUED_NOTICE_S = 0.2  # a load not granted a slot this soon shows "queued" (else straight to "spawning")
 WORKER_DEFAULT_SLOTS = 4  # omni-worker's --parallel default
 KILLED_LOADS_KEPT = 3  # loads killed by a signal in a row that keep their queued requests waiting
-# Requests forwarded to one of our workers at most: its slots and this many more, so that a slot
-# that frees is refilled from the worker's own queue without a round trip to the router.
+# Requests forwarded to one of our workers at most: its slots and this many more (the default of
+# --forward-margin), so that a slot that frees is refilled from the worker's own queue without a
+# round trip to the router.
 FORWARD_MARGIN = 2
 _WORKER_LOADED = re.compile(r"model loaded in ([\d.]+) s")
 _STRAYS: set[asyncio.Task[Any]] = set()
@@ -101,6 +102,7 @@ class ModelDeps:
     waiting: Waiting = field(default_factory=Waiting)
     idle: IdleDefaults = field(default_factory=IdleDefaults)
     created: int = 0
+    forward_margin: int = FORWARD_MARGIN  # requests forwarded beyond a worker's slots
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,7 @@ class ModelHandle:
         p = self.preset
         if p.is_remote or p.backend == "cmd":
             return None
-        return (p.parallel or WORKER_DEFAULT_SLOTS) + FORWARD_MARGIN
+        return (p.parallel or WORKER_DEFAULT_SLOTS) + self.deps.forward_margin
 
     def _has_room(self) -> bool:
         limit = self.forward_limit

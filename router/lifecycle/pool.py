@@ -41,6 +41,7 @@ class PoolConfig:
     vram_budget: int = 0
     autoload: bool = True
     host: str = "127.0.0.1"
+    forward_margin: int = 2  # requests forwarded to a worker beyond its slots (--forward-margin)
 
 
 class Placement(Protocol):
@@ -91,6 +92,7 @@ class Pool:
             Waiting(config.max_queue),
             IdleDefaults(config.sleep_idle_seconds, config.unload_idle_seconds),
             self.created,
+            config.forward_margin,
         )
         self.handles: dict[str, ModelHandle] = {}
         self.by_name: dict[str, ModelHandle] = {}
