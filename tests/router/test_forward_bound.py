@@ -85,12 +85,13 @@ def test_a_crash_fails_what_it_ran_and_the_queue_is_served_after_the_respawn(rou
     assert _stream(r, 2)[0] == 200
     (worker,) = r.workers()
     with ThreadPoolExecutor(N_REQUESTS) as ex:
-        futures = [ex.submit(_stream, r, 200) for _ in range(N_REQUESTS)]
+        # long requests: the router's queue still holds the rest when the worker is killed
+        futures = [ex.submit(_stream, r, 1000) for _ in range(N_REQUESTS)]
         wait_until(lambda: _in_flight(r) == 1 + FORWARD_MARGIN, 30, what="the worker's share forwarded")
         os.kill(worker.pid, signal.SIGKILL)
         results = [f.result(timeout=120) for f in futures]
     failed = [x for x in results if x[2] is not None or x[0] != 200]
     served = [x for x in results if x[0] == 200 and x[2] is None]
     assert len(failed) <= 1 + FORWARD_MARGIN, results  # only what the killed worker was running
-    assert len(served) >= N_REQUESTS - 1 - FORWARD_MARGIN and all(n == 200 for _, n, _ in served), results
+    assert len(served) >= N_REQUESTS - 1 - FORWARD_MARGIN and all(n == 1000 for _, n, _ in served), results
     assert r.status("tiny") == "loaded" and r.workers()[0].pid != worker.pid
