@@ -12,6 +12,7 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -152,3 +153,11 @@ class Server:
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is not None:
             stop_process(self.proc, timeout)
+
+
+def router_server(preset: Path, log_path: Path, *args: str) -> Server:
+    """`omni-router --preset PRESET ARGS` on a free port, as a benchmark target (not started)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port), *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return Server("router", f"http://127.0.0.1:{port}", cmd, log_path, env)

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import resource
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,7 +22,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common import ROOT, router_server
+
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 
 
@@ -72,13 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     preset = tmp / "preset.toml"
     preset.write_text(f'[models.tiny]\nmodel = "{GGUF}"\nparallel = 1\nthreads = 1\nctx-size = 2048\n'
                       "load-on-startup = true\n")
-    port = 19000 + os.getpid() % 1000
-    base = f"http://127.0.0.1:{port}"
-    router = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port), "--max-queue",
-         str(args.connections * 2), "--log-level", "warning"],
-        cwd=ROOT, stdout=(tmp / "router.log").open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    router = router_server(preset, tmp / "router.log", "--max-queue", str(args.connections * 2),
+                           "--log-level", "warning")
+    router.start(60)
+    base = router.base_url
+    assert router.pid is not None
     try:
         for _ in range(300):
             try:
@@ -111,12 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(2)
         return 0
     finally:
-        router.send_signal(signal.SIGTERM)
-        try:
-            router.wait(15)
-        except subprocess.TimeoutExpired:
-            router.kill()
-
+        router.stop(15)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,11 +22,9 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import random
 import resource
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,7 +35,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common import ROOT, router_server
+
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 SLOTS = 8
 
@@ -107,23 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     preset = tmp / "preset.toml"
     preset.write_text("[defaults]\nctx-size = 2048\nthreads = 1\nstop-timeout = 5\n"
                       f"parallel = {SLOTS}\n" + "".join(f'\n[models.{n}]\nmodel = "{GGUF}"\n' for n in names))
-    port = 18000 + os.getpid() % 1000
-    base = f"http://127.0.0.1:{port}"
-    log = (tmp / "router.log").open("wb")
-    router = subprocess.Popen(
-        [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port), "--models-max",
-         str(args.models_max), "--max-queue", str(args.streams * 2), "--log-level", "warning",
-         *args.router_arg],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    router = router_server(preset, tmp / "router.log", "--models-max", str(args.models_max), "--max-queue",
+                           str(args.streams * 2), "--log-level", "warning", *args.router_arg)
+    base = router.base_url
+    router.start(60)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         proc = psutil.Process(router.pid)
         peak_rss, kills, stop = 0, [], threading.Event()
 
@@ -172,12 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"router peak RSS {peak_rss / 2**20:.0f} MiB; models at the end: {states}")
         return 0
     finally:
-        router.send_signal(signal.SIGTERM)
-        try:
-            router.wait(15)
-        except subprocess.TimeoutExpired:
-            router.kill()
-
+        router.stop(15)
 
 if __name__ == "__main__":
     sys.exit(main())
