@@ -212,6 +212,9 @@ def test_drafting_that_measures_slower_stops_but_is_rechecked() -> None:
     n_drafting = sum(bool(spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64))
                      for _ in range(2 * _RECHECK_EVERY))
     assert n_drafting == 2
+    asking = _slot_with_task(SamplingParams(temperature=0, speculative=SpecRequest(n_max=4)),
+                             [1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
+    assert spec.drafts([asking], is_busy=False, n_ctx_seq=100, room=64)  # a request's own n_max drafts anyway
     other = Speculator(SpecConfig("ngram-simple", size_n=2, n_max=16), WorkerMetrics())
     for drafted, tok_s in ((True, 120.0), (False, 100.0)):  # drafting measured faster: it goes on
         for _ in range(_YIELD_MIN):

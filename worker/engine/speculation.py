@@ -38,8 +38,9 @@ drafts up to the cap. The model is checked against the result: the engine times 
 where drafting steps emit fewer tokens a second than plain ones, the slots stop drafting there
 but for a step in `_RECHECK_EVERY` that keeps the measurement fresh (on this CPU: beside 7
 other generating slots, where the model alone left 0.84x). Before anything is measured a slot
-drafts K (the first verify step is the measurement), and so does a request that asks for a draft length itself
-(`num_assistant_tokens`, `speculative.n_max`: llama-server drafts whenever it can). Under load
+drafts K (the first verify step is the measurement), and so does a request that asks for a
+draft length itself (`num_assistant_tokens`, `speculative.n_max`: llama-server drafts whenever
+it can), measured yield or not. Under load
 speculation yields: no drafts in a step where a prompt is being computed or a task waits for a
 slot (verify rows would take the prompt pieces' place), and the step's verify rows are capped
 by `max_rows`.
@@ -209,9 +210,8 @@ class Speculator:
         if is_busy or (cap is not None and len(decoding) > cap):
             return {}
         measured = self._yields.get(len(decoding))
-        if measured is not None and measured.loses() and self._n_steps % _RECHECK_EVERY:
-            self._step = (len(decoding), False)  # drafting measured slower here: plain steps
-            return {}
+        # drafting measured slower at this many generating slots: plain steps, but for a recheck
+        losing = measured is not None and measured.loses() and self._n_steps % _RECHECK_EVERY != 0
         out: dict[int, list[int]] = {}
         rows = min(self.config.max_rows, room)
         ratio = self.cost.row_ratio(len(decoding))  # a draft row's cost over a slot's share; None: unmeasured
@@ -223,7 +223,7 @@ class Speculator:
             task = slot.task
             if task is None or not slot.feed or rows <= 0:
                 continue
-            plan = self._plan(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2), ratio, fixed)
+            plan = self._plan(slot, task, min(rows, n_ctx_seq - len(slot.cache) - 2), ratio, fixed, losing)
             if plan is None:
                 continue
             k, n_min, size_n = plan
@@ -255,7 +255,7 @@ class Speculator:
         self._yields.setdefault(n, _Yield()).add(drafted, (n_sampled + self._n_accepted) / seconds)
 
     def _plan(self, slot: Slot, task: Task, room: int, ratio: float | None,
-              fixed: float = 0.0) -> tuple[int, int, int] | None:
+              fixed: float = 0.0, losing: bool = False) -> tuple[int, int, int] | None:
         """(most tokens to draft, fewest worth verifying, n-gram size) for this slot now, or None."""
         p = task.params
         req = p.speculative  # a request that sets any speculative field opts in, whatever --spec-type
@@ -273,8 +273,15 @@ class Speculator:
         # A request that asks for drafts of a length (num_assistant_tokens, speculative.n_max)
         # gets them, as llama-server drafts; otherwise the measured cost decides.
         asked = req is not None and bool(req.n_max)
-        worth = min(n_max, room) if ratio is None or asked else \
-            draft_length(st.rate, ratio, min(n_max, room), fixed)
+        most = min(n_max, room)
+        if asked:
+            worth = most
+        elif losing:  # drafting measured slower here than plain steps
+            worth = 0
+        elif ratio is None:  # nothing measured yet: this draft is the measurement
+            worth = most
+        else:
+            worth = draft_length(st.rate, ratio, most, fixed)
         if st.pause > 0 or worth == 0:
             st.pause = max(0, st.pause - 1)
             st.rate = min(1.0, st.rate + _RATE_RECOVERY)
