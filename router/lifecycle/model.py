@@ -31,6 +31,7 @@ import asyncio
 import logging
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -171,7 +172,7 @@ class ModelHandle:
         False  # FAILED in a way that repeats: not retried until the file changes or a load is asked
     )
     _failed_stamp: tuple[int, int] | None = None  # the model file's (size, mtime) when it failed
-    _waiters: list[asyncio.Future[str]] = field(default_factory=list)
+    _waiters: deque[asyncio.Future[str]] = field(default_factory=deque)  # in arrival order
     _stop_waiters: list[asyncio.Future[bool]] = field(default_factory=list)
     _commands: asyncio.Queue[msg.Command] = field(default_factory=asyncio.Queue)
     _effect: asyncio.Task[Any] | None = None
@@ -587,12 +588,12 @@ class ModelHandle:
     def _resolve_waiters(self) -> None:
         """Admit waiting requests in arrival order while the worker has room (`forward_limit`)."""
         while self._waiters and self._has_room():
-            w = self._waiters.pop(0)
+            w = self._waiters.popleft()
             if not w.done():
                 w.set_result(self.admit())
 
     def _fail_waiters(self, message: str, *, is_removed: bool = False, error: APIError | None = None) -> None:
-        waiters, self._waiters = self._waiters, []
+        waiters, self._waiters = self._waiters, deque()
         for w in waiters:
             if not w.done():
                 w.set_exception(error or (_removed(message) if is_removed else _unavailable(message)))
@@ -926,12 +927,16 @@ class ModelHandle:
         return None if due is None else max(0.0, due[0] - time.monotonic())
 
     def _prune_waiters(self) -> None:
-        self._waiters = [w for w in self._waiters if not w.done()]
+        self._waiters = deque(w for w in self._waiters if not w.done())
 
     def _on_poke(self) -> None:
-        self._prune_waiters()
         if self.phase is Phase.READY and self._waiters:
-            self._resolve_waiters()  # a forwarded request ended: room for the next
+            # A forwarded request ended: room for the next (those whose clients left are skipped
+            # on the way). Still busy: nothing idle to check, and no O(queue) pruning per release.
+            self._resolve_waiters()
+            if self._waiters:
+                return
+        self._prune_waiters()
         if self.phase is Phase.QUEUED and not self._waiters:
             self._cancel_effect()  # every client left while queued for a slot
             self._set(Phase.UNLOADED)
