@@ -128,6 +128,10 @@ def serve(
     forward_margin: Annotated[int, typer.Option(
         min=0, help="requests forwarded to one of our workers beyond its slots; the rest wait in the router",
     )] = 2,
+    max_connections: Annotated[int, typer.Option(
+        min=0, help="client connections held at once, past it a 503 (0: from the open-files limit, "
+        "docs/reliability.md)",
+    )] = 0,
     api_key: Annotated[list[str], typer.Option(help="required bearer key (repeatable)")] = [],  # noqa: B006  # typer copies it, never mutated
     cors_origin: Annotated[list[str], typer.Option(help="allowed CORS origin (repeatable, * for any)")] = [],  # noqa: B006  # typer copies it, never mutated
     ctx_size: Annotated[int | None, typer.Option("--ctx-size", "-c", help="override for every model")] = None,
@@ -201,7 +205,15 @@ def serve(
 
     import uvicorn
 
+    from router.http import connection_budget
     from router.http.app import ResponsesConfig, RouterApp
+
+    if not max_connections:
+        unbounded = any(p.backend in ("cmd", "remote") for p in presets)
+        max_connections = connection_budget.connection_budget(new_soft, unbounded_upstreams=unbounded)
+    logging.getLogger("omni.router").info("connection budget: %d client connections (past it, a 503)",
+                                          max_connections)
+    connection_budget.install()
     from router.lifecycle.pool import Pool, PoolConfig
 
     config = PoolConfig(
@@ -223,7 +235,8 @@ def serve(
     )
     uvicorn.run(app, host=host, port=port, loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"),
                 log_level=log_level.lower(), access_log=False, timeout_keep_alive=75, lifespan="on",
-                proxy_headers=False, server_header=False, date_header=False, timeout_graceful_shutdown=3)
+                proxy_headers=False, server_header=False, date_header=False, timeout_graceful_shutdown=3,
+                limit_concurrency=max_connections)
 
 
 report_cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)

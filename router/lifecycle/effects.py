@@ -17,7 +17,15 @@ from typing import Any, Protocol
 import httpx
 
 from router.lifecycle.memory import TreeMemory, tree_memory
-from router.lifecycle.process import LoadError, Watched, WorkerProcess, free_port, wait_ready, worker_argv
+from router.lifecycle.process import (
+    LoadError,
+    Watched,
+    WorkerProcess,
+    free_port,
+    transient_or_same,
+    wait_ready,
+    worker_argv,
+)
 from router.presets import ModelPreset
 from router.upstream import UpstreamClient
 
@@ -70,7 +78,10 @@ class WorkerEffects:
         self.host = host
 
     async def spawn(self, preset: ModelPreset) -> tuple[Process, str, list[str]]:
-        port = free_port(self.host)
+        try:  # a port needs a socket: out of descriptors, that fails before the spawn does
+            port = free_port(self.host)
+        except OSError as e:
+            raise transient_or_same(e, "could not pick a port for it") from e
         argv = worker_argv(preset, port, os.getpid(), self.host)
         proc = await WorkerProcess.spawn(argv, preset.name, env=worker_env(preset))
         return proc, f"http://{self.host}:{port}", argv

@@ -120,6 +120,16 @@ class SpawnError(LoadError):
     started): retried with backoff, unlike a command that cannot run (permanent)."""
 
 
+def transient_or_same(e: OSError, what: str) -> Exception:
+    """A SpawnError saying which errno and that it is retried when the box is short of something
+    (descriptors, memory, processes, a port); else `e` itself: the model's own problem (e.g. the
+    program does not exist), permanent."""
+    if e.errno not in TRANSIENT_ERRNOS:
+        return e
+    code = errno.errorcode.get(e.errno or 0, "?")
+    return SpawnError(f"{what}: {os.strerror(e.errno or 0)} ({code}, transient: retried with backoff)")
+
+
 class WorkerProcess:
     """A started subprocess with its log tail."""
 
@@ -150,11 +160,7 @@ class WorkerProcess:
                 env=env,
             )
         except OSError as e:
-            if e.errno in TRANSIENT_ERRNOS:  # the box, not the model: retried with backoff
-                code = errno.errorcode.get(e.errno or 0, "?")
-                raise SpawnError(f"could not start its process: {os.strerror(e.errno or 0)} ({code}, "
-                                 "transient: retried with backoff)") from e
-            raise  # e.g. the program does not exist: permanent
+            raise transient_or_same(e, "could not start its process") from e
         log.info("model %s: spawned pid %d: %s", name, proc.pid, shlex.join(argv))
         return cls(proc, name)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -119,8 +120,10 @@ def router_factory(tmp_path: Path) -> Iterator[Callable[..., RouterProc]]:
     started: list[tuple[RouterProc, str]] = []
 
     def start(
-        preset: str, *args: str, suffix: str = ".toml", env: dict[str, str] | None = None
+        preset: str, *args: str, suffix: str = ".toml", env: dict[str, str] | None = None,
+        nofile: int | None = None,
     ) -> RouterProc:
+        """`nofile`: the router's RLIMIT_NOFILE, soft and hard (it raises soft to hard itself)."""
         path = tmp_path / f"preset{len(started)}{suffix}"
         path.write_text(preset)
         port = free_port()
@@ -132,7 +135,8 @@ def router_factory(tmp_path: Path) -> Iterator[Callable[..., RouterProc]]:
         cmd = [PY, "-m", "router.cli", "--preset", str(path), "--port", str(port), *args]
         with log_path.open("wb") as log:
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=None if nofile is None else (
+                                        lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))))
         key = args[args.index("--api-key") + 1] if "--api-key" in args else None
         rp = RouterProc(
             proc, f"http://127.0.0.1:{port}", log_path, {"Authorization": f"Bearer {key}"} if key else {}

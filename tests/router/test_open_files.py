@@ -1,0 +1,122 @@
+"""The router out of descriptors (issue 39), on a real router with a small RLIMIT_NOFILE and idle
+client sockets holding its descriptors:
+
+- past its connection budget it answers a new connection 503 in OpenAI's envelope with
+  `Retry-After`, and the stream it was already serving finishes;
+- a spawn that fails with EMFILE (every descriptor held by clients) leaves the model retryable,
+  and once the clients let go the same request is served, with no load asked by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.router.conftest import RouterProc
+from tests.util import ROOT, wait_until
+
+GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
+pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
+Factory = Callable[..., RouterProc]
+PRESET = f"""
+[models.tiny]
+model = "{GGUF}"
+ctx-size = 1024
+parallel = 1
+threads = 1
+stop-timeout = 5
+"""
+
+
+def _body(max_tokens: int, stream: bool) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "count"}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream, "stream_options": {"include_usage": True}}
+
+
+def _n_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@contextlib.contextmanager
+def _idle_sockets(base: str, n: int) -> Iterator[list[socket.socket]]:
+    host, port = base.removeprefix("http://").split(":")
+    held: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            held.append(socket.create_connection((host, int(port)), timeout=10))
+        yield held
+    finally:
+        for s in held:
+            s.close()
+
+
+def _stream_tokens(r: RouterProc, out: dict[str, Any], started: threading.Event) -> None:
+    with httpx.stream("POST", f"{r.base}/v1/chat/completions", json=_body(150, True), timeout=120) as resp:
+        out["status"] = resp.status_code
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                started.set()
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    out["tokens"] = event["usage"]["completion_tokens"]
+    started.set()
+
+
+def test_past_the_connection_budget_a_new_connection_gets_503_and_the_running_stream_finishes(
+    router_factory: Factory,
+) -> None:
+    budget = 12
+    r = router_factory(PRESET, "--max-connections", str(budget))
+    assert f"connection budget: {budget} client connections" in r.log()
+    httpx.post(f"{r.base}/v1/chat/completions", json=_body(2, False), timeout=120).raise_for_status()
+    out: dict[str, Any] = {}
+    started = threading.Event()
+    streamer = threading.Thread(target=_stream_tokens, args=(r, out, started))
+    streamer.start()
+    assert started.wait(60)
+    with _idle_sockets(r.base, budget - 1):  # the stream's connection + these = the budget
+        # the idle sockets are accepted in the background: wait until the router holds them all
+        wait_until(lambda: _n_fds(r.proc.pid) >= budget, 10, what="the idle sockets to be accepted")
+        refused = httpx.post(f"{r.base}/v1/chat/completions", json=_body(2, False), timeout=30)
+        assert refused.status_code == 503, refused.text
+        assert refused.headers["retry-after"] == "1"
+        err = refused.json()["error"]
+        assert err["code"] == "connection_budget" and "--max-connections" in err["message"]
+        assert set(err) == {"message", "type", "param", "code"}
+    streamer.join(120)
+    assert out == {"status": 200, "tokens": 150}  # the running stream kept its connection and finished
+    ok = httpx.post(f"{r.base}/v1/chat/completions", json=_body(2, False), timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
+def test_emfile_at_spawn_leaves_the_model_retryable_and_it_is_served_once_descriptors_are_free(
+    router_factory: Factory,
+) -> None:
+    limit = 160
+    # budget above the limit: nothing stops the clients from taking every descriptor
+    r = router_factory(PRESET, "--max-connections", str(10 * limit), nofile=limit)
+    free = limit - _n_fds(r.proc.pid)
+    with _idle_sockets(r.base, free - 1) as held:  # one left: the request's own connection
+        wait_until(lambda: _n_fds(r.proc.pid) >= limit - 1, 10, what="the idle sockets to be accepted")
+        first = httpx.post(f"{r.base}/v1/chat/completions", json=_body(2, False), timeout=60)
+        assert first.status_code == 503, first.text
+        message = first.json()["error"]["message"]
+        assert "EMFILE" in message or "Too many open files" in message, message
+        assert "transient" in message, message
+        assert len(held) == free - 1
+    card = r.models()["tiny"]
+    assert "not retried" not in json.dumps(card), card  # transient: not the permanent failure
+
+    def served() -> bool:
+        resp = httpx.post(f"{r.base}/v1/chat/completions", json=_body(2, False), timeout=60)
+        return resp.status_code == 200
+
+    wait_until(served, 60, what="the model to be served after the descriptors were freed")
