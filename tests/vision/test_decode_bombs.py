@@ -157,3 +157,41 @@ def test_hours_of_audio_are_refused_by_default(audio: str, name: str, data: byte
     assert "--audio-max-seconds 1800" in message and "header" in message, message
     assert _rss(audio) - before < 100 * 2**20
     print(f"{name} refused in {seconds * 1000:.1f} ms")
+
+
+def _chat_parts(url: str, parts: list[dict[str, Any]]) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what?"}, *parts]}],
+            "max_tokens": 2}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def test_images_each_under_the_limit_are_refused_by_their_total(vision: str) -> None:
+    """Three 36 MP PNGs, each under --image-max-pixels, 108 MP together: over the request's total."""
+    bomb = data_url(png_bomb(6000, 6000))
+    before = _rss(vision)
+    r = _chat_parts(vision, [{"type": "image_url", "image_url": {"url": bomb}}] * 3)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "messages"
+    assert "image 2" in err["message"] and "--request-max-pixels 100000000" in err["message"], err
+    assert _rss(vision) - before < 100 * 2**20
+
+
+def test_audio_each_under_the_limit_is_refused_by_its_total(audio: str) -> None:
+    """Three FLACs of 25 minutes each (under --audio-max-seconds), 75 minutes together."""
+    part = {"type": "input_audio",
+            "input_audio": {"data": base64.b64encode(flac_header(1500)).decode(), "format": "flac"}}
+    r = _chat_parts(audio, [part] * 3)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "audio 2" in message and "--request-max-audio-seconds 3600" in message, message
+
+
+def test_media_bytes_are_summed_per_request() -> None:
+    from worker.protocol.errors import APIError
+    from worker.server.media import MediaPolicy, _Totals
+
+    totals = _Totals(MediaPolicy(request_max_media_bytes=1000))
+    totals.add_image(0, png(4, 4, 1))
+    with pytest.raises(APIError, match="--request-max-media-bytes 1000"):
+        totals.add_audio(0, wav(0.1, 1))  # 1.6 KB of samples: over the request's 1,000 bytes

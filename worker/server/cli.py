@@ -50,6 +50,12 @@ _LOAD_FAILURE_GRACE_S = 1.0  # let /health report the 500 before exiting
 # a slot's context holds (an audio encoder gives several tokens per second of sound).
 IMAGE_MAX_PIXELS = 50_000_000
 AUDIO_MAX_SECONDS = 1800.0
+# Per request, summed over its items (up to --max-images 8, --max-audio 4), from the headers too:
+# two 50 MP photos (300 MB of RGB decoded at most), an hour of audio, and 64 MiB of encoded
+# media (three 20 MiB items; more does not fit the router's default 100 MiB body once in base64).
+REQUEST_MAX_PIXELS = 100_000_000
+REQUEST_MAX_AUDIO_SECONDS = 3600.0
+REQUEST_MAX_MEDIA_BYTES = 64 * 1024 * 1024
 
 
 class _Server(uvicorn.Server):
@@ -327,6 +333,18 @@ def serve(
     max_audio: int = typer.Option(
         4, "--max-audio", min=0, help="audio parts per request at most (400 over it)"
     ),
+    request_max_pixels: int = typer.Option(
+        REQUEST_MAX_PIXELS, "--request-max-pixels", min=0,
+        help="refuse (400) a request whose images total more pixels, from their headers (0: no limit)",
+    ),
+    request_max_audio_seconds: float = typer.Option(
+        REQUEST_MAX_AUDIO_SECONDS, "--request-max-audio-seconds", min=0,
+        help="refuse (400) a request whose audio totals more seconds, from the headers (0: no limit)",
+    ),
+    request_max_media_bytes: int = typer.Option(
+        REQUEST_MAX_MEDIA_BYTES, "--request-max-media-bytes", min=0,
+        help="refuse (400) a request whose images and audio total more bytes (0: no limit)",
+    ),
     allowed_local_media_path: str | None = typer.Option(
         None, "--allowed-local-media-path", help="file:// image URLs are read only under this directory"
     ),
@@ -559,7 +577,8 @@ def serve(
         slot_save_path=slot_save_path,
         is_cors_proxy_on=ui_mcp_proxy,
         template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
-        media=MediaPolicy(allowed_local_media_path, allow_remote_media, max_images, max_audio),
+        media=MediaPolicy(allowed_local_media_path, allow_remote_media, max_images, max_audio,
+                          request_max_pixels, request_max_audio_seconds, request_max_media_bytes),
     )
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.server.routes import build_app

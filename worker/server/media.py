@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from worker.backends import media_probe
 from worker.backends.media import AudioBytes, Vision, audio_format
 from worker.protocol.errors import APIError
 from worker.protocol.wire import ChatMessage
@@ -52,6 +53,10 @@ class MediaPolicy:
     allow_remote: bool = False  # --allow-remote-media
     max_images: int = 8  # --max-images: per request
     max_audio: int = 4  # --max-audio: per request
+    # per-request totals, from each item's header before anything is decoded (0: no limit)
+    request_max_pixels: int = 0  # --request-max-pixels
+    request_max_audio_seconds: float = 0.0  # --request-max-audio-seconds
+    request_max_media_bytes: int = 0  # --request-max-media-bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,14 +187,66 @@ def load_media(items: list[str | AudioPart], policy: MediaPolicy) -> list[bytes]
     """Each item's bytes, in order (an audio's as `AudioBytes`); blocking: file and network reads."""
     out: list[bytes] = []
     n_images = n_audio = 0
+    totals = _Totals(policy)
     for item in items:
         if isinstance(item, AudioPart):
             out.append(load_audio(n_audio, item))
+            totals.add_audio(n_audio, out[-1])
             n_audio += 1
         else:
             out.append(load_image(n_images, item, policy))
+            totals.add_image(n_images, out[-1])
             n_images += 1
     return out
+
+
+class _Totals:
+    """A request's media summed as its items load: bytes, and the pixels and seconds their headers
+    state (a header that says nothing adds nothing here; the backend checks the decoded item
+    against the per-item limit). Eight images each under --image-max-pixels still decode to
+    gigabytes together: the totals refuse that before the first decode. One item alone is the
+    per-item limits' business (their message names them), so pixels and seconds are refused by
+    total from the second item on."""
+
+    def __init__(self, policy: MediaPolicy) -> None:
+        self.policy = policy
+        self.bytes = self.pixels = self.n_images = self.n_audio = 0
+        self.seconds = 0.0
+
+    def _add_bytes(self, where: str, data: bytes) -> None:
+        self.bytes += len(data)
+        limit = self.policy.request_max_media_bytes
+        if limit and self.bytes > limit:
+            raise APIError(f"{where}: the request's media come to {self.bytes} bytes with it, over this "
+                           f"server's --request-max-media-bytes {limit}", param="messages")
+
+    def add_image(self, index: int, data: bytes) -> None:
+        where = f"image {index}"
+        self._add_bytes(where, data)
+        size = media_probe.image_size(data)
+        limit = self.policy.request_max_pixels
+        if size is None or not limit:
+            return
+        self.pixels += size[0] * size[1]
+        self.n_images += 1
+        if self.pixels > limit and self.n_images > 1:
+            raise APIError(f"{where}: the request's images come to {self.pixels} pixels with it "
+                           f"({size[0]}x{size[1]}), over this server's --request-max-pixels {limit} "
+                           "(read from the headers, not decoded)", param="messages")
+
+    def add_audio(self, index: int, data: bytes) -> None:
+        where = f"audio {index}"
+        self._add_bytes(where, data)
+        seconds = media_probe.audio_seconds(data)
+        limit = self.policy.request_max_audio_seconds
+        if seconds is None or not limit:
+            return
+        self.seconds += seconds
+        self.n_audio += 1
+        if self.seconds > limit and self.n_audio > 1:
+            raise APIError(f"{where}: the request's audio comes to {self.seconds:.1f} s with it, over this "
+                           f"server's --request-max-audio-seconds {limit:g} (read from the headers, not "
+                           "decoded)", param="messages")
 
 
 def load_audio(index: int, part: AudioPart) -> AudioBytes:
