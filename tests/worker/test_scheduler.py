@@ -587,3 +587,25 @@ def test_prompt_longer_than_batch_size_is_prefilled_regression(tiny_models: Mode
             r = httpx.post(url + "/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_long_text_run_of_a_media_prompt_goes_under_the_budget() -> None:
+    """Issue 39: a 600-token document after an image went in whole (as short, a ubatch a step)
+    beside generating slots; it now goes in budgeted pieces, as a long prompt's text does."""
+    from worker.backends.media import chunk_ids
+
+    b, kv = make(n_slots=2, n_ctx=4096, n_batch=512)
+    b.enqueue(task([1, 2, 3]))
+    step(b, kv)  # slot 0 generates from here on
+    b.budget.observe(10.0, 0, 0, 1)
+    b.budget.rows = 50.0
+    image = chunk_ids(7, 4)
+    prompt = [5, 6, *image, *range(100, 100 + 600), 9]
+    t = task(prompt)
+    t.media = {7: np.zeros((4, 1), dtype=np.float32)}
+    b.enqueue(t)
+    rows = [sum(len(e.tokens) for s, e in step(b, kv).entries if s.id == 1) for _ in range(4)]
+    assert rows[:2] == [2, 4]  # the short text run whole, then the image's chunk
+    # the document: the budget's rows a step (with what the two steps before left as credit), where
+    # it went whole before (512 rows, a ubatch)
+    assert 0 < rows[2] <= 100 and 0 < rows[3] <= 100, rows

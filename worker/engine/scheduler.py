@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from worker.backends.base import Backend, BatchEntry, Sample
-from worker.backends.media import is_media, rows_of, run_piece
+from worker.backends.media import is_media, rows_of, run_length, run_piece
 from worker.engine.kv import KvBook
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.policy import (
@@ -398,7 +398,7 @@ class Scheduler:
         cap = self._backend.n_batch - plan.n_decode_rows
         if self._prefill_cap is not None:
             cap = min(cap, self._prefill_cap)
-        long = [s for s in prefilling if _rows_to_compute(s) > SHORT_PROMPT or _at_media(s)]
+        long = [s for s in prefilling if _is_long(s)]
         budget = self.budget.grant(len(decoding), cap, self._min_piece(long[0])) if long else 0
         used = short_used = 0  # rows of long prompts (against the budget), of short ones
         for s in prefilling:
@@ -409,13 +409,17 @@ class Scheduler:
                 continue
             assert s.task is not None
             whole = s.task.is_embedding and not self._backend.pools_in_pieces
-            # A prompt with media goes in runs: text whole, a chunk's rows in fixed pieces under the
-            # budget (worker/backends/media.py).
-            long_text = _rows_to_compute(s) > SHORT_PROMPT and not whole
-            is_short = not _at_media(s) if s.task.media else not long_text
+            # A prompt with media goes in runs: a chunk's rows in fixed pieces under the budget
+            # (worker/backends/media.py), a short text run whole, a long one in budgeted pieces as
+            # a long prompt's (a document after an image does not skip the budget).
+            is_short = not _is_long(s) if s.task.media else whole or _rows_to_compute(s) <= SHORT_PROMPT
             room = cap - used - short_used
             limit = min(room, self._backend.n_ubatch - short_used) if is_short else min(room, budget - used)
-            if s.task.media:
+            if s.task.media and not is_short and not _at_media(s):
+                max_piece = min(self._backend.n_batch, self._backend.n_ubatch)
+                min_piece = self._recipe.min_piece(_rows_to_compute(s))
+                n = piece_len(run_length(s.feed), limit, min_piece, max_piece)
+            elif s.task.media:
                 n = run_piece(s.feed, min(self._backend.n_batch, self._backend.n_ubatch), self.media_piece)
                 n = n if n <= (room if is_short else limit) else 0  # whole, in a later step
             else:
@@ -598,6 +602,14 @@ class Scheduler:
 
 def _arrival(slot: Slot) -> float:
     return slot.task.stats.t_arrival if slot.task else 0.0
+
+
+def _is_long(slot: Slot) -> bool:
+    """The slot's next prompt rows go under the prefill budget: a long prompt's, a media chunk's,
+    or a long text run of a prompt with media."""
+    if slot.task is not None and slot.task.media:
+        return _at_media(slot) or run_length(slot.feed, SHORT_PROMPT + 1) > SHORT_PROMPT
+    return _rows_to_compute(slot) > SHORT_PROMPT
 
 
 def _at_media(slot: Slot) -> bool:
