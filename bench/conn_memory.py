@@ -7,13 +7,19 @@ router's queue), then measures the router's RSS: at rest; with `--connections` i
 connections open (a `GET /health` each, then held); and with as many streaming chat requests
 open, all but the forwarded few waiting in the queue. Prints each step's RSS and the bytes per
 connection. Traffic stays on 127.0.0.1.
+
+`--tracemalloc`: the router runs under tracemalloc (bench/traced_router.py) and each step also
+prints the Python heap's growth by source line (slower; the RSS figures then include
+tracemalloc's own bookkeeping, so take them from a run without it).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import resource
+import signal
 import sys
 import tempfile
 import time
@@ -63,6 +69,7 @@ async def _streams(base: str, n: int, hold: asyncio.Event) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--connections", type=int, default=4000)
+    ap.add_argument("--tracemalloc", action="store_true", help="where the bytes go, by source line")
     args = ap.parse_args(argv)
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -72,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
                       "load-on-startup = true\n")
     router = router_server(preset, tmp / "router.log", "--max-queue", str(args.connections * 2),
                            "--log-level", "warning")
+    traced = tmp / "tracemalloc.txt"
+    if args.tracemalloc:
+        assert router.cmd is not None
+        router.cmd[router.cmd.index("router.cli")] = "bench.traced_router"
+        router.env = {**(router.env or {}), "OMNI_TRACEMALLOC_OUT": str(traced)}
     router.start(60)
     base = router.base_url
     assert router.pid is not None
@@ -95,15 +107,23 @@ def main(argv: list[str] | None = None) -> int:
                 task = asyncio.ensure_future(fn(base, args.connections, hold))
                 await asyncio.sleep(8 if fn is _idle else 20)
                 rss = _rss(router.pid)
+                if args.tracemalloc:
+                    os.kill(router.pid, signal.SIGUSR2)
+                    await asyncio.sleep(5)
                 hold.set()
-                await asyncio.wait_for(task, 120)
+                await asyncio.wait_for(task, 600 if args.tracemalloc else 120)
                 return rss
 
             before = _rss(router.pid)
+            if args.tracemalloc:
+                os.kill(router.pid, signal.SIGUSR1)
+                time.sleep(2)
             rss = asyncio.run(run())
             per = (rss - before) / args.connections
             print(f"{args.connections} {name}: {rss / 2**20:.1f} MiB ({(rss - before) / 2**20:+.1f} MiB, "
                   f"{per / 1024:.1f} KiB each)")
+            if args.tracemalloc:
+                print(traced.read_text())
             time.sleep(2)
         return 0
     finally:
