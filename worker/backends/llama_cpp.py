@@ -138,11 +138,18 @@ def _address(sampler: Any) -> int:
 def _greedy(logits: np.ndarray, ids: np.ndarray, bias: np.ndarray) -> int:
     """llama.cpp's logit-bias then greedy sampler on one row: the first token of the highest
     biased logit; -1 when that is NaN (the sampler's own `>` never picks a NaN: let it decide)."""
-    if len(ids):
-        logits = logits.copy()
-        logits[ids] += bias
+    if not len(ids):
+        token = int(np.argmax(logits))
+        return -1 if np.isnan(logits[token]) else token
+    # The bias on the row in place and the row put back as it was (exactly: the saved values), in
+    # place of a copy of the whole row (49,152 floats for SmolLM2: ~90 us a row, 6 ms a step at 64
+    # slots, for the two EOG tokens `ignore_eos` biases).
+    saved = logits[ids]
+    logits[ids] += bias
     token = int(np.argmax(logits))
-    return -1 if np.isnan(logits[token]) else token
+    is_nan = bool(np.isnan(logits[token]))
+    logits[ids] = saved
+    return -1 if is_nan else token
 
 
 def _init_llama_backend() -> None:

@@ -107,9 +107,13 @@ def draft_length(rate: float, row_ratio: float, cap: int, fixed: float = 0.0) ->
     """The draft length (0..cap) with the most tokens per unit of cost, `E(k) / (1 + f + k r)`,
     `f` the cost of drafting at all (an extra decode call, in the same units); 0 unless
     drafting beats the plain step."""
+    a = min(max(rate, 0.0), 1.0)
     best_k, best = 0, 1.0
+    term = emitted = 1.0  # a^k and E(k), kept as k grows (once per slot and step: no pow, no calls)
     for k in range(1, max(0, cap) + 1):
-        value = expected_tokens(rate, k) / (1.0 + fixed + k * row_ratio)
+        term *= a
+        emitted += term
+        value = emitted / (1.0 + fixed + k * row_ratio)
         if value > best * (1.0 + 1e-9):
             best_k, best = k, value
     return best_k
