@@ -39,7 +39,7 @@ class _Timed:
         self.profiler = cProfile.Profile() if profile else None
         self.records: list[tuple[float, float, int, int]] = []  # step s, decode s, rows, verify rows
         self._decode_s = 0.0
-        self._rows = self._verify = 0
+        self._entries: list[list[Any]] = []
         backend = engine._require_backend()
         step, decode = engine._step, backend.decode
 
@@ -49,19 +49,21 @@ class _Timed:
                 return decode(entries)
             finally:
                 self._decode_s += time.perf_counter() - t0
-                self._rows += sum(len(e.tokens) for e in entries)
-                self._verify += sum(max(0, e.n_outputs - 1) for e in entries if e.n_outputs > 1)
+                self._entries.append(entries)  # counted after the step's clock stops
 
         def timed_step() -> None:
-            self._decode_s, self._rows, self._verify = 0.0, 0, 0
-            t0 = time.perf_counter()
+            self._decode_s, self._entries = 0.0, []
             if self.profiler is not None:
                 self.profiler.enable()
+            t0 = time.perf_counter()
             step()
+            step_s = time.perf_counter() - t0
             if self.profiler is not None:
                 self.profiler.disable()
-            if self._rows:
-                self.records.append((time.perf_counter() - t0, self._decode_s, self._rows, self._verify))
+            if self._entries:
+                rows = sum(len(e.tokens) for entries in self._entries for e in entries)
+                verify = sum(e.n_outputs - 1 for entries in self._entries for e in entries if e.n_outputs > 1)
+                self.records.append((step_s, self._decode_s, rows, verify))
 
         backend.decode = timed_decode
         engine._step = timed_step
@@ -100,8 +102,8 @@ def _report(name: str, records: list[tuple[float, float, int, int]]) -> None:
     decode = statistics.median(r[1] for r in records) * 1e3
     rest = statistics.median(r[0] - r[1] for r in records) * 1e3
     rows = statistics.median(r[2] for r in records)
-    print(f"{name:<28} steps {len(records):5d}  rows {rows:5.0f}  step {step:8.2f} ms  decode {decode:8.2f} ms  "
-          f"outside decode {rest:6.2f} ms ({rest / step:5.1%})")
+    print(f"{name:<28} steps {len(records):5d}  rows {rows:5.0f}  step {step:8.2f} ms  "
+          f"decode {decode:8.2f} ms  outside decode {rest:6.2f} ms ({rest / step:5.1%})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
         backend = engine._require_backend()
         timed = _Timed(engine, args.profile)
-        print(f"{args.model} on {args.backend} ({args.device}), --threads {args.threads}, {args.tokens} tokens")
+        print(f"{args.model} on {args.backend} ({args.device}), --threads {args.threads}, "
+              f"{args.tokens} tokens")
         _run(engine, _prompts(backend.tokenize, 1, False), 8, 0)  # warm-up
         for n in plain:
             timed.records.clear()

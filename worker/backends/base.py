@@ -259,6 +259,12 @@ class Backend(Vocab, Protocol):
 
     def sample(self, items: Sequence[SampleItem], params: Sequence[SamplingParams]) -> list[Sample]: ...
 
+    def is_row_independent(self, sampler: Any) -> bool:
+        """A row's token does not depend on the tokens this sampler accepted before it (greedy, no
+        penalty window, no RNG): several rows of one sequence may then be sampled in one call,
+        and accepting a row that is later rejected changes nothing."""
+        ...
+
     def sleep(self) -> None:
         """Free weights and KV cache; keep tokenizer and metadata. Engine thread only."""
         ...

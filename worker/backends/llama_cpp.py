@@ -324,7 +324,7 @@ class LlamaCppBackend:
         ] = []  # per logits entry: (copied row | None, batch row)
         # The last llama_decode's logits: one view of llama.cpp's output buffer per (address, rows)
         # (the buffer moves only when it grows), and each output's batch row -> its row there.
-        self._views: dict[tuple[int, int], np.ndarray] = {}
+        self._views: dict[int, np.ndarray] = {}  # the logits buffer's address -> a view of it
         self._view: np.ndarray | None = None
         self._row_of: dict[int, int] = {}
         self._pieces: dict[int, bytes] = {}
@@ -776,6 +776,9 @@ class LlamaCppBackend:
             self.n_vocab, last_n, params.repeat_penalty, params.frequency_penalty, params.presence_penalty
         )
 
+    def is_row_independent(self, sampler: Any) -> bool:
+        return _address(sampler) in self._argmax  # logit bias and greedy only: no state, no RNG
+
     def free_sampler(self, sampler: Any) -> None:
         self._argmax.pop(_address(sampler), None)
         ll.llama_sampler_free(sampler)
@@ -788,14 +791,15 @@ class LlamaCppBackend:
         address = ctypes.cast(_get_logits(self._ctx), ctypes.c_void_p).value or 0
         if address == 0:
             raise RuntimeError("llama.cpp returned no logits for the last decode")
-        key = (address, len(rows))
-        view = self._views.get(key)
-        if view is None:
-            if any(a != address for a, _ in self._views):
-                self._views.clear()  # the buffer moved: views of the old one would dangle
+        # One view per buffer over the most rows it has held, sliced per decode: a view per row
+        # count cost a ctypes array type each (~1 ms), and speculation's counts vary step to step.
+        # llama.cpp's output buffer only grows (output_reserve), so rows it once held stay inside.
+        view = self._views.get(address)
+        if view is None or len(view) < len(rows):
             buf = (ctypes.c_float * (len(rows) * self.n_vocab)).from_address(address)
-            view = self._views[key] = np.ctypeslib.as_array(buf).reshape(len(rows), self.n_vocab)
-        self._view = view
+            view = np.ctypeslib.as_array(buf).reshape(len(rows), self.n_vocab)
+            self._views = {address: view}  # the buffer moved: views of the old one would dangle
+        self._view = view[: len(rows)]
         self._row_of = {r: j for j, r in enumerate(rows)}
 
     def _logits_row(self, batch_idx: int) -> np.ndarray:

@@ -454,6 +454,9 @@ class TorchBackend:
         """Feed tokens (e.g. the prompt, as llama-server does) into the penalty window."""
         sampler.accept(tokens)
 
+    def is_row_independent(self, sampler: Any) -> bool:
+        return bool(sampler.params.is_greedy and not sampler.params.has_penalties)
+
     def free_sampler(self, sampler: Any) -> None:
         return None
 

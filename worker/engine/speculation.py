@@ -314,14 +314,16 @@ class Speculator:
         ended: list[tuple[Task, Verdict, int]] = []
         n_draft = n_accepted = 0
         n_verifies = len(self._pending)
+        ahead = self._sample_ahead(backend)
         for pend in self._pending:
             slot, task, draft = pend.slot, pend.task, pend.draft
+            rows = ahead.get(id(pend))
             n_ok = 0
             while n_ok < len(draft) and slot.task is task and task.generated[-1] == draft[n_ok]:
                 # the draft is the token sampled: its KV row (written by the decode) is valid
                 slot.cache.append(draft[n_ok])
                 n_ok += 1
-                sample = backend.sample(
+                sample = rows[n_ok - 1] if rows is not None else backend.sample(
                     [SampleItem(task.sampler, pend.first_row + n_ok)], [task.params]
                 )[0]
                 end = postprocess(slot, sample)
@@ -338,6 +340,26 @@ class Speculator:
         if n_verifies:
             self.metrics.on_spec(n_draft, n_accepted, n_verifies)
         return ended
+
+    def _sample_ahead(self, backend: Backend) -> dict[int, list[Sample]]:
+        """Every drafted row after row 0, of every slot whose sampler is row independent
+        (greedy), in one `sample` call for the whole step (one argmax pass and, on a GPU, one
+        device sync instead of one per accepted token); the rows of a rejected draft are sampled
+        for nothing, which such a sampler allows. Other samplers (an RNG stream, a penalty
+        window) go row by row in `verify`, one draw per emitted token. (id of the _Pending ->
+        the samples of its rows 1..k)"""
+        batch = [p for p in self._pending if p.task.sampler is not None
+                 and backend.is_row_independent(p.task.sampler)]
+        if not batch:
+            return {}
+        items = [SampleItem(p.task.sampler, p.first_row + 1 + j) for p in batch for j in range(len(p.draft))]
+        samples = backend.sample(items, [p.task.params for p in batch for _ in p.draft])
+        out: dict[int, list[Sample]] = {}
+        at = 0
+        for p in batch:
+            out[id(p)] = samples[at : at + len(p.draft)]
+            at += len(p.draft)
+        return out
 
     def _adapt(self, slot_id: int, n_draft: int, n_ok: int, task_id: int = -1) -> None:
         st = self._slots.setdefault(slot_id, _SlotState(task_id))
