@@ -22,7 +22,7 @@ from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.reasoning_budget import reasoning_budget
 from worker.protocol import sampler_order
 from worker.protocol.errors import APIError
-from worker.protocol.sampling import SamplingParams
+from worker.protocol.sampling import LoraKey, SamplingParams
 from worker.protocol.wire import ChatCompletionRequest, ChatMessage, new_id, now
 from worker.server.context import BackendLRU, check_prompt, tokenize_text
 from worker.server.media import ChatMedia, check_accepts, extract, load_media, media_kinds
@@ -274,6 +274,23 @@ def reasoning_format(state: WorkerState, value: str | None) -> str:
     return fmt
 
 
+def request_lora(state: WorkerState, req: Any) -> LoraKey:
+    """The request's LoRA adapter set (worker/engine/adapters.py): its `lora` list, else the
+    adapter its `model` names ("<model>:<adapter>", at scale 1), else the global scales."""
+    adapters = state.engine.adapters
+    listed = getattr(req, "lora", None)
+    try:
+        if listed is not None:
+            return adapters.resolve((x.id, x.scale) for x in listed)
+        model = getattr(req, "model", None) or ""
+        _, sep, name = model.rpartition(":")
+        if sep and (adapter := adapters.by_name(name)) is not None:
+            return adapters.resolve([(adapter.id, 1.0)])
+        return adapters.resolve(None)
+    except ValueError as e:
+        raise APIError(str(e), param="lora") from None
+
+
 def sampling_params(state: WorkerState, backend: Vocab, req: Any) -> SamplingParams:
     """The request's SamplingParams, logit_bias text keys tokenized (no specials)."""
     try:
@@ -282,6 +299,7 @@ def sampling_params(state: WorkerState, backend: Vocab, req: Any) -> SamplingPar
         )
     except ValueError as e:
         raise APIError(str(e), param="logit_bias") from None
+    params = dataclasses.replace(params, lora=request_lora(state, req))
     if state.backend_kind == "torch" and not sampler_order.penalties_first(params):
         raise APIError("the torch backend applies the penalties first in the sampler chain: "
                            "put `penalties` before the other samplers that are on", param="samplers")

@@ -1,0 +1,175 @@
+"""Tiny LoRA adapters for the tiny Llama (worker/testing/tiny_models.py), in both formats:
+
+    models/tiny-llama-lora-a.gguf          GGUF adapter (llama.cpp's layout, worker/backends/lora.py)
+    models/tiny-llama-lora-a/              the same weights as a PEFT folder (adapter_config.json,
+                                           adapter_model.safetensors) for the HF twin models/tiny-llama
+    models/tiny-llama-lora-b.gguf, -b/     a second adapter (other weights)
+    models/tiny-llama-lora-a-merged/       the base with adapter a merged at scale 1 (HF folder) ...
+    models/tiny-llama-lora-a-merged-f32.gguf   ... and its GGUF: what "scale 1" must equal
+    models/tiny-llama-lora-bad.gguf, -bad/ an adapter made for a model of another width (refused)
+
+Every attention and MLP projection of every layer is adapted, rank 4, lora_alpha 8 (a scaling
+of 2, so alpha is exercised), with B A about as large as the weights themselves: the adapted
+model's greedy text differs from the base's from the first tokens. Deterministic (seeded).
+
+Usage:  python -m worker.testing.tiny_lora --out models
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from worker.testing.tiny_models import (
+    FORMAT_VERSION,
+    SPECS,
+    ModelSpec,
+    _permute_qk,
+    build_once,
+    make_weights,
+    train_tokenizer,
+    write_gguf,
+    write_hf,
+)
+
+RANK = 4
+ALPHA = 8.0
+MODULES = {  # HF module -> GGUF tensor (per layer)
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+SEEDS = {"a": 77, "b": 78, "bad": 79}
+
+
+@dataclass(frozen=True)
+class LoraPaths:
+    gguf: Path
+    peft: Path
+
+
+def lora_paths(out: Path, name: str, base: str = "tiny-llama") -> LoraPaths:
+    return LoraPaths(out / f"{base}-lora-{name}.gguf", out / f"{base}-lora-{name}")
+
+
+def merged_paths(out: Path, base: str = "tiny-llama") -> tuple[Path, Path]:
+    """(HF folder, F32 GGUF) of the base with adapter a merged at scale 1."""
+    return out / f"{base}-lora-a-merged", out / f"{base}-lora-a-merged-f32.gguf"
+
+
+def make_lora(spec: ModelSpec, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """HF module path (model.layers.i.<module>) -> (A [r x n_in], B [n_out x r]), float32."""
+    rng = np.random.default_rng(seed)
+    h, kv, inter = spec.hidden, spec.kv_heads * spec.head_dim, spec.intermediate
+    dims = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+            "self_attn.o_proj": (h, h), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+            "mlp.down_proj": (h, inter)}
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for i in range(spec.layers):
+        for module, (n_out, n_in) in dims.items():
+            a = (rng.standard_normal((RANK, n_in), dtype=np.float32) / np.sqrt(n_in)).astype(np.float32)
+            b = rng.standard_normal((n_out, RANK), dtype=np.float32) * np.float32(0.5 / np.sqrt(RANK))
+            out[f"model.layers.{i}.{module}"] = (a, b)
+    return out
+
+
+def write_gguf_lora(path: Path, spec: ModelSpec, lora: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    import gguf
+
+    tmp = path.with_suffix(".gguf.tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", ALPHA)
+    w.add_name(path.stem)
+    for key, (a, b) in lora.items():
+        i, module = key.split(".")[2], ".".join(key.split(".")[3:])
+        tensor = MODULES[module]
+        if tensor == "attn_q":  # the base's q/k rows are permuted into llama.cpp's RoPE layout
+            b = _permute_qk(b, spec.heads)
+        elif tensor == "attn_k":
+            b = _permute_qk(b, spec.kv_heads)
+        w.add_tensor(f"blk.{i}.{tensor}.weight.lora_a", np.ascontiguousarray(a))
+        w.add_tensor(f"blk.{i}.{tensor}.weight.lora_b", np.ascontiguousarray(b))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, path)
+
+
+def write_peft(folder: Path, spec: ModelSpec, lora: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    from safetensors.numpy import save_file
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    tensors: dict[str, np.ndarray] = {}
+    for key, (a, b) in lora.items():
+        tensors[f"base_model.model.{key}.lora_A.weight"] = a
+        tensors[f"base_model.model.{key}.lora_B.weight"] = b
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
+        "target_modules": sorted({m.split(".")[-1] for m in MODULES}), "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "base_model_name_or_path": spec.name,
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def merged_weights(base: dict[str, np.ndarray], lora: dict[str, tuple[np.ndarray, np.ndarray]],
+                   scale: float = 1.0) -> dict[str, np.ndarray]:
+    out = dict(base)
+    for key, (a, b) in lora.items():
+        w = key + ".weight"
+        delta = scale * ALPHA / RANK * (b.astype(np.float64) @ a.astype(np.float64))
+        out[w] = (base[w].astype(np.float64) + delta).astype(np.float32)
+    return out
+
+
+def ensure_loras(out: Path, size: str = "tiny", force: bool = False) -> None:
+    spec = SPECS[size]
+
+    def build() -> None:
+        for name, seed in SEEDS.items():
+            paths = lora_paths(out, name, spec.name)
+            # "bad": made for a model half as wide (another base model)
+            target = spec if name != "bad" else ModelSpec(
+                "other", spec.vocab_size, spec.hidden // 2, spec.layers, spec.heads, spec.kv_heads,
+                spec.intermediate // 2, spec.max_positions, spec.tie_embeddings, spec.seed)
+            lora = make_lora(target, seed)
+            write_gguf_lora(paths.gguf, target, lora)
+            write_peft(paths.peft, target, lora)
+        tok = train_tokenizer(spec)
+        merged = merged_weights(make_weights(spec, tok.get_vocab_size()), make_lora(spec, SEEDS["a"]))
+        hf, gg = merged_paths(out, spec.name)
+        if hf.exists():
+            shutil.rmtree(hf)
+        write_hf(hf, spec, tok, merged)
+        write_gguf(gg, spec, tok, merged, f16=False)
+
+    key = f"{FORMAT_VERSION}:{spec}:lora{RANK}/{ALPHA}/{sorted(SEEDS.items())}"
+    build_once(out / f".{size}-lora.done", key, build, force)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Generate the tiny model's LoRA adapters.")
+    ap.add_argument("--out", type=Path, default=Path("models"))
+    ap.add_argument("--force", action="store_true", help="regenerate even if present")
+    args = ap.parse_args(argv)
+    ensure_loras(args.out, force=args.force)
+    print(f"tiny LoRA adapters under {args.out}")
+
+
+if __name__ == "__main__":
+    main()
