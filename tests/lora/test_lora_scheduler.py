@@ -5,8 +5,8 @@ behind a stream of another adapter's. Against the recording KV of tests/worker/t
 
 from __future__ import annotations
 
-from worker.engine.prompt_cache import PromptCache
 from tests.worker.test_scheduler import make, step, task
+from worker.engine.prompt_cache import PromptCache
 
 A = ((0, 1.0),)
 B = ((1, 1.0),)

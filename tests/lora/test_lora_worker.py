@@ -70,7 +70,8 @@ def test_llama_cpp_adapters_scales_burst_and_bad_input(tiny_loras: ModelPaths) -
     with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora", f"{A.gguf},{B.gguf}",
                     "--lora-init-without-apply") as base:
         listed = httpx.get(f"{base}/lora-adapters").json()
-        assert [(x["id"], x["path"], x["scale"]) for x in listed] == [(0, str(A.gguf), 0.0), (1, str(B.gguf), 0.0)]
+        want = [(0, str(A.gguf), 0.0), (1, str(B.gguf), 0.0)]
+        assert [(x["id"], x["path"], x["scale"]) for x in listed] == want
         alone = check_burst(base, "base")
         assert alone["a"] == merged, "scale 1: the merged-weights model's greedy text"
         assert alone["base"] == plain, "scale 0: the base model's"

@@ -276,15 +276,20 @@ def reasoning_format(state: WorkerState, value: str | None) -> str:
 
 def request_lora(state: WorkerState, req: Any) -> LoraKey:
     """The request's LoRA adapter set (worker/engine/adapters.py): its `lora` list, else the
-    adapter its `model` names ("<model>:<adapter>", at scale 1), else the global scales."""
+    adapter its `model` names ("<model>:<adapter>", at scale 1), else the global scales. A
+    `model` of this worker's name and an adapter that is not loaded is a 400 (param `model`)."""
     adapters = state.engine.adapters
     listed = getattr(req, "lora", None)
+    model = getattr(req, "model", None) or ""
+    prefix, sep, name = model.rpartition(":")
+    adapter = adapters.by_name(name) if sep else None
+    if sep and adapter is None and prefix in (state.model_id, *state.aliases):
+        raise APIError(f"model {model!r}: no LoRA adapter named {name!r} is loaded (GET /lora-adapters)",
+                       param="model")
     try:
         if listed is not None:
             return adapters.resolve((x.id, x.scale) for x in listed)
-        model = getattr(req, "model", None) or ""
-        _, sep, name = model.rpartition(":")
-        if sep and (adapter := adapters.by_name(name)) is not None:
+        if adapter is not None:
             return adapters.resolve([(adapter.id, 1.0)])
         return adapters.resolve(None)
     except ValueError as e:
