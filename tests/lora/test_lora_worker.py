@@ -123,6 +123,13 @@ def test_adapters_loaded_at_run_time_and_reached_by_model_name(tiny_loras: Model
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
         r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "poet"})
         assert r.status_code == 404
+        # a global scale at load; unloaded by id (lora_int_id); ids are not reused
+        r = httpx.post(f"{base}/v1/load_lora_adapter",
+                       json={"lora_name": "half", "lora_path": str(A.gguf), "scale": 0.5})
+        assert r.json()["id"] == 1 and r.json()["scale"] == 0.5
+        assert text(base) == text(base, [{"id": 1, "scale": 0.5}]) != plain
+        assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_int_id": 1}).status_code == 200
+        assert text(base) == plain
 
 
 @pytest.mark.parametrize("kind", ["torch"])

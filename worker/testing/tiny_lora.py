@@ -7,10 +7,24 @@
     models/tiny-llama-lora-a-merged/       the base with adapter a merged at scale 1 (HF folder) ...
     models/tiny-llama-lora-a-merged-f32.gguf   ... and its GGUF: what "scale 1" must equal
     models/tiny-llama-lora-bad.gguf, -bad/ an adapter made for a model of another width (refused)
+    models/tiny-lora-suite-f32.gguf        a stand-in for llama.cpp's test_lora.py (below) ...
+    models/tiny-lora-suite-lora.gguf       ... and its adapter
 
 Every attention and MLP projection of every layer is adapted, rank 4, lora_alpha 8 (a scaling
 of 2, so alpha is exercised), with B A about as large as the weights themselves: the adapted
 model's greedy text differs from the base's from the first tokens. Deterministic (seeded).
+
+The stand-in for llama.cpp's tools/server/tests/unit/test_lora.py. That test runs stories15M_MOE
+with a Shakespeare adapter from the hub and checks words of the text at scales 0, 0.3, 0.7 and 1
+(scale 0: "little|girl|three|years|old" and "bright|day|many|happy", 0.3: "special|thing|gifted",
+0.7: "far|from|home|away", 1: "eye|love|glass|sun"). Neither is here, so
+scripts/llama_server_suite.py runs it on a model made to answer those words: the tiny model's
+vocabulary plus four whole-word tokens (" old day", " special", " far", " eye"), every token
+embedded alike and every layer's weights zero, so that the next token depends on the LM head
+alone; the head's logits of the four are lines in the adapter's scale s (a LoRA of rank 1 on
+`output.weight` adds s times a slope to each) whose upper envelope is " old day" below s = 0.15,
+" special" to 0.5, " far" to 0.85 and " eye" above. The reference llama-server and omni-worker
+run the same two files.
 
 Usage:  python -m worker.testing.tiny_lora --out models
 """
@@ -137,6 +151,57 @@ def merged_weights(base: dict[str, np.ndarray], lora: dict[str, tuple[np.ndarray
     return out
 
 
+SUITE_WORDS = ("ĠoldĠday", "Ġspecial", "Ġfar", "Ġeye")  # byte-level BPE spelling: " old day", ...
+SUITE_LINES = ((0.0, 0.0), (-3.0, 20.0), (-13.0, 40.0), (-30.0, 60.0))  # (logit at s = 0, slope)
+SUITE_OTHERS = -40.0  # every other token's logit
+
+
+def suite_paths(out: Path) -> tuple[Path, Path]:
+    """(model, adapter) of the stand-in for llama.cpp's test_lora.py (see the module doc)."""
+    return out / "tiny-lora-suite-f32.gguf", out / "tiny-lora-suite-lora.gguf"
+
+
+def write_suite_stand_in(out: Path) -> None:
+    spec = SPECS["tiny"]
+    tok = train_tokenizer(spec)
+    n_base = tok.get_vocab_size()
+    weights = {k: np.zeros_like(v) for k, v in make_weights(spec, n_base).items()}
+    for k, v in weights.items():
+        if k.endswith("norm.weight") or k.endswith("layernorm.weight"):
+            v[:] = 1.0
+    n_vocab = n_base + len(SUITE_WORDS)
+    embed = np.zeros((n_vocab, spec.hidden), dtype=np.float32)
+    embed[:, 0] = 1.0  # every token alike: after the final norm h = sqrt(hidden) * e0
+    h0 = np.float32(np.sqrt(spec.hidden))
+    head = np.full((n_vocab, spec.hidden), 0.0, dtype=np.float32)
+    head[:, 0] = SUITE_OTHERS / h0
+    slopes = np.zeros((n_vocab, 1), dtype=np.float32)
+    for i, (a, b) in enumerate(SUITE_LINES):
+        head[n_base + i, 0] = a / h0
+        slopes[n_base + i, 0] = b / h0
+    weights["model.embed_tokens.weight"] = embed
+    weights["lm_head.weight"] = head
+    model, adapter = suite_paths(out)
+    write_gguf(model, spec, tok, weights, f16=False, extra_tokens=SUITE_WORDS)
+    import gguf
+
+    tmp = adapter.with_suffix(".gguf.tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_string("general.type", "adapter")
+    w.add_string("adapter.type", "lora")
+    w.add_float32("adapter.lora.alpha", 1.0)  # rank 1: a scaling of 1
+    w.add_name(adapter.stem)
+    a = np.zeros((1, spec.hidden), dtype=np.float32)
+    a[0, 0] = 1.0
+    w.add_tensor("output.weight.lora_a", a)
+    w.add_tensor("output.weight.lora_b", slopes)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    os.replace(tmp, adapter)
+
+
 def ensure_loras(out: Path, size: str = "tiny", force: bool = False) -> None:
     spec = SPECS[size]
 
@@ -157,8 +222,9 @@ def ensure_loras(out: Path, size: str = "tiny", force: bool = False) -> None:
             shutil.rmtree(hf)
         write_hf(hf, spec, tok, merged)
         write_gguf(gg, spec, tok, merged, f16=False)
+        write_suite_stand_in(out)
 
-    key = f"{FORMAT_VERSION}:{spec}:lora{RANK}/{ALPHA}/{sorted(SEEDS.items())}"
+    key = f"{FORMAT_VERSION}:{spec}:lora{RANK}/{ALPHA}/{sorted(SEEDS.items())}:suite{SUITE_LINES}"
     build_once(out / f".{size}-lora.done", key, build, force)
 
 
