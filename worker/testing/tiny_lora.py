@@ -176,9 +176,9 @@ def write_suite_stand_in(out: Path) -> None:
     head = np.full((n_vocab, spec.hidden), 0.0, dtype=np.float32)
     head[:, 0] = SUITE_OTHERS / h0
     slopes = np.zeros((n_vocab, 1), dtype=np.float32)
-    for i, (a, b) in enumerate(SUITE_LINES):
-        head[n_base + i, 0] = a / h0
-        slopes[n_base + i, 0] = b / h0
+    for i, (at_0, slope) in enumerate(SUITE_LINES):
+        head[n_base + i, 0] = at_0 / h0
+        slopes[n_base + i, 0] = slope / h0
     weights["model.embed_tokens.weight"] = embed
     weights["lm_head.weight"] = head
     model, adapter = suite_paths(out)
