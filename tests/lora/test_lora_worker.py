@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -100,8 +101,11 @@ def test_an_adapter_for_another_model_fails_the_load_with_the_reason(tiny_loras:
     assert "made for another base model" in proc.stdout + proc.stderr
 
 
-def test_adapters_loaded_at_run_time_and_reached_by_model_name(tiny_loras: ModelPaths) -> None:
-    with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora-runtime", "-a", "tiny") as base:
+def test_adapters_loaded_at_run_time_and_reached_by_model_name(
+    tiny_loras: ModelPaths, tmp_path: Path
+) -> None:
+    with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora-runtime", "-a", "tiny",
+                    "--slot-save-path", str(tmp_path)) as base:
         plain = text(base)
         r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(BAD.gguf)})
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
@@ -109,8 +113,10 @@ def test_adapters_loaded_at_run_time_and_reached_by_model_name(tiny_loras: Model
         r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": str(A.gguf)})
         assert r.status_code == 200, r.text
         assert r.json()["id"] == 0 and r.json()["scale"] == 1.0
-        adapted = text(base, [{"id": 0, "scale": 1.0}])
+        adapted = text(base, [{"id": 0, "scale": 1.0}], id_slot=0)
         assert adapted != plain
+        r = httpx.post(f"{base}/slots/0?action=save", json={"filename": "s.bin"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot", r.text  # adapter rows
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         for model, want in (("tiny:poet", adapted), ("tiny", adapted)):  # global scale 1: on for all
             out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)

@@ -413,9 +413,14 @@ class Engine:
         return self.adapters.unload(self._require_backend(), lora_id)
 
     def slot_snapshot(self, slot_id: int) -> tuple[list[int], tuple[int, int], bytearray | None]:
-        """Engine thread, idle: what the slot holds (POST /slots/{id}?action=save)."""
+        """Engine thread, idle: what the slot holds (POST /slots/{id}?action=save). ValueError for
+        rows computed with LoRA adapters: a slot file is the base model's (restored as such)."""
         scheduler = self._require_scheduler()
-        return scheduler.kv.snapshot(scheduler.slots[slot_id])
+        slot = scheduler.slots[slot_id]
+        if slot.lora and slot.cache:
+            raise ValueError(f"slot {slot_id} holds rows computed with LoRA adapters {list(slot.lora)}: "
+                             "slot files keep the base model's rows only")
+        return scheduler.kv.snapshot(slot)
 
     def restore_slot(self, slot_id: int, tokens: list[int], rows: tuple[int, int], state: bytes) -> bool:
         """Engine thread, idle: load a saved slot (action=restore); False if it did not fit."""
@@ -688,6 +693,7 @@ def _params_info(task: Task) -> dict[str, Any]:
         "stop": list(p.stop),
         "ignore_eos": p.ignore_eos,
         "n_probs": p.top_logprobs,
+        "lora": [{"id": i, "scale": s} for i, s in p.lora],  # as llama-server's (the adapters not at 0)
     }
 
 
