@@ -405,7 +405,9 @@ class Engine:
 
     # -- LoRA adapters (worker/engine/adapters.py) ------------------------------------------------
     def load_lora(self, path: str, scale: float, name: str | None) -> LoraAdapter:
-        """Engine thread: load an adapter at run time (LoraError: why it does not fit)."""
+        """Engine thread: load an adapter at run time (LoraError: why it does not fit); a sleeping
+        model wakes first (an adapter is loaded onto its weights)."""
+        self.wake()
         return self.adapters.load(self._require_backend(), path, scale, name)
 
     def unload_lora(self, lora_id: int) -> LoraAdapter:
