@@ -915,6 +915,8 @@ class LlamaCppBackend:
             for i, path in enumerate(self._lora_paths):
                 if path is not None:
                     self._lora_ptrs[i] = ll.llama_adapter_lora_init(self._model, path.encode())
+                    if not self._lora_ptrs[i]:  # the file changed or went away while asleep
+                        raise RuntimeError(f"LoRA adapter {i} ({path}) failed to load again at wake")
 
     def close(self) -> None:
         self.sleep()
