@@ -121,6 +121,8 @@ def test_adapters_loaded_at_run_time_and_reached_by_model_name(
         for model, want in (("tiny:poet", adapted), ("tiny", adapted)):  # global scale 1: on for all
             out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
             assert out.choices[0].text == want, model
+        assert httpx.post(f"{base}/sleep", timeout=60).status_code == 200  # adapters reload at wake
+        assert text(base, [{"id": 0, "scale": 1.0}]) == adapted
         r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "poet"})
         assert r.status_code == 200, r.text
         assert httpx.get(f"{base}/lora-adapters").json() == []
