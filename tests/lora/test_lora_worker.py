@@ -50,14 +50,14 @@ BURST: list[tuple[list[dict[str, Any]] | None, str]] = [
 ]
 
 
-def check_burst(base: str, default: str) -> dict[str, str]:
-    """Each lora of BURST alone first, then all at once, three rounds: every answer its own.
+def check_burst(base: str, default: str, rounds: int = 3) -> dict[str, str]:
+    """Each lora of BURST alone first, then all at once, `rounds` times: every answer its own.
     `default`: what a request without `lora` (the global scales) answers."""
     alone = {name: text(base, lora) for lora, name in BURST}
     assert alone["global"] == alone[default]
     assert len({alone["base"], alone["a"], alone["b"], alone["a/2"]}) == 4, alone
     with ThreadPoolExecutor(len(BURST)) as pool:
-        for _ in range(3):
+        for _ in range(rounds):
             got = list(pool.map(lambda item: text(base, item[0]), BURST))
             assert got == [alone[name] for _, name in BURST]
     return alone
@@ -142,11 +142,8 @@ def test_adapters_loaded_at_run_time_and_reached_by_model_name(
 
 @pytest.mark.parametrize("kind", ["torch"])
 def test_torch_peft_adapters_burst(tiny_loras: ModelPaths, kind: str) -> None:
-    with run_worker(tiny_loras.hf_dir, *ARGS) as base:
-        plain = text(base)
-    with run_worker(merged_paths(MODELS)[0], *ARGS) as base:
-        merged = text(base)
+    """The burst on the torch backend (its logits against the merged model's and the base's are
+    tests/lora/test_torch_lora.py's); the answers alone equal the GGUF twin's on llama.cpp."""
     with run_worker(tiny_loras.hf_dir, *ARGS, "--lora", str(A.peft), "--lora-scaled", f"{B.peft}:0") as base:
         assert [x["scale"] for x in httpx.get(f"{base}/lora-adapters").json()] == [1.0, 0.0]
-        alone = check_burst(base, "a")  # --lora: scale 1 for all
-        assert alone["a"] == merged and alone["base"] == plain
+        check_burst(base, "a", rounds=2)  # --lora: scale 1 for all
