@@ -6,6 +6,7 @@ on the Responses API too); an unknown adapter of a known model is a 400 naming `
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import openai
 import pytest
@@ -44,6 +45,9 @@ lora-alias = {{ poet = "tiny-llama-lora-a" }}
     other = complete("tiny:tiny-llama-lora-b")
     assert len({base, adapted, other}) == 3
     assert complete("poet") == adapted
+    card = r.models()["tiny"]["lora"]
+    assert [Path(f).name for f in card["files"]] == [a.name, b.name]
+    assert card["aliases"] == {"poet": "tiny:tiny-llama-lora-a"}
     with r.client(timeout=120) as c:
         scales = c.get("/lora-adapters", params={"model": "tiny"})
         assert scales.status_code == 200 and [x["scale"] for x in scales.json()] == [0.0, 0.0]
