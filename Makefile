@@ -55,6 +55,7 @@ setup-test: $(VENV)/.test chromium
 
 models: $(VENV)/.base $(VENV)/.smollm2
 	$(PY) -m worker.testing.tiny_models --out models --size tiny
+	$(PY) -m worker.testing.tiny_lora --out models
 	$(PY) -m worker.testing.tiny_vlm --out models
 	$(PY) -m worker.testing.tiny_audio --out models
 	$(PY) -m worker.testing.smollm2 --out models

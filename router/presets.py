@@ -13,6 +13,13 @@ Any other omni-worker flag is a key too, by its long name without dashes (`temp`
 `reasoning-format`, `no-slots`; router.worker_flags), checked with the worker's own types and
 passed through to its command line.
 
+LoRA adapters: `lora` lists a model's adapter files (comma-separated or a TOML list; paths as
+`model`'s), passed to the worker as `--lora` (ids 0, 1, ... in order; `lora-scaled`,
+`lora-init-without-apply` and `lora-runtime` pass through as worker flags). A client reaches an
+adapter by `model`: "<name>:<adapter>" (the adapter's file stem, or the name it was loaded
+under at run time), or by an alias of `lora-alias` ("NAME=ADAPTER,..." or a TOML table), which
+the router turns into "<name>:<adapter>" before forwarding (router/http/forwarding.py).
+
 Every error is a `PresetError` whose message names the file, the line (INI) or the key path
 (TOML), and the valid values. Unknown keys ("did you mean 'parallel'?") and duplicate
 names/aliases are errors.
@@ -65,6 +72,8 @@ class ModelPreset:
     jinja: bool | None = None  # worker --jinja / --no-jinja (templates are Jinja either way)
     model_draft: str | None = None  # llama-server's speculative draft model (--spec-draft-model)
     mmproj: Path | None = None  # a GGUF model's multimodal projector: image input (worker --mmproj)
+    lora: tuple[Path, ...] = ()  # LoRA adapter files (worker --lora), ids 0, 1, ... in order
+    lora_aliases: tuple[tuple[str, str], ...] = ()  # model name -> adapter name (see module doc), sorted
     embedding: bool | None = None  # an embedding model (worker --embedding)
     pooling: str | None = None  # none | mean | cls | last | rank (worker --pooling)
     reranking: bool | None = None  # a reranker (worker --reranking)
@@ -97,7 +106,13 @@ class ModelPreset:
 
     @property
     def names(self) -> tuple[str, ...]:
-        return (self.name, *self.aliases)
+        """Every name that routes here: the name, its aliases and its adapters' aliases."""
+        return (self.name, *self.aliases, *(n for n, _ in self.lora_aliases))
+
+    def adapter_for(self, name: str) -> str | None:
+        """The worker's model name for `name` when it is a LoRA alias ("<name>:<adapter>"), else None."""
+        adapter = next((a for n, a in self.lora_aliases if n == name), None)
+        return f"{self.name}:{adapter}" if adapter is not None else None
 
     @property
     def is_remote(self) -> bool:
@@ -178,6 +193,31 @@ def _aliases(raw: str | list[str]) -> tuple[str, ...]:
         if not NAME_RE.match(a):
             raise ValueError(f"alias {a!r} has characters outside [A-Za-z0-9._:/@+-]")
     return out
+
+
+def _lora_files(raw: str | list[str]) -> tuple[str, ...]:
+    items = raw if isinstance(raw, list) else str(raw).split(",")
+    out = tuple(str(a).strip() for a in items if str(a).strip())
+    if not out:
+        raise ValueError("expected one or more adapter paths")
+    return out
+
+
+def _lora_aliases(raw: Any) -> tuple[tuple[str, str], ...]:
+    """"NAME=ADAPTER,..." or a TOML table {NAME = "ADAPTER"}."""
+    if isinstance(raw, dict):
+        pairs = [(str(k), str(v)) for k, v in raw.items()]
+    else:
+        pairs = []
+        for item in str(raw).split(","):
+            name, sep, adapter = item.strip().partition("=")
+            if not sep:
+                raise ValueError(f"{item.strip()!r}: expected NAME=ADAPTER")
+            pairs.append((name.strip(), adapter.strip()))
+    for name, adapter in pairs:
+        if not NAME_RE.match(name) or not adapter or ":" in adapter:
+            raise ValueError(f"{name}={adapter}: a model name ([A-Za-z0-9._:/@+-]) = an adapter name")
+    return tuple(sorted(pairs))
 
 
 def _flash_attn(raw: str) -> str:
@@ -292,8 +332,10 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "ray-resources": ("ray_resources", _ray_resources),
     "ray-node-labels": ("ray_node_labels", _ray_node_labels),
     "mmproj": ("mmproj", _text),
+    "lora": ("lora", _lora_files),
+    "lora-alias": ("lora_aliases", _lora_aliases),
 }
-_TABLES = ("ray-resources", "ray-node-labels")  # keys whose TOML value is a table
+_TABLES = ("ray-resources", "ray-node-labels", "lora-alias")  # keys whose TOML value is a table
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
           "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
           "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn",
@@ -494,7 +536,7 @@ def _put(sec: _RawSection, key: str, value: Any, where: str) -> None:
         value = "true" if value else "false"
     elif isinstance(value, (int, float)):
         value = str(value)
-    elif isinstance(value, list) and canon != "alias":
+    elif isinstance(value, list) and canon not in ("alias", "lora"):
         raise PresetError(f"{where}: expected a single value, got a list")
     elif isinstance(value, dict) and canon not in _TABLES:
         raise PresetError(f"{where}: expected a value, got a table")
@@ -542,6 +584,8 @@ def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> 
             origin[fname] = at
     model = kwargs.pop("model", None)
     mmproj = kwargs.pop("mmproj", None)
+    if kwargs.get("lora"):  # adapter files: found as `model` is
+        kwargs["lora"] = tuple(_resolve_model(f, base_dir) for f in kwargs["lora"])
     if kwargs.get("model_draft"):  # the worker's --spec-draft-model (speculative decoding, draft-simple)
         kwargs["model_draft"] = str(_resolve_model(kwargs["model_draft"], base_dir))
     preset = ModelPreset(name=name, source=where, worker_args=tuple(sorted(worker_args.items())), **kwargs)

@@ -37,11 +37,13 @@ passed       omni-worker takes these as llama-server does (flag and value unchan
              --api-key --tags --sleep-idle-seconds --cors-origins --slot-save-path -rea/--reasoning
              -v/--verbose/--log-verbose (responses carry `__verbose`)
              --embedding/--embeddings --rerank/--reranking --pooling
+             --lora --lora-scaled --lora-init-without-apply (LoRA adapters: the suite's test_lora.py
+             gets a local stand-in adapter for the tiny model, see llama_server_suite.py)
 ignored      no effect on what omni-worker does: -cb/--cont-batching (always on),
              --no-ui/--no-webui (the worker serves no web UI),
              -lv/--verbosity/--log-verbosity, --no-mmproj/--no-mmproj-auto (text only)
 refused      everything else: exit 2 naming the flag, so a test that needs it fails loudly
-             instead of passing by accident. Among them --lora, --model-draft/--spec-*, --grp-attn-n/-w,
+             instead of passing by accident. Among them --model-draft/--spec-*, --grp-attn-n/-w,
              --no-cache-idle-slots, --swa-full, --mmproj-url, --media-path,
              --models-dir/--models-max/--models-preset (router mode), --tools, --mcp-servers-*,
              --backend_sampling.
@@ -89,14 +91,15 @@ IGNORED_FLAGS = {"-lv", "--verbosity", "--log-verbosity"}
 PASSED_SWITCHES = {
     "--jinja", "--no-jinja", "--metrics", "--slots", "--no-slots", "--context-shift", "--no-context-shift",
     "-v", "--verbose", "--log-verbose", "--props", "--ui-mcp-proxy", "--no-ui-mcp-proxy",
-    "--embedding", "--embeddings", "--rerank", "--reranking",
+    "--embedding", "--embeddings", "--rerank", "--reranking", "--lora-init-without-apply",
 }
 PASSED_FLAGS = {
     "-s", "--seed", "-n", "--predict", "--n-predict", "--temp", "--temperature", "--api-key", "--tags",
     "--sleep-idle-seconds", "--cors-origins", "--slot-save-path", "-rea", "--reasoning", "--pooling",
+    "--lora", "--lora-scaled",
 }
 REASONS = {  # refused flags whose reason is worth more than "no equivalent"
-    "--lora": "omni-worker loads no LoRA adapters", "--model-draft": "no speculative decoding",
+    "--model-draft": "no speculative decoding",
 }
 TAKES_VALUE = set(MAPPED) | MODEL_FLAGS | IGNORED_FLAGS | PASSED_FLAGS
 

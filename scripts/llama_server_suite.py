@@ -32,6 +32,13 @@ Test ids are relative to the suite's directory (unit/test_x.py::test_y[...]). Wh
      work here anyway). Its download() raises. Other missing packages are not stubbed: a test
      module that imports one fails to collect and shows up as an error. (aiohttp and pytest-xdist,
      in their requirements.txt, are imported by none of the unit tests.)
+   - makes `utils.download_file` answer the LoRA adapter the suite downloads from the hub with a
+     local stand-in (`lora_stand_in`): test_lora.py's Shakespeare adapter for stories15M_MOE ->
+     models/tiny-lora-suite-lora.gguf when the model is models/tiny-lora-suite-f32.gguf (made to
+     answer test_lora.py's words, worker/testing/tiny_lora.py), else
+     models/tiny-llama-lora-a.gguf (an adapter of the tiny model); env OMNI_SUITE_LORA names
+     another. Any other download goes to the real function (and fails offline). So:
+         scripts/llama_server_suite.py --model models/tiny-lora-suite-f32.gguf unit/test_lora.py
    - stops a test after --test-timeout seconds (120; SIGALRM, like pytest-timeout's signal method):
      the suite's own request timeout is 600 s and its streaming requests have none, so a server
      that never answers would otherwise hold the run for ten minutes per test. The test fails with
@@ -82,6 +89,16 @@ SUITE_SUBDIR = Path("vendor/llama.cpp/tools/server/tests")
 EXTRACTED = (SUITE_SUBDIR, Path("vendor/llama.cpp/models/templates"))
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
+LORA_URL_NAME = "moe_shakespeare15M.gguf"  # test_lora.py's adapter (the URL's file name)
+
+
+def lora_stand_in(model: str | None) -> Path:
+    """The local adapter in place of test_lora.py's: env OMNI_SUITE_LORA, else the one of `model`."""
+    if env := os.environ.get("OMNI_SUITE_LORA"):
+        return Path(env).resolve()
+    is_suite = model is not None and Path(model).name == "tiny-lora-suite-f32.gguf"
+    return ROOT / "models" / ("tiny-lora-suite-lora.gguf" if is_suite else "tiny-llama-lora-a.gguf")
+
 REPORT_ENV = "OMNI_SUITE_REPORT"  # where the plugin appends its results (JSON lines)
 TEST_TIMEOUT_ENV = "OMNI_SUITE_TEST_TIMEOUT"  # seconds one test may run (the plugin's alarm)
 DEFAULT_TEST_TIMEOUT = 120.0
@@ -332,6 +349,14 @@ def pytest_sessionstart(session: Any) -> None:
     """No model downloads: the suite's conftest calls ServerPreset.load_all() once per session."""
     utils = sys.modules.get("utils") or importlib.import_module("utils")  # the suite's utils.py
     utils.ServerPreset.load_all = staticmethod(lambda: None)
+    real_download = utils.download_file
+
+    def download_file(url: str, output_file_path: str | None = None) -> str:
+        if url.rsplit("/", 1)[-1] == LORA_URL_NAME:
+            return str(lora_stand_in(os.environ.get("OMNI_SHIM_MODEL")))
+        return str(real_download(url, output_file_path))
+
+    utils.download_file = download_file
 
 
 class TestTimeout(Exception):

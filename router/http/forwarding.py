@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from urllib.parse import parse_qs
 
@@ -57,6 +58,8 @@ class Forwarder:
                 body, scope.get("query_string", b""), header(scope["headers"], b"content-type")
             )
             handle = self.lookup(name, scope)
+            if (adapter := handle.preset.adapter_for(name)) is not None:
+                body = _with_model(body, adapter)  # a LoRA alias: the worker's "<model>:<adapter>"
         except APIError as e:
             await send_error(send, e)
             return
@@ -79,9 +82,12 @@ class Forwarder:
             name = form_field(body, sep, "model")
         else:
             data = parse_json(body)
-            if not isinstance(data, dict):
+            if isinstance(data, dict):
+                name = data.get("model")
+            elif isinstance(data, list) and query:  # POST /lora-adapters: an array, the model in ?model=
+                name = None
+            else:
                 raise APIError("Request body must be a JSON object")
-            name = data.get("model")
         if name is None and query:
             name = parse_qs(query.decode("latin-1")).get("model", [None])[0]
         if name is None and len(self.pool.handles) == 1:
@@ -217,6 +223,16 @@ async def _is_gone(handle: ModelHandle, base: str) -> bool:
         if loop.time() >= deadline:
             return False
         await asyncio.sleep(0.02)
+
+
+def _with_model(body: bytes, model: str) -> bytes:
+    """A JSON body with its `model` replaced (a form body, whose model is the alias, is refused:
+    adapters serve text)."""
+    data = parse_json(body)
+    if not isinstance(data, dict):
+        raise APIError("a LoRA adapter's model name takes a JSON body", param="model")
+    data["model"] = model
+    return json.dumps(data).encode()
 
 
 def query_autoload(query: bytes) -> bool:

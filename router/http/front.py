@@ -43,10 +43,15 @@ PROXY_POST: dict[str, str] = {
     "/chat/completions/input_tokens": "/chat/completions/input_tokens",  # token counts (llama-server's)
     "/v1/chat/completions/input_tokens": "/v1/chat/completions/input_tokens",
     "/v1/responses/input_tokens": "/v1/responses/input_tokens",
+    # LoRA adapters (a model's worker, by `?model=`: the bodies name none): global scales, run-time loads
+    "/lora-adapters": "/lora-adapters",
+    "/v1/load_lora_adapter": "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter": "/v1/unload_lora_adapter",
 }
 # GET routes proxied when `?model=` is given (without it, /props is the router's own)
 PROXY_GET: dict[str, str] = {
     "/props": "/props", "/slots": "/slots", "/metrics": "/metrics", "/tools": "/tools",
+    "/lora-adapters": "/lora-adapters",
 }
 _SLOT_ACTION = re.compile(r"^/slots/[^/]+$")  # POST /slots/{id}?action=save|restore|erase&model=
 PUBLIC_PATHS = frozenset({"/health", "/", "/index.html", "/favicon.ico"})

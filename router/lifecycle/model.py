@@ -997,6 +997,9 @@ class ModelHandle:
             card["meta"] = self.info.get("meta", self.info)
         if p.cache_dir is not None:
             card["prompt_cache_disk"] = {"dir": p.cache_dir, "bytes": folder_bytes(p.cache_dir)}
+        if p.lora or p.lora_aliases:  # LoRA adapters: `model` reaches one as "<id>:<adapter>" or an alias
+            card["lora"] = {"files": [str(f) for f in p.lora],
+                            "aliases": {name: f"{p.name}:{adapter}" for name, adapter in p.lora_aliases}}
         return card
 
 

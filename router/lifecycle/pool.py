@@ -112,7 +112,12 @@ class Pool:
         self.by_name = {n: h for h in self.handles.values() for n in h.preset.names}
 
     def get(self, name: str) -> ModelHandle | None:
-        return self.by_name.get(name)
+        """The model `name` routes to: a name or alias, or "<name>:<adapter>" (a LoRA adapter of
+        that model: the worker resolves the adapter, router/presets.py)."""
+        handle = self.by_name.get(name)
+        if handle is None and ":" in name:
+            handle = self.by_name.get(name.rpartition(":")[0])
+        return handle
 
     async def start(self) -> None:
         self._slots_task = asyncio.create_task(self.deps.slots.run(), name="slots")

@@ -69,6 +69,8 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
                         ("--cache-dir", preset.cache_dir)):
         if value is not None:
             argv += [flag, str(value)]
+    if preset.lora:
+        argv += ["--lora", ",".join(str(p) for p in preset.lora)]
     if preset.kv_unified:
         argv.append("--kv-unified")
     if preset.jinja is not None:

@@ -42,6 +42,8 @@ class ChatBridge:
         handle = self._pool.get(model)
         if handle is None:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
+        if (adapter := handle.preset.adapter_for(model)) is not None:  # a LoRA alias (router/presets.py)
+            body = {**body, "model": adapter}
         trace = self._requests.begin(rid or request_id([]), handle, route)
         try:
             async with self._open_chat(model, handle, body, trace) as chunks:
@@ -61,6 +63,8 @@ class ChatBridge:
         handle = self._pool.get(model)
         if handle is None:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
+        if (adapter := handle.preset.adapter_for(model)) is not None:  # a LoRA alias (router/presets.py)
+            body = {**body, "model": adapter}
         trace = self._requests.begin(request_id([]), handle, path)
         try:
             base = await self._requests.admit(handle, trace)

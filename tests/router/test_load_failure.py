@@ -56,11 +56,11 @@ NOT_GGUF = [
             True,
         ),
         (
-            ["omni-worker: error: unknown option --lora: omni-worker does not implement it"],
+            ["omni-worker: error: unknown option --control-vector: omni-worker does not implement it"],
             2,
             "exited with code 2",
             False,
-            "unknown option --lora: omni-worker does not implement it",
+            "unknown option --control-vector: omni-worker does not implement it",
             True,
         ),
         # killed while loading (the OOM killer, say): may do better next time

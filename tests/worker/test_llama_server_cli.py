@@ -149,7 +149,7 @@ def test_sleep_idle_seconds_sleeps_and_a_request_wakes(url: str) -> None:
         (["-hf", "ggml-org/some-model-GGUF"], "does not download models"),
         (["--model-url", "https://example.com/m.gguf"], "does not download models"),
         (["-m", "x.gguf", "--context-shift"], "does not shift context"),
-        (["-m", "x.gguf", "--lora", "a.gguf"], "unknown option --lora"),
+        (["-m", "x.gguf", "--control-vector", "a.gguf"], "unknown option --control-vector"),
         (["-m", "x.gguf", "--top-p", "2"], "--top-p"),
         ([], "-m PATH"),
     ],

@@ -3,6 +3,7 @@
 
     media          images and audio in a prompt: media ids (keyed by the bytes), the `Vision` contract
     base           the contract: `Vocab` (thread-safe, the HTTP side) and `Backend` (the engine's)
+    lora           LoRA adapters: what a loaded one is, GGUF checks against the base model, --lora-scaled
     mtmd           libmtmd (an mmproj): images and audio decoded, tokenized and encoded, an LRU of encodings
     media_probe    an image's size and an audio's length from the header: decode bombs refused first
     llama_cpp      GGUF files through llama-cpp-python's ctypes API

@@ -53,7 +53,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from worker.backends.media import Vision
-from worker.protocol.sampling import SamplingParams
+from worker.protocol.sampling import LoraKey, SamplingParams
 from worker.text.fim import FimTokens
 
 Pooling = Literal["none", "mean", "cls", "last", "rank"]
@@ -263,6 +263,20 @@ class Backend(Vocab, Protocol):
         """A row's token does not depend on the tokens this sampler accepted before it (greedy, no
         penalty window, no RNG): several rows of one sequence may then be sampled in one call,
         and accepting a row that is later rejected changes nothing."""
+        ...
+
+    def load_lora(self, path: str) -> tuple[str, str]:
+        """Load a LoRA adapter (worker/backends/lora.py) as the next id (0, 1, ...); returns its
+        (task_name, prompt_prefix). Raises LoraError, saying why, when it does not fit the model."""
+        ...
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Free an adapter; its id is not given again."""
+        ...
+
+    def set_lora(self, key: LoraKey) -> None:
+        """The adapters and scales the next decodes run with (() the base model). The engine sets
+        it before each decode: a step's rows all run with one set (worker/engine/scheduler.py)."""
         ...
 
     def sleep(self) -> None:

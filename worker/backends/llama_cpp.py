@@ -67,10 +67,11 @@ from worker.backends.base import (
     SampleItem,
 )
 from worker.backends.llama_lib import RUNTIME, ll, llc
+from worker.backends.lora import LoraError, check_gguf
 from worker.backends.media import Vision
 from worker.backends.mtmd import EncodeShare, MtmdVision
 from worker.protocol.sampler_order import DEFAULT_ORDER
-from worker.protocol.sampling import SamplingParams
+from worker.protocol.sampling import LoraKey, SamplingParams
 from worker.text.fim import FimTokens
 
 log = logging.getLogger("worker.llama_cpp")
@@ -329,6 +330,11 @@ class LlamaCppBackend:
         self._row_of: dict[int, int] = {}
         self._pieces: dict[int, bytes] = {}
         self._eog_ids: list[int] | None = None
+        # LoRA adapters by id (worker/backends/lora.py): their files (None: unloaded), the loaded
+        # llama.cpp objects (freed with the model, reloaded at wake), and the set the context runs.
+        self._lora_paths: list[str | None] = []
+        self._lora_ptrs: list[Any] = []
+        self._lora_set: LoraKey = ()
 
         # Which extra buffer types the weights may take (worker/backends/weight_buffers.py),
         # decided before the full load; the buffers they took are read from llama.cpp's report.
@@ -870,19 +876,58 @@ class LlamaCppBackend:
         _sampler_accept(sampler, token)
         return token
 
+    # -- LoRA adapters (engine thread) ----------------------------------------------------------
+    def load_lora(self, path: str) -> tuple[str, str]:
+        """Load a GGUF adapter as the next id; its (task_name, prompt_prefix). LoraError (the
+        reason) when it does not fit the model."""
+        meta = check_gguf(path, self._path)
+        ptr = ll.llama_adapter_lora_init(self._model, path.encode())
+        if not ptr:
+            raise LoraError(f"{path}: llama.cpp failed to load the adapter (see the worker's log)")
+        self._lora_paths.append(path)
+        self._lora_ptrs.append(ptr)
+        return meta
+
+    def unload_lora(self, lora_id: int) -> None:
+        """Free adapter `lora_id` (it must not be in the current set); its id is not reused."""
+        if self._lora_set and any(i == lora_id for i, _ in self._lora_set):
+            self.set_lora(())
+        if self._lora_ptrs[lora_id] is not None:
+            ll.llama_adapter_lora_free(self._lora_ptrs[lora_id])
+        self._lora_ptrs[lora_id] = None
+        self._lora_paths[lora_id] = None
+
+    def set_lora(self, key: LoraKey) -> None:
+        """Run the next decodes with the adapters and scales of `key` (() the base model)."""
+        if key == self._lora_set:
+            return
+        n = len(key)
+        ptrs = (llc.llama_adapter_lora_p_ctypes * max(n, 1))(*(self._lora_ptrs[i] for i, _ in key))
+        scales = (ctypes.c_float * max(n, 1))(*(s for _, s in key))
+        if ll.llama_set_adapters_lora(self._ctx, ptrs if n else None, n, scales if n else None) != 0:
+            raise RuntimeError(f"llama_set_adapters_lora failed for {key}")
+        self._lora_set = key
+
     def sleep(self) -> None:
         if self._ctx is not None:
             ll.llama_free(self._ctx)
             self._ctx = None
         if self._model is not None:
-            ll.llama_model_free(self._model)
+            ll.llama_model_free(self._model)  # frees its adapters too
             self._model = None
+            self._lora_ptrs = [None] * len(self._lora_ptrs)
+            self._lora_set = ()
 
     def wake(self) -> None:
         if self._ctx is None:
             self._abort.clear()
             self._load()
             self._cur_threads = self._threads
+            for i, path in enumerate(self._lora_paths):
+                if path is not None:
+                    self._lora_ptrs[i] = ll.llama_adapter_lora_init(self._model, path.encode())
+                    if not self._lora_ptrs[i]:  # the file changed or went away while asleep
+                        raise RuntimeError(f"LoRA adapter {i} ({path}) failed to load again at wake")
 
     def close(self) -> None:
         self.sleep()

@@ -39,6 +39,11 @@ token embeddings (`Model.forward`'s `embd`), in the same step as any other rows;
 them costs one check. The CUDA graphs capture token rows only: a step with image rows runs
 eagerly.
 
+LoRA adapters (worker/backends/lora.py): PEFT folders, loaded by `load_lora` into packed
+low-rank pairs (worker/torch_model/lora.py); `set_lora` gives the model the pairs of a step's
+adapter set (built once per set and scales, a few kept), added to each matmul's output, never
+merged into the weights. A step with adapters runs eagerly (the CUDA graphs hold none).
+
 Embedding models (`embedding=True`): `decode` runs the same layers, takes every row's
 final-normed hidden state (`Model.hidden_states`) instead of logits, and pools each entry that
 asks for logits as llama.cpp does (worker/backends/base.py). The default pooling is the
@@ -78,12 +83,14 @@ from worker.backends.base import (
     Sample,
     SampleItem,
 )
+from worker.backends.lora import LoraError
 from worker.backends.media import Vision
 from worker.protocol.modalities import folder_takes_images
-from worker.protocol.sampling import SamplingParams
+from worker.protocol.sampling import LoraKey, SamplingParams
 from worker.text.rerank import QWEN3_RERANK_TEMPLATE, RERANK_LABELS, is_qwen3_reranker
 from worker.torch_model.config import ModelConfig, load_config
 from worker.torch_model.kv_cache import MAX_MASK_SEQS, KVCache
+from worker.torch_model.lora import LoraWeights, Pair, build_set, load_peft
 from worker.torch_model.model import Model, linear
 from worker.torch_model.sampler import SamplerState, new_state, sample_rows
 from worker.torch_model.tokenizer import HFTokenizer
@@ -92,6 +99,7 @@ from worker.torch_model.weights import checkpoint_files, iter_tensors, tensor_na
 
 log = logging.getLogger(__name__)
 _VISION_PREFIXES = ("model.vision_model.", "model.connector.")  # a VLM's (worker/torch_model/vision.py)
+_LORA_SETS_KEPT = 8  # built adapter sets kept (each a few small matrices per layer)
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
@@ -187,6 +195,9 @@ class TorchBackend:
         self._n_params = 0
         self._logits = torch.empty(0)
         self._sleeping = False
+        self._loras: list[LoraWeights | None] = []  # by adapter id (None: unloaded)
+        self._lora_set: LoraKey = ()
+        self._lora_sets: dict[LoraKey, list[dict[str, Pair]]] = {}  # built sets, a few
         self._load_weights()
         if not embedding and folder_takes_images(self._path):
             self.vision = self._load_vision(image_max_pixels)
@@ -363,6 +374,7 @@ class TorchBackend:
                 self._alloc_graphs()
         if (
             self._graphs is not None
+            and not self._lora_set
             and self.pooling is None
             and embd is None
             and self._graphs.can_run(n_tok, len(entries), len(rows))
@@ -479,6 +491,36 @@ class TorchBackend:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
+    # -- LoRA adapters (engine thread) ----------------------------------------------------------
+    def load_lora(self, path: str) -> tuple[str, str]:
+        try:
+            weights = load_peft(path, self.cfg, self.dtype, self.device)
+        except (ValueError, OSError, KeyError) as e:
+            raise LoraError(str(e)) from None
+        self._loras.append(weights)
+        return "", ""
+
+    def unload_lora(self, lora_id: int) -> None:
+        if any(i == lora_id for i, _ in self._lora_set):
+            self.set_lora(())
+        self._lora_sets = {k: v for k, v in self._lora_sets.items() if all(i != lora_id for i, _ in k)}
+        self._loras[lora_id] = None
+
+    def set_lora(self, key: LoraKey) -> None:
+        if key == self._lora_set:
+            return
+        pairs = None
+        if key:
+            pairs = self._lora_sets.get(key)
+            if pairs is None:
+                adapters = [(self._loras[i], s) for i, s in key]
+                pairs = build_set([(w, s) for w, s in adapters if w is not None], self.cfg.num_layers)
+                if len(self._lora_sets) >= _LORA_SETS_KEPT:
+                    self._lora_sets.pop(next(iter(self._lora_sets)))
+                self._lora_sets[key] = pairs
+        self._require_model().set_lora(pairs)
+        self._lora_set = key
+
     def sleep(self) -> None:
         if self._sleeping:
             return
@@ -504,6 +546,7 @@ class TorchBackend:
             return
         if self._model is None:
             self._load_weights()
+            self._lora_set = ()  # a new model: no set on it yet
         else:
             for p in self._model.parameters():
                 p.data = p.data.to(self.device, non_blocking=True)

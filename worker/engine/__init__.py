@@ -6,6 +6,7 @@ scheduler     the slots, the queue of waiting tasks; admit, plan, commit, postpr
 kv            KV placement: copy, save, restore, offload between slots and the prompt cache
 policy        pure scheduling decisions (which prompt pieces go in this step's batch)
 slot          one KV sequence and the task it serves
+adapters      the LoRA adapters' table (ids, global scales) and a request's adapter set
 task          a request as the engine sees it, and the events it streams back
 prompt_cache  the host-RAM prompt cache (`--cache-ram`)
 disk_cache    the disk tier of the prompt cache (`--cache-dir`, `--cache-disk`): files, index, writer

@@ -21,6 +21,11 @@ them at most `SAVE_SECONDS`. Sleep and every graceful stop go through it: SIGTER
 router ends a worker on eviction, `unload-after`, a preset reload and its own shutdown, and the
 router waits `stop-timeout` (10 s by default) before a SIGKILL. What a SIGKILL interrupts is
 a temp file, deleted at the next start; what was renamed into place is whole.
+
+LoRA adapters. Only the base model's rows go to disk and come from it: a prompt computed with
+an adapter set (`CachedPrompt.lora`, worker/engine/scheduler.py) is never written, and a task
+with adapters never reads. So the files' fingerprint (the model and its KV settings) keys them
+fully: adapters loaded or not, a file's rows are the base model's.
 """
 
 from __future__ import annotations
@@ -105,8 +110,8 @@ class DiskTier:
             return False
         if scheduler.prompt_cache is None or task.is_embedding or task.generated:
             return False
-        if not task.params.cache_prompt:
-            return False
+        if not task.params.cache_prompt or task.params.lora:
+            return False  # the disk holds the base model's rows only
         tokens = task.tokens()
         wanted = (len(task.prompt), self._recipe.prompt_class(len(task.prompt)))
         entry, n = self.cache.best(tokens, wanted, any_class=scheduler.reuse_history)
@@ -162,7 +167,7 @@ class DiskTier:
         from_slots = [p for p in (self._of_slot(scheduler, s) for s in slots) if p is not None]
         in_ram = scheduler.prompt_cache.most_recent_first() if scheduler.prompt_cache is not None else []
         for p in [*from_slots, *in_ram]:
-            if len(p.tokens) < _MIN_TOKENS or total + p.n_bytes > self.cache.limit_bytes:
+            if p.lora or len(p.tokens) < _MIN_TOKENS or total + p.n_bytes > self.cache.limit_bytes:
                 continue
             if any(self._covers(c, p) for c in chosen):
                 continue
@@ -186,7 +191,7 @@ class DiskTier:
         if state is None or len(tokens) < _MIN_TOKENS:
             return None
         logits = slot.logits if slot.n_logits == len(tokens) else None
-        return CachedPrompt(tuple(tokens), state, rows, logits)
+        return CachedPrompt(tuple(tokens), state, rows, logits, lora=slot.lora)
 
     def _covers(self, longer: CachedPrompt, shorter: CachedPrompt) -> bool:
         n = len(shorter.tokens)

@@ -86,6 +86,8 @@ from functools import partial
 from typing import Any, TypeVar
 
 from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
+from worker.backends.lora import LoraAdapter
+from worker.engine.adapters import Adapters
 from worker.engine.disk_tier import DiskCacheConfig, DiskTier, open_disk_tier
 from worker.engine.draft_model import DraftModel
 from worker.engine.grammar import MaskBatch, consume
@@ -137,12 +139,17 @@ class Engine:
         spec: SpecConfig | None = None,
         draft_factory: BackendFactory | None = None,
         disk_cache: DiskCacheConfig | None = None,
+        lora: tuple[tuple[str, float], ...] = (),
     ) -> None:
         """`cache_ram_mib`: the host-RAM prompt cache (worker/engine/prompt_cache.py); 0 off, -1 unbounded.
         `strict_reuse`: reuse no row of another class, not even a finished request's (Determinism).
         `spec`: speculative decoding (worker/engine/speculation.py).
-        `media_piece`: rows of an image's or audio's chunk per piece (worker/backends/media.py)."""
+        `media_piece`: rows of an image's or audio's chunk per piece (worker/backends/media.py).
+        `lora`: LoRA adapters (path, global scale) loaded with the model, ids 0, 1, ... in order
+        (worker/engine/adapters.py); one that does not fit the model fails the load."""
         self._factory = factory
+        self._lora = lora
+        self.adapters = Adapters()
         self._spec_config = spec or SpecConfig()
         self._draft_factory = draft_factory  # the draft model's (--spec-draft-model)
         self._draft: DraftModel | None = None
@@ -247,6 +254,8 @@ class Engine:
         t0 = time.monotonic()
         try:
             self._backend = self._factory(progress)
+            for path, scale in self._lora:
+                self.adapters.load(self._backend, path, scale)
             if self._draft_factory is not None:
                 self._draft = DraftModel(
                     self._draft_factory(progress), self._backend, self._spec_config.p_min
@@ -348,6 +357,10 @@ class Engine:
 
     def _enqueue(self, task: Task) -> None:
         self.last_busy = time.monotonic()
+        if not self.adapters.is_loaded(task.params.lora):  # unloaded since the request was read
+            task.emit(ErrorEvent("lora: the request names an adapter that has been unloaded", 400,
+                                 "invalid_request_error"))
+            return
         if self._disk is None or not self._disk.divert(task, self._require_scheduler()):
             self._require_scheduler().enqueue(task)  # first: if waking fails, _fail_all answers it too
         if self._require_backend().is_sleeping:
@@ -390,10 +403,26 @@ class Engine:
                 self._draft.backend.wake()
             log.info("awake: model reloaded in %.2f s", time.monotonic() - t0)
 
+    # -- LoRA adapters (worker/engine/adapters.py) ------------------------------------------------
+    def load_lora(self, path: str, scale: float, name: str | None) -> LoraAdapter:
+        """Engine thread: load an adapter at run time (LoraError: why it does not fit); a sleeping
+        model wakes first (an adapter is loaded onto its weights)."""
+        self.wake()
+        return self.adapters.load(self._require_backend(), path, scale, name)
+
+    def unload_lora(self, lora_id: int) -> LoraAdapter:
+        """Engine thread, idle (no task may hold it): free an adapter."""
+        return self.adapters.unload(self._require_backend(), lora_id)
+
     def slot_snapshot(self, slot_id: int) -> tuple[list[int], tuple[int, int], bytearray | None]:
-        """Engine thread, idle: what the slot holds (POST /slots/{id}?action=save)."""
+        """Engine thread, idle: what the slot holds (POST /slots/{id}?action=save). ValueError for
+        rows computed with LoRA adapters: a slot file is the base model's (restored as such)."""
         scheduler = self._require_scheduler()
-        return scheduler.kv.snapshot(scheduler.slots[slot_id])
+        slot = scheduler.slots[slot_id]
+        if slot.lora and slot.cache:
+            raise ValueError(f"slot {slot_id} holds rows computed with LoRA adapters {list(slot.lora)}: "
+                             "slot files keep the base model's rows only")
+        return scheduler.kv.snapshot(slot)
 
     def restore_slot(self, slot_id: int, tokens: list[int], rows: tuple[int, int], state: bytes) -> bool:
         """Engine thread, idle: load a saved slot (action=restore); False if it did not fit."""
@@ -445,6 +474,7 @@ class Engine:
         if plan.entries:
             self.flush_events()  # the event loop wakes as the decode releases the GIL
             t0 = time.perf_counter()
+            backend.set_lora(plan.lora)
             if backend.decode([entry for _, entry in plan.entries]) is DecodeStatus.NO_KV_SPACE:
                 if masks is not None:
                     masks.wait()  # unused: the matchers' state did not change
@@ -665,6 +695,7 @@ def _params_info(task: Task) -> dict[str, Any]:
         "stop": list(p.stop),
         "ignore_eos": p.ignore_eos,
         "n_probs": p.top_logprobs,
+        "lora": [{"id": i, "scale": s} for i, s in p.lora],  # as llama-server's (the adapters not at 0)
     }
 
 

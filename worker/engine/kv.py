@@ -58,6 +58,7 @@ class KvBook:
         """`dst` gets `src`'s first n rows (shared, or copied where the KV layout needs it)."""
         self._backend.seq_cp(src.id, dst.id, n)
         dst.cache[:] = src.cache[:n]
+        dst.lora = src.lora
         dst.n_prompt_rows, dst.prompt_class = min(src.n_prompt_rows, n), src.prompt_class
         dst.logits, dst.n_logits = (src.logits, src.n_logits) if src.n_logits <= n else (None, 0)
         self._metrics.prompt_rows_shared.inc(n)
@@ -88,7 +89,7 @@ class KvBook:
         state = self._backend.seq_state_get(slot.id)
         if state is not None:
             logits = slot.logits if slot.n_logits == len(slot.cache) else None
-            self.prompt_cache.put(slot.cache, state, slot.rows, logits)
+            self.prompt_cache.put(slot.cache, state, slot.rows, logits, lora=slot.lora)
             self.update_cache_gauges()
 
     def offload(self, slot: Slot) -> None:
@@ -109,6 +110,7 @@ class KvBook:
             log.info("prompt cache: no KV room to restore %d tokens into slot %d", len(entry.tokens), slot.id)
             return False
         slot.cache.extend(entry.tokens)
+        slot.lora = entry.lora
         slot.n_prompt_rows, slot.prompt_class = entry.rows
         if entry.logits is not None:
             slot.logits, slot.n_logits = entry.logits, len(entry.tokens)
@@ -129,7 +131,7 @@ class KvBook:
         key = None
         state = self._backend.seq_state_get(slot.id)
         if state is not None:
-            key = self.prompt_cache.put(slot.cache, state, slot.rows, pin=True)
+            key = self.prompt_cache.put(slot.cache, state, slot.rows, pin=True, lora=slot.lora)
             self.update_cache_gauges()
         self._backend.seq_rm(slot.id, 0)
         slot.clear()

@@ -9,10 +9,11 @@ frees). With one KV pool shared by all slots, idle slots are also moved here whe
 admitted, because llama.cpp attends over every cell of that pool up to the highest one used.
 
 Entries are (tokens, opaque state, what kind of rows they are, maybe the logits after the
-last token), looked up by the longest prefix that may be reused (`policy.reusable`), evicted
+last token, the LoRA adapter set they were computed with), looked up only among entries of
+the request's own adapter set, then by the longest prefix that may be reused (`policy.reusable`), evicted
 least recently used first beyond `limit_bytes` or `max_entries` (a parked request's entry is
 pinned until it is taken, unless nothing else is left to evict). An entry whose tokens are a
-prefix of a newer one of the same kind is replaced by it. Engine thread only.
+prefix of a newer one of the same kind (and adapter set) is replaced by it. Engine thread only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from worker.engine.policy import Rows, common_prefix_len, reusable
+from worker.protocol.sampling import LoraKey
 
 
 @dataclass(slots=True)
@@ -33,6 +35,7 @@ class CachedPrompt:
     rows: Rows
     logits: np.ndarray | None = None  # at position len(tokens)-1, when a prompt ended there
     is_pinned: bool = False
+    lora: LoraKey = ()  # the adapter set its rows were computed with
 
     @property
     def n_bytes(self) -> int:
@@ -54,14 +57,16 @@ class PromptCache:
 
     def put(
         self, tokens: Sequence[int], state: bytearray, rows: Rows, logits: np.ndarray | None = None,
-        *, pin: bool = False,
+        *, pin: bool = False, lora: LoraKey = (),
     ) -> CachedPrompt | None:
         """Store a sequence's state; None if it does not fit in the limit at all."""
-        entry = CachedPrompt(tuple(tokens), state, rows, logits, pin)
+        entry = CachedPrompt(tuple(tokens), state, rows, logits, pin, lora)
         if not tokens or (self.limit_bytes is not None and entry.n_bytes > self.limit_bytes):
             return None
         key = entry.tokens
         for eid, old in list(self._entries.items()):
+            if old.lora != lora:
+                continue
             n = len(old.tokens)
             if n <= len(key) and key[:n] == old.tokens and self._covers(entry, old) and not old.is_pinned:
                 self._drop(eid)  # the new entry covers this one
@@ -81,12 +86,14 @@ class PromptCache:
         )
 
     def best(
-        self, prompt: Sequence[int], wanted: Rows, *, any_class: bool = False
+        self, prompt: Sequence[int], wanted: Rows, *, any_class: bool = False, lora: LoraKey = (),
     ) -> tuple[CachedPrompt | None, int]:
-        """The entry whose rows the prompt may reuse most, and how many (0: none). `any_class`:
-        a history reuse, every row of the common prefix counts (policy.MIXED_CLASS)."""
+        """The entry of adapter set `lora` whose rows the prompt may reuse most, and how many (0:
+        none). `any_class`: a history reuse, every row of the common prefix counts (policy.MIXED_CLASS)."""
         best_id, best_n = -1, 0
         for eid, entry in self._entries.items():
+            if entry.lora != lora:
+                continue
             n = common_prefix_len(entry.tokens, prompt)
             if not any_class:
                 n = reusable(n, entry.rows, wanted, self.decode_class)

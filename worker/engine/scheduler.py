@@ -31,6 +31,21 @@ burst of chat turns starts generating together; longer ones are cut to a per-ste
 images or audio goes in runs: its text whole, each media chunk in fixed pieces under that
 budget (worker/backends/media.py).
 
+LoRA adapters (worker/backends/lora.py). A task runs with one adapter set and scales
+(`SamplingParams.lora`, a `LoraKey`; () is the base model), and rows computed under one key are
+other numbers than under another: every reuse is keyed by it. A slot remembers the key its rows
+were computed with (`Slot.lora`), and so does a prompt-cache entry; a prefix is taken from a
+slot, an entry or a prefill in progress only when the keys are equal (llama-server's pinned
+build reuses a slot's prompt across scales, and in a burst mixing scales 0 and 1 gave a third
+answer, neither). A step decodes with one adapter set (the engine sets it on the backend), so
+`plan` serves one key per step, by this rule of fairness: the key that has gone longest
+without a step goes first; a key that has not had a step since its requests came counts as
+never served, and ties go to the key of the oldest request. So with k keys among the running
+requests each gets a step at least every k steps, whatever the others' traffic: no request
+starves behind a stream of another adapter's. Slots are admitted regardless of key; a slot
+whose key is not served this step simply waits. With one key (the usual case, no adapters)
+every step is that key's and nothing changes.
+
 Embedding tasks (an embedding model) are stateless, as in llama-server: no prefix reuse (they
 come with `cache_prompt` off). With a pooling that reads every row (mean, cls, none) a prompt
 goes in one piece, whole, in a step with room for it, and the HTTP layer refuses prompts over
@@ -80,6 +95,7 @@ from worker.engine.prompt_cache import PromptCache
 from worker.engine.slot import Slot
 from worker.engine.speculation import Speculator
 from worker.engine.task import Task, Verdict
+from worker.protocol.sampling import LoraKey
 
 log = logging.getLogger("worker.engine")
 
@@ -101,6 +117,7 @@ class Plan:
     from_saved: list[Slot] = field(default_factory=list)
     n_decode_rows: int = 0
     n_budget_rows: int = 0  # rows of long prompts, within the prefill budget
+    lora: LoraKey = ()  # the adapter set every entry of the step runs with
 
     def __bool__(self) -> bool:
         return bool(self.entries or self.from_saved)
@@ -136,6 +153,8 @@ class Scheduler:
         self.waiting: deque[Task] = deque()
         self.budget = PrefillBudget()
         self._prefill_cap: int | None = None  # set after llama.cpp found no KV room (shared pool)
+        self._n_plans = 0
+        self._served: dict[LoraKey, int] = {}  # adapter set -> the plan that last served it (fairness)
 
     # -- state ----------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -218,17 +237,19 @@ class Scheduler:
     def _wanted(self, task: Task) -> Rows:
         return len(task.prompt), self._recipe.prompt_class(len(task.prompt))
 
-    def _reuse(self, slot: Slot, tokens: list[int], wanted: Rows) -> int:
+    def _reuse(self, slot: Slot, tokens: list[int], wanted: Rows, lora: LoraKey) -> int:
         """How many of `tokens`' rows `slot`'s cache can stand in for (strict: rows of the class
-        `wanted` would compute)."""
+        `wanted` would compute, under the adapter set `lora`)."""
+        if slot.lora != lora:
+            return 0
         n = common_prefix_len(slot.cache, tokens)
         return reusable(n, slot.rows, wanted, self._recipe.decode_class) if n else 0
 
-    def _reuse_left(self, slot: Slot, tokens: list[int], wanted: Rows) -> int:
+    def _reuse_left(self, slot: Slot, tokens: list[int], wanted: Rows, lora: LoraKey) -> int:
         """As `_reuse`, but an idle slot's rows (a finished request's) all count with `reuse_history`."""
         if self.reuse_history and slot.is_idle:
-            return common_prefix_len(slot.cache, tokens)
-        return self._reuse(slot, tokens, wanted)
+            return common_prefix_len(slot.cache, tokens) if slot.lora == lora else 0
+        return self._reuse(slot, tokens, wanted, lora)
 
     def _place(self, task: Task, candidates: list[Slot]) -> bool:
         """Put `task` in one of the idle `candidates`, with the best prefix it can get."""
@@ -238,7 +259,7 @@ class Scheduler:
         tokens = task.tokens()
         wanted = self._wanted(task)
         p = task.params
-        own = [self._reuse_left(s, tokens, wanted) if p.cache_prompt else 0 for s in idle]
+        own = [self._reuse_left(s, tokens, wanted, p.lora) if p.cache_prompt else 0 for s in idle]
         id_slot = p.id_slot if candidates is self.slots else -1
         explicit = 0 <= id_slot < len(self.slots)
         packed = self._backend.runs_by_seq_id and candidates is self.slots and not explicit
@@ -268,13 +289,16 @@ class Scheduler:
         """Take a longer prefix from another slot or the prompt cache, or wait for one being
         computed; returns what `slot` now holds of `tokens` (and its saved logits, if any)."""
         others = [s for s in self._all if s is not slot]
-        src = max(others, key=lambda s: self._reuse_left(s, tokens, wanted), default=None)
-        n_src = self._reuse_left(src, tokens, wanted) if src is not None else 0
+        lora = task.params.lora
+        src = max(others, key=lambda s: self._reuse_left(s, tokens, wanted, lora), default=None)
+        n_src = self._reuse_left(src, tokens, wanted, lora) if src is not None else 0
         cache = self.prompt_cache
         entry, n_entry = (
-            cache.best(tokens, wanted, any_class=self.reuse_history) if cache is not None else (None, 0)
+            cache.best(tokens, wanted, any_class=self.reuse_history, lora=lora)
+            if cache is not None
+            else (None, 0)
         )
-        pending, n_pending = self._pending_source(others, tokens, wanted)
+        pending, n_pending = self._pending_source(others, tokens, wanted, lora)
         if n_pending >= max(n_keep, n_src, n_entry) + _MIN_SHARE_GAIN:
             self.kv.save_tail(slot, 0)
             slot.source, slot.source_task, slot.n_source = pending, pending.task, n_pending
@@ -298,12 +322,14 @@ class Scheduler:
         self.kv.save_tail(slot, n_keep)
         return n_keep, logits
 
-    def _pending_source(self, others: list[Slot], tokens: list[int], wanted: Rows) -> tuple[Slot, int]:
+    def _pending_source(
+        self, others: list[Slot], tokens: list[int], wanted: Rows, lora: LoraKey
+    ) -> tuple[Slot, int]:
         """The slot whose prompt, being prefilled now, will hold the longest prefix of ours."""
         best, n_best = self.slots[0], 0
         for s in others:
             t = s.task
-            if t is None or not s.is_prefill:
+            if t is None or not s.is_prefill or t.params.lora != lora:
                 continue
             target = s.cache + s.feed if s.source is None else t.tokens()
             n = common_prefix_len(target, tokens)
@@ -329,13 +355,14 @@ class Scheduler:
         elif n_keep >= n_prompt and n > n_prompt:
             n_keep = min(n_keep, n - 1)  # what is left are generated tokens: decode rows
         else:  # at least one valid piece of prompt to decode, for its logits
-            n_equal = min(n_keep, self._reuse(slot, tokens, self._wanted(task)))
+            n_equal = min(n_keep, self._reuse(slot, tokens, self._wanted(task), task.params.lora))
             n_strict = max(0, min(n_equal, n_prompt - self._recipe.min_piece(n_prompt)))
             # A history reuse (rows of another class among those given) keeps them all and
             # computes the rest, one row at least; equal rows alone keep the recipe's last piece.
             is_history = self.reuse_history and n_keep > n_equal and min(n_keep, n_prompt - 1) > n_strict
             n_keep = min(n_keep, n_prompt - 1) if is_history else n_strict
         self.kv.truncate(slot, n_keep)
+        slot.lora = task.params.lora  # kept rows are of this key already; what comes is computed with it
         if is_history:  # rows of several classes: no fresh prompt computes this mix
             slot.n_prompt_rows, slot.prompt_class = n_keep, MIXED_CLASS
         else:
@@ -361,7 +388,7 @@ class Scheduler:
         assert src is not None and task is not None
         tokens = task.tokens()
         wanted = self._wanted(task)
-        n_have = self._reuse(src, tokens, wanted)
+        n_have = self._reuse(src, tokens, wanted, task.params.lora)
         if n_have < slot.n_source and src.is_prefill and src.task is slot.source_task:
             return False  # still being computed
         slot.source, slot.source_task, slot.n_source = None, None, 0
@@ -373,13 +400,34 @@ class Scheduler:
         return True
 
     # -- planning -----------------------------------------------------------------------------------
+    def _pick_lora(self) -> LoraKey:
+        """The adapter set this step serves (the fairness rule in the module doc)."""
+        oldest: dict[LoraKey, float] = {}
+        for s in self._all:
+            if s.task is not None:
+                key, t = s.task.params.lora, s.task.stats.t_arrival
+                oldest[key] = min(t, oldest.get(key, t))
+        if len(oldest) <= 1:
+            self._served.clear()
+            return next(iter(oldest), ())
+        self._served = {k: n for k, n in self._served.items() if k in oldest}
+        return min(oldest, key=lambda k: (self._served.get(k, -1), oldest[k]))
+
     def plan(self) -> Plan:
-        """One token per generating slot, then prompt pieces (oldest first) within the budget."""
-        plan = Plan()
+        """One token per generating slot, then prompt pieces (oldest first) within the budget,
+        of the slots of one adapter set (`_pick_lora`)."""
+        self._n_plans += 1
+        lora = self._pick_lora()
+        self._served[lora] = self._n_plans
+        plan = Plan(lora=lora)
         decoding = [s for s in self._all if s.is_decoding]
         free = self._make_room(decoding) if self._backend.kv_unified else 1 << 62
-        decoding = [s for s in self._all if s.is_decoding]
-        prefilling = [s for s in self._all if s.task is not None and s.is_prefill]
+        decoding = [
+            s for s in self._all if s.is_decoding and s.task is not None and s.task.params.lora == lora
+        ]
+        prefilling = [
+            s for s in self._all if s.task is not None and s.is_prefill and s.task.params.lora == lora
+        ]
         drafts: dict[int, list[int]] = {}
         if self.spec is not None:  # speculation yields to prompts being computed or waiting
             is_busy = bool(prefilling or self.waiting) or self._backend.kv_unified
@@ -445,6 +493,7 @@ class Scheduler:
             and self.n_busy() > 0
             and self._backend.kv_unified
             and not any(s.source for s in self._all)
+            and len(self._served) <= 1  # not while another adapter set's slots may still move
         ):
             self._preempt_youngest()  # prompts fill the pool and nothing can move
         return plan

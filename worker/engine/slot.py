@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from worker.engine.task import Task
+from worker.protocol.sampling import LoraKey
 
 
 @dataclass(eq=False, slots=True)
@@ -42,6 +43,7 @@ class Slot:
     source_task: Task | None = None  # ... for this task of it ...
     n_source: int = 0  # ... up to this length
     t_last_used: float = field(default_factory=time.monotonic)
+    lora: LoraKey = ()  # the adapter set `cache`'s rows were computed with (worker/engine/scheduler.py)
 
     @property
     def is_idle(self) -> bool:

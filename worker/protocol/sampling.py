@@ -46,6 +46,17 @@ class SpecRequest:
     size_n: int | None = None
 
 
+# The LoRA adapters a request runs with: (adapter id, scale) pairs, ids ascending, no zero scale
+# (an adapter at scale 0 adds nothing, so it is the base model: worker/backends/lora.py). The
+# empty tuple is the base model. Equal keys compute equal KV rows; nothing else may share them.
+LoraKey = tuple[tuple[int, float], ...]
+
+
+def lora_key(scales: dict[int, float]) -> LoraKey:
+    """The key of {adapter id: scale}: sorted, zero scales dropped."""
+    return tuple((i, float(s)) for i, s in sorted(scales.items()) if s != 0.0)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Per-request sampling and stopping settings (llama-server's defaults).
@@ -87,6 +98,7 @@ class SamplingParams:
     # A stream's keep-alive comment after this many silent seconds (llama-server's
     # sse_ping_interval; <= 0: none); None: the worker's own (worker/server/sse.py).
     sse_ping_interval: float | None = None
+    lora: LoraKey = ()  # the LoRA adapters and scales (worker/backends/lora.py); () the base model
 
     @property
     def is_greedy(self) -> bool:

@@ -77,6 +77,28 @@ class NvExt(StrictModel):
     use_raw_prompt: bool | None = None
 
 
+class LoraScale(StrictModel):
+    """One adapter of llama-server's per-request `lora` list: its id (GET /lora-adapters) and scale."""
+
+    id: int = Field(ge=0)
+    scale: float = Field(allow_inf_nan=False)
+
+
+class LoadLoraRequest(StrictModel):
+    """vLLM's POST /v1/load_lora_adapter (omni-worker --lora-runtime): load an adapter by path."""
+
+    lora_name: str = Field(min_length=1, pattern=r"^[^:\s]+$")  # `model` reaches it as "<model>:<lora_name>"
+    lora_path: str = Field(min_length=1)
+    scale: float = Field(default=1.0, allow_inf_nan=False)  # its global scale (POST /lora-adapters)
+
+
+class UnloadLoraRequest(StrictModel):
+    """vLLM's POST /v1/unload_lora_adapter: by name (or id: lora_int_id)."""
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None
+
+
 class _SamplingRequest(StrictModel):
     """Fields common to chat completions and completions (OpenAI + llama-server extras)."""
 
@@ -105,6 +127,9 @@ class _SamplingRequest(StrictModel):
     greedy_sampling: bool | None = None
     cache_prompt: bool = True
     id_slot: int = -1
+    # llama-server: the LoRA adapters of this request; an adapter not listed runs at scale 0
+    # (None: the global scales of POST /lora-adapters). Resolved by worker/server/prepare.py.
+    lora: list[LoraScale] | None = None
     verbose: bool = False  # llama-server: add `__verbose` (the prompt as the model saw it) to the response
     return_progress: bool = False  # llama-server: stream `prompt_progress` while the prompt is computed
     post_sampling_probs: bool = False  # llama-server: n_probs as probabilities after the sampler chain

@@ -14,6 +14,7 @@
     native_format  engine events -> llama-server's /completion objects
     structured     response_format / json_schema / grammar and tools -> one grammar
     infill         /infill's prompt, llama-server's layout
+    adapters       LoRA adapters: GET/POST /lora-adapters, POST /v1/load_lora_adapter and unload
     slot_actions   POST /slots/{id}?action=save|restore|erase
     status         /v1/models and /props bodies
     profiling      /start_profile, /stop_profile and the request context

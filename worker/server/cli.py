@@ -29,6 +29,7 @@ from typer._click.exceptions import ClickException, NoSuchOption  # typer vendor
 
 from worker.backends import BackendOptions, load_backend, resolve_kind
 from worker.backends.base import POOLINGS, Backend, Pooling
+from worker.backends.lora import parse_scaled
 from worker.engine.disk_cache import fingerprint, kv_settings, parse_size
 from worker.engine.disk_tier import SAVE_SECONDS, DiskCacheConfig
 from worker.engine.engine import Engine, Progress
@@ -184,6 +185,22 @@ def serve(
         None, "--chat-template", help="template file, builtin name or Jinja"
     ),
     chat_template_file: str | None = typer.Option(None, "--chat-template-file", help="Jinja template file"),
+    lora: list[str] | None = typer.Option(
+        None, "--lora", metavar="FNAME[,FNAME...]",
+        help="LoRA adapter (GGUF file; an HF folder: a PEFT folder), comma-separated for several; "
+             "ids 0, 1, ... in order, --lora ones before --lora-scaled ones",
+    ),
+    lora_scaled: list[str] | None = typer.Option(
+        None, "--lora-scaled", metavar="FNAME:SCALE[,...]", help="LoRA adapter with its global scale",
+    ),
+    lora_runtime: bool = typer.Option(
+        False, "--lora-runtime",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): adapters loaded at run time",
+    ),
+    lora_init_without_apply: bool = typer.Option(
+        False, "--lora-init-without-apply",
+        help="load the adapters at scale 0 (set them later: POST /lora-adapters, or a request's `lora`)",
+    ),
     jinja: bool = typer.Option(
         True,
         "--jinja/--no-jinja",
@@ -490,6 +507,12 @@ def serve(
         if batch_size < parallel:
             raise typer.BadParameter(f"must be at least --parallel ({parallel})", param_hint="--ubatch-size")
         cache_ram = 0
+    try:
+        lora_specs = _lora_specs(lora or [], lora_scaled or [], lora_init_without_apply)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--lora-scaled") from None
+    if lora_specs and embedding:
+        raise typer.BadParameter("adapters are for a generating model, not --embedding", param_hint="--lora")
     spec = _spec_config(spec_type, spec_draft_model, spec_draft_n_max, spec_draft_n_min, spec_draft_p_min,
                         spec_ngram_simple_size_n, spec_ngram_simple_size_m)
     try:
@@ -557,6 +580,7 @@ def serve(
         spec=spec,
         draft_factory=_draft_loader(spec_draft_model, options) if spec_draft_model is not None else None,
         disk_cache=disk,
+        lora=lora_specs,
     )
     aliases = tuple(sorted(set(_split(alias))))  # llama-server keeps them in a std::set
     state = WorkerState(
@@ -574,6 +598,7 @@ def serve(
         is_embedding=embedding,
         is_verbose=verbose,
         is_props_on=props,
+        is_lora_runtime_on=lora_runtime,
         slot_save_path=slot_save_path,
         is_cors_proxy_on=ui_mcp_proxy,
         template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
@@ -670,6 +695,12 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.bind((host.strip("[]"), port))
     sock.set_inheritable(True)
     return sock
+
+
+def _lora_specs(plain: list[str], scaled: list[str], without_apply: bool) -> tuple[tuple[str, float], ...]:
+    """--lora / --lora-scaled (each repeatable, comma-separated) -> (path, global scale) by id."""
+    out = [(p, 1.0) for v in plain for p in _split(v)] + [parse_scaled(x) for v in scaled for x in _split(v)]
+    return tuple((p, 0.0 if without_apply else s) for p, s in out)
 
 
 def _split(value: str | None) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.reasoning_budget import reasoning_budget
 from worker.protocol import sampler_order
 from worker.protocol.errors import APIError
-from worker.protocol.sampling import SamplingParams
+from worker.protocol.sampling import LoraKey, SamplingParams
 from worker.protocol.wire import ChatCompletionRequest, ChatMessage, new_id, now
 from worker.server.context import BackendLRU, check_prompt, tokenize_text
 from worker.server.media import ChatMedia, check_accepts, extract, load_media, media_kinds
@@ -274,6 +274,28 @@ def reasoning_format(state: WorkerState, value: str | None) -> str:
     return fmt
 
 
+def request_lora(state: WorkerState, req: Any) -> LoraKey:
+    """The request's LoRA adapter set (worker/engine/adapters.py): its `lora` list, else the
+    adapter its `model` names ("<model>:<adapter>", at scale 1), else the global scales. A
+    `model` of this worker's name and an adapter that is not loaded is a 400 (param `model`)."""
+    adapters = state.engine.adapters
+    listed = getattr(req, "lora", None)
+    model = getattr(req, "model", None) or ""
+    prefix, sep, name = model.rpartition(":")
+    adapter = adapters.by_name(name) if sep else None
+    if sep and adapter is None and prefix in (state.model_id, *state.aliases):
+        raise APIError(f"model {model!r}: no LoRA adapter named {name!r} is loaded (GET /lora-adapters)",
+                       param="model")
+    try:
+        if listed is not None:
+            return adapters.resolve((x.id, x.scale) for x in listed)
+        if adapter is not None:
+            return adapters.resolve([(adapter.id, 1.0)])
+        return adapters.resolve(None)
+    except ValueError as e:
+        raise APIError(str(e), param="lora") from None
+
+
 def sampling_params(state: WorkerState, backend: Vocab, req: Any) -> SamplingParams:
     """The request's SamplingParams, logit_bias text keys tokenized (no specials)."""
     try:
@@ -282,6 +304,7 @@ def sampling_params(state: WorkerState, backend: Vocab, req: Any) -> SamplingPar
         )
     except ValueError as e:
         raise APIError(str(e), param="logit_bias") from None
+    params = dataclasses.replace(params, lora=request_lora(state, req))
     if state.backend_kind == "torch" and not sampler_order.penalties_first(params):
         raise APIError("the torch backend applies the penalties first in the sampler chain: "
                            "put `penalties` before the other samplers that are on", param="samplers")

@@ -14,7 +14,7 @@ from starlette.types import ASGIApp
 
 from worker.protocol.errors import APIError, api_error_handler, error_body, http_exception_handler
 from worker.protocol.front import Cors, RequireAPIKey
-from worker.server import app, extras, profiling
+from worker.server import adapters, app, extras, profiling
 from worker.server.embeddings import RefuseGeneration
 from worker.server.embeddings import routes as embedding_routes
 from worker.server.state import WorkerState
@@ -54,6 +54,7 @@ def build_app(state: WorkerState, *, api_keys: tuple[str, ...] = (), cors_origin
         *profiling.routes(state.model_id),
         *extras.routes(state.model_id),
         *embedding_routes(),
+        *adapters.routes(),
     ]
     starlette = Starlette(
         routes=routes,

@@ -61,7 +61,11 @@ def _model_key(state: WorkerState) -> str:
 async def save(state: WorkerState, id_slot: int, filename: str, path: Path) -> dict[str, Any]:
     engine = state.engine
     t0 = time.perf_counter()
-    tokens, rows, kv = await asyncio.wrap_future(engine.call_when_idle(lambda: engine.slot_snapshot(id_slot)))
+    try:
+        tokens, rows, kv = await asyncio.wrap_future(
+            engine.call_when_idle(lambda: engine.slot_snapshot(id_slot)))
+    except ValueError as e:
+        raise APIError(str(e), param="id_slot") from None
     saved = slot_file.SlotFile(tokens, rows[0], rows[1], _model_key(state), bytes(kv or b""))
     n_written = await anyio.to_thread.run_sync(slot_file.write, path, saved)
     return {"id_slot": id_slot, "filename": filename, "n_saved": len(tokens), "n_written": n_written,

@@ -1,6 +1,7 @@
 """Test and demo models.
 
     tiny_models  deterministic random-weight Llama models, HF and GGUF twins of the same weights
+    tiny_lora    the tiny model's LoRA adapters: GGUF and PEFT twins, a merged model, a mismatched one
     tiny_vlm     a random-weight SmolVLM (Idefics3): HF, text GGUF + mmproj GGUF of the same weights
     tiny_audio   a random-weight Ultravox-style audio model: text GGUF + Whisper-encoder mmproj GGUF
     gguf_to_hf   a Llama GGUF (any quantization) -> its float32 HF twin, without transformers

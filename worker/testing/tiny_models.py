@@ -319,12 +319,14 @@ def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, 
 
 
 def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray], f16: bool,
-               fim: dict[str, int] | None = None) -> None:
+               fim: dict[str, int] | None = None, extra_tokens: tuple[str, ...] = ()) -> None:
     """`fim`: {"pre"|"suf"|"mid"|...: token id} written as tokenizer.ggml.fim_*_token_id
-    (FIM variant only)."""
+    (FIM variant only). `extra_tokens`: appended to the vocabulary (no merge leads to them: the
+    tokenizer never makes them, a model may generate them; worker/testing/tiny_lora.py)."""
     import gguf
 
     tokens, merges = _vocab_and_merges(tok)
+    tokens += extra_tokens
     ids = _special_ids(tok)
     specials = set(spec.special_tokens)
     types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens]

@@ -6,6 +6,7 @@ attention plan; sampler.py is the vectorised sampler chain; tokenizer.py wraps `
 and the tokenizer/generation configs; cuda_graphs.py captures decode steps on CUDA;
 cpu_kernels.py builds and loads the C kernels (cpu_kernels.c) of the CPU decode path;
 vision.py is Idefics3/SmolVLM's vision tower and connector (image tiles -> text-width rows);
+lora.py loads PEFT LoRA adapters and packs them as the model's matmuls are packed;
 image.py is libmtmd's idefics3 preprocessing in numpy (resizes, tiles, normalization).
 worker/backends/torch_backend.py ties them together behind the Backend Protocol.
 """

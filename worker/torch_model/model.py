@@ -41,6 +41,9 @@ of whether its prefix KV was shared from another sequence. bfloat16 runs `F.line
 has no bf16 prepacking without avx512bw), and the torch path's SDPA and gathers are not batch
 invariant either: those results hold to rounding only.
 
+LoRA adapters (worker/torch_model/lora.py): `set_lora` gives each layer the active set's
+low-rank pairs; a packed matmul's output then gets its update added (not merged into W).
+
 Without the kernels (float16, a GPU, or no C compiler) `Layer.forward` runs the same layer as
 torch ops, attention through SDPA over keys gathered by the tables.
 
@@ -63,6 +66,7 @@ from worker.torch_model import cpu_kernels
 from worker.torch_model.config import ModelConfig, RopeConfig
 from worker.torch_model.cpu_kernels import Kernels
 from worker.torch_model.kv_cache import AttnGroup, AttnPlan
+from worker.torch_model.lora import Pair, update
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -230,6 +234,14 @@ class Layer(nn.Module):
         # What forward multiplies by: the parameters themselves, or their prepacked copies
         # (a plain dict: nn.Module would register the aliases as parameters).
         self.w: dict[str, Tensor] = {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
+        self.lora: dict[str, Pair] = {}  # the active LoRA set's pairs by packed target (Model.set_lora)
+
+    def _mm(self, name: str, x: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+        """x @ w[name]^T (+ bias, + residual), plus the active LoRA update of that target."""
+        w = self.w[name]
+        out = linear(x, w, bias) if residual is None else linear_add(x, w, bias, residual)
+        pair = self.lora.get(name)
+        return out if pair is None else out + update(x, pair)
 
     def prepack_cpu(self) -> None:
         for name in ("qkv", "o", "gate_up", "down"):
@@ -249,7 +261,7 @@ class Layer(nn.Module):
     ) -> Tensor:
         cfg, t = self.cfg, x.shape[0]
         eps = cfg.rms_norm_eps
-        qkv = linear(rms_norm(x, self.input_norm, eps), self.w["qkv"], self.qkv_bias)
+        qkv = self._mm("qkv", rms_norm(x, self.input_norm, eps), self.qkv_bias)
         h, d = cfg.num_heads, cfg.head_dim
         if self.q_norm is not None and self.k_norm is not None:
             q, k, v = torch.split(qkv, self.split, dim=-1)
@@ -262,9 +274,9 @@ class Layer(nn.Module):
         k_cache.index_copy_(0, cells, k)
         v_cache.index_copy_(0, cells, v.view(t, cfg.num_kv_heads, d))
         o = attention(q, k_cache, v_cache, plan)
-        x = linear_add(o, self.w["o"], self.o_bias, x)
-        gate, up = linear(rms_norm(x, self.post_norm, eps), self.w["gate_up"]).chunk(2, dim=-1)
-        return linear_add(F.silu(gate) * up, self.w["down"], None, x)
+        x = self._mm("o", o, self.o_bias, x)
+        gate, up = self._mm("gate_up", rms_norm(x, self.post_norm, eps)).chunk(2, dim=-1)
+        return self._mm("down", F.silu(gate) * up, None, x)
 
     def forward_fused(
         self, x: Tensor, positions: Tensor, cells: Tensor, plan: AttnPlan, k_cache: Tensor, v_cache: Tensor,
@@ -273,7 +285,7 @@ class Layer(nn.Module):
         """`forward` on the fused CPU kernels; cos/sin are the whole tables, not per-token rows."""
         cfg = self.cfg
         eps, h, kvh, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        qkv = linear(kern.rms_norm(x, self.input_norm, eps, nt), self.w["qkv"], self.qkv_bias)
+        qkv = self._mm("qkv", kern.rms_norm(x, self.input_norm, eps, nt), self.qkv_bias)
         kern.rope_store(
             qkv, h, kvh, d, cos, sin, positions, cells, k_cache, v_cache, self.q_norm, self.k_norm, eps, nt
         )
@@ -292,9 +304,9 @@ class Layer(nn.Module):
             cfg.sliding_window,
             nt,
         )
-        x = linear_add(o, self.w["o"], self.o_bias, x)
-        gate_up = linear(kern.rms_norm(x, self.post_norm, eps, nt), self.w["gate_up"])
-        return linear_add(kern.silu_mul(gate_up, nt), self.w["down"], None, x)
+        x = self._mm("o", o, self.o_bias, x)
+        gate_up = self._mm("gate_up", kern.rms_norm(x, self.post_norm, eps, nt))
+        return self._mm("down", kern.silu_mul(gate_up, nt), None, x)
 
 
 class Model(nn.Module):
@@ -375,6 +387,11 @@ class Model(nn.Module):
         if cpu_kernels.usable(self.device, self.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim):
             self.kernels = cpu_kernels.load()
         return self.kernels is not None
+
+    def set_lora(self, pairs: list[dict[str, Pair]] | None) -> None:
+        """The LoRA set the next forwards add (lora.build_set's, one dict per layer); None: none."""
+        for i, layer in enumerate(self.layers):
+            cast(Layer, layer).lora = pairs[i] if pairs is not None else {}
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,149 @@
+"""LoRA adapters through a real omni-worker (llama.cpp's backend on the tiny GGUF, torch's on its
+HF twin): llama-server's flags, GET/POST /lora-adapters and the per-request `lora` field; scale 1
+gives the merged-weights model's greedy text and scale 0 the base's; a burst mixing adapters,
+scales and the base gives each request its own answer (llama-server's pinned build reuses a
+slot's cached prompt across scales and gets such a burst wrong); the bad inputs are 400s that
+name the field; adapters load and unload at run time (--lora-runtime) and are reached by
+`model` ("<model>:<adapter>") through the openai SDK."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.util import ROOT, run_worker
+from worker.testing.tiny_lora import lora_paths, merged_paths
+from worker.testing.tiny_models import ModelPaths
+
+MODELS = ROOT / "models"
+A, B, BAD = (lora_paths(MODELS, n) for n in ("a", "b", "bad"))
+PROMPT = "the quick brown fox jumps over the lazy dog and then"
+ARGS = ("-np", "4", "-c", "1024", "-t", "1")
+
+
+def complete(base: str, lora: list[dict[str, Any]] | None = None, **extra: Any) -> httpx.Response:
+    body: dict[str, Any] = {"prompt": PROMPT, "n_predict": 12, "temperature": 0, **extra}
+    if lora is not None:
+        body["lora"] = lora
+    return httpx.post(f"{base}/completion", json=body, timeout=120)
+
+
+def text(base: str, lora: list[dict[str, Any]] | None = None, **extra: Any) -> str:
+    r = complete(base, lora, **extra)
+    assert r.status_code == 200, r.text
+    content: str = r.json()["content"]
+    return content
+
+
+# Each entry: the request's lora field and which reference answer it must give.
+BURST: list[tuple[list[dict[str, Any]] | None, str]] = [
+    ([], "base"), ([{"id": 0, "scale": 1.0}], "a"), ([{"id": 1, "scale": 1.0}], "b"),
+    ([{"id": 0, "scale": 0.0}], "base"), ([{"id": 0, "scale": 0.5}], "a/2"), (None, "global"),
+    ([{"id": 0, "scale": 1.0}], "a"), ([{"id": 1, "scale": 1.0}, {"id": 0, "scale": 0.0}], "b"),
+]
+
+
+def check_burst(base: str, default: str, rounds: int = 3) -> dict[str, str]:
+    """Each lora of BURST alone first, then all at once, `rounds` times: every answer its own.
+    `default`: what a request without `lora` (the global scales) answers."""
+    alone = {name: text(base, lora) for lora, name in BURST}
+    assert alone["global"] == alone[default]
+    assert len({alone["base"], alone["a"], alone["b"], alone["a/2"]}) == 4, alone
+    with ThreadPoolExecutor(len(BURST)) as pool:
+        for _ in range(rounds):
+            got = list(pool.map(lambda item: text(base, item[0]), BURST))
+            assert got == [alone[name] for _, name in BURST]
+    return alone
+
+
+def test_llama_cpp_adapters_scales_burst_and_bad_input(tiny_loras: ModelPaths) -> None:
+    with run_worker(tiny_loras.gguf_f32, *ARGS) as base:
+        plain = text(base)
+    with run_worker(merged_paths(MODELS)[1], *ARGS) as base:
+        merged = text(base)
+    with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora", f"{A.gguf},{B.gguf}",
+                    "--lora-init-without-apply") as base:
+        listed = httpx.get(f"{base}/lora-adapters").json()
+        want = [(0, str(A.gguf), 0.0), (1, str(B.gguf), 0.0)]
+        assert [(x["id"], x["path"], x["scale"]) for x in listed] == want
+        alone = check_burst(base, "base")
+        assert alone["a"] == merged, "scale 1: the merged-weights model's greedy text"
+        assert alone["base"] == plain, "scale 0: the base model's"
+        # the global scales: a request without `lora` runs with them; not listed -> 0
+        assert httpx.post(f"{base}/lora-adapters", json=[{"id": 0, "scale": 1.0}]).json() == {"success": True}
+        assert [x["scale"] for x in httpx.get(f"{base}/lora-adapters").json()] == [1.0, 0.0]
+        assert text(base) == merged
+        # bad input: a 400 naming the field
+        for lora, what in (([{"id": 7, "scale": 1.0}], "no adapter with id 7"),
+                           ([{"id": 0, "scale": "inf"}], "finite"), ([{"id": 0}], "")):
+            r = complete(base, lora)
+            assert r.status_code == 400 and r.json()["error"]["param"].startswith("lora"), r.text
+            assert what in r.json()["error"]["message"]
+        r = httpx.post(f"{base}/lora-adapters", json=[{"id": 3, "scale": 1.0}])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
+        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(B.gguf)})
+        assert r.status_code == 501, "run-time loading is off without --lora-runtime"
+
+
+def test_an_adapter_for_another_model_fails_the_load_with_the_reason(tiny_loras: ModelPaths) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker.server.cli", "-m", str(tiny_loras.gguf_f32), "--port", "0",
+         "--lora", str(BAD.gguf)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 1
+    assert "made for another base model" in proc.stdout + proc.stderr
+
+
+def test_adapters_loaded_at_run_time_and_reached_by_model_name(
+    tiny_loras: ModelPaths, tmp_path: Path
+) -> None:
+    with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora-runtime", "-a", "tiny",
+                    "--slot-save-path", str(tmp_path)) as base:
+        plain = text(base)
+        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(BAD.gguf)})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+        assert "made for another base model" in r.json()["error"]["message"]
+        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": str(A.gguf)})
+        assert r.status_code == 200, r.text
+        assert r.json()["id"] == 0 and r.json()["scale"] == 1.0
+        adapted = text(base, [{"id": 0, "scale": 1.0}], id_slot=0)
+        assert adapted != plain
+        r = httpx.post(f"{base}/slots/0?action=save", json={"filename": "s.bin"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot", r.text  # adapter rows
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
+        for model, want in (("tiny:poet", adapted), ("tiny", adapted)):  # global scale 1: on for all
+            out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+            assert out.choices[0].text == want, model
+        assert httpx.post(f"{base}/sleep", timeout=60).status_code == 200  # adapters reload at wake
+        assert text(base, [{"id": 0, "scale": 1.0}]) == adapted
+        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "poet"})
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{base}/lora-adapters").json() == []
+        assert text(base) == plain
+        r = complete(base, [{"id": 0, "scale": 1.0}])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
+        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "poet"})
+        assert r.status_code == 404
+        # a global scale at load; unloaded by id (lora_int_id); ids are not reused
+        r = httpx.post(f"{base}/v1/load_lora_adapter",
+                       json={"lora_name": "half", "lora_path": str(A.gguf), "scale": 0.5})
+        assert r.json()["id"] == 1 and r.json()["scale"] == 0.5
+        assert text(base) == text(base, [{"id": 1, "scale": 0.5}]) != plain
+        assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_int_id": 1}).status_code == 200
+        assert text(base) == plain
+
+
+@pytest.mark.parametrize("kind", ["torch"])
+def test_torch_peft_adapters_burst(tiny_loras: ModelPaths, kind: str) -> None:
+    """The burst on the torch backend (its logits against the merged model's and the base's are
+    tests/lora/test_torch_lora.py's); the answers alone equal the GGUF twin's on llama.cpp."""
+    with run_worker(tiny_loras.hf_dir, *ARGS, "--lora", str(A.peft), "--lora-scaled", f"{B.peft}:0") as base:
+        assert [x["scale"] for x in httpx.get(f"{base}/lora-adapters").json()] == [1.0, 0.0]
+        check_burst(base, "a", rounds=2)  # --lora: scale 1 for all
