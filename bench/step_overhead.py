@@ -1,7 +1,7 @@
 """The engine thread's time outside the forward pass, per step: what a GPU step cannot hide.
 
     .venv/bin/python -m bench.step_overhead [--model M.gguf] [--backend llama_cpp|torch]
-        [--plain 1,8,64] [--spec 1,8] [--k 4,16] [--tokens 64] [--threads 2]
+        [--plain 1,8,64] [--spec 1,8] [--k 4,16] [--tokens 64] [--threads 2] [-ngl 99] [--profile]
 
 In process, no HTTP: the engine (worker/engine/engine.py) on the real model, with its step and the
 backend's `decode` timed by wrappers. For each N, N greedy requests of `--tokens` tokens
@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", default="4,16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="torch's device")
+    ap.add_argument("--n-gpu-layers", "-ngl", type=int, default=None, help="llama.cpp's layers on the GPU")
     ap.add_argument("--profile", action="store_true", help="cProfile the engine's steps: top functions")
     args = ap.parse_args(argv)
     plain = [int(x) for x in args.plain.split(",") if x]
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     from worker.engine.speculation import SpecConfig
 
     n_slots = max(plain + spec_n)
-    options = BackendOptions(n_ctx=n_slots * 512, n_slots=n_slots, threads=args.threads, device=args.device)
+    options = BackendOptions(n_ctx=n_slots * 512, n_slots=n_slots, threads=args.threads,
+                             **({"device": args.device} if args.backend == "torch" else
+                                {"n_gpu_layers": args.n_gpu_layers}))
     engine = Engine(lambda progress: load_backend(args.backend, args.model, options, progress),  # type: ignore[arg-type]  # one of the Literal values
                     n_slots, WorkerMetrics(), spec=SpecConfig("ngram-simple", size_n=3, size_m=16,
                                                               max_generating=n_slots))

@@ -14,7 +14,7 @@
 # the CUDA build, with nothing preloaded (the worker settles its C++ runtime itself,
 # worker/backends/cxx_runtime.py): greedy fidelity against llama-cpp-python's Llama,
 # bench_worker at N = 1, 16, 64, bench_chat and bench_spec, ours against llama-server at
-# -ngl 99. The last thing it prints is the table for bench/README. Logs go to $OUT.
+# -ngl 99, and the engine's time outside the forward pass per step (bench/step_overhead.py). The last thing it prints is the table for bench/README. Logs go to $OUT.
 set -u
 G=/tmp/g
 mkdir -p "$G"
@@ -71,6 +71,8 @@ run)
     timeout 70 python3 -m bench.bench_chat --model "$M" --llama-server "$S" --threads 8 --workloads multiturn \
         --concurrency 1,4 --rounds 1 \
         --worker-arg=-ngl --worker-arg=99 --server-arg=-ngl --server-arg=99 2>&1 | tee "$OUT/bench_chat_gpu.log"
+    timeout 60 python3 -m bench.step_overhead --model "$M" --threads 8 -ngl 99 --tokens 48 2>&1 \
+        | grep -E "^(plain|spec|/)" | tee "$OUT/step_overhead_gpu.log"
     echo "== table for bench/README =="
     grep -h -E "^\|" "$OUT"/*.log
     ;;
