@@ -34,8 +34,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-Backend = Literal["auto", "llama_cpp", "torch", "cmd", "remote"]
-BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "cmd", "remote")
+Backend = Literal["auto", "llama_cpp", "torch", "piper", "cmd", "remote"]
+BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "piper", "cmd", "remote")
 PLACEMENTS: tuple[str, ...] = ("local", "ray")  # where a worker runs (docs/ray.md)
 POOLINGS: tuple[str, ...] = ("none", "mean", "cls", "last", "rank")  # worker --pooling
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
@@ -72,6 +72,7 @@ class ModelPreset:
         None  # folder for POST /slots/{id}?action=save|restore (worker --slot-save-path)
     )
     cache_dir: str | None = None  # the disk prompt cache (worker --cache-dir; router.prompt_cache_dir)
+    speech_model: str | None = None  # the voice (a piper model's name) that speaks this chat model's answers
     load_on_startup: bool = False
     stop_timeout: float = 10.0
     load_timeout: float = 300.0
@@ -105,9 +106,12 @@ class ModelPreset:
 
     @property
     def resolved_backend(self) -> str:
-        """`auto` as the worker resolves it: llama.cpp for a file (GGUF), torch for a folder."""
+        """`auto` as the worker resolves it: piper for a `.onnx` voice, llama.cpp for a file
+        (GGUF), torch for a folder."""
         if self.backend != "auto":
             return self.backend
+        if self.model is not None and self.model.suffix.lower() == ".onnx":
+            return "piper"
         return (
             "llama_cpp"
             if self.model is None or self.model.suffix.lower() == ".gguf" or self.model.is_file()
@@ -292,6 +296,7 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "ray-resources": ("ray_resources", _ray_resources),
     "ray-node-labels": ("ray_node_labels", _ray_node_labels),
     "mmproj": ("mmproj", _text),
+    "speech-model": ("speech_model", _text),
 }
 _TABLES = ("ray-resources", "ray-node-labels")  # keys whose TOML value is a table
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
@@ -676,3 +681,8 @@ def check_unique(presets: list[ModelPreset]) -> None:
             if n in owner:
                 raise PresetError(f"{p.source}: alias {n!r} repeated")
             owner[n] = p
+    for p in presets:
+        voice = owner.get(p.speech_model) if p.speech_model is not None else None
+        if p.speech_model is not None and (voice is None or voice.resolved_backend != "piper"):
+            raise PresetError(f"{p.source}: speech-model {p.speech_model!r} is not a voice in these presets "
+                              f"(a model whose `model` is a Piper .onnx voice)")

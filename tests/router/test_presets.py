@@ -279,7 +279,7 @@ def test_demo_presets_parse_to_the_same_models(name: str) -> None:
     models = root / "models"
     if not (models / "tiny-llama-f32.gguf").exists() or not (models / "smollm2-135m-instruct").is_dir():
         pytest.skip("demo models not set up (make models)")
-    smol, smol_torch, tiny, hf = load_presets(root / "presets" / name)
+    smol, smol_torch, tiny, hf, joe = load_presets(root / "presets" / name)
     assert (smol.name, smol.backend, smol.load_on_startup, smol.ctx_size) == (
         "smollm2",
         "llama_cpp",
@@ -293,6 +293,7 @@ def test_demo_presets_parse_to_the_same_models(name: str) -> None:
         "tiny-gguf", "llama_cpp", ("tiny",), False, 2048)
     assert tiny.model == (models / "tiny-llama-f32.gguf").resolve()
     assert (hf.name, hf.backend, hf.model) == ("tiny-hf", "torch", (models / "tiny-llama").resolve())
+    assert (joe.name, joe.resolved_backend, joe.aliases, smol.speech_model) == ("joe", "piper", ("tts",), "joe")
 
 
 @pytest.mark.parametrize(

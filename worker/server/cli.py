@@ -619,15 +619,17 @@ def serve(
     os._exit(exit_code)
 
 
-def _serve_voice(model: str, alias: str | None, host: str, port: int, uds: str | None, threads: int | None,
-                 parent_pid: int | None, api_keys: tuple[str, ...], cors_origins: str, metrics_on: bool) -> None:
+def _serve_voice(model: str, alias: str | None, host: str, port: int, uds: str | None,
+                 threads: int | None, parent_pid: int | None, api_keys: tuple[str, ...], cors_origins: str,
+                 metrics_on: bool) -> None:
     from worker.speech.serve import SpeechOptions, serve_speech
 
     if not os.path.isfile(model):
         raise typer.BadParameter(f"{model!r} does not exist", param_hint="--model")
     aliases = tuple(sorted(set(_split(alias))))
-    serve_speech(SpeechOptions(model, aliases[0] if aliases else _default_model_id(model), aliases, host, port,
-                               uds, threads, parent_pid, api_keys, cors_origins, metrics_on))
+    model_id = aliases[0] if aliases else _default_model_id(model)
+    serve_speech(SpeechOptions(model, model_id, aliases, host, port, uds, threads, parent_pid, api_keys,
+                               cors_origins, metrics_on))
 
 
 def _print_version(is_asked: bool) -> None:

@@ -33,7 +33,14 @@ from starlette.types import ASGIApp
 from worker.protocol.audio_encoding import Samples, encode, encode_piece
 from worker.protocol.errors import APIError, api_error_handler, http_exception_handler, parse_model
 from worker.protocol.front import Cors, RequireAPIKey
-from worker.protocol.speech import FORMATS, STREAMABLE_FORMATS, SpeechRequest, check_format, read_voice, sentences
+from worker.protocol.speech import (
+    FORMATS,
+    STREAMABLE_FORMATS,
+    SpeechRequest,
+    check_format,
+    read_voice,
+    sentences,
+)
 from worker.speech.synth import Job, Piece, Synthesizer
 
 

@@ -85,7 +85,8 @@ def serve_speech(o: SpeechOptions) -> None:
     if o.parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(o.parent_pid, server), name="parent-watch",
                          daemon=True).start()
-    log.info("omni-worker: voice %s (piper, onnxruntime), listening on %s", o.model, o.uds or f"{o.host}:{o.port}")
+    where = o.uds or f"{o.host}:{o.port}"
+    log.info("omni-worker: voice %s (piper, onnxruntime), listening on %s", o.model, where)
     server.run()
     synth.stop()
     log.info("exit %d", exit_code)

