@@ -107,7 +107,7 @@ INI_ERRORS = [
     ("[a]\nmodel = {m}\npin = maybe\n", r":3: invalid value 'maybe' for 'pin': expected one of true, false"),
     (
         "[a]\nmodel = {m}\nbackend = onnx\n",
-        r":3: .*'backend': expected one of auto, llama_cpp, torch, cmd, remote",
+        r":3: .*'backend': expected one of auto, llama_cpp, torch, piper, cmd, remote",
     ),
     ("[a]\nmodel = {m}\nstop-timeout = 0\n", r":3: .*'stop-timeout': expected a number > 0"),
     ("[a]\nmodel = {m}\nttl = -1\n", r":3: .*'ttl': expected a number >= 0"),
