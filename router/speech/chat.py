@@ -74,13 +74,16 @@ class SpokenChat:
         await response(scope, receive, send)
 
     async def _respond(self, preset: ModelPreset, data: dict[str, Any]) -> Response:
+        if preset.speech_model is None:
+            modalities = data.get("modalities")
+            param = "modalities" if isinstance(modalities, list) and "audio" in modalities else "audio"
+            raise APIError(f"model {preset.name!r} has no voice paired (its preset names no `speech-model`): "
+                           "it answers in text only, so 'modalities' audio and 'audio' do not apply",
+                           param=param)
         req = parse_model(SpokenRequest, {k: data[k] for k in _FIELDS if k in data})
         if "audio" not in req.modalities:
             raise APIError("`audio` asks for a spoken answer: add modalities ['text', 'audio']",
                            param="modalities")
-        if preset.speech_model is None:
-            raise APIError(f"model {preset.name!r} has no voice paired: its preset names no `speech-model`, "
-                           "so it answers in text only (modalities ['text'])", param="modalities")
         if req.audio is None:
             raise APIError("modalities 'audio' needs `audio`: {\"voice\": ..., \"format\": ...}",
                            param="audio")

@@ -293,7 +293,8 @@ def test_demo_presets_parse_to_the_same_models(name: str) -> None:
         "tiny-gguf", "llama_cpp", ("tiny",), False, 2048)
     assert tiny.model == (models / "tiny-llama-f32.gguf").resolve()
     assert (hf.name, hf.backend, hf.model) == ("tiny-hf", "torch", (models / "tiny-llama").resolve())
-    assert (joe.name, joe.resolved_backend, joe.aliases, smol.speech_model) == ("joe", "piper", ("tts",), "joe")
+    assert (joe.name, joe.resolved_backend, joe.aliases, smol.speech_model) == (
+        "joe", "piper", ("tts",), "joe")
 
 
 @pytest.mark.parametrize(

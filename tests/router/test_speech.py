@@ -61,7 +61,8 @@ def _decode(data: bytes, fmt: str) -> tuple[np.ndarray, int]:
 
 @pytest.mark.parametrize(("fmt", "magic"), [("wav", b"RIFF"), ("pcm", b""), ("flac", b"fLaC"), ("mp3", b""),
                                             ("opus", b"OggS")])
-def test_sdk_speech_create_decodes_to_the_requested_format(router: RouterProc, fmt: str, magic: bytes) -> None:
+def test_sdk_speech_create_decodes_to_the_requested_format(router: RouterProc, fmt: str,
+                                                           magic: bytes) -> None:
     audio = _client(router).audio.speech.create(model="voice", input=THREE, voice="alloy",
                                                 response_format=fmt)  # type: ignore[arg-type]
     assert audio.content.startswith(magic)
@@ -108,8 +109,10 @@ def _chat(model: str, stream: bool, audio: dict[str, Any] | None = None, **extra
             "audio": audio or {"voice": "alloy", "format": "pcm16"}, **extra}
 
 
-def test_streamed_spoken_chat_gives_text_deltas_and_audio_whose_transcript_is_the_text(router: RouterProc) -> None:
-    with router.client(timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=_chat("chat", True)) as resp:
+def test_streamed_spoken_chat_gives_text_deltas_and_audio_whose_transcript_is_the_text(
+        router: RouterProc) -> None:
+    body = _chat("chat", True)
+    with router.client(timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200, resp.read()
         events = _sse(resp)
     assert events[-1] == "[DONE]"
@@ -123,12 +126,14 @@ def test_streamed_spoken_chat_gives_text_deltas_and_audio_whose_transcript_is_th
     assert sum(len(base64.b64decode(a["data"])) for a in audio) > 0
     # the closing chunk (finish_reason) comes after the last audio chunk
     finish = [i for i, ch in enumerate(chunks) if ch["choices"] and ch["choices"][0].get("finish_reason")]
-    last_audio = max(i for i, ch in enumerate(chunks) if ch["choices"] and "audio" in ch["choices"][0]["delta"])
+    last_audio = max(i for i, ch in enumerate(chunks)
+                     if ch["choices"] and "audio" in ch["choices"][0]["delta"])
     assert finish and finish[0] > last_audio
 
 
 def test_whole_spoken_chat_carries_message_audio(router: RouterProc) -> None:
-    answer = _client(router).chat.completions.create(**_chat("chat", False, {"voice": "alloy", "format": "wav"}))
+    body = _chat("chat", False, {"voice": "alloy", "format": "wav"})
+    answer = _client(router).chat.completions.create(**body)
     message = answer.choices[0].message
     assert message.audio is not None and message.audio.id.startswith("audio_")
     assert message.audio.transcript == message.content and message.audio.expires_at > 0
@@ -170,7 +175,8 @@ LONG = "word " * 820 + "end."  # 4104 characters: over OpenAI's 4096
     ({"stream_format": "chunks"}, "stream_format"),
     ({"instructions": "whisper"}, "instructions"),
 ])
-def test_bad_speech_input_is_a_400_naming_the_field(router: RouterProc, body: dict[str, Any], param: str) -> None:
+def test_bad_speech_input_is_a_400_naming_the_field(router: RouterProc, body: dict[str, Any],
+                                                    param: str) -> None:
     full = {"model": "voice", "input": "Hello.", "voice": "alloy", "response_format": "wav", **body}
     r = httpx.post(f"{router.base}/v1/audio/speech", json=full, timeout=30)
     assert r.status_code == 400, r.text
