@@ -199,6 +199,10 @@ async def _stream(chunks: AsyncIterator[dict[str, Any]], speech: _Speech,
                 await sentences.put(pending)
         finally:
             await sentences.put(None)
+            # The chat model is released as soon as its text is in: with `--models-max 1` the
+            # voice can then take its place (a voice waiting on a chat that waits on the voice
+            # would never end).
+            await stack.aclose()
 
     async def speak() -> None:
         is_first = True
@@ -230,6 +234,7 @@ async def _stream(chunks: AsyncIterator[dict[str, Any]], speech: _Speech,
     finally:
         for t in [*tasks, finisher]:
             t.cancel()
+        await asyncio.gather(*tasks, finisher, return_exceptions=True)
         await stack.aclose()
 
 

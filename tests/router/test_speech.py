@@ -211,3 +211,25 @@ def test_a_voice_refuses_text_routes_and_responses_refuse_audio(router: RouterPr
 def test_the_tiny_voice_files_are_what_piper_reads() -> None:
     config = json.loads(Path(f"{VOICE}.json").read_text())
     assert config["audio"]["sample_rate"] == 16000 and config["phoneme_type"] == "espeak"
+
+
+def test_spoken_chat_with_room_for_one_model_takes_turns(router_factory: Any) -> None:
+    # With --models-max 1 the chat model and its voice cannot both run: the chat is released
+    # once its text is in, the voice takes its place and speaks it (it never waits on itself).
+    r = router_factory(preset_defaults(512) + f'[models.chat]\nmodel = "{CHAT}"\nspeech-model = "voice"\n'
+                       f'[models.voice]\nmodel = "{VOICE}"\n', "--models-max", "1")
+    with r.client(timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=_chat("chat", True)) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = _sse(resp)
+    deltas = [ch["choices"][0]["delta"] for ch in events[:-1] if ch["choices"]]
+    text = "".join(d.get("content") or "" for d in deltas)
+    assert "".join(d["audio"]["transcript"] for d in deltas if "audio" in d).strip() == text.strip()
+    assert r.status("voice") == "loaded" and r.status("chat") != "loaded"
+
+
+def test_control_characters_in_the_input_are_spoken_around(router: RouterProc) -> None:
+    # Reproduces: a chat model's answer holding a NUL failed its spoken answer mid-stream
+    # (espeak-ng's bridge: "embedded null character").
+    r = httpx.post(f"{router.base}/v1/audio/speech", timeout=30, json={
+        "model": "voice", "input": "One\x00two. \x05Three.", "voice": "alloy", "response_format": "wav"})
+    assert r.status_code == 200 and _decode(r.content, "wav")[0].size > 0

@@ -5,12 +5,16 @@ worker's thread count. Only the synthesizer's thread (worker/speech/synth.py) ca
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 
 from worker.protocol.audio_encoding import Samples
 from worker.protocol.speech import config_path
+
+# Control characters carry no speech, and espeak-ng's bridge refuses a NUL: they become spaces.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
 class Voice:
@@ -35,5 +39,5 @@ class Voice:
         from piper.config import SynthesisConfig
 
         config = SynthesisConfig(speaker_id=speaker_id, length_scale=self._length_scale / speed)
-        chunks = [c.audio_int16_array for c in self._voice.synthesize(text, config)]
+        chunks = [c.audio_int16_array for c in self._voice.synthesize(_CONTROL.sub(" ", text), config)]
         return np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int16)
