@@ -23,6 +23,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -47,6 +48,7 @@ from worker.protocol.speech import (
     split_sentences,
 )
 
+log = logging.getLogger("omni.router.speech")
 EXPIRES_S = 3600
 _FIELDS = ("modalities", "audio", "stream", "n")
 
@@ -70,7 +72,14 @@ class SpokenChat:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, preset: ModelPreset,
                        data: dict[str, Any]) -> None:
-        response = await self._respond(preset, data)
+        """Answers the request; an `APIError` before the answer starts is the caller's to send."""
+        try:
+            response = await self._respond(preset, data)
+        except APIError:
+            raise
+        except Exception as e:  # a bug: the envelope, never a bare 500
+            log.exception("spoken answer for model %s failed", preset.name)
+            raise APIError(f"internal error: {e!r}", status_code=500, type="server_error") from None
         await response(scope, receive, send)
 
     async def _respond(self, preset: ModelPreset, data: dict[str, Any]) -> Response:

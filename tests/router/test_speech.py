@@ -218,7 +218,8 @@ def test_spoken_chat_with_room_for_one_model_takes_turns(router_factory: Any) ->
     # once its text is in, the voice takes its place and speaks it (it never waits on itself).
     r = router_factory(preset_defaults(512) + f'[models.chat]\nmodel = "{CHAT}"\nspeech-model = "voice"\n'
                        f'[models.voice]\nmodel = "{VOICE}"\n', "--models-max", "1")
-    with r.client(timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=_chat("chat", True)) as resp:
+    body = _chat("chat", True)
+    with r.client(timeout=60) as c, c.stream("POST", "/v1/chat/completions", json=body) as resp:
         assert resp.status_code == 200, resp.read()
         events = _sse(resp)
     deltas = [ch["choices"][0]["delta"] for ch in events[:-1] if ch["choices"]]

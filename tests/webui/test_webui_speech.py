@@ -21,7 +21,7 @@ VOICE = ROOT / "models" / "tiny-voice.onnx"
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     """Overrides the package's router: a chat model paired with the tiny voice."""
-    reason = _why_no_browser() or (None if VOICE.exists() else "the tiny voice is not generated (make models)")
+    reason = _why_no_browser() or (None if VOICE.exists() else "no tiny voice (make models)")
     if reason:
         pytest.skip(reason)
     tmp = tmp_path_factory.mktemp("webui-speech")
@@ -54,7 +54,9 @@ def browser(router: Router) -> Iterator[Browser]:
 
 # Loads the player's audio and plays it: its duration, and whether playing moved it forward.
 PLAYS = """async (a) => {
-  if (a.readyState < 1) await new Promise((ok, bad) => { a.onloadedmetadata = ok; a.onerror = () => bad(a.error); });
+  if (a.readyState < 1) {
+    await new Promise((ok, bad) => { a.onloadedmetadata = ok; a.onerror = () => bad(a.error); });
+  }
   a.currentTime = 0;
   await a.play();
   const t0 = a.currentTime;
