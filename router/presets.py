@@ -627,7 +627,8 @@ def _cli_section(overrides: Mapping[str, Any] | None) -> _RawSection:
 def scan_models_dir(directory: str | Path, overrides: Mapping[str, Any] | None = None) -> list[ModelPreset]:
     """One preset per `*.gguf` file and per Hugging Face folder (has config.json) in `directory`,
     and, as llama.cpp's router, per folder of GGUF files: its model (the first shard of a split
-    one) with the `mmproj*.gguf` beside it as its projector. A projector alone is no model."""
+    one) with the `mmproj*.gguf` beside it as its projector. A projector alone is no model. A
+    Piper voice (`NAME.onnx` with its `NAME.onnx.json`) is a model too (docs/speech.md)."""
     d = Path(directory)
     if not d.is_dir():
         raise PresetError(f"--models-dir {d}: not a directory")
@@ -635,6 +636,7 @@ def scan_models_dir(directory: str | Path, overrides: Mapping[str, Any] | None =
     found: list[ModelPreset] = []
     for entry in sorted(d.iterdir()):
         is_gguf = entry.is_file() and entry.suffix == ".gguf" and "mmproj" not in entry.name
+        is_gguf = is_gguf or (entry.suffix == ".onnx" and entry.is_file() and Path(f"{entry}.json").is_file())
         is_hf = entry.is_dir() and (entry / "config.json").is_file()
         gguf_dir = _gguf_folder(entry) if entry.is_dir() and not is_hf else None
         if not (is_gguf or is_hf or gguf_dir):

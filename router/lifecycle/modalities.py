@@ -21,11 +21,12 @@ _KEYS = ("clip.has_vision_encoder", "clip.has_audio_encoder")
 
 
 def modalities(preset: ModelPreset) -> dict[str, bool]:
-    """llama-server's /props `modalities`: {"vision": ..., "audio": ...} (what goes in), and what
-    comes out besides text: `speech` (a voice: it serves /v1/audio/speech) and `audio_output` (a
-    chat model whose preset names a `speech-model`: chat answers with `modalities: ["text",
-    "audio"]`)."""
-    out = {"speech": preset.resolved_backend == "piper", "audio_output": preset.speech_model is not None}
+    """llama-server's /props `modalities`: {"vision": ..., "audio": ...} (what goes in), and, only
+    where the model has them, what comes out besides text: `speech: true` (a voice: it serves
+    /v1/audio/speech) and `audio_output: true` (a chat model whose preset names a `speech-model`:
+    it answers chats with `modalities: ["text", "audio"]`)."""
+    out = {k: True for k, v in (("speech", preset.resolved_backend == "piper"),
+                                ("audio_output", preset.speech_model is not None)) if v}
     p = preset.mmproj
     if p is None:
         return {"vision": _hf_vision(preset), "audio": False, **out}

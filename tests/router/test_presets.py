@@ -187,10 +187,14 @@ def test_models_dir_scan_and_merge(tmp_path: Path) -> None:
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     (tmp_path / "notes").mkdir()
+    (tmp_path / "voice.onnx").write_bytes(b"onnx")  # a Piper voice: the .onnx and its config
+    (tmp_path / "voice.onnx.json").write_text("{}")
+    (tmp_path / "lone.onnx").write_bytes(b"onnx")  # no config beside it: not a voice
     scanned = scan_models_dir(tmp_path, {"ctx-size": 256})
-    assert [(p.name, p.ctx_size) for p in scanned] == [("hf", 256), ("one", 256)]
+    assert [(p.name, p.ctx_size) for p in scanned] == [("hf", 256), ("one", 256), ("voice", 256)]
+    assert scanned[2].resolved_backend == "piper"
     mine = ModelPreset(name="one", model=tmp_path / "elsewhere.gguf")
-    assert [p.name for p in merge([mine], scanned)] == ["one", "hf"]
+    assert [p.name for p in merge([mine], scanned)] == ["one", "hf", "voice"]
     with pytest.raises(PresetError, match="not a directory"):
         scan_models_dir(tmp_path / "nope")
 

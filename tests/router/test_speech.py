@@ -145,8 +145,7 @@ def test_models_say_which_model_speaks(router: RouterProc) -> None:
     cards = router.models()
     assert cards["voice"]["modalities"]["speech"] is True
     assert cards["chat"]["modalities"]["audio_output"] is True and cards["chat"]["speech_model"] == "voice"
-    assert cards["plain"]["modalities"] == {"vision": False, "audio": False, "speech": False,
-                                            "audio_output": False}
+    assert cards["plain"]["modalities"] == {"vision": False, "audio": False}  # speaks not
 
 
 def test_the_voice_sleeps_wakes_and_reports_metrics(router: RouterProc) -> None:
