@@ -8,6 +8,7 @@ import base64
 import io
 import json
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -54,3 +55,27 @@ def test_smollm2s_streamed_answer_is_spoken_and_the_transcript_is_its_text(real_
     assert "".join(a["transcript"] for a in audio).strip() == text.strip()
     pcm = b"".join(base64.b64decode(a["data"]) for a in audio)
     assert len(pcm) / 2 / 22050 > 1.0  # real speech, about a second or more
+
+
+def _sentences_spoken(r: RealRouter) -> float:
+    for line in httpx.get(f"{r.base}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f'omni:speech_sentences_total{{model="{VOICE}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_the_first_audio_leaves_before_the_whole_input_is_spoken(real_router: RealRouter) -> None:
+    # Twelve sentences, a few seconds of synthesis: when the first SSE delta is in, the voice has
+    # spoken only some of them (the worker's own sentence counter says how many).
+    _speak(real_router)  # the voice is loaded, its counter exists
+    before = _sentences_spoken(real_router)
+    text = " ".join(f"This is sentence number {i}, which the voice reads aloud in its turn." for i in range(12))
+    body = {"model": VOICE, "input": text, "voice": "alloy", "response_format": "pcm", "stream_format": "sse"}
+    with real_router.client() as c, c.stream("POST", "/v1/audio/speech", json=body) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        spoken_at_first = _sentences_spoken(real_router) - before
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert json.loads(first[6:])["type"] == "speech.audio.delta"
+    assert spoken_at_first < 12, spoken_at_first
+    assert len(rest) == 11 + 2  # the other deltas, done, [DONE]
