@@ -69,7 +69,7 @@ def test_the_first_audio_leaves_before_the_whole_input_is_spoken(real_router: Re
     # spoken only some of them (the worker's own sentence counter says how many).
     _speak(real_router)  # the voice is loaded, its counter exists
     before = _sentences_spoken(real_router)
-    text = " ".join(f"This is sentence number {i}, which the voice reads aloud in its turn." for i in range(12))
+    text = " ".join(f"This is sentence number {i}, which the voice reads in its turn." for i in range(12))
     body = {"model": VOICE, "input": text, "voice": "alloy", "response_format": "pcm", "stream_format": "sse"}
     with real_router.client() as c, c.stream("POST", "/v1/audio/speech", json=body) as resp:
         lines = resp.iter_lines()
