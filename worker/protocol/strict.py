@@ -57,6 +57,7 @@ REFUSED: dict[str, str] = {
     "audio": ("spoken answers are chat completions' (modalities ['text', 'audio']), served by omni-router "
               "for a chat model whose preset names a speech-model; a worker and this API answer in text"),
     "voice": "a voice is chosen in chat's `audio: {voice, format}` or in POST /v1/audio/speech's body",
+    "modalities": "output modalities are chat completions' (OpenAI defines audio output there only)",
     # beam search
     "best_of": _BEAM,
     "use_beam_search": _BEAM,
