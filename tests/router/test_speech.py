@@ -233,3 +233,15 @@ def test_control_characters_in_the_input_are_spoken_around(router: RouterProc) -
     r = httpx.post(f"{router.base}/v1/audio/speech", timeout=30, json={
         "model": "voice", "input": "One\x00two. \x05Three.", "voice": "alloy", "response_format": "wav"})
     assert r.status_code == 200 and _decode(r.content, "wav")[0].size > 0
+
+
+def test_a_broken_voice_fails_its_load_with_the_reason(router_factory: Any, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"not an onnx model\n" * 8)
+    Path(f"{broken}.json").write_text(Path(f"{VOICE}.json").read_text())
+    r = router_factory(preset_defaults(512) + f'[models.broken]\nmodel = "{broken}"\n')
+    resp = httpx.post(f"{r.base}/v1/audio/speech", timeout=60,
+                      json={"model": "broken", "input": "Hello.", "voice": "alloy"})
+    assert resp.status_code >= 500 and "error" in resp.json(), resp.text
+    card = r.wait_status("broken", "failed")
+    assert card["status"]["exit_code"] == 1 and "InvalidProtobuf" in card["status"]["error"], card["status"]

@@ -87,8 +87,8 @@ class Synthesizer:
         try:
             self._load()
         except Exception as e:  # any failure to load: /health says why, the process exits
-            log.exception("cannot load voice %s", self.model)
             self.error = f"{type(e).__name__}: {e}"
+            log.error("model load failed: %s", self.error)  # the line the router reports (load_failure.py)
             self._on_load_failed()
             return
         self.is_ready = True
