@@ -39,14 +39,7 @@ from router.responses.bridge import ChatBridge
 from router.speech.wire import CHAT_FORMATS, ChatAudio, SpokenRequest
 from worker.protocol.audio_encoding import Samples, encode, encode_piece
 from worker.protocol.errors import APIError, parse_model
-from worker.protocol.speech import (
-    FORMATS,
-    MAX_INPUT_CHARS,
-    UNSUPPORTED_FORMATS,
-    VoiceInfo,
-    read_voice,
-    split_sentences,
-)
+from worker.protocol.speech import MAX_INPUT_CHARS, VoiceInfo, check_format, read_voice, split_sentences
 
 log = logging.getLogger("omni.router.speech")
 EXPIRES_S = 3600
@@ -141,12 +134,10 @@ class _Speech:
         self.model = model
         self.voice = audio.voice
         fmt = CHAT_FORMATS.get(audio.format)
-        if fmt is None or fmt not in FORMATS:
-            why = UNSUPPORTED_FORMATS.get(audio.format)
-            raise APIError(f"audio.format {audio.format!r} is not supported" + (f": {why}" if why else "")
-                           + f"; use one of {', '.join(k for k, v in CHAT_FORMATS.items() if v in FORMATS)}",
-                           param="audio.format")
-        self.format = fmt
+        if fmt is None:
+            raise APIError(f"audio.format {audio.format!r} is not supported; use one of "
+                           f"{', '.join(CHAT_FORMATS)}", param="audio.format")
+        self.format = check_format(fmt, param="audio.format")
         self.speaker = speaker
         self.info = info
         self.audio_id = f"audio_{uuid.uuid4().hex}"

@@ -7,6 +7,8 @@ Shared by the speech worker (`/v1/audio/speech`) and the router's chat audio (ro
 - flac, mp3 (LAME), opus (in Ogg): libsndfile through `soundfile` (its wheels bundle libsndfile
   1.2 with those encoders). Opus takes 8, 12, 16, 24 or 48 kHz only: other rates are resampled
   to 24 kHz (linear interpolation: speech from a 16-22 kHz voice loses nothing it had).
+- aac: an ADTS stream (what OpenAI's `aac` is), FFmpeg's own AAC encoder through PyAV (its
+  wheels bundle FFmpeg; libsndfile has no AAC encoder).
 
 `encode_piece` encodes one sentence's samples for a stream: pieces of pcm and wav (the header
 first) concatenate into one valid file; a piece of flac, mp3 or opus is a whole file of its own
@@ -50,6 +52,8 @@ def encode(samples: Samples, rate: int, fmt: str) -> bytes:
         return pcm
     if fmt == "wav":
         return wav_header(rate, len(pcm)) + pcm
+    if fmt == "aac":
+        return _aac(samples, rate)
     import soundfile  # libsndfile: only the compressed formats need it
 
     container, subtype = _SUBTYPES[fmt]
@@ -58,6 +62,23 @@ def encode(samples: Samples, rate: int, fmt: str) -> bytes:
     buf = io.BytesIO()
     with soundfile.SoundFile(buf, "w", samplerate=rate, channels=1, format=container, subtype=subtype) as f:
         f.write(samples)
+    return buf.getvalue()
+
+
+def _aac(samples: Samples, rate: int) -> bytes:
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="adts") as container:
+        stream = container.add_stream("aac", rate=rate)
+        stream.layout = "mono"  # type: ignore[union-attr]  # an audio stream
+        if samples.size:
+            frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
+            frame.rate = rate
+            for packet in stream.encode(frame):  # type: ignore[union-attr]
+                container.mux(packet)
+        for packet in stream.encode(None):  # type: ignore[union-attr]
+            container.mux(packet)
     return buf.getvalue()
 
 

@@ -14,6 +14,7 @@ for a single-speaker one), or one of OpenAI's voice names, which map onto the sp
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import re
 from dataclasses import dataclass
@@ -30,11 +31,10 @@ MIN_SPEED, MAX_SPEED = 0.25, 4.0  # OpenAI's range for `speed`
 # response_format -> its media type. pcm: raw 16-bit signed little-endian mono at the voice's rate.
 FORMATS: dict[str, str] = {
     "wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg",
+    "aac": "audio/aac",
 }
-# Formats OpenAI names that no library kept here encodes (libsndfile has no AAC encoder).
-UNSUPPORTED_FORMATS: dict[str, str] = {
-    "aac": "no kept library here encodes AAC (libsndfile, which encodes the others, has no AAC encoder)",
-}
+# Formats OpenAI names that no library kept here encodes: none (aac needs PyAV, a dependency).
+UNSUPPORTED_FORMATS: dict[str, str] = {}
 # Formats whose pieces, encoded sentence by sentence, concatenate into one valid file: a raw
 # (`stream_format: audio`) body in these streams as the sentences are synthesised; flac, mp3 and
 # opus files carry lengths in their headers and are encoded whole at the end.
@@ -51,6 +51,9 @@ def is_voice_file(path: str | Path) -> bool:
 
 
 def check_format(fmt: str, param: str = "response_format") -> str:
+    if fmt == "aac" and importlib.util.find_spec("av") is None:
+        raise APIError(f"{param} 'aac' needs PyAV (pip install av), which encodes it with FFmpeg",
+                       param=param)
     if fmt in FORMATS:
         return fmt
     why = UNSUPPORTED_FORMATS.get(fmt)
