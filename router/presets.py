@@ -41,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-Backend = Literal["auto", "llama_cpp", "torch", "cmd", "remote"]
-BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "cmd", "remote")
+Backend = Literal["auto", "llama_cpp", "torch", "piper", "cmd", "remote"]
+BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "piper", "cmd", "remote")
 PLACEMENTS: tuple[str, ...] = ("local", "ray")  # where a worker runs (docs/ray.md)
 POOLINGS: tuple[str, ...] = ("none", "mean", "cls", "last", "rank")  # worker --pooling
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
@@ -81,6 +81,7 @@ class ModelPreset:
         None  # folder for POST /slots/{id}?action=save|restore (worker --slot-save-path)
     )
     cache_dir: str | None = None  # the disk prompt cache (worker --cache-dir; router.prompt_cache_dir)
+    speech_model: str | None = None  # the voice (a piper model's name) that speaks this chat model's answers
     load_on_startup: bool = False
     stop_timeout: float = 10.0
     load_timeout: float = 300.0
@@ -120,9 +121,12 @@ class ModelPreset:
 
     @property
     def resolved_backend(self) -> str:
-        """`auto` as the worker resolves it: llama.cpp for a file (GGUF), torch for a folder."""
+        """`auto` as the worker resolves it: piper for a `.onnx` voice, llama.cpp for a file
+        (GGUF), torch for a folder."""
         if self.backend != "auto":
             return self.backend
+        if self.model is not None and self.model.suffix.lower() == ".onnx":
+            return "piper"
         return (
             "llama_cpp"
             if self.model is None or self.model.suffix.lower() == ".gguf" or self.model.is_file()
@@ -334,6 +338,7 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "mmproj": ("mmproj", _text),
     "lora": ("lora", _lora_files),
     "lora-alias": ("lora_aliases", _lora_aliases),
+    "speech-model": ("speech_model", _text),
 }
 _TABLES = ("ray-resources", "ray-node-labels", "lora-alias")  # keys whose TOML value is a table
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
@@ -666,7 +671,8 @@ def _cli_section(overrides: Mapping[str, Any] | None) -> _RawSection:
 def scan_models_dir(directory: str | Path, overrides: Mapping[str, Any] | None = None) -> list[ModelPreset]:
     """One preset per `*.gguf` file and per Hugging Face folder (has config.json) in `directory`,
     and, as llama.cpp's router, per folder of GGUF files: its model (the first shard of a split
-    one) with the `mmproj*.gguf` beside it as its projector. A projector alone is no model."""
+    one) with the `mmproj*.gguf` beside it as its projector. A projector alone is no model. A
+    Piper voice (`NAME.onnx` with its `NAME.onnx.json`) is a model too (docs/speech.md)."""
     d = Path(directory)
     if not d.is_dir():
         raise PresetError(f"--models-dir {d}: not a directory")
@@ -674,6 +680,7 @@ def scan_models_dir(directory: str | Path, overrides: Mapping[str, Any] | None =
     found: list[ModelPreset] = []
     for entry in sorted(d.iterdir()):
         is_gguf = entry.is_file() and entry.suffix == ".gguf" and "mmproj" not in entry.name
+        is_gguf = is_gguf or (entry.suffix == ".onnx" and entry.is_file() and Path(f"{entry}.json").is_file())
         is_hf = entry.is_dir() and (entry / "config.json").is_file()
         gguf_dir = _gguf_folder(entry) if entry.is_dir() and not is_hf else None
         if not (is_gguf or is_hf or gguf_dir):
@@ -720,3 +727,8 @@ def check_unique(presets: list[ModelPreset]) -> None:
             if n in owner:
                 raise PresetError(f"{p.source}: alias {n!r} repeated")
             owner[n] = p
+    for p in presets:
+        voice = owner.get(p.speech_model) if p.speech_model is not None else None
+        if p.speech_model is not None and (voice is None or voice.resolved_backend != "piper"):
+            raise PresetError(f"{p.source}: speech-model {p.speech_model!r} is not a voice in these presets "
+                              f"(a model whose `model` is a Piper .onnx voice)")

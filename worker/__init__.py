@@ -6,9 +6,10 @@
     torch_model/  our own PyTorch Llama-family model (the torch backend's forward pass, KV pages, sampler)
     backends/     the Backend Protocol (engine-only) and its thread-safe Vocab; llama.cpp and torch behind it
     engine/       the engine thread: slots, scheduler, prefix and prompt caches, grammar masks, metrics
+    speech/       a speech worker: a Piper voice (ONNX Runtime) behind /v1/audio/speech
     server/       the HTTP side: handlers, request preparation, response formats, the CLI
     testing/      the tiny random-weight model factory (tests, demo, benchmarks)
 
 Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
-protocol, text, torch_model, backends, engine, server, testing.
+protocol, text, torch_model, backends, engine, speech, server, testing.
 """

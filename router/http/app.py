@@ -53,6 +53,7 @@ from router.responses.bridge import ChatBridge
 from router.responses.routes import ResponsesRoutes
 from router.responses.service import ResponsesService
 from router.responses.store import Store
+from router.speech.chat import SpokenChat
 from worker.protocol.errors import APIError, api_error_handler, http_exception_handler
 from worker.protocol.front import Cors, RequireAPIKey
 
@@ -91,6 +92,7 @@ class RouterApp:
         self.forwarder = Forwarder(pool, self.requests)
         self.store = Store(data_dir / "responses.sqlite3", max_entries=rc.max_entries, ttl_s=rc.ttl_s)
         bridge = ChatBridge(pool, self.requests)
+        self.forwarder.spoken = SpokenChat(pool, bridge)  # chat answers spoken by a paired voice
         self.responses = ResponsesService(self.store, bridge.open_chat)
         self.metrics = RouterMetrics(self.events, pool.handles, pool.client, self.requests.active.values)
         self.logs = LogRoutes(self._canonical_name)

@@ -3,7 +3,8 @@
 Raw ASGI on the hot path (no Starlette): the body is read once, the model comes from its
 `model` field with one `json.loads` (or a multipart form field, or `?model=`), the model's
 owner admits the request (`ensure_ready`: autoload, queue, `--models-max`), and router.http.proxy
-pipes the bytes. A client disconnect cancels whatever the request is waiting on.
+pipes the bytes. A chat that asks for a spoken answer (`"audio"` in the body, then parsed) goes
+to router.speech.chat instead. A client disconnect cancels whatever the request is waiting on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from router.lifecycle.pool import Pool
 from router.lifecycle.state import ModelState
 from router.observability.request_trace import REQUEST_ID_HEADER, request_id
 from router.observability.requests import ActiveRequests
+from router.speech.chat import SpokenChat
 from worker.protocol.errors import APIError, not_found, parse_json
 
 log = logging.getLogger("omni.router.app")
@@ -49,6 +51,7 @@ class Forwarder:
     def __init__(self, pool: Pool, requests: ActiveRequests) -> None:
         self.pool = pool
         self.requests = requests
+        self.spoken: SpokenChat | None = None  # chat answers spoken by a paired voice (set by the app)
 
     async def proxy_body(self, scope: Scope, receive: Receive, send: Send, upstream_path: str) -> None:
         """A POST routed by its body's `model` (or `?model=`)."""
@@ -60,6 +63,11 @@ class Forwarder:
             handle = self.lookup(name, scope)
             if (adapter := handle.preset.adapter_for(name)) is not None:
                 body = _with_model(body, adapter)  # a LoRA alias: the worker's "<model>:<adapter>"
+            if self.spoken is not None and upstream_path == "/v1/chat/completions" and b'"audio"' in body:
+                data = parse_json(body)  # a chat that asks for a spoken answer (router/speech/)
+                if isinstance(data, dict) and self.spoken.takes(handle.preset, data):
+                    await self.spoken(scope, receive, send, handle.preset, data)
+                    return
         except APIError as e:
             await send_error(send, e)
             return

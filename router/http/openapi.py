@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from router.anthropic.errors import PATH_PREFIX as ANTHROPIC_PREFIX
 from router.anthropic.wire import CountTokensRequest, CreateMessage
 from router.responses.wire import AddItems, CreateConversation, CreateResponse
+from worker.protocol.speech import SpeechRequest
 from worker.protocol.wire import (
     ApplyTemplateRequest,
     ChatCompletionRequest,
@@ -42,6 +43,7 @@ BODY_MODELS: dict[str, type[BaseModel]] = {
     "/conversations/{cid}/items": AddItems,
     "/v1/messages": CreateMessage,
     "/v1/messages/count_tokens": CountTokensRequest,
+    "/v1/audio/speech": SpeechRequest,
 }
 MODEL_ONLY = frozenset({"/models/load", "/models/unload", "/models/sleep"})
 ERROR_ENVELOPE: dict[str, Any] = {

@@ -26,6 +26,7 @@ PREFIXES = {"/static/": "static", "/assets/": "assets"}
 VERSIONED = re.compile(r"[-.](\d+\.\d+\.\d+|[0-9a-f]{8,})[-.]")
 COMPRESSIBLE = ("text/", "application/javascript", "application/json", "image/svg+xml")
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
+       "media-src 'self' blob:; "
        "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'self'")
 NO_CACHE = b"no-cache"
 IMMUTABLE = b"public, max-age=31536000, immutable"

@@ -10,7 +10,7 @@
     eviction   the pure eviction policy
     estimate   a model's memory need before it loads, and what measuring taught
     gguf_header  the few GGUF header keys the estimate needs (no vocabulary)
-    modalities what a model takes as input (its mmproj's header), without loading it
+    modalities what a model takes as input (its mmproj's header) and whether it speaks, without loading it
     load_failure why a load failed, in one line, and whether trying again can help
     memory     a worker's measured RAM and VRAM
 """

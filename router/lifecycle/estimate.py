@@ -29,6 +29,10 @@ log = logging.getLogger("omni.router.estimate")
 
 MIB = 1 << 20
 OVERHEAD_BYTES = {"llama_cpp": 96 * MIB, "torch": 384 * MIB}  # measured: ~65 and ~300 MiB USS idle
+# A speech worker (Python, onnxruntime, espeak-ng) beside its voice, and ONNX Runtime's arenas at
+# about 1.5x the weights: measured USS after a request, tiny voice (24 KB) 78 MiB, en_US-joe-medium
+# (60 MiB) 236 MiB.
+VOICE_OVERHEAD_BYTES = 96 * MIB
 # On a GPU: the CUDA context and library workspaces in VRAM, and the CUDA libraries in the
 # worker's host memory. torch measured on an H100 (tiny model, ctx 1024): 720 MiB of VRAM, and
 # 1.31 GiB tree USS against ~0.3 GiB on the CPU. llama.cpp's CUDA build is not measured yet.
@@ -159,6 +163,8 @@ def compute(p: ModelPreset, has_gpu: bool) -> Estimate:
     weights = weights_bytes(p.model)
     if p.backend == "cmd":  # someone else's server: only its weights are known
         return Estimate(weights, 0, "computed")
+    if p.resolved_backend == "piper":  # a voice: ONNX Runtime holds the weights and its arenas
+        return Estimate(weights * 5 // 2 + VOICE_OVERHEAD_BYTES, 0, "computed")
     is_gguf = p.model.is_file()
     backend = p.backend if p.backend != "auto" else ("llama_cpp" if is_gguf else "torch")
     shape = cached_shape(p.model, is_gguf)

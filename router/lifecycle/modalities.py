@@ -3,6 +3,7 @@ preset names a projector (`mmproj`) whose GGUF header says it has a vision or an
 (`clip.has_vision_encoder`, `clip.has_audio_encoder`, as llama.cpp's converter writes them);
 images for an HF folder on the torch backend whose config.json is a model the torch backend
 serves images for (an Idefics3: worker/protocol/modalities.py, the rule the worker loads by).
+Speech out: a Piper voice (`.onnx`) speaks; a chat model with a `speech-model` answers in audio.
 Read once per file version (path, size, mtime) and cached."""
 
 from __future__ import annotations
@@ -20,16 +21,21 @@ _KEYS = ("clip.has_vision_encoder", "clip.has_audio_encoder")
 
 
 def modalities(preset: ModelPreset) -> dict[str, bool]:
-    """llama-server's /props `modalities`: {"vision": ..., "audio": ...}."""
+    """llama-server's /props `modalities`: {"vision": ..., "audio": ...} (what goes in), and, only
+    where the model has them, what comes out besides text: `speech: true` (a voice: it serves
+    /v1/audio/speech) and `audio_output: true` (a chat model whose preset names a `speech-model`:
+    it answers chats with `modalities: ["text", "audio"]`)."""
+    out = {k: True for k, v in (("speech", preset.resolved_backend == "piper"),
+                                ("audio_output", preset.speech_model is not None)) if v}
     p = preset.mmproj
     if p is None:
-        return {"vision": _hf_vision(preset), "audio": False}
+        return {"vision": _hf_vision(preset), "audio": False, **out}
     try:
         st = p.stat()
     except OSError:
-        return {"vision": False, "audio": False}
+        return {"vision": False, "audio": False, **out}
     vision, audio = _read(p, st.st_size, st.st_mtime_ns)
-    return {"vision": vision, "audio": audio}
+    return {"vision": vision, "audio": audio, **out}
 
 
 def _hf_vision(preset: ModelPreset) -> bool:

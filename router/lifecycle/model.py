@@ -991,6 +991,8 @@ class ModelHandle:
             card["path"] = str(p.model)
         if p.upstream:
             card["upstream"] = p.upstream
+        if p.speech_model is not None:
+            card["speech_model"] = p.speech_model  # the voice that speaks its chat answers
         if self.node is not None:
             card["node"] = self.node
         if self.info is not None and self.state is not ModelState.UNLOADED:

@@ -58,6 +58,9 @@ def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "12
     argv = [sys.executable, "-m", "worker.server.cli", "--model", str(preset.model), "--alias", preset.name,
             "--host", host, "--port", str(port), "--parent-pid", str(parent_pid),
             "--metrics"]  # GET /metrics?model= is proxied to the worker
+    if preset.resolved_backend == "piper":  # a speech worker: the text flags do not apply to it
+        argv += ["--backend", "piper"] + (["--threads", str(preset.threads)] if preset.threads else [])
+        return argv + _passed_through(preset.worker_args)
     if preset.backend != "auto":
         argv += ["--backend", preset.backend]
     for flag, value in (("--ctx-size", preset.ctx_size), ("--parallel", preset.parallel),

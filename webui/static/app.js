@@ -3,6 +3,7 @@
 import * as api from "./api.js";
 import * as db from "./db.js";
 import { copyText, renderMarkdown } from "./markdown.js";
+import * as speech from "./speech.js";
 
 const $ = (sel, root = document) => root.querySelector(sel);
 const h = (tag, props = {}, ...kids) => {
@@ -193,6 +194,7 @@ function renderModels() {
   }
   renderModelsPage();
   renderComposerState();
+  speech.renderToggle(S.models, S.selected);
 }
 
 function openMenu() { $("#model-menu").hidden = false; $("#model-button").setAttribute("aria-expanded", "true"); }
@@ -415,6 +417,7 @@ function renderContent(el, node) {
       ? h("img", { class: "thumb", src: a.data, alt: a.name }) : h("span", { class: "chip", text: a.name }))));
   }
   if (node.error) el.append(h("div", { class: "error msg-error", text: node.error }));
+  if (speech.answerAudio.has(node.id)) el.append(speech.player(speech.answerAudio.get(node.id)));
 }
 
 function messageEl(node) {
@@ -426,6 +429,8 @@ function messageEl(node) {
     node.role === "assistant" && node.model ? h("span", { class: "muted small model-tag", text: node.model }) : null,
     h("span", { class: "spacer" }),
     h("button", { class: "btn small copy", type: "button", text: "Copy", onclick: (ev) => copyText(node.content, ev.target) }),
+    node.role === "assistant" && !busy ? speech.speakButton(S.models, S.selected, node,
+      () => $(`.msg[data-id="${CSS.escape(node.id)}"] .content`), (e) => toast(`Speak: ${e.message || e}`)) : null,
     node.role === "user" ? h("button", { class: "btn small edit", type: "button", text: "Edit", disabled: !!S.busy,
                                          onclick: () => startEdit(node) }) : null,
     node.role === "assistant" ? h("button", { class: "btn small regen", type: "button", text: "Regenerate", disabled: !!S.busy,
@@ -532,6 +537,8 @@ async function generate(conv, parentId) {
   renderMessages();
   const body = { model, messages: wireMessages(conv, parentId), stream: true,
                  stream_options: { include_usage: true }, ...extra };
+  const spoken = speech.speaksAnswers(S.models, model) ? new speech.AnswerAudio() : null;
+  if (spoken) Object.assign(body, speech.spokenFields());
   const t0 = performance.now();
   const stats = {};
   let timings = null;
@@ -541,6 +548,7 @@ async function generate(conv, parentId) {
       const chunk = JSON.parse(msg.data);
       if (chunk.error) throw new Error(chunk.error.message || "error");
       const delta = chunk.choices?.[0]?.delta;
+      if (spoken && delta?.audio?.data) spoken.add(delta.audio.data);
       const piece = (delta?.content || "") + "";
       const thought = delta?.reasoning_content || "";
       if ((piece || thought) && stats.ttft_ms === undefined) stats.ttft_ms = performance.now() - t0;
@@ -570,6 +578,7 @@ async function generate(conv, parentId) {
     if (gen_s > 0) stats.tokens_per_second = (stats.completion_tokens - 1) / gen_s;
   }
   node.stats = stats;
+  if (spoken?.size) speech.answerAudio.set(node.id, spoken.url());  // this page's only: not stored
   S.busy = null;
   await save(conv);
   renderMessages();

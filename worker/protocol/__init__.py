@@ -9,4 +9,6 @@
     front        the CORS and API-key ASGI layers, llama-server's rules, used by both servers
     profile_log  profiling runs and their JSONL event format (/start_profile, /stop_profile)
     modalities   what an HF model folder takes as input (images: an Idefics3), for both sides
+    speech       text to speech: /v1/audio/speech's body, a voice's description, the sentence splitter
+    audio_encoding  speech samples -> wav, pcm, flac, mp3, opus (libsndfile), whole or piece by piece
 """

