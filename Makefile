@@ -28,15 +28,15 @@ $(VENV)/.base: pyproject.toml
 	@echo "    about 9 minutes on 2 cores with no output (pip caches the wheel: later installs take seconds)"
 	@# A CUDA build of llama.cpp only where a GPU is really there (nvcc alone is not enough).
 	if command -v nvcc >/dev/null && nvidia-smi -L >/dev/null 2>&1; then \
-	  CMAKE_ARGS="-DGGML_CUDA=on" $(PIP) install -q -e .; \
+	  CMAKE_ARGS="-DGGML_CUDA=on" $(PIP) install -q -e '.[speech]'; \
 	else \
-	  $(PIP) install -q -e .; \
+	  $(PIP) install -q -e '.[speech]'; \
 	fi
 	@echo "==> installed: $(VENV)/bin/omni-router and $(VENV)/bin/omni-worker"
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,speech]'
 	touch $@
 
 # The web UI tests drive Debian's chromium (Playwright cannot download its own browsers here).

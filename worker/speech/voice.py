@@ -19,9 +19,13 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 class Voice:
     def __init__(self, model: str | Path, threads: int | None = None) -> None:
-        import onnxruntime
-        from piper import PiperVoice
-        from piper.config import PiperConfig
+        try:
+            import onnxruntime
+            from piper import PiperVoice
+            from piper.config import PiperConfig
+        except ImportError as e:  # an extra (GPL-3.0 piper-tts): not installed with the package itself
+            raise RuntimeError(f"a Piper voice needs piper-tts and onnxruntime ({e.name} is not installed): "
+                               "pip install 'omni-router[speech]'") from None
 
         config = json.loads(config_path(model).read_text(encoding="utf-8"))
         options = onnxruntime.SessionOptions()
