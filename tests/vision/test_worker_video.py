@@ -177,3 +177,25 @@ def _rss(url: str) -> int:
         if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
             return int(psutil.Process(c.pid).memory_info().rss)
     pytest.skip("cannot see the worker's process (no permission to list its sockets)")
+
+
+def test_pixel_bounds_scale_the_frames(torch_worker: str) -> None:
+    """sglang-omni's pixel bounds: video_max_pixels and video_total_pixels (all frames' together)
+    scale frames down, video_min_pixels scales them up. A frame of another size is another key
+    (new encodes); the same size again is a cache hit (the tiny VLM makes every image one slice
+    and an overview, so the prompt's length does not show the size)."""
+    url = _mp4(shapes_video(2, fps=1, width=192, height=144))
+
+    def encodes(**extra: Any) -> float:
+        before = metric(torch_worker, "omni:image_chunks_encoded_total")
+        r = _chat(torch_worker, _video_turn(url), max_tokens=1, **extra)
+        assert r.status_code == 200, r.text
+        return metric(torch_worker, "omni:image_chunks_encoded_total") - before
+
+    assert encodes() == 4  # 2 frames, 2 chunks each
+    assert encodes() == 0
+    assert encodes(video_max_pixels=64 * 48) == 4
+    assert encodes(video_total_pixels=2 * 64 * 48) == 0  # 2 frames: the same size as above
+    assert encodes(video_min_pixels=4 * 192 * 144) == 4
+    err = _error(_chat(torch_worker, _video_turn(url), video_min_pixels=10, video_max_pixels=5))
+    assert err["param"] == "video_min_pixels"

@@ -3,6 +3,7 @@
     tiny_models  deterministic random-weight Llama models, HF and GGUF twins of the same weights
     tiny_vlm     a random-weight SmolVLM (Idefics3): HF, text GGUF + mmproj GGUF of the same weights
     tiny_audio   a random-weight Ultravox-style audio model: text GGUF + Whisper-encoder mmproj GGUF
+    tiny_video   test videos made with PyAV: frames of colours and shapes, and decode bombs
     gguf_to_hf   a Llama GGUF (any quantization) -> its float32 HF twin, without transformers
     smollm2      the real demo model: SmolLM2-135M-Instruct Q4_1 from PyPI, linked and twinned
 """
