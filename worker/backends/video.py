@@ -30,8 +30,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from worker.backends.media import FrameBytes, MediaError
 
 if TYPE_CHECKING:  # PyAV is imported at the first video (~55 ms): a worker that sees none never pays it
@@ -241,7 +239,3 @@ def sample(where: str, data: bytes, info: VideoInfo, sampling: Sampling, limits:
         raise MediaError(f"{where}: the video stream gave no frame")
     return out
 
-
-def frames_of(where: str, data: bytes, sampling: Sampling, limits: VideoLimits) -> list[np.ndarray]:
-    """The RGB frames one video alone samples to: what a client that sends frames as images sends."""
-    return [f.rgb for f in sample(where, data, probe(where, data, limits), sampling, limits)]

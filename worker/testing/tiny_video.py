@@ -44,6 +44,7 @@ def encode(frames: list[np.ndarray], fps: int = 2, container: str = "mp4", codec
     buf = io.BytesIO()
     with av.open(buf, "w", format=container) as out:
         stream = out.add_stream(codec, rate=fps)
+        assert isinstance(stream, av.video.stream.VideoStream)
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
         if time_base is not None:
