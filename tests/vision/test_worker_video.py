@@ -24,12 +24,21 @@ import pytest
 
 from tests.util import answer, metric, run_worker
 from worker.testing.tiny_models import ModelPaths
-from worker.testing.tiny_video import big_frame_video, decoded_frames, long_video, png_of, shapes_video
+from worker.testing.tiny_video import (
+    big_frame_video,
+    decoded_frames,
+    encode,
+    long_video,
+    png_of,
+    shapes_frames,
+    shapes_video,
+)
 from worker.testing.tiny_vlm import VlmPaths, data_url
 
 ARGS = ["-np", "2", "-c", "4096", "--threads", "1", "--max-images", "8"]
 F32_KV = ["--cache-type-k", "f32", "--cache-type-v", "f32"]
 VIDEO = shapes_video(4, fps=2)  # 2 s, frames at 0, 0.5, 1, 1.5 s
+REVERSED = encode(shapes_frames(4)[::-1], fps=2)
 QUESTION = "What happens in this video?"
 
 
@@ -83,12 +92,14 @@ def _error(r: httpx.Response) -> dict[str, Any]:
 @pytest.mark.parametrize("backend", ["llama_cpp", "torch"])
 def test_a_video_answers_as_its_frames_sent_as_images(backend: str, llama_worker: str,
                                                       torch_worker: str) -> None:
-    """video_fps 2 takes each of the 4 frames: the prompt is the 4 frames' images, one after another."""
+    """video_fps 2 takes each of the 4 frames: the prompt is the 4 frames' images, one after
+    another (and the frames matter: in the other order they answer otherwise)."""
     base = llama_worker if backend == "llama_cpp" else torch_worker
     video = _chat(base, _video_turn(_mp4(VIDEO)), video_fps=2)
     frames = _chat(base, _frames_turn(VIDEO))
     assert answer(video) == answer(frames)
     assert video.json()["usage"]["prompt_tokens"] == frames.json()["usage"]["prompt_tokens"]
+    assert answer(_chat(base, _video_turn(_mp4(REVERSED)), video_fps=2)) != answer(video)
 
 
 def test_both_backends_answer_a_video_alike(llama_worker: str, torch_worker: str) -> None:
@@ -131,10 +142,12 @@ def test_the_frame_rate_and_cap_choose_the_frames(llama_worker: str) -> None:
         ({}, _mp4(shapes_video(120, fps=60, width=16, height=16)), "messages", "--video-max-stream-frames 1"),
         ({"video_max_frames": 9}, _mp4(VIDEO), "video_max_frames", "--video-max-frames 8"),
         ({"video_fps": 0}, _mp4(VIDEO), "video_fps", ""),
+        ({"video_min_pixels": 10**9}, _mp4(VIDEO), "video_min_pixels", "--image-max-pixels"),
         ({}, "http://127.0.0.1:9/a.mp4", "messages", "--allow-remote-media"),
         ({}, "file:///etc/hostname", "messages", "--allowed-local-media-path"),
     ],
-    ids=["garbage", "broken-mp4", "too-many-frames", "over-max-frames", "zero-fps", "remote", "local"],
+    ids=["garbage", "broken-mp4", "too-many-frames", "over-max-frames", "zero-fps", "upscale-bomb", "remote",
+         "local"],
 )
 def test_bad_videos_are_400s_naming_the_field(torch_worker: str, extra: dict[str, Any], video: str,
                                               param: str, message: str) -> None:

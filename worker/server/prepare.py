@@ -138,6 +138,10 @@ def video_sampling(state: WorkerState, req: ChatCompletionRequest) -> Sampling:
     mins, maxs = req.video_min_pixels, req.video_max_pixels
     if mins is not None and maxs is not None and mins > maxs:
         raise APIError("video_min_pixels must not be over video_max_pixels", param="video_min_pixels")
+    limit = state.media.video_limits.max_pixels
+    if mins is not None and limit and mins > limit:  # frames scaled up past what a header may say
+        raise APIError(f"video_min_pixels {mins} is over this server's --image-max-pixels {limit}",
+                       param="video_min_pixels")
     return Sampling(
         fps=req.video_fps if req.video_fps is not None else base.fps,
         max_frames=req.video_max_frames if req.video_max_frames is not None else base.max_frames,
