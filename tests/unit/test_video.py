@@ -140,3 +140,16 @@ def test_a_header_that_lies_about_its_frames_is_stopped_at_the_limit() -> None:
     with pytest.raises(MediaError, match="counted while decoding"):
         video.sample("video 0", data, lying, video.Sampling(fps=10, max_frames=20),
                      video.VideoLimits(0, 0, 5))
+
+
+def test_times_count_from_the_first_frame() -> None:
+    """A stream whose first frame is at 10 s (an edit, a cut from a broadcast) samples as one at 0."""
+    from fractions import Fraction
+
+    from worker.testing.tiny_video import encode
+
+    late = encode(shapes_frames(4), 1, pts=[10, 11, 12, 13], time_base=Fraction(1, 1))
+    info = video.probe("video 0", late, LIMITS)
+    frames = video.sample("video 0", late, info, video.Sampling(fps=1, max_frames=8), LIMITS)
+    assert info.seconds == 4.0 and len(frames) == 4  # from 0: one frame, the first, for every time
+    assert [bytes(f)[-12:-8] for f in frames] == [i.to_bytes(4, "little") for i in range(len(frames))]

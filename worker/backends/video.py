@@ -12,10 +12,10 @@ steps, both on an HTTP worker thread, never on the engine thread:
   frame count (the header's, or its length times its frame rate) and the frame size are checked
   against the limits here; a header that does not state its length is demuxed (packets only,
   nothing decoded) up to the limits to learn it.
-- `sample`: the sample times are every 1/fps seconds from 0, or `max_frames` times spread
-  evenly over the video when that gives more; each time takes the first frame at or after it (a
-  frame once). Decoding stops at the last sample; it counts frames against the limit as it goes,
-  so a header that lied costs no more than the limit. Frames may be scaled (sglang-omni's
+- `sample`: the sample times are every 1/fps seconds from the first frame, or `max_frames`
+  times spread evenly over the video when that gives more; each time takes the first frame at
+  or after it (a frame once). Decoding stops at the last sample; it counts frames against the
+  limit as it goes, so a header that lied costs no more than the limit. Frames may be scaled (sglang-omni's
   `video_min_pixels`, `video_max_pixels`, `video_total_pixels`: each frame's pixels between the
   first two, and all frames' at most the third) by FFmpeg's swscale, keeping the aspect ratio.
 
@@ -213,6 +213,7 @@ def sample(where: str, data: bytes, info: VideoInfo, sampling: Sampling, limits:
     error = _av()
     out: list[FrameBytes] = []
     k = n_decoded = 0
+    origin: float | None = None  # the first frame's time: a stream may start later than 0
     try:
         with _open(data, info.format, limits.max_pixels) as container:
             stream = container.streams.video[0]
@@ -225,6 +226,8 @@ def sample(where: str, data: bytes, info: VideoInfo, sampling: Sampling, limits:
                                      f"{limits.max_stream_frames} (counted while decoding: the header said "
                                      f"{info.n_frames})")
                 t = frame.time if frame.time is not None else (n_decoded - 1) / max(sampling.fps, 1e-9)
+                origin = t if origin is None else origin
+                t -= origin
                 if t + 1e-6 < times[k]:
                     continue
                 rgb = frame.to_ndarray(format="rgb24", width=size[0], height=size[1])
