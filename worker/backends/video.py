@@ -15,9 +15,10 @@ steps, both on an HTTP worker thread, never on the engine thread:
 - `sample`: the sample times are every 1/fps seconds from the first frame, or `max_frames`
   times spread evenly over the video when that gives more; each time takes the first frame at
   or after it (a frame once). Decoding stops at the last sample; it counts frames against the
-  limit as it goes, so a header that lied costs no more than the limit. Frames may be scaled (sglang-omni's
-  `video_min_pixels`, `video_max_pixels`, `video_total_pixels`: each frame's pixels between the
-  first two, and all frames' at most the third) by FFmpeg's swscale, keeping the aspect ratio.
+  limit as it goes, so a header that lied costs no more than the limit. Frames may be scaled
+  (sglang-omni's `video_min_pixels`, `video_max_pixels`, `video_total_pixels`: each frame's
+  pixels between the first two, and all frames' at most the third) by FFmpeg's swscale,
+  keeping the aspect ratio.
 
 Every failure is a `MediaError` naming the video ("video 0") and the limit or the reason.
 """
