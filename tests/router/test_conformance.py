@@ -89,6 +89,7 @@ def refused(resp: httpx.Response, *fields: str, reason: str = "") -> str:
     ({"images": ["data:image/png;base64,AAAA"]}, "model 'tiny' does not accept images"),  # issue 30
     ({"audios": ["a.wav"]}, "not implemented yet"),
     ({"videos": ["data:video/mp4;base64,AAAA"]}, "model 'tiny' does not accept video"),  # issue 41
+    ({"use_audio_in_video": True}, "audio track is not used"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "does not produce audio"),
     ({"stage_sampling": {"0": {"temperature": 0}}}, "one stage"),
     ({"stage_params": {"0": {}}}, "one stage"),

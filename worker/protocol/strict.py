@@ -39,6 +39,8 @@ _SPEC_ELSEWHERE = "speculative decoding is set on chat and completion requests, 
 # Audio inputs: sglang-omni's top-level audio list (`images` and `videos` are real fields: issues 30, 41).
 MEDIA: dict[str, str] = {
     "audios": _MEDIA,
+    "use_audio_in_video": "a video's audio track is not used: its frames are (send the audio as an "
+                          "`input_audio` part to a model that takes audio)",
 }
 
 # fields that people send and we do not do -> why (the 400 says it)
