@@ -153,3 +153,31 @@ def test_times_count_from_the_first_frame() -> None:
     frames = video.sample("video 0", late, info, video.Sampling(fps=1, max_frames=8), LIMITS)
     assert info.seconds == 4.0 and len(frames) == 4  # from 0: one frame, the first, for every time
     assert [bytes(f)[-12:-8] for f in frames] == [i.to_bytes(4, "little") for i in range(len(frames))]
+
+
+@pytest.mark.parametrize("container", ["mp4", "matroska", "avi"])
+def test_mutated_videos_are_media_errors_never_others(container: str) -> None:
+    """Bytes flipped, cut and inserted in a valid file: every outcome is frames or a MediaError (a
+    400). Reproduces: a stream with no decoder read as `VideoStream.width` (AttributeError) and a
+    tag that is not UTF-8 (UnicodeDecodeError) were 500s; found by running this for 2 minutes."""
+    import random
+
+    codec = {"mp4": "mpeg4", "matroska": "libvpx", "avi": "mjpeg"}[container]
+    seed = shapes_video(3, container=container, codec=codec)
+    rng = random.Random(container)
+    for _ in range(300):
+        data = bytearray(seed)
+        for _ in range(rng.randint(1, 6)):
+            i = rng.randrange(len(data))
+            op = rng.random()
+            if op < 0.6:
+                data[i] = rng.randrange(256)
+            elif op < 0.8:
+                del data[i : i + rng.randint(1, 64)]
+            else:
+                data[i:i] = rng.randbytes(rng.randint(1, 16))
+        try:
+            info = video.probe("video 0", bytes(data), LIMITS)
+            video.sample("video 0", bytes(data), info, video.Sampling(fps=2), LIMITS)
+        except MediaError:
+            pass
