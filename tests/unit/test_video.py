@@ -88,11 +88,15 @@ def test_the_header_says_size_length_and_frames() -> None:
 def test_the_limits_hold_for_the_request_s_videos_together() -> None:
     clip = shapes_video(4, fps=2)
     limits = video.VideoLimits(0, max_seconds=3, max_stream_frames=0)
-    video.probe("video 1", clip, limits, seconds_before=1.0)
-    with pytest.raises(MediaError, match=r"3\.0 s of video with the request's other videos"):
-        video.probe("video 1", clip, video.VideoLimits(0, 2.5, 0), seconds_before=1.0)
-    with pytest.raises(MediaError, match="--video-max-stream-frames 5"):
-        video.probe("video 1", clip, video.VideoLimits(0, 0, 5), frames_before=2)
+    spent = video.Spent()
+    spent.add(video.probe("video 0", clip, limits))  # 2 s, 4 frames of 64x48
+    with pytest.raises(MediaError, match=r"4\.0 s of video with the request's other videos"):
+        video.probe("video 1", clip, limits, spent)
+    with pytest.raises(MediaError, match="--video-max-stream-frames 7"):
+        video.probe("video 1", clip, video.VideoLimits(0, 0, 7), spent)
+    with pytest.raises(MediaError, match="--video-max-decoded-pixels 20000"):
+        video.probe("video 1", clip, video.VideoLimits(0, 0, 0, 20_000), spent)
+    video.probe("video 1", clip, video.VideoLimits(0, 4, 8, 8 * 64 * 48), spent)
 
 
 @pytest.mark.parametrize(("data", "message"), [
@@ -133,13 +137,14 @@ def test_a_webm_without_its_length_is_counted_from_its_packets() -> None:
     assert len(frames) == 3
 
 
-def test_a_header_that_lies_about_its_frames_is_stopped_at_the_limit() -> None:
+@pytest.mark.parametrize("limits", [video.VideoLimits(0, 0, 5), video.VideoLimits(0, 0, 0, 5 * 16 * 16)],
+                         ids=["frames", "decoded-pixels"])
+def test_a_header_that_lies_about_its_frames_is_stopped_at_the_limit(limits: video.VideoLimits) -> None:
     data = shapes_video(20, fps=10, width=16, height=16)
     info = video.probe("video 0", data, LIMITS)
     lying = video.VideoInfo(info.format, info.width, info.height, info.seconds, n_frames=1)
     with pytest.raises(MediaError, match="counted while decoding"):
-        video.sample("video 0", data, lying, video.Sampling(fps=10, max_frames=20),
-                     video.VideoLimits(0, 0, 5))
+        video.sample("video 0", data, lying, video.Sampling(fps=10, max_frames=20), limits)
 
 
 def test_times_count_from_the_first_frame() -> None:

@@ -6,8 +6,9 @@ on the llama.cpp worker, its HF folder on the torch worker), over real HTTP:
   --allowed-local-media-path and sglang-omni's `videos` give one answer; a second request takes
   the frames' rows from the cache (keyed by the video's bytes and the frame index);
 - `video_fps` and `video_max_frames` choose the frames (fewer frames: a shorter prompt);
-- the 400s, each naming the field: bytes that are no video, a video over the length or frame
-  limits (from the header), too many videos, a text-only model, a request over --video-max-frames;
+- the 400s, each naming the field: bytes that are no video, a video over the length, frame or
+  decoded-pixel limits (from the header), too many videos, a text-only model, a request over
+  --video-max-frames;
 - decode bombs at the default limits: a 1-frame video whose headers say 16000x16000 and a video
   of ten hours, each a 400 naming the limit, with no growth of the worker's memory.
 """
@@ -63,7 +64,8 @@ def llama_worker(tiny_vlm: VlmPaths, media_dir: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def torch_worker(tiny_vlm: VlmPaths) -> Iterator[str]:
-    with run_worker(tiny_vlm.hf_dir, *ARGS, "--video-max-stream-frames", "100", "--max-videos", "1") as base:
+    with run_worker(tiny_vlm.hf_dir, *ARGS, "--video-max-stream-frames", "100", "--max-videos", "1",
+                    "--video-max-decoded-pixels", "200000") as base:
         yield base
 
 
@@ -140,14 +142,15 @@ def test_the_frame_rate_and_cap_choose_the_frames(llama_worker: str) -> None:
         ({}, data_url(b"not a video at all"), "messages", "not an MP4, MOV, WebM, MKV or AVI video"),
         ({}, _mp4(b"\x00\x00\x00\x18ftypmp42" + b"\x00" * 64), "messages", "not a video this server can"),
         ({}, _mp4(shapes_video(120, fps=60, width=16, height=16)), "messages", "--video-max-stream-frames 1"),
+        ({}, _mp4(shapes_video(100, fps=50)), "messages", "--video-max-decoded-pixels 200000"),
         ({"video_max_frames": 9}, _mp4(VIDEO), "video_max_frames", "--video-max-frames 8"),
         ({"video_fps": 0}, _mp4(VIDEO), "video_fps", ""),
         ({"video_min_pixels": 10**9}, _mp4(VIDEO), "video_min_pixels", "--image-max-pixels"),
         ({}, "http://127.0.0.1:9/a.mp4", "messages", "--allow-remote-media"),
         ({}, "file:///etc/hostname", "messages", "--allowed-local-media-path"),
     ],
-    ids=["garbage", "broken-mp4", "too-many-frames", "over-max-frames", "zero-fps", "upscale-bomb", "remote",
-         "local"],
+    ids=["garbage", "broken-mp4", "too-many-frames", "too-many-pixels", "over-max-frames", "zero-fps",
+         "upscale-bomb", "remote", "local"],
 )
 def test_bad_videos_are_400s_naming_the_field(torch_worker: str, extra: dict[str, Any], video: str,
                                               param: str, message: str) -> None:

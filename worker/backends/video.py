@@ -11,7 +11,10 @@ steps, both on an HTTP worker thread, never on the engine thread:
   a header states is checked before anything is allocated for it. The length (seconds), the
   frame count (the header's, or its length times its frame rate) and the frame size are checked
   against the limits here; a header that does not state its length is demuxed (packets only,
-  nothing decoded) up to the limits to learn it.
+  nothing decoded) up to the limits to learn it. The frames times their pixels, what decoding
+  them writes, go under `--video-max-decoded-pixels`: a few MB of H.264 can hold thousands of
+  near-empty frames of 50 megapixels, minutes of one core to decode although each frame and the
+  length pass.
 - `sample`: the sample times are every 1/fps seconds from the first frame, or `max_frames`
   times spread evenly over the video when that gives more; each time takes the first frame at
   or after it (a frame once). Decoding stops at the last sample; it counts frames against the
@@ -60,6 +63,22 @@ class VideoLimits:
     max_pixels: int = 0  # a frame's width x height (--image-max-pixels)
     max_seconds: float = 0.0  # the request's videos' length, together (--video-max-seconds)
     max_stream_frames: int = 0  # the request's videos' frames, together (--video-max-stream-frames)
+    # the request's videos' frames x their pixels, together: the decoder's work (--video-max-decoded-pixels)
+    max_decoded_pixels: int = 0
+
+
+@dataclass(slots=True)
+class Spent:
+    """What a request's videos so far take: the limits hold for its videos together."""
+
+    seconds: float = 0.0
+    frames: int = 0
+    pixels: int = 0  # frames x width x height: what decoding them all writes
+
+    def add(self, info: VideoInfo) -> None:
+        self.seconds += info.seconds
+        self.frames += info.n_frames
+        self.pixels += info.n_frames * info.width * info.height
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +120,10 @@ def _open(data: bytes, fmt: str, max_pixels: int) -> InputContainer:
     return av.open(io.BytesIO(data), "r", format=fmt, options=options, metadata_errors="replace")
 
 
-def probe(where: str, data: bytes, limits: VideoLimits, seconds_before: float = 0.0,
-          frames_before: int = 0) -> VideoInfo:
-    """The video's header, checked against `limits`; `seconds_before` and `frames_before` are the
-    request's earlier videos' (the limits on length and frames hold for the request's videos
-    together). MediaError: not a video, no video stream, or over a limit."""
+def probe(where: str, data: bytes, limits: VideoLimits, spent: Spent | None = None) -> VideoInfo:
+    """The video's header, checked against `limits`, with what the request's earlier videos take
+    (`spent`). MediaError: not a video, no video stream, or over a limit."""
+    spent = spent or Spent()
     fmt = container_format(data)
     if fmt is None:
         raise MediaError(f"{where}: not an MP4, MOV, WebM, MKV or AVI video")
@@ -130,12 +148,12 @@ def probe(where: str, data: bytes, limits: VideoLimits, seconds_before: float = 
                                  "not decoded)")
             seconds, n_frames = _header_length(container, stream)
             if seconds is None:
-                seconds, n_frames = _demuxed_length(where, container, stream, limits, seconds_before,
-                                                    frames_before)
+                seconds, n_frames = _demuxed_length(where, container, stream, limits, spent)
     except error as e:
         raise MediaError(f"{where}: the bytes are not a video this server can decode ({_why(e)})") from None
-    _check_length(where, seconds, n_frames, limits, seconds_before, frames_before, "read from its header")
-    return VideoInfo(fmt, width, height, seconds, n_frames)
+    info = VideoInfo(fmt, width, height, seconds, n_frames)
+    _check_length(where, info, limits, spent, "read from its header")
+    return info
 
 
 def _why(e: Exception) -> str:
@@ -156,8 +174,8 @@ def _header_length(container: InputContainer, stream: VideoStream) -> tuple[floa
     return seconds, n_frames
 
 
-def _demuxed_length(where: str, container: InputContainer, stream: VideoStream,
-                    limits: VideoLimits, seconds_before: float, frames_before: int) -> tuple[float, int]:
+def _demuxed_length(where: str, container: InputContainer, stream: VideoStream, limits: VideoLimits,
+                    spent: Spent) -> tuple[float, int]:
     """(seconds, frames) of a video whose header does not say (a live-recorded WebM): its packets
     counted, nothing decoded, stopping past a limit."""
     n, end = 0, 0.0
@@ -167,22 +185,27 @@ def _demuxed_length(where: str, container: InputContainer, stream: VideoStream,
         n += 1
         if packet.pts is not None and packet.time_base is not None:
             end = max(end, float((packet.pts + (packet.duration or 0)) * packet.time_base))
-        _check_length(where, end, n, limits, seconds_before, frames_before, "counted without decoding")
+        info = VideoInfo("", int(stream.width), int(stream.height), end, n)
+        _check_length(where, info, limits, spent, "counted without decoding")
     if n == 0:
         raise MediaError(f"{where}: the video stream holds no frames")
     return end, n
 
 
-def _check_length(where: str, seconds: float, n_frames: int, limits: VideoLimits, seconds_before: float,
-                  frames_before: int, how: str) -> None:
-    together = " with the request's other videos" if seconds_before or frames_before else ""
-    if limits.max_seconds and seconds + seconds_before > limits.max_seconds:
-        raise MediaError(f"{where}: {seconds + seconds_before:.1f} s of video{together} is over this "
-                         f"server's --video-max-seconds {limits.max_seconds:g} ({how}, not decoded)")
-    if limits.max_stream_frames and n_frames + frames_before > limits.max_stream_frames:
-        raise MediaError(f"{where}: {n_frames + frames_before} frames of video{together} is over this "
-                         f"server's --video-max-stream-frames {limits.max_stream_frames} ({how}, "
-                         "not decoded)")
+def _check_length(where: str, info: VideoInfo, limits: VideoLimits, spent: Spent, how: str) -> None:
+    together = " with the request's other videos" if spent.frames or spent.seconds else ""
+    seconds, frames = info.seconds + spent.seconds, info.n_frames + spent.frames
+    pixels = info.n_frames * info.width * info.height + spent.pixels
+    if limits.max_seconds and seconds > limits.max_seconds:
+        raise MediaError(f"{where}: {seconds:.1f} s of video{together} is over this server's "
+                         f"--video-max-seconds {limits.max_seconds:g} ({how}, not decoded)")
+    if limits.max_stream_frames and frames > limits.max_stream_frames:
+        raise MediaError(f"{where}: {frames} frames of video{together} is over this server's "
+                         f"--video-max-stream-frames {limits.max_stream_frames} ({how}, not decoded)")
+    if limits.max_decoded_pixels and pixels > limits.max_decoded_pixels:
+        raise MediaError(f"{where}: {frames} frames of {info.width}x{info.height}{together} decode to "
+                         f"{pixels} pixels, over this server's --video-max-decoded-pixels "
+                         f"{limits.max_decoded_pixels} ({how}, not decoded)")
 
 
 def sample_times(seconds: float, fps: float, max_frames: int) -> list[float]:
@@ -209,15 +232,17 @@ def frame_size(width: int, height: int, sampling: Sampling, n_frames: int) -> tu
 
 
 def sample(where: str, data: bytes, info: VideoInfo, sampling: Sampling, limits: VideoLimits,
-           frames_before: int = 0) -> list[FrameBytes]:
+           spent: Spent | None = None) -> list[FrameBytes]:
     """The sampled frames, decoded to RGB (module doc); MediaError if the video does not decode,
-    gives no frame, or decodes to more frames than the limit allows."""
+    gives no frame, or decodes to more frames or pixels than the limits allow (with `spent`,
+    what the request's earlier videos take)."""
+    spent = spent or Spent()
     times = sample_times(info.seconds, sampling.fps, sampling.max_frames)
     size = frame_size(info.width, info.height, sampling, len(times))
     digest = hashlib.sha256(data).digest()
     error = _av()
     out: list[FrameBytes] = []
-    k = n_decoded = 0
+    k = n_decoded = n_pixels = 0
     origin: float | None = None  # the first frame's time: a stream may start later than 0
     try:
         with _open(data, info.format, limits.max_pixels) as container:
@@ -226,10 +251,14 @@ def sample(where: str, data: bytes, info: VideoInfo, sampling: Sampling, limits:
                 stream.codec_context.options = {"max_pixels": str(limits.max_pixels)}
             for frame in container.decode(stream):
                 n_decoded += 1
-                if limits.max_stream_frames and n_decoded + frames_before > limits.max_stream_frames:
+                n_pixels += frame.width * frame.height
+                if limits.max_stream_frames and n_decoded + spent.frames > limits.max_stream_frames:
                     raise MediaError(f"{where}: more frames than this server's --video-max-stream-frames "
                                      f"{limits.max_stream_frames} (counted while decoding: the header said "
                                      f"{info.n_frames})")
+                if limits.max_decoded_pixels and n_pixels + spent.pixels > limits.max_decoded_pixels:
+                    raise MediaError(f"{where}: more pixels than this server's --video-max-decoded-pixels "
+                                     f"{limits.max_decoded_pixels} (counted while decoding)")
                 t = frame.time if frame.time is not None else (n_decoded - 1) / max(sampling.fps, 1e-9)
                 origin = t if origin is None else origin
                 t -= origin

@@ -36,7 +36,12 @@ from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.speculation import SPEC_TYPES, SpecConfig, SpecType
 from worker.protocol.sampling import SamplingParams
-from worker.server.media import VIDEO_MAX_SECONDS, VIDEO_MAX_STREAM_FRAMES, MediaPolicy
+from worker.server.media import (
+    VIDEO_MAX_DECODED_PIXELS,
+    VIDEO_MAX_SECONDS,
+    VIDEO_MAX_STREAM_FRAMES,
+    MediaPolicy,
+)
 from worker.server.state import REASONING_FORMATS, WorkerState
 
 log = logging.getLogger("worker")
@@ -353,6 +358,12 @@ def serve(
         help="refuse (400) a request's videos of more frames than this together, read from their headers "
         "before decoding and counted while decoding (0: no limit)",
     ),
+    video_max_decoded_pixels: int = typer.Option(
+        VIDEO_MAX_DECODED_PIXELS, "--video-max-decoded-pixels", min=0,
+        help="refuse (400) a request's videos whose frames times their pixels are more than this "
+        "together (the decoder's work), read from their headers before decoding and counted while "
+        "decoding (0: no limit)",
+    ),
     allowed_local_media_path: str | None = typer.Option(
         None, "--allowed-local-media-path", help="file:// image URLs are read only under this directory"
     ),
@@ -587,7 +598,8 @@ def serve(
         template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
         media=MediaPolicy(
             allowed_local_media_path, allow_remote_media, max_images, max_audio, max_videos,
-            VideoLimits(image_max_pixels, video_max_seconds, video_max_stream_frames),
+            VideoLimits(image_max_pixels, video_max_seconds, video_max_stream_frames,
+                        video_max_decoded_pixels),
             Sampling(video_fps, video_max_frames, max_pixels=video_max_pixels),
         ),
     )

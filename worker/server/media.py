@@ -25,10 +25,11 @@ Limits: `--max-images`, `--max-audio` and `--max-videos` per request, `MAX_MEDIA
 image, audio or video, and the model's `--image-max-pixels` and `--audio-max-seconds` (checked
 from the header by the backend, and again once decoded); a video's frames under
 `--image-max-pixels`, its length and frame count under `--video-max-seconds` and
-`--video-max-stream-frames` (the request's videos together), all from the header before any
-decoding. Every failure is a 400 that says which image, audio or video ("image 0", "audio 1",
-"video 0": counted per kind, in order) and why; a model whose projector lacks the encoder (or that has no
-projector) answers 400 not_supported_error naming the model (`check_accepts`).
+`--video-max-stream-frames` and their frames times pixels under `--video-max-decoded-pixels`
+(the request's videos together), all from the header before any decoding. Every failure is a
+400 that says which image, audio or video ("image 0", "audio 1", "video 0": counted per kind,
+in order) and why; a model whose projector lacks the encoder (or that has no projector) answers
+400 not_supported_error naming the model (`check_accepts`).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ _MEDIA_PARTS = _IMAGE_PARTS + _AUDIO_PARTS + _VIDEO_PARTS
 _FROM_VIDEOS = "\u2063omni-videos"  # marks the parts made of sglang-omni's `videos`: their 400s name it
 VIDEO_MAX_SECONDS = 300.0  # --video-max-seconds: docs/vision.md says why
 VIDEO_MAX_STREAM_FRAMES = 18_000  # --video-max-stream-frames: 300 s at 60 frames a second
+VIDEO_MAX_DECODED_PIXELS = 10_000_000_000  # --video-max-decoded-pixels: 300 s of 720p at 30 fps fits
 AUDIO_FORMATS = ("wav", "mp3", "flac")
 
 
@@ -69,7 +71,8 @@ class MediaPolicy:
     max_audio: int = 4  # --max-audio: per request
     max_videos: int = 2  # --max-videos: per request
     video_limits: video.VideoLimits = field(
-        default_factory=lambda: video.VideoLimits(0, VIDEO_MAX_SECONDS, VIDEO_MAX_STREAM_FRAMES))
+        default_factory=lambda: video.VideoLimits(0, VIDEO_MAX_SECONDS, VIDEO_MAX_STREAM_FRAMES,
+                                                  VIDEO_MAX_DECODED_PIXELS))
     # --video-fps, --video-max-frames, --video-max-pixels
     video_sampling: video.Sampling = field(default_factory=video.Sampling)
 
@@ -235,8 +238,7 @@ def load_media(items: list[str | AudioPart | VideoPart], policy: MediaPolicy,
     file and network reads, video decoding."""
     out: list[list[bytes]] = []
     n_images = n_audio = n_videos = 0
-    seconds = 0.0
-    frames = 0
+    spent = video.Spent()
     for item in items:
         if isinstance(item, AudioPart):
             out.append([load_audio(n_audio, item)])
@@ -245,12 +247,12 @@ def load_media(items: list[str | AudioPart | VideoPart], policy: MediaPolicy,
             where = f"video {n_videos}"
             data = load_url(where, item.url, policy, "video", item.param)
             try:
-                info = video.probe(where, data, policy.video_limits, seconds, frames)
+                info = video.probe(where, data, policy.video_limits, spent)
                 out.append(list(video.sample(where, data, info, sampling or policy.video_sampling,
-                                             policy.video_limits, frames)))
+                                             policy.video_limits, spent)))
             except MediaError as e:
                 raise APIError(str(e), param=item.param) from None
-            seconds, frames = seconds + info.seconds, frames + info.n_frames
+            spent.add(info)
             n_videos += 1
         else:
             out.append([load_image(n_images, item, policy)])
