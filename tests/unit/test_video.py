@@ -186,3 +186,11 @@ def test_mutated_videos_are_media_errors_never_others(container: str) -> None:
             video.sample("video 0", bytes(data), info, video.Sampling(fps=2), LIMITS)
         except MediaError:
             pass
+
+
+def test_a_limit_s_message_is_said_as_it_is() -> None:
+    """Reproduces: a MediaError (a ValueError) raised inside PyAV's `with` was wrapped again as
+    "the bytes are not a video this server can decode (video 0: ...)"."""
+    with pytest.raises(MediaError) as e:
+        video.probe("video 0", big_frame_video(16000), LIMITS)
+    assert str(e.value).startswith("video 0: the frame size its header states is over this server's")

@@ -149,6 +149,8 @@ def probe(where: str, data: bytes, limits: VideoLimits, spent: Spent | None = No
             seconds, n_frames = _header_length(container, stream)
             if seconds is None:
                 seconds, n_frames = _demuxed_length(where, container, stream, limits, spent)
+    except MediaError:
+        raise  # a ValueError too: ours, said as it is
     except error as e:
         raise MediaError(f"{where}: the bytes are not a video this server can decode ({_why(e)})") from None
     info = VideoInfo(fmt, width, height, seconds, n_frames)
@@ -270,6 +272,8 @@ def sample(where: str, data: bytes, info: VideoInfo, sampling: Sampling, limits:
                     k += 1
                 if k == len(times):
                     break
+    except MediaError:
+        raise  # a ValueError too: ours, said as it is
     except error as e:
         raise MediaError(f"{where}: the video does not decode ({_why(e)})") from None
     if not out:
