@@ -4,7 +4,8 @@ Prints, for each bomb (a 1-frame AVI whose headers say 16000x16000 or 60000x6000
 hours), the median time of the header check in
 process (`video.probe`) and of the 400 over HTTP from a tiny-VLM worker at the default limits,
 with the worker's RSS before and after; then the time to sample and decode frames of a generated
-1-second 640x480 video at 30 fps, and the whole request (decode + encode + 1 token).
+1-second 640x480 video at 30 fps and of 10 s of H.264 720p, and the whole request (decode +
+encode + 1 token).
 
     .venv/bin/python -m bench.bench_video [--rounds 20]
 """
@@ -54,6 +55,27 @@ def _rss_mb(pid: int) -> float:
     return float(psutil.Process(pid).memory_info().rss) / 2**20
 
 
+def _h264_720p(n: int) -> bytes:
+    """`n` frames of 1280x720 noise scrolling sideways, H.264 (libx264 ultrafast), 30 fps."""
+    import io
+
+    import av
+    import numpy as np
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("libx264", rate=30)
+        stream.width, stream.height, stream.pix_fmt = 1280, 720, "yuv420p"
+        stream.options = {"preset": "ultrafast"}
+        base = np.random.default_rng(0).integers(0, 256, (720, 1280, 3), dtype=np.uint8)
+        for i in range(n):
+            for p in stream.encode(av.VideoFrame.from_ndarray(np.roll(base, 4 * i, axis=1), format="rgb24")):
+                out.mux(p)
+        for p in stream.encode():
+            out.mux(p)
+    return buf.getvalue()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20)
@@ -95,6 +117,10 @@ def main() -> None:
             n = len(video.sample("video 0", clip, info, sampling, LIMITS))
             ms = _ms(lambda s=sampling: video.sample("video 0", clip, info, s, LIMITS), 5)  # type: ignore[misc]
             print(f"decode 640x480 1 s at {fps:g} fps: {n} frames in {ms:.1f} ms")
+        hd = _h264_720p(300)
+        hd_info = video.probe("video 0", hd, LIMITS)
+        ms = _ms(lambda: video.sample("video 0", hd, hd_info, video.Sampling(), LIMITS), 3)
+        print(f"decode H.264 1280x720 10 s at 30 fps, 8 frames spread (to 8.75 s, 263 frames): {ms:.0f} ms")
         full = _ms(lambda: chat(clip, video_fps=8, cache_prompt=False), 3)
         print(f"whole request (8 frames decoded and encoded, 1 token; the frames' encodes cached after "
               f"the first): {full:.0f} ms")
