@@ -88,8 +88,8 @@ def refused(resp: httpx.Response, *fields: str, reason: str = "") -> str:
 @pytest.mark.parametrize(("extra", "reason"), [
     ({"images": ["data:image/png;base64,AAAA"]}, "model 'tiny' does not accept images"),  # issue 30
     ({"audios": ["a.wav"]}, "not implemented yet"),
-    ({"videos": ["v.mp4"]}, "not implemented yet"),
-    ({"video_fps": 2}, "not implemented yet"),
+    ({"videos": ["data:video/mp4;base64,AAAA"]}, "model 'tiny' does not accept video"),  # issue 41
+    ({"use_audio_in_video": True}, "audio track is not used"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "has no voice paired"),  # issue 41: test_speech.py
     ({"stage_sampling": {"0": {"temperature": 0}}}, "one stage"),
     ({"stage_params": {"0": {}}}, "one stage"),
@@ -100,7 +100,7 @@ def test_chat_sglang_omni_media_and_stage_fields_are_400s_naming_them(
     # Reproduces: each was a 200 with the field dropped.
     resp = router.post("/v1/chat/completions", {"model": "tiny", "messages": MSG, "max_tokens": 2, **extra})
     field = next(iter(extra))
-    refused(resp, *([] if field in ("modalities", "images") else [field]), reason=reason)
+    refused(resp, *([] if field in ("modalities", "images", "videos") else [field]), reason=reason)
 
 
 def test_chat_unknown_fields_are_all_named_in_one_400(router: Router) -> None:

@@ -34,7 +34,7 @@ const S = {
   convs: [],
   search: "",
   busy: null,          // {controller, node} while generating
-  attachments: [],     // [{name, kind: "text"|"image", data}]
+  attachments: [],     // [{name, kind: "text"|"image"|"video", data}]
   settings: loadSettings(),
   view: "chat",
 };
@@ -414,7 +414,8 @@ function renderContent(el, node) {
   el.append(body);
   if (node.attachments?.length) {
     el.append(h("div", { class: "attachments" }, ...node.attachments.map((a) => a.kind === "image"
-      ? h("img", { class: "thumb", src: a.data, alt: a.name }) : h("span", { class: "chip", text: a.name }))));
+      ? h("img", { class: "thumb", src: a.data, alt: a.name }) : a.kind === "video" ? videoEl(a, "thumb")
+      : h("span", { class: "chip", text: a.name }))));
   }
   if (node.error) el.append(h("div", { class: "error msg-error", text: node.error }));
   if (speech.answerAudio.has(node.id)) el.append(speech.player(speech.answerAudio.get(node.id)));
@@ -512,11 +513,11 @@ function wireMessages(conv, leafId) {
     if (m.role !== "user" && m.role !== "assistant") continue;
     if (m.role === "assistant" && m.error && !m.content) continue;
     const texts = (m.attachments || []).filter((a) => a.kind === "text");
-    const images = (m.attachments || []).filter((a) => a.kind === "image");
+    const media = (m.attachments || []).filter((a) => a.kind === "image" || a.kind === "video");
     let text = m.content;
     for (const a of texts) text += `\n\n--- ${a.name} ---\n${a.data}`;
-    msgs.push(images.length
-      ? { role: m.role, content: [{ type: "text", text }, ...images.map((a) => ({ type: "image_url", image_url: { url: a.data } }))] }
+    msgs.push(media.length
+      ? { role: m.role, content: [{ type: "text", text }, ...media.map(mediaPart)] }
       : { role: m.role, content: text });
   }
   return msgs;
@@ -621,11 +622,34 @@ const hasVision = () => !!(S.modelProps.get(S.selected)?.modalities?.vision
   ?? S.models.get(S.selected)?.modalities?.vision);
 
 function renderAttachHint() {
-  $(".attach").title = hasVision() ? "Attach text files or images" : "Attach text files (images need a model with vision)";
+  $(".attach").title = hasVision() ? "Attach text files, images or videos"
+    : "Attach text files (images and videos need a model with vision)";
 }
+
+const readDataURL = (f) => new Promise((res, rej) => {
+  const r = new FileReader();
+  r.onload = () => res(r.result);
+  r.onerror = () => rej(r.error);
+  r.readAsDataURL(f);
+});
+
+// A video goes as an OpenAI-style `video_url` part (a data URL); the server samples its frames.
+const VIDEO_LIMIT = 20 * 1024 * 1024; // the server's bytes per image, audio or video
+async function addVideo(f) {
+  if (!hasVision()) { toast(`${f.name}: the selected model does not accept video`); return; }
+  if (f.size > VIDEO_LIMIT) { toast(`${f.name}: larger than 20 MiB`); return; }
+  S.attachments.push({ name: f.name, kind: "video", data: await readDataURL(f) });
+}
+
+const mediaPart = (a) => a.kind === "video"
+  ? { type: "video_url", video_url: { url: a.data } } : { type: "image_url", image_url: { url: a.data } };
+
+const videoEl = (a, cls) => h("video", { class: cls, src: a.data, title: a.name, controls: cls === "thumb",
+                                        muted: true, preload: "metadata" });
 
 async function addFiles(files) {
   for (const f of files) {
+    if (f.type.startsWith("video/")) { await addVideo(f); continue; }
     if (f.type.startsWith("image/")) {
       if (!hasVision()) { toast(`${f.name}: the selected model does not accept images`); continue; }
       const data = await new Promise((res, rej) => {
@@ -647,7 +671,8 @@ async function addFiles(files) {
 
 function renderAttachments() {
   $("#attachments").replaceChildren(...S.attachments.map((a, i) => h("span", { class: "chip" },
-    a.kind === "image" ? h("img", { class: "thumb small", src: a.data, alt: "" }) : null, a.name,
+    a.kind === "image" ? h("img", { class: "thumb small", src: a.data, alt: "" })
+      : a.kind === "video" ? videoEl(a, "thumb small") : null, a.name,
     h("button", { class: "btn icon small", type: "button", "aria-label": `Remove ${a.name}`, text: "×",
                  onclick: () => { S.attachments.splice(i, 1); renderAttachments(); } }))));
 }

@@ -6,6 +6,7 @@
     lora           LoRA adapters: what a loaded one is, GGUF checks against the base model, --lora-scaled
     mtmd           libmtmd (an mmproj): images and audio decoded, tokenized and encoded, an LRU of encodings
     media_probe    an image's size and an audio's length from the header: decode bombs refused first
+    video          a video's header checked against the limits, then frames sampled and decoded (PyAV)
     llama_cpp      GGUF files through llama-cpp-python's ctypes API
     llama_lib      llama-cpp-python, imported once the C++ runtime is settled (cxx_runtime)
     cxx_runtime    one C++ runtime per worker process: the system's libstdc++ first where needed

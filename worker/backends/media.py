@@ -148,6 +148,25 @@ class AudioBytes(bytes):
     as an image (plain `bytes` are an image). A subclass, so hashing and the cache see bytes."""
 
 
+class FrameBytes(bytes):
+    """One frame sampled from a video (worker/backends/video.py), already decoded: `rgb` [height,
+    width, 3] uint8, which `Vision.prepare` takes as an image's pixels. Its bytes stand for it in
+    keys: a tag, the video's SHA-256, the frame's index in the video and its size, so the cache of
+    encoded chunks and the media ids key a frame by the video's bytes and the frame index."""
+
+    rgb: np.ndarray
+    label: str  # how errors name it: "video 0 frame 2"
+
+    @classmethod
+    def of(cls, video_digest: bytes, index: int, rgb: np.ndarray, label: str) -> FrameBytes:
+        h, w = rgb.shape[:2]
+        frame = cls(b"omni-video-frame" + video_digest + index.to_bytes(4, "little")
+                    + w.to_bytes(4, "little") + h.to_bytes(4, "little"))
+        frame.rgb = np.ascontiguousarray(rgb)
+        frame.label = label
+        return frame
+
+
 @dataclass(slots=True)
 class MediaPrompt:
     """A prompt with its media tokenized: ids (text and media), the chunks' embeddings, and
@@ -170,7 +189,7 @@ class Vision(Protocol):
     has_audio: bool  # takes audio (`AudioBytes`)
 
     def prepare(self, text: str, media: Sequence[bytes]) -> MediaPrompt:
-        """Tokenize `text`, whose markers stand for `media` in order (each an image's bytes, or
-        an `AudioBytes`), and encode them (cached by their bytes). Raises MediaError for media
-        it cannot use."""
+        """Tokenize `text`, whose markers stand for `media` in order (each an image's bytes, an
+        `AudioBytes` or a video's `FrameBytes`), and encode them (cached by their bytes). Raises
+        MediaError for media it cannot use."""
         ...

@@ -32,6 +32,7 @@ from worker.backends.llama_lib import ll, mt
 from worker.backends.media import (
     AudioBytes,
     ChunkCache,
+    FrameBytes,
     MediaError,
     MediaPrompt,
     audio_format,
@@ -120,6 +121,16 @@ def _decode_audio(ctx: Any, where: str, data: bytes, max_seconds: float) -> Any:
         why = "no samples" if n_samples == 0 else (
             f"{seconds:.1f} s is over this server's --audio-max-seconds {max_seconds:g}")
         raise MediaError(f"{where}: {why}")
+    return bitmap
+
+
+def _frame_bitmap(frame: FrameBytes) -> Any:
+    """An mtmd bitmap of a video frame's pixels (decoded already, by PyAV: worker/backends/video.py)."""
+    h, w = frame.rgb.shape[:2]
+    buf = (ctypes.c_uint8 * frame.rgb.size).from_buffer_copy(frame.rgb.tobytes())
+    bitmap = mt.mtmd_bitmap_init(w, h, buf)
+    if not bitmap:
+        raise MediaError(f"{frame.label}: libmtmd could not take the frame")
     return bitmap
 
 
@@ -242,6 +253,8 @@ class MtmdVision:
             raise MediaError(f"{where}: this projector has no {'audio' if is_audio else 'vision'} encoder")
         if is_audio:
             bitmap = _decode_audio(self._ctx, where, data, self.max_audio_seconds)
+        elif isinstance(data, FrameBytes):
+            bitmap = _frame_bitmap(data)
         else:
             bitmap = _decode(self._ctx, where, data, self.max_pixels)
         mt.mtmd_bitmap_set_id(bitmap, str(index).encode())
@@ -314,10 +327,14 @@ class MtmdVision:
 
 
 def labels(media: Sequence[bytes]) -> list[str]:
-    """How errors name each item: "image 0", "audio 0", ... counted per kind, in order."""
+    """How errors name each item: "image 0", "audio 0", ... counted per kind, in order; a video's
+    frames by their video ("video 0 frame 2")."""
     counts = {"image": 0, "audio": 0}
     out = []
     for data in media:
+        if isinstance(data, FrameBytes):
+            out.append(data.label)
+            continue
         kind = "audio" if isinstance(data, AudioBytes) else "image"
         out.append(f"{kind} {counts[kind]}")
         counts[kind] += 1

@@ -6,7 +6,8 @@ worker/backends/mtmd.py's does, and gives the same `MediaPrompt` the llama.cpp b
 the GGUF twin (the same ids, media keys and chunk order; rows equal to rounding):
 
 - decode: stb_image through libmtmd's helper (`decode_rgb`), so the pixels are the llama.cpp
-  backend's, JPEG included; the same 400s (not an image, --image-max-pixels);
+  backend's, JPEG included; the same 400s (not an image, --image-max-pixels); a video's frames
+  (`FrameBytes`) come decoded, as they go to libmtmd on the other backend;
 - tiles: libmtmd's idefics3 preprocessing in numpy, byte for byte (worker/torch_model/image.py);
 - text: split at the marker, each piece tokenized with special tokens parsed, BOS first when the
   tokenizer adds one (mtmd_tokenize); an image is its slices row by row, each after
@@ -32,8 +33,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.backends.media import AudioBytes, ChunkCache, MediaError, MediaPrompt, chunk_ids, media_key
-from worker.backends.mtmd import decode_rgb
+from worker.backends.media import (
+    AudioBytes,
+    ChunkCache,
+    FrameBytes,
+    MediaError,
+    MediaPrompt,
+    chunk_ids,
+    media_key,
+)
+from worker.backends.mtmd import decode_rgb, labels
 from worker.torch_model.image import Triple, idefics3_tiles, normalize
 from worker.torch_model.tokenizer import HFTokenizer
 from worker.torch_model.vision import Idefics3Vision
@@ -69,20 +78,23 @@ class TorchVision:
         n_markers = text.count(self.marker)
         if n_markers != len(images):
             raise MediaError(f"the prompt has {n_markers} image markers for {len(images)} images")
-        pixels = [decode_rgb(i, data, self.max_pixels) for i, data in enumerate(images)]
+        names = labels(images)  # "image 1", "video 0 frame 2"
+        pixels = [data.rgb if isinstance(data, FrameBytes)  # a video's frames come decoded (video.py)
+                  else decode_rgb(int(name.split()[1]), data, self.max_pixels)
+                  for name, data in zip(names, images, strict=True)]
         out = MediaPrompt(tokens=[self._tok.bos_token_id] if self._tok.add_bos else [])
         pieces = text.split(self.marker)
         out.tokens.extend(self._tok.tokenize(pieces[0], False, True))
         for i, (data, rgb) in enumerate(zip(images, pixels, strict=True)):
-            self._image(i, data, rgb, out)
+            self._image(names[i], data, rgb, out)
             out.tokens.extend(self._tok.tokenize(pieces[i + 1], False, True))
         return out
 
-    def _image(self, index: int, data: bytes, rgb: np.ndarray, out: MediaPrompt) -> None:
+    def _image(self, name: str, data: bytes, rgb: np.ndarray, out: MediaPrompt) -> None:
         try:
             tiles = idefics3_tiles(rgb, self.tile, self.longest_edge)
         except ValueError as e:
-            raise MediaError(f"image {index}: {e}") from None
+            raise MediaError(f"{name}: {e}") from None
         n = tiles.grid_x * tiles.grid_y
         keys = [media_key(data, j) for j in range(n + 1)]  # the slices, then the overview
         rows = self._rows(keys, np.concatenate([tiles.slices, tiles.overview[None]]), out)

@@ -22,8 +22,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 _BEAM = "beam search is not implemented"
-_MEDIA = ("sglang-omni's audio and video inputs are not implemented yet (images are: see `images`; "
-          "audio goes in chat `input_audio` parts)")
+_MEDIA = ("sglang-omni's audio list is not implemented yet (images and videos are: see `images` and "
+          "`videos`; audio goes in chat `input_audio` parts)")
 
 # ---- Not implemented YET. Whoever makes one of these work declares it as a real field on the
 # wire model and deletes its line here (and its row in docs/compatibility.md).
@@ -36,11 +36,11 @@ SPECULATIVE: dict[str, str] = {
 # Speculative decoding's request fields (issue 29) are real fields of chat and completion
 # requests; a Responses or Messages request does not take them.
 _SPEC_ELSEWHERE = "speculative decoding is set on chat and completion requests, not on this API"
-# Audio and video inputs: sglang-omni's top-level media lists (`images` is a real field: issue 30).
+# Audio inputs: sglang-omni's top-level audio list (`images` and `videos` are real fields: issues 30, 41).
 MEDIA: dict[str, str] = {
     "audios": _MEDIA,
-    "videos": _MEDIA,
-    "video_fps": _MEDIA,
+    "use_audio_in_video": "a video's audio track is not used: its frames are (send the audio as an "
+                          "`input_audio` part to a model that takes audio)",
 }
 
 # fields that people send and we do not do -> why (the 400 says it)

@@ -307,6 +307,13 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool | None = None
     images: list[str] | None = None  # sglang-omni's: image URLs for the last user message
+    # sglang-omni's: video URLs for the last user message (after `images`), and how they are sampled
+    videos: list[str] | None = None
+    video_fps: float | None = Field(default=None, gt=0, le=60)
+    video_max_frames: int | None = Field(default=None, ge=1)
+    video_min_pixels: int | None = Field(default=None, ge=1)
+    video_max_pixels: int | None = Field(default=None, ge=1)
+    video_total_pixels: int | None = Field(default=None, ge=1)
     # OpenAI's: "none"/"minimal" turn the template's thinking off, others on (as Responses' reasoning.effort)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     modalities: list[str] | None = None  # only ["text"]: spoken answers are the router's (router/speech/)

@@ -30,6 +30,7 @@ from typer._click.exceptions import ClickException, NoSuchOption  # typer vendor
 from worker.backends import BackendOptions, load_backend, resolve_kind
 from worker.backends.base import POOLINGS, Backend, Pooling
 from worker.backends.lora import parse_scaled
+from worker.backends.video import Sampling, VideoLimits
 from worker.engine.disk_cache import fingerprint, kv_settings, parse_size
 from worker.engine.disk_tier import SAVE_SECONDS, DiskCacheConfig
 from worker.engine.engine import Engine, Progress
@@ -37,7 +38,12 @@ from worker.engine.metrics import WorkerMetrics
 from worker.engine.speculation import SPEC_TYPES, SpecConfig, SpecType
 from worker.protocol.sampling import SamplingParams
 from worker.protocol.speech import is_voice_file
-from worker.server.media import MediaPolicy
+from worker.server.media import (
+    VIDEO_MAX_DECODED_PIXELS,
+    VIDEO_MAX_SECONDS,
+    VIDEO_MAX_STREAM_FRAMES,
+    MediaPolicy,
+)
 from worker.server.state import REASONING_FORMATS, WorkerState
 
 log = logging.getLogger("worker")
@@ -351,6 +357,37 @@ def serve(
     max_audio: int = typer.Option(
         4, "--max-audio", min=0, help="audio parts per request at most (400 over it)"
     ),
+    max_videos: int = typer.Option(2, "--max-videos", min=0, help="videos per request at most (400 over it)"),
+    video_fps: float = typer.Option(
+        1.0, "--video-fps", min=0.001, max=60,
+        help="frames a second sampled from a video (a request's video_fps overrides it)",
+    ),
+    video_max_frames: int = typer.Option(
+        8, "--video-max-frames", min=1,
+        help="frames sampled from one video at most, spread over it (a request's video_max_frames may "
+        "ask fewer)",
+    ),
+    video_max_pixels: int = typer.Option(
+        0, "--video-max-pixels", min=0,
+        help="scale sampled frames down to this many pixels, aspect kept (0: their own size; a request's "
+        "video_max_pixels overrides it)",
+    ),
+    video_max_seconds: float = typer.Option(
+        VIDEO_MAX_SECONDS, "--video-max-seconds", min=0,
+        help="refuse (400) a request's videos longer than this together, read from their headers before "
+        "decoding (0: no limit)",
+    ),
+    video_max_stream_frames: int = typer.Option(
+        VIDEO_MAX_STREAM_FRAMES, "--video-max-stream-frames", min=0,
+        help="refuse (400) a request's videos of more frames than this together, read from their headers "
+        "before decoding and counted while decoding (0: no limit)",
+    ),
+    video_max_decoded_pixels: int = typer.Option(
+        VIDEO_MAX_DECODED_PIXELS, "--video-max-decoded-pixels", min=0,
+        help="refuse (400) a request's videos whose frames times their pixels are more than this "
+        "together (the decoder's work), read from their headers before decoding and counted while "
+        "decoding (0: no limit)",
+    ),
     request_max_pixels: int = typer.Option(
         REQUEST_MAX_PIXELS, "--request-max-pixels", min=0,
         help="refuse (400) a request whose images total more pixels, from their headers (0: no limit)",
@@ -361,7 +398,7 @@ def serve(
     ),
     request_max_media_bytes: int = typer.Option(
         REQUEST_MAX_MEDIA_BYTES, "--request-max-media-bytes", min=0,
-        help="refuse (400) a request whose images and audio total more bytes (0: no limit)",
+        help="refuse (400) a request whose images, audio and videos total more bytes (0: no limit)",
     ),
     allowed_local_media_path: str | None = typer.Option(
         None, "--allowed-local-media-path", help="file:// image URLs are read only under this directory"
@@ -610,8 +647,14 @@ def serve(
         slot_save_path=slot_save_path,
         is_cors_proxy_on=ui_mcp_proxy,
         template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},
-        media=MediaPolicy(allowed_local_media_path, allow_remote_media, max_images, max_audio,
-                          request_max_pixels, request_max_audio_seconds, request_max_media_bytes),
+        media=MediaPolicy(
+            allowed_local_media_path, allow_remote_media, max_images, max_audio, max_videos,
+            VideoLimits(image_max_pixels, video_max_seconds, video_max_stream_frames,
+                        video_max_decoded_pixels),
+            Sampling(video_fps, video_max_frames, max_pixels=video_max_pixels),
+            request_max_pixels=request_max_pixels, request_max_audio_seconds=request_max_audio_seconds,
+            request_max_media_bytes=request_max_media_bytes,
+        ),
     )
     engine.start()  # the model loads while the HTTP stack is imported
     from worker.server.routes import build_app

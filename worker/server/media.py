@@ -1,4 +1,4 @@
-"""Images and audio in chat requests: where they come from, the limits, and the 400s.
+"""Images, audio and video in chat requests: where they come from, the limits, and the 400s.
 
 A chat message's image parts (OpenAI's `image_url`, also `input_image` with its URL as a
 string), its audio parts (OpenAI's `input_audio`: base64 `data` and a `format`) and
@@ -11,15 +11,25 @@ model's media marker in the text, and their bytes are loaded here, in order. Ima
 - `http(s)://` URLs: only with `--allow-remote-media` (the box may have no internet), with a
   timeout and the size limit.
 
+Videos (OpenAI-style `video_url` parts, sglang-omni's request-level `videos`, which go after
+`images` in the last user message) come from the same places as images, under the same flags.
+A video is sampled to frames (worker/backends/video.py: its header checked against the limits
+first) and its one marker becomes one marker per frame, each frame then an image
+(`expand_videos`): a video is exactly its frames sent as images, one after another.
+
 Audio: the part's base64 `data` only (no URLs, as OpenAI's); `format` "wav" or "mp3" (OpenAI's),
 or "flac" (libmtmd decodes it too). libmtmd decodes by the bytes; a `format` the bytes
 contradict is a 400.
 
-Limits: `--max-images` and `--max-audio` per request, `MAX_MEDIA_BYTES` per image or audio,
-and the model's `--image-max-pixels` and `--audio-max-seconds` (checked by the backend once
-decoded). Every failure is a 400 that says which image or audio ("image 0", "audio 1": counted
-per kind, in order) and why; a model whose projector lacks the encoder (or that has no
-projector) answers 400 not_supported_error naming the model (`check_accepts`).
+Limits: `--max-images`, `--max-audio` and `--max-videos` per request, `MAX_MEDIA_BYTES` per
+image, audio or video, and the model's `--image-max-pixels` and `--audio-max-seconds` (checked
+from the header by the backend, and again once decoded); a video's frames under
+`--image-max-pixels`, its length and frame count under `--video-max-seconds` and
+`--video-max-stream-frames` and their frames times pixels under `--video-max-decoded-pixels`
+(the request's videos together), all from the header before any decoding. Every failure is a
+400 that says which image, audio or video ("image 0", "audio 1", "video 0": counted per kind,
+in order) and why; a model whose projector lacks the encoder (or that has no projector) answers
+400 not_supported_error naming the model (`check_accepts`).
 """
 
 from __future__ import annotations
@@ -29,12 +39,12 @@ import binascii
 import os
 import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.backends import media_probe
-from worker.backends.media import AudioBytes, Vision, audio_format
+from worker.backends import media_probe, video
+from worker.backends.media import AudioBytes, MediaError, Vision, audio_format
 from worker.protocol.errors import APIError
 from worker.protocol.wire import ChatMessage
 
@@ -42,21 +52,41 @@ MAX_MEDIA_BYTES = 20 * 1024 * 1024  # an image's or an audio's bytes
 _REMOTE_TIMEOUT_S = 10.0
 _IMAGE_PARTS = ("image_url", "input_image", "image")
 _AUDIO_PARTS = ("input_audio",)
+_VIDEO_PARTS = ("video_url",)
+_MEDIA_PARTS = _IMAGE_PARTS + _AUDIO_PARTS + _VIDEO_PARTS
+_FROM_VIDEOS = "\u2063omni-videos"  # marks the parts made of sglang-omni's `videos`: their 400s name it
+VIDEO_MAX_SECONDS = 300.0  # --video-max-seconds: docs/vision.md says why
+VIDEO_MAX_STREAM_FRAMES = 18_000  # --video-max-stream-frames: 300 s at 60 frames a second
+VIDEO_MAX_DECODED_PIXELS = 10_000_000_000  # --video-max-decoded-pixels: 300 s of 720p at 30 fps fits
 AUDIO_FORMATS = ("wav", "mp3", "flac")
 
 
 @dataclass(frozen=True, slots=True)
 class MediaPolicy:
-    """The worker's flags on image and audio input."""
+    """The worker's flags on image, audio and video input."""
 
     allowed_local_path: str | None = None  # --allowed-local-media-path
     allow_remote: bool = False  # --allow-remote-media
     max_images: int = 8  # --max-images: per request
     max_audio: int = 4  # --max-audio: per request
+    max_videos: int = 2  # --max-videos: per request
+    video_limits: video.VideoLimits = field(
+        default_factory=lambda: video.VideoLimits(0, VIDEO_MAX_SECONDS, VIDEO_MAX_STREAM_FRAMES,
+                                                  VIDEO_MAX_DECODED_PIXELS))
+    # --video-fps, --video-max-frames, --video-max-pixels
+    video_sampling: video.Sampling = field(default_factory=video.Sampling)
+
     # per-request totals, from each item's header before anything is decoded (0: no limit)
     request_max_pixels: int = 0  # --request-max-pixels
     request_max_audio_seconds: float = 0.0  # --request-max-audio-seconds
     request_max_media_bytes: int = 0  # --request-max-media-bytes
+
+@dataclass(frozen=True, slots=True)
+class VideoPart:
+    """A video's URL and the request field it came in (`messages` or `videos`)."""
+
+    url: str
+    param: str = "messages"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +103,8 @@ class ChatMedia:
     each marker stands for, in order: an image's URL or an audio part."""
 
     messages: list[ChatMessage]
-    items: list[str | AudioPart]
+    items: list[str | AudioPart | VideoPart]
+    sampling: video.Sampling = field(default_factory=video.Sampling)  # how the videos are sampled to frames
 
     @property
     def n_images(self) -> int:
@@ -81,12 +112,19 @@ class ChatMedia:
 
     @property
     def n_audio(self) -> int:
-        return len(self.items) - self.n_images
+        return sum(isinstance(i, AudioPart) for i in self.items)
+
+    @property
+    def n_videos(self) -> int:
+        return sum(isinstance(i, VideoPart) for i in self.items)
 
 
-def media_kinds(messages: list[ChatMessage], images: list[str] | None) -> set[str]:
-    """Which media the request sends: "image", "audio" (empty: none)."""
+def media_kinds(messages: list[ChatMessage], images: list[str] | None,
+                videos: list[str] | None = None) -> set[str]:
+    """Which media the request sends: "image", "audio", "video" (empty: none)."""
     kinds = {"image"} if images else set()
+    if videos:
+        kinds.add("video")
     for m in messages:
         if isinstance(m.content, list):
             for p in m.content:
@@ -95,21 +133,25 @@ def media_kinds(messages: list[ChatMessage], images: list[str] | None) -> set[st
                     kinds.add("image")
                 elif kind in _AUDIO_PARTS:
                     kinds.add("audio")
+                elif kind in _VIDEO_PARTS:
+                    kinds.add("video")
     return kinds
 
 
 def check_accepts(vision: Vision | None, kinds: set[str], model: str, backend_kind: str) -> None:
-    """400 not_supported_error, naming the model, for media it has no encoder for."""
-    if "image" in kinds and (vision is None or not vision.has_vision):
-        if vision is not None:
-            how = "its projector has no vision encoder"
-        elif backend_kind == "llama_cpp":
-            how = "it has no vision projector: serve it with --mmproj"
-        else:
-            how = ("it has no vision projector: the torch backend reads images for an "
-                   "Idefics3/SmolVLM model folder only")
-        raise APIError(f"model {model!r} does not accept images ({how})", param="messages",
-                       type="not_supported_error")
+    """400 not_supported_error, naming the model, for media it has no encoder for (a video is
+    frames: it needs the vision encoder)."""
+    for what in ("image", "video"):
+        if what in kinds and (vision is None or not vision.has_vision):
+            if vision is not None:
+                how = "its projector has no vision encoder"
+            elif backend_kind == "llama_cpp":
+                how = "it has no vision projector: serve it with --mmproj"
+            else:
+                how = ("it has no vision projector: the torch backend reads images for an "
+                       "Idefics3/SmolVLM model folder only")
+            raise APIError(f"model {model!r} does not accept {'video' if what == 'video' else 'images'} "
+                           f"({how})", param="messages", type="not_supported_error")
     if "audio" in kinds and (vision is None or not vision.has_audio):
         if backend_kind != "llama_cpp":
             how = "the torch backend takes no audio"
@@ -121,12 +163,13 @@ def check_accepts(vision: Vision | None, kinds: set[str], model: str, backend_ki
                        type="not_supported_error")
 
 
-def _url_of(part: dict[str, Any]) -> str:
-    value = part.get("image_url", part.get("url", part.get("source")))
+def _url_of(part: dict[str, Any], key: str = "image_url") -> str:
+    value = part.get(key, part.get("url", part.get("source")))
     if isinstance(value, dict):
         value = value.get("url")
     if not isinstance(value, str) or not value:
-        raise APIError(f"an image part of type {part.get('type')!r} has no URL", param="messages")
+        what = "a video" if key == "video_url" else "an image"
+        raise APIError(f"{what} part of type {part.get('type')!r} has no URL", param="messages")
     return value
 
 
@@ -145,23 +188,28 @@ def _audio_of(part: dict[str, Any], index: int) -> AudioPart:
     return AudioPart(data, fmt)
 
 
-def extract(messages: list[ChatMessage], images: list[str] | None, marker: str) -> ChatMedia:
+def extract(messages: list[ChatMessage], images: list[str] | None, marker: str,
+            videos: list[str] | None = None) -> ChatMedia:
     """Flatten each message with media into one string as llama-server does (text parts joined
-    with newlines, none before or after an image's or an audio's `marker`), noting the images'
-    URLs and the audio parts in order; sglang-omni's `images` go first in the last user message."""
-    items: list[str | AudioPart] = []
+    with newlines, none before or after an image's, an audio's or a video's `marker`), noting the
+    images' URLs, the audio parts and the videos in order; sglang-omni's `images`, then its
+    `videos`, go first in the last user message."""
+    items: list[str | AudioPart | VideoPart] = []
     out: list[ChatMessage] = []
     last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
-    if images and last_user < 0:
-        raise APIError("`images` needs a user message to go into", param="images")
+    for name, value in (("images", images), ("videos", videos)):
+        if value and last_user < 0:
+            raise APIError(f"`{name}` needs a user message to go into", param=name)
     for i, m in enumerate(messages):
         parts: list[dict[str, Any]] = (
             [{"type": "text", "text": m.content}] if isinstance(m.content, str)
             else list(m.content) if m.content is not None else []
         )
-        if i == last_user and images:
-            parts = [{"type": "image_url", "image_url": {"url": u}} for u in images] + parts
-        if not any(p.get("type") in _IMAGE_PARTS + _AUDIO_PARTS for p in parts):
+        if i == last_user and (images or videos):
+            parts = ([{"type": "image_url", "image_url": {"url": u}} for u in images or []]
+                     + [{"type": "video_url", "video_url": {"url": u}, _FROM_VIDEOS: 1} for u in videos or []]
+                     + parts)
+        if not any(p.get("type") in _MEDIA_PARTS for p in parts):
             out.append(m)
             continue
         text = ""
@@ -174,6 +222,10 @@ def extract(messages: list[ChatMessage], images: list[str] | None, marker: str) 
             elif kind in _AUDIO_PARTS:
                 items.append(_audio_of(p, sum(isinstance(x, AudioPart) for x in items)))
                 text, after_marker = text + marker, True
+            elif kind in _VIDEO_PARTS:
+                param = "videos" if p.get(_FROM_VIDEOS) else "messages"
+                items.append(VideoPart(_url_of(p, "video_url"), param))
+                text, after_marker = text + marker, True
             elif kind in ("text", "input_text"):
                 sep = "\n" if text and not after_marker else ""
                 text, after_marker = text + sep + str(p.get("text", "")), False
@@ -183,19 +235,35 @@ def extract(messages: list[ChatMessage], images: list[str] | None, marker: str) 
     return ChatMedia(out, items)
 
 
-def load_media(items: list[str | AudioPart], policy: MediaPolicy) -> list[bytes]:
-    """Each item's bytes, in order (an audio's as `AudioBytes`); blocking: file and network reads."""
-    out: list[bytes] = []
-    n_images = n_audio = 0
+def load_media(items: list[str | AudioPart | VideoPart], policy: MediaPolicy,
+               sampling: video.Sampling | None = None) -> list[list[bytes]]:
+    """Each item's media, in order: an image's bytes, an audio's `AudioBytes`, a video's sampled
+    frames (`FrameBytes`, the request's videos checked together against the limits); blocking:
+    file and network reads, video decoding."""
+    out: list[list[bytes]] = []
+    n_images = n_audio = n_videos = 0
+    spent = video.Spent()
     totals = _Totals(policy)
     for item in items:
         if isinstance(item, AudioPart):
-            out.append(load_audio(n_audio, item))
-            totals.add_audio(n_audio, out[-1])
+            out.append([load_audio(n_audio, item)])
+            totals.add_audio(n_audio, out[-1][0])
             n_audio += 1
+        elif isinstance(item, VideoPart):
+            where = f"video {n_videos}"
+            data = load_url(where, item.url, policy, "video", item.param)
+            totals.add_bytes(where, data, item.param)
+            try:
+                info = video.probe(where, data, policy.video_limits, spent)
+                out.append(list(video.sample(where, data, info, sampling or policy.video_sampling,
+                                             policy.video_limits, spent)))
+            except MediaError as e:
+                raise APIError(str(e), param=item.param) from None
+            spent.add(info)
+            n_videos += 1
         else:
-            out.append(load_image(n_images, item, policy))
-            totals.add_image(n_images, out[-1])
+            out.append([load_image(n_images, item, policy)])
+            totals.add_image(n_images, out[-1][0])
             n_images += 1
     return out
 
@@ -213,16 +281,16 @@ class _Totals:
         self.bytes = self.pixels = self.n_images = self.n_audio = 0
         self.seconds = 0.0
 
-    def _add_bytes(self, where: str, data: bytes) -> None:
+    def add_bytes(self, where: str, data: bytes, param: str = "messages") -> None:
         self.bytes += len(data)
         limit = self.policy.request_max_media_bytes
         if limit and self.bytes > limit:
             raise APIError(f"{where}: the request's media come to {self.bytes} bytes with it, over this "
-                           f"server's --request-max-media-bytes {limit}", param="messages")
+                           f"server's --request-max-media-bytes {limit}", param=param)
 
     def add_image(self, index: int, data: bytes) -> None:
         where = f"image {index}"
-        self._add_bytes(where, data)
+        self.add_bytes(where, data)
         size = media_probe.image_size(data)
         limit = self.policy.request_max_pixels
         if size is None or not limit:
@@ -236,7 +304,7 @@ class _Totals:
 
     def add_audio(self, index: int, data: bytes) -> None:
         where = f"audio {index}"
-        self._add_bytes(where, data)
+        self.add_bytes(where, data)
         seconds = media_probe.audio_seconds(data)
         limit = self.policy.request_max_audio_seconds
         if seconds is None or not limit:
@@ -247,6 +315,18 @@ class _Totals:
             raise APIError(f"{where}: the request's audio comes to {self.seconds:.1f} s with it, over this "
                            f"server's --request-max-audio-seconds {limit:g} (read from the headers, not "
                            "decoded)", param="messages")
+
+
+def expand_videos(text: str, marker: str, loaded: list[list[bytes]]) -> tuple[str, list[bytes]]:
+    """The prompt text with each item's one marker made one marker per frame (a video), and the
+    media in the order of the markers."""
+    pieces = text.split(marker)
+    if len(pieces) != len(loaded) + 1:  # the backend says so (its own count of markers)
+        return text, [m for media in loaded for m in media]
+    out = [pieces[0]]
+    for media, piece in zip(loaded, pieces[1:], strict=True):
+        out.append(marker * len(media) + piece)
+    return "".join(out), [m for media in loaded for m in media]
 
 
 def load_audio(index: int, part: AudioPart) -> AudioBytes:
@@ -268,48 +348,52 @@ def load_audio(index: int, part: AudioPart) -> AudioBytes:
 
 def load_image(index: int, url: str, policy: MediaPolicy) -> bytes:
     """The bytes of one image URL, under the policy (blocking: file and network reads)."""
-    where = f"image {index}"
+    return load_url(f"image {index}", url, policy)
+
+
+def load_url(where: str, url: str, policy: MediaPolicy, kind: str = "image",
+             param: str = "messages") -> bytes:
+    """The bytes of one image or video URL, under the policy (blocking: file and network reads)."""
     if url.startswith("data:"):
         header, sep, payload = url.partition(",")
         if not sep or ";base64" not in header:
-            raise APIError(f"{where}: a data URL must be base64 (data:image/png;base64,...)",
-                           param="messages")
+            raise APIError(f"{where}: a data URL must be base64 (data:{kind}/...;base64,...)", param=param)
         try:
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
-            raise APIError(f"{where}: the data URL is not valid base64", param="messages") from None
+            raise APIError(f"{where}: the data URL is not valid base64", param=param) from None
     elif url.startswith(("http://", "https://")):
         if not policy.allow_remote:
-            raise APIError(f"{where}: remote image URLs are refused (this server has no "
-                           "--allow-remote-media); send the image as a data URL", param="messages")
-        data = _fetch(where, url)
+            raise APIError(f"{where}: remote {kind} URLs are refused (this server has no "
+                           f"--allow-remote-media); send the {kind} as a data URL", param=param)
+        data = _fetch(where, url, param)
     else:
-        data = _read_local(where, url, policy)
+        data = _read_local(where, url, policy, kind, param)
     if len(data) > MAX_MEDIA_BYTES:
-        raise APIError(f"{where}: {len(data)} bytes is over the limit of {MAX_MEDIA_BYTES}", param="messages")
+        raise APIError(f"{where}: {len(data)} bytes is over the limit of {MAX_MEDIA_BYTES}", param=param)
     return data
 
 
-def _read_local(where: str, url: str, policy: MediaPolicy) -> bytes:
+def _read_local(where: str, url: str, policy: MediaPolicy, kind: str, param: str) -> bytes:
     if policy.allowed_local_path is None:
         raise APIError(f"{where}: local files are refused (this server has no --allowed-local-media-path); "
-                       "send the image as a data URL", param="messages")
+                       f"send the {kind} as a data URL", param=param)
     path = urllib.parse.unquote(urllib.parse.urlparse(url).path) if url.startswith("file://") else url
     root = Path(policy.allowed_local_path).resolve()
     real = Path(os.path.realpath(path))
     if not real.is_relative_to(root):
-        raise APIError(f"{where}: {path!r} is outside --allowed-local-media-path", param="messages")
+        raise APIError(f"{where}: {path!r} is outside --allowed-local-media-path", param=param)
     try:
         with real.open("rb") as f:
             return f.read(MAX_MEDIA_BYTES + 1)
     except OSError as e:
-        raise APIError(f"{where}: cannot read {path!r}: {e.strerror}", param="messages") from None
+        raise APIError(f"{where}: cannot read {path!r}: {e.strerror}", param=param) from None
 
 
-def _fetch(where: str, url: str) -> bytes:
+def _fetch(where: str, url: str, param: str) -> bytes:
     try:
         with urllib.request.urlopen(url, timeout=_REMOTE_TIMEOUT_S) as r:  # http(s) only, checked above
             data: bytes = r.read(MAX_MEDIA_BYTES + 1)
             return data
     except OSError as e:
-        raise APIError(f"{where}: cannot fetch {url!r}: {e}", param="messages") from None
+        raise APIError(f"{where}: cannot fetch {url!r}: {e}", param=param) from None

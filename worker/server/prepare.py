@@ -18,6 +18,7 @@ import anyio.to_thread
 
 from worker.backends.base import Vocab
 from worker.backends.media import MediaError, MediaPrompt
+from worker.backends.video import Sampling
 from worker.engine.grammar import Grammar, compile_grammar
 from worker.engine.reasoning_budget import reasoning_budget
 from worker.protocol import sampler_order
@@ -25,7 +26,7 @@ from worker.protocol.errors import APIError
 from worker.protocol.sampling import LoraKey, SamplingParams
 from worker.protocol.wire import ChatCompletionRequest, ChatMessage, new_id, now
 from worker.server.context import BackendLRU, check_prompt, tokenize_text
-from worker.server.media import ChatMedia, check_accepts, extract, load_media, media_kinds
+from worker.server.media import ChatMedia, check_accepts, expand_videos, extract, load_media, media_kinds
 from worker.server.openai_format import ResponseInfo
 from worker.server.state import REASONING_FORMATS, WorkerState
 from worker.server.structured import (
@@ -62,7 +63,7 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
     reasoning = reasoning_format(state, req.reasoning_format)
     rendered_tools = tools.tools if tools is not None and tools.is_active else None
     nv = req.nvext
-    media = chat_media(state, backend, req.messages, req.images)
+    media = chat_media(state, backend, req.messages, req.images, req.videos, video_sampling(state, req))
     messages = media.messages if media is not None else req.messages
     if nv is not None and nv.use_raw_prompt:
         text = "".join(m.text() for m in messages)
@@ -103,35 +104,64 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
     return PreparedChat(text, tokens, params, chat)
 
 
-def chat_media(state: WorkerState, backend: Vocab, messages: list[ChatMessage],
-               images: list[str] | None) -> ChatMedia | None:
-    """The request's images and audio as marker text and what each marker stands for (None: it
-    has none). 400s: a model without the encoder (not_supported_error), too many of either."""
-    kinds = media_kinds(messages, images)
+def chat_media(state: WorkerState, backend: Vocab, messages: list[ChatMessage], images: list[str] | None,
+               videos: list[str] | None = None, sampling: Sampling | None = None) -> ChatMedia | None:
+    """The request's images, audio and videos as marker text and what each marker stands for
+    (None: it has none). 400s: a model without the encoder (not_supported_error), too many of any."""
+    kinds = media_kinds(messages, images, videos)
     if not kinds:
         return None
     check_accepts(backend.vision, kinds, state.model_id, state.backend_kind)
     assert backend.vision is not None
-    media = extract(messages, images, backend.vision.marker)
+    media = extract(messages, images, backend.vision.marker, videos)
+    if sampling is not None:
+        media.sampling = sampling
     if media.n_images > state.media.max_images:
         raise APIError(f"{media.n_images} images in one request; this server takes at most "
                        f"{state.media.max_images} (--max-images)", param="messages")
     if media.n_audio > state.media.max_audio:
         raise APIError(f"{media.n_audio} audio parts in one request; this server takes at most "
                        f"{state.media.max_audio} (--max-audio)", param="messages")
+    if media.n_videos > state.media.max_videos:
+        raise APIError(f"{media.n_videos} videos in one request; this server takes at most "
+                       f"{state.media.max_videos} (--max-videos)", param="videos" if videos else "messages")
     return media
 
 
+def video_sampling(state: WorkerState, req: ChatCompletionRequest) -> Sampling:
+    """How the request's videos are sampled: sglang-omni's fields over the server's defaults; a
+    request may not take more frames than the server's --video-max-frames (400 naming the field)."""
+    base = state.media.video_sampling
+    if req.video_max_frames is not None and req.video_max_frames > base.max_frames:
+        raise APIError(f"video_max_frames {req.video_max_frames} is over this server's --video-max-frames "
+                       f"{base.max_frames}", param="video_max_frames")
+    mins, maxs = req.video_min_pixels, req.video_max_pixels
+    if mins is not None and maxs is not None and mins > maxs:
+        raise APIError("video_min_pixels must not be over video_max_pixels", param="video_min_pixels")
+    limit = state.media.video_limits.max_pixels
+    if mins is not None and limit and mins > limit:  # frames scaled up past what a header may say
+        raise APIError(f"video_min_pixels {mins} is over this server's --image-max-pixels {limit}",
+                       param="video_min_pixels")
+    return Sampling(
+        fps=req.video_fps if req.video_fps is not None else base.fps,
+        max_frames=req.video_max_frames if req.video_max_frames is not None else base.max_frames,
+        min_pixels=mins if mins is not None else base.min_pixels,
+        max_pixels=maxs if maxs is not None else base.max_pixels,
+        total_pixels=req.video_total_pixels if req.video_total_pixels is not None else base.total_pixels,
+    )
+
+
 async def media_prompt(state: WorkerState, backend: Vocab, text: str, media: ChatMedia) -> MediaPrompt:
-    """Load, decode, tokenize and encode the images and audio (off the event loop; cached by
-    their bytes)."""
+    """Load, decode, tokenize and encode the images, audio and videos' frames (off the event loop;
+    cached by their bytes)."""
     vision = backend.vision
     assert vision is not None
 
     def run() -> MediaPrompt:
-        items = load_media(media.items, state.media)
+        loaded = load_media(media.items, state.media, media.sampling)
+        expanded, items = expand_videos(text, vision.marker, loaded)
         try:
-            return vision.prepare(text, items)
+            return vision.prepare(expanded, items)
         except MediaError as e:
             raise APIError(str(e), param="messages") from None
 
