@@ -61,6 +61,13 @@ class Sync:
 
 
 @dataclass
+class Settle:
+    """A transient failure's time is over with nobody waiting: unloaded again (if still that failure)."""
+
+    attempt: int
+
+
+@dataclass
 class Poke:
     """Something changed (a waiter left, the last request finished, an idle timer fired): re-examine."""
 
@@ -142,6 +149,7 @@ Command = (
     | Drain
     | Reconfigure
     | Sync
+    | Settle
     | Poke
     | Estimated
     | Granted

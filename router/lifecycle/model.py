@@ -57,6 +57,10 @@ MAX_BACKOFF_S = 30.0
 QUEUED_NOTICE_S = 0.2  # a load not granted a slot this soon shows "queued" (else straight to "spawning")
 WORKER_DEFAULT_SLOTS = 4  # omni-worker's --parallel default
 KILLED_LOADS_KEPT = 3  # loads killed by a signal in a row that keep their queued requests waiting
+# A transient failure nobody waits on is shown `failed` this long (or its backoff, if longer), then
+# the model is unloaded again, the failure kept on its card; a pinned or load-on-startup model is
+# loaded again instead (KILLED_LOADS_KEPT times in a row at most).
+FAILED_SHOWN_S = 10.0
 # Requests forwarded to one of our workers at most: its slots and this many more (the default of
 # --forward-margin), so that a slot that frees is refilled from the worker's own queue without a
 # round trip to the router.
@@ -159,6 +163,7 @@ class ModelHandle:
     last_used: float = 0.0
     failures: int = 0
     retry_at: float = 0.0
+    last_failure: dict[str, Any] | None = None  # a transient failure it was unloaded after (its card)
     ready_since: float = 0.0
     memory: TreeMemory | None = None  # the worker's process tree, last sample; None without a process
     need: Estimate | None = None  # what this run was admitted with
@@ -390,6 +395,8 @@ class ModelHandle:
                 _reply(reply, True)
             case msg.Poke():
                 self._on_poke()
+            case msg.Settle(attempt):
+                self._on_settle(attempt)
             case msg.Estimated(attempt, need) if attempt == self._attempt:
                 self._on_estimated(need)
             case msg.Granted(attempt) if attempt == self._attempt:
@@ -474,6 +481,7 @@ class ModelHandle:
             self.release()
 
     def _begin_queue(self) -> None:
+        self.last_failure = None
         self.exit_code = None
         self.error = None
         self.info = None
@@ -873,12 +881,29 @@ class ModelHandle:
                      len(self._waiters), delay)
             asyncio.get_running_loop().call_later(delay, self._respawn_if_failed)
             return
+        if not failure.is_permanent:
+            loop = asyncio.get_running_loop()
+            if (self.preset.pin or self.preset.load_on_startup) and self.failures <= KILLED_LOADS_KEPT:
+                loop.call_later(self.retry_at - now, self._respawn_if_failed)  # the preset keeps it up
+            else:
+                attempt = self._attempt
+                loop.call_later(max(self.retry_at - now, FAILED_SHOWN_S),
+                                lambda: self._commands.put_nowait(msg.Settle(attempt)))
         self._fail_waiters(
             "",
             error=_permanent(self.name, failure.cause, self.log_tail)
             if failure.is_permanent
             else _unavailable(f"model {self.name!r} failed to load: {failure.cause}"),
         )
+
+    def _on_settle(self, attempt: int) -> None:
+        """Still the same transient failure, and nobody asked since: unloaded, as a crash of llama-swap's
+        or Ollama's leaves a model, the next request loading it (the failure stays on the card as
+        `last_failure`)."""
+        if (self.phase is Phase.FAILED and attempt == self._attempt and not self.is_permanent
+                and not self._waiters and not self.is_removed):
+            self.last_failure = {"exit_code": self.exit_code, "error": self.error}
+            self._set(Phase.UNLOADED)
 
     def _respawn_if_failed(self) -> None:
         """The backoff after a crash is over: load again, unless something else (an unload, a
@@ -962,6 +987,8 @@ class ModelHandle:
         if self.phase is Phase.FAILED:
             st.update(failed=True, exit_code=self.exit_code, error=self.error, log_tail=self.log_tail,
                       permanent=self.is_permanent)
+        elif self.phase is Phase.UNLOADED and self.last_failure is not None:
+            st["last_failure"] = self.last_failure
         if self.progress is not None:
             st["progress"] = self.progress
         return st

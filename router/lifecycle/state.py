@@ -52,6 +52,10 @@ class Phase(StrEnum):
         DRAINING                last request done, reload pending      STOPPING
         FALLING_ASLEEP|SLEEPING preset changed or removed (reload)     STOPPING
         UNLOADED|FAILED         preset changed (reload)                UNLOADED   (new preset at once)
+        FAILED (transient)      Settle: its backoff and FAILED_SHOWN_S UNLOADED   (the failure kept as
+                                  over, nobody waiting                            last_failure; pin or
+                                                                                  load-on-startup: a
+                                                                                  load instead)
         without a process       removed (reload)                       the owner ends (late askers: 404)
         READY                   idle for ttl (worker can sleep)        FALLING_ASLEEP (POST /sleep)
         READY                   idle for ttl (server without sleep)    STOPPING   (e.g. a `cmd` llama-server)

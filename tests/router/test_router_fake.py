@@ -188,6 +188,30 @@ def test_worker_killed_mid_stream_gives_an_error_event_then_recovers(router_fact
     assert r.status("a") == "loaded"
 
 
+def test_a_killed_model_nobody_asks_for_is_unloaded_again_and_a_kept_one_comes_back(
+    router_factory: Factory,
+) -> None:
+    """Issue 39: after a SIGKILL with nobody waiting, a model went `failed` and stayed so. Now it
+    is shown failed for FAILED_SHOWN_S, then unloaded with the failure on its card; a
+    load-on-startup model is loaded again after its backoff."""
+    r = router_factory(fake_model("a") + fake_model("b", extra="load-on-startup = true"))
+    with r.client() as c:
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
+    r.wait_status("b", "loaded")
+    pids = {w.pid for w in r.workers()}
+    for w in r.workers():
+        os.kill(w.pid, signal.SIGKILL)
+    assert r.wait_status("a", "failed")["status"]["exit_code"] == -9
+    came_back = r.wait_status("b", "loaded")  # by itself: its preset keeps it up
+    assert {w.pid for w in r.workers()} - pids, "b was respawned"
+    assert "last_failure" not in came_back["status"]
+    card = r.wait_status("a", "unloaded", timeout=30)
+    assert card["status"]["last_failure"]["exit_code"] == -9 and "failed" not in card["status"]
+    with r.client() as c:
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
+    assert "last_failure" not in r.models()["a"]["status"]
+
+
 def test_failed_load_reports_exit_code_and_backs_off(router_factory: Factory) -> None:
     r = router_factory(fake_model("a", "--fail-load", "--load-time", "0.3"))
     with r.client() as c:
