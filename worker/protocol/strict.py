@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-_BEAM = "beam search is not implemented"
+_BEAM = "beam search is set on chat, completion and Responses requests, not on this API"
 _MEDIA = ("sglang-omni's audio and video inputs are not implemented yet (images are: see `images`; "
           "audio goes in chat `input_audio` parts)")
 
@@ -56,11 +56,11 @@ REFUSED: dict[str, str] = {
     # speech (OpenAI); a `cmd`/`remote` upstream that serves audio gets these untouched
     "audio": "this model does not produce audio (no text-to-speech here)",
     "voice": "this model does not produce audio (no text-to-speech here)",
-    # beam search
+    # beam search: real fields of chat, completion and Responses requests (worker/engine/beam.py)
     "best_of": _BEAM,
     "use_beam_search": _BEAM,
     "length_penalty": _BEAM,
-    "early_stopping": _BEAM,
+    "early_stopping": "beam search runs until every beam has ended (vLLM's beam search): only false",
     # Dynamo
     "annotations": "Dynamo's annotation events (formatted_prompt, token_ids) are not produced here",
     # older OpenAI shapes

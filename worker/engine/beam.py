@@ -1,0 +1,252 @@
+"""Beam search: OVMS's `best_of` (the beam width), vLLM's `use_beam_search`, `length_penalty`.
+
+A request of width W runs on W slots of the engine; each live beam is one KV sequence, and all
+beams of all requests advance in the engine's shared batch, one decode row each per step. The
+search is vLLM's (`LLM.beam_search`), with OVMS's and vLLM's score:
+
+    score(h) = sum of h's token log-probabilities / len(h) ** length_penalty
+
+where len(h) counts h's generated tokens, its end-of-generation token included. One step:
+
+1. Every live beam b (cumulative log-probability s_b) proposes its W most likely next tokens t,
+   as candidates of cumulative log-probability s_b + log p(t | b). Log-probabilities are the
+   log-softmax of the raw logits plus the request's `logit_bias`, in float64; a token of
+   probability 0 (a bias of -inf) is never a candidate.
+2. The W best candidates of all beams are kept (by cumulative log-probability: at one step
+   every candidate has the same length, so that is also the order of their scores; ties go to
+   the lower beam, then the lower token id). A kept candidate that ends (end of generation,
+   unless `ignore_eos`; a stop string; `max_tokens`; a full context) is a finished hypothesis;
+   the others are the next step's live beams, so that the live beams thin out as beams end.
+3. The search ends when no beam is live. The answer is the `n` best finished hypotheses by score.
+
+So a search whose width covers every candidate at every step prunes nothing and returns the
+exhaustive top n; width 1 is greedy decoding.
+
+KV (copy on write). The prompt is computed once, in the first slot; its logits start the
+search, and each further beam gets the prompt's rows with `KvBook.copy` (the torch backend
+shares the cells; llama.cpp copies the sequence's own cells). After a step, a beam's first
+kept child stays in its parent's slot and decodes on; every further child takes the slot of a
+beam that had no kept child and copies its parent's sequence there. A width-W request never
+holds more than W slots (admission counts them, worker/engine/scheduler.py); slots that no
+live beam needs any more are freed at once.
+
+Output. Each finished hypothesis keeps its own detokenizer and stop-string matcher (forked
+from its parent's), so its text and stop word are exactly what a sampled sequence of the same
+tokens would give. The engine emits the n best at the end, choice by choice (token events, then
+the finish event): with beam search nothing can be streamed before the search ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from worker.engine.slot import Slot
+from worker.engine.task import Event, FinishEvent, FinishReason, Task, TaskStats, TextOutput, TokenEvent
+from worker.protocol.sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class _Token:
+    """One generated token of a hypothesis, as a node of the tree of beams (parent first)."""
+
+    parent: _Token | None
+    token: int
+    logprob: float
+    text: str  # what it adds to the output (empty for the end-of-generation token)
+    top: tuple[tuple[int, float], ...]
+    is_shown: bool  # an end-of-generation token is counted, never shown
+
+
+@dataclass(slots=True)
+class Beam:
+    """A live beam: its last token (None before the first), cumulative log-probability, length,
+    text output and the slot whose sequence holds its tokens."""
+
+    last: _Token | None
+    logprob: float
+    length: int
+    output: TextOutput
+    slot: Slot
+
+
+@dataclass(slots=True)
+class Hypothesis:
+    """A finished beam."""
+
+    last: _Token | None
+    logprob: float
+    length: int
+    output: TextOutput
+    reason: FinishReason
+    stop_word: str | None
+    score: float
+
+    def tokens(self) -> list[_Token]:
+        out: list[_Token] = []
+        node = self.last
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out[::-1]
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """Beam `beam` (an index of the live beams) extended by `token`."""
+
+    beam: int
+    token: int
+    logprob: float  # cumulative
+    token_logprob: float
+
+
+def score(logprob: float, length: int, length_penalty: float) -> float:
+    """OVMS's and vLLM's beam score: cumulative log-probability / length ** length_penalty."""
+    return logprob / (max(length, 1) ** length_penalty)
+
+
+def log_softmax(row: np.ndarray, bias: dict[int, float]) -> np.ndarray:
+    """float64 log-probabilities of one logits row, `bias` added first (-inf: never)."""
+    x = row.astype(np.float64)
+    if bias:
+        ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+        x[ids] += np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
+    m = x.max()
+    out: np.ndarray = x - (m + math.log(float(np.exp(x - m).sum())))
+    return out
+
+
+def best_candidates(beams: Sequence[tuple[float, np.ndarray]], width: int) -> list[Candidate]:
+    """The `width` best extensions of the live beams ((cumulative log-probability, next-token
+    log-probabilities) each): step 1 and 2 of the module doc."""
+    cands: list[Candidate] = []
+    for b, (base, lp) in enumerate(beams):
+        k = min(width, lp.shape[0])
+        ids = np.argpartition(-lp, k - 1)[:k] if k < lp.shape[0] else np.arange(lp.shape[0])
+        for t in ids.tolist():
+            v = float(lp[t])
+            if v != -math.inf:
+                cands.append(Candidate(b, int(t), base + v, v))
+    cands.sort(key=lambda c: (-c.logprob, c.beam, c.token))
+    return cands[:width]
+
+
+def top_logprobs(lp: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
+    if k <= 0:
+        return ()
+    k = min(k, lp.shape[0])
+    ids = np.argpartition(-lp, k - 1)[:k]
+    ids = ids[np.argsort(-lp[ids], kind="stable")]
+    return tuple((int(t), float(lp[t])) for t in ids)
+
+
+@dataclass(slots=True)
+class Step:
+    """What one step decided: the live beams' new slots to fill and the KV copies that do it."""
+
+    copies: list[tuple[Slot, Slot, int]] = field(default_factory=list)  # (from, to, rows)
+    freed: list[Slot] = field(default_factory=list)  # slots no live beam needs any more
+
+
+class BeamSearch:
+    """One request's search (engine thread). `slots`: the W slots admission gave it, the first
+    holding the prompt."""
+
+    def __init__(self, params: SamplingParams, slots: list[Slot], n_ctx_seq: int,
+                 is_eog: Callable[[int], bool], piece: Callable[[int], bytes]) -> None:
+        self.params = params
+        self.width = params.beam_width
+        self.n_ctx_seq = n_ctx_seq
+        self._is_eog = is_eog
+        self._piece = piece
+        self.spare = slots[1:]  # slots no live beam holds
+        self.live = [Beam(None, 0.0, 0, TextOutput(params.stop), slots[0])]
+        self.done: list[Hypothesis] = []
+
+    @property
+    def is_done(self) -> bool:
+        return not self.live
+
+    def slots(self) -> list[Slot]:
+        return [b.slot for b in self.live] + self.spare
+
+    def step(self, rows: dict[int, np.ndarray]) -> Step:
+        """Advance by one token: `rows` holds each live beam's logits, by slot id."""
+        p = self.params
+        lps = [log_softmax(rows[b.slot.id], p.logit_bias) for b in self.live]
+        chosen = best_candidates([(b.logprob, lp) for b, lp in zip(self.live, lps, strict=True)], self.width)
+        step = Step()
+        parents = self.live
+        kept: list[tuple[Candidate, Beam]] = []
+        left = Counter(c.beam for c in chosen)  # children of each parent still to come
+        for c in chosen:
+            parent = parents[c.beam]
+            left[c.beam] -= 1  # the last child takes the parent's output, the others a copy of it
+            output = parent.output if left[c.beam] == 0 else copy.deepcopy(parent.output)
+            is_eog = not p.ignore_eos and self._is_eog(c.token)
+            text, stop_word = ("", None) if is_eog else output.push(self._piece(c.token))
+            top = top_logprobs(lps[c.beam], p.top_logprobs) if p.logprobs else ()
+            node = _Token(parent.last, c.token, c.token_logprob, text, top, not is_eog)
+            length = parent.length + 1
+            reason: FinishReason | None = "stop" if is_eog or stop_word is not None else None
+            if reason is None and (
+                (p.max_tokens is not None and length >= p.max_tokens)
+                or len(parent.slot.cache) + 1 >= self.n_ctx_seq
+            ):
+                reason = "length"
+            if reason is not None:
+                self.done.append(Hypothesis(node, c.logprob, length, output, reason, stop_word,
+                                            score(c.logprob, length, p.length_penalty)))
+            else:
+                kept.append((c, Beam(node, c.logprob, length, output, parent.slot)))
+        self.live = self._place(kept, step)
+        return step
+
+    def _place(self, kept: list[tuple[Candidate, Beam]], step: Step) -> list[Beam]:
+        """Give each kept beam a slot: its parent's for the first child, a free one (and a copy
+        of the parent's sequence) for the others."""
+        parent_slots = [b.slot for b in self.live]
+        has_child = {c.beam for c, _ in kept}
+        free = [s for i, s in enumerate(parent_slots) if i not in has_child] + self.spare
+        placed: set[int] = set()
+        out: list[Beam] = []
+        for c, beam in kept:
+            if c.beam not in placed:
+                placed.add(c.beam)
+            else:
+                dst = free.pop(0)
+                step.copies.append((beam.slot, dst, len(beam.slot.cache)))
+                beam.slot = dst
+            out.append(beam)
+        self.spare = []
+        step.freed = free
+        return out
+
+    def best(self) -> list[Hypothesis]:
+        """The n best finished hypotheses, best first (stable: the earlier finished on a tie)."""
+        return sorted(self.done, key=lambda h: -h.score)[: self.params.n]
+
+
+def emit_results(task: Task, search: BeamSearch, emits: Sequence[Callable[[Event], None]]) -> int:
+    """Send the n best hypotheses to the request's choices: token events, then the finish event.
+    Returns the tokens generated, all hypotheses' end tokens counted."""
+    want_lp = search.params.logprobs
+    n_total = 0
+    for emit, hyp in zip(emits, search.best(), strict=False):
+        for node in hyp.tokens():
+            if node.is_shown:
+                lp = node.logprob if want_lp else None
+                emit(TokenEvent(node.text, node.token, lp, list(node.top)))
+        stats: TaskStats = dataclasses.replace(task.stats, n_decoded=hyp.length)
+        emit(FinishEvent(hyp.reason, hyp.output.finish(), hyp.stop_word, stats))
+        n_total += hyp.length
+    for emit in emits[len(search.best()):]:  # fewer distinct answers than n (a logit_bias left too few tokens)
+        emit(FinishEvent("stop", "", None, dataclasses.replace(task.stats, n_decoded=0)))
+    return n_total
