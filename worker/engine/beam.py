@@ -26,9 +26,9 @@ KV (copy on write). The prompt is computed once, in the first slot; its logits s
 search, and each further beam gets the prompt's rows with `KvBook.copy` (the torch backend
 shares the cells; llama.cpp copies the sequence's own cells). After a step, a beam's first
 kept child stays in its parent's slot and decodes on; every further child takes the slot of a
-beam that had no kept child and copies its parent's sequence there. A width-W request never
-holds more than W slots (admission counts them, worker/engine/scheduler.py); slots that no
-live beam needs any more are freed at once.
+beam that had no kept child and copies its parent's sequence there. A width-W request holds
+W slots from admission (which counts them, worker/engine/scheduler.py) to its end: fewer live
+beams at one step may be W again at the next.
 
 Output. Each finished hypothesis keeps its own detokenizer and stop-string matcher (forked
 from its parent's), so its text and stop word are exactly what a sampled sequence of the same
@@ -152,7 +152,6 @@ class Step:
     """What one step decided: the live beams' new slots to fill and the KV copies that do it."""
 
     copies: list[tuple[Slot, Slot, int]] = field(default_factory=list)  # (from, to, rows)
-    freed: list[Slot] = field(default_factory=list)  # slots no live beam needs any more
 
 
 class BeamSearch:
@@ -225,8 +224,7 @@ class BeamSearch:
                 step.copies.append((beam.slot, dst, len(beam.slot.cache)))
                 beam.slot = dst
             out.append(beam)
-        self.spare = []
-        step.freed = free
+        self.spare = free  # held: a later step may keep more live beams than this one
         return out
 
     def best(self) -> list[Hypothesis]:
@@ -245,7 +243,7 @@ def emit_results(task: Task, search: BeamSearch, emits: Sequence[Callable[[Event
                 lp = node.logprob if want_lp else None
                 emit(TokenEvent(node.text, node.token, lp, list(node.top)))
         stats: TaskStats = dataclasses.replace(task.stats, n_decoded=hyp.length)
-        emit(FinishEvent(hyp.reason, hyp.output.finish(), hyp.stop_word, stats))
+        emit(FinishEvent(hyp.reason, hyp.output.finish(), hyp.stop_word, stats, hyp.score))
         n_total += hyp.length
     for emit in emits[len(search.best()):]:  # fewer distinct answers than n (a logit_bias left too few tokens)
         emit(FinishEvent("stop", "", None, dataclasses.replace(task.stats, n_decoded=0)))

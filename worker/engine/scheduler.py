@@ -617,8 +617,8 @@ class Scheduler:
     def advance_beams(self, rows: dict[int, np.ndarray]) -> list[Task]:
         """One step of every beam search that has logits this step (`rows`: by slot id; every
         live beam of a search decodes in the same step): the search picks the next beams
-        (worker/engine/beam.py), the slots follow (KV copies, freed slots). Returns the searches
-        that ended, their slots all freed."""
+        (worker/engine/beam.py), the slots follow (KV copies). Returns the searches that ended,
+        their slots all freed."""
         ended: list[Task] = []
         searches = {id(s.task): s.task for s in self.slots if s.id in rows and s.task is not None}
         for task in searches.values():
@@ -632,12 +632,12 @@ class Scheduler:
             task.stats.n_decoded += 1
             for src, dst, n in step.copies:
                 self.kv.copy(src, dst, n)
-            for slot in step.freed:
-                slot.release()
             for beam in search.live:
                 assert beam.last is not None
                 beam.slot.feed = [beam.last.token]
             if search.is_done:
+                for slot in search.slots():
+                    slot.release()
                 ended.append(task)
         return ended
 

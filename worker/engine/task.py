@@ -88,6 +88,7 @@ class FinishEvent:
     text: str  # the held-back tail, flushed at the end
     stop_word: str | None
     stats: TaskStats
+    score: float | None = None  # a beam search's answer: its score (worker/engine/beam.py)
 
 
 @dataclass(slots=True)
