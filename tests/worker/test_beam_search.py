@@ -100,7 +100,7 @@ def exhaustive(model: Any, prompt: list[int], n: int, max_tokens: int, length_pe
         mask[allowed] = 0.0
         lp = torch.log_softmax(logits + mask, -1)
         for t in allowed:
-            seq, v = toks + [t], s + float(lp[t])
+            seq, v = [*toks, t], s + float(lp[t])
             if t == EOS or len(seq) == max_tokens:
                 out.append((seq, v, "stop" if t == EOS else "length"))
             else:

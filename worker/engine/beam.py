@@ -109,7 +109,7 @@ class Candidate:
 
 def score(logprob: float, length: int, length_penalty: float) -> float:
     """OVMS's and vLLM's beam score: cumulative log-probability / length ** length_penalty."""
-    return logprob / (max(length, 1) ** length_penalty)
+    return logprob / float(max(length, 1) ** length_penalty)
 
 
 def log_softmax(row: np.ndarray, bias: dict[int, float]) -> np.ndarray:
@@ -245,6 +245,6 @@ def emit_results(task: Task, search: BeamSearch, emits: Sequence[Callable[[Event
         stats: TaskStats = dataclasses.replace(task.stats, n_decoded=hyp.length)
         emit(FinishEvent(hyp.reason, hyp.output.finish(), hyp.stop_word, stats, hyp.score))
         n_total += hyp.length
-    for emit in emits[len(search.best()):]:  # fewer distinct answers than n (a logit_bias left too few tokens)
+    for emit in emits[len(search.best()):]:  # fewer answers than n (a logit_bias left too few tokens)
         emit(FinishEvent("stop", "", None, dataclasses.replace(task.stats, n_decoded=0)))
     return n_total

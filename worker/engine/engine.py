@@ -610,8 +610,8 @@ class Engine:
         m.prefix_hit_tokens.inc(st.n_cached)
         best = task.beam.best()
         m.requests.labels(best[0].reason if best else "stop").inc()
-        log.info("task %d: beam search of width %d done in %d steps (%.1f ms), %d answers",
-                 task.id, task.beam.width, st.n_decoded, st.predicted_ms, min(task.params.n, len(task.beam.done)))
+        log.info("task %d: beam search of width %d done in %d steps (%.1f ms), %d answers", task.id,
+                 task.beam.width, st.n_decoded, st.predicted_ms, min(task.params.n, len(task.beam.done)))
 
     def _finish_embedding(self, task: Task, vectors: Any) -> None:
         if task.on_embedding is None:  # the HTTP layer refuses generation on an embedding model

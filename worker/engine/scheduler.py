@@ -169,7 +169,8 @@ class Scheduler:
                 assert task is not None
                 if task not in dropped:  # a beam search's slots all hold it
                     log.info(
-                        "task %d cancelled (slot %d freed after %d tokens)", task.id, s.id, task.stats.n_decoded
+                        "task %d cancelled (slot %d freed after %d tokens)", task.id, s.id,
+                        task.stats.n_decoded,
                     )
                     dropped.append(task)
         if any(t.is_cancelled for t in self.waiting):
@@ -200,14 +201,15 @@ class Scheduler:
             and self.waiting
             and not any(s.is_idle for s in self.slots)
         ):
-            task = next((t for t in self.waiting if not t.generated and not t.params.beam_width), None)
-            if task is not None and self._place(task, [staging]):
-                self.waiting.remove(task)
-                log.info("task %d: every slot busy, prefilling it in the staging sequence", task.id)
+            staged = next((t for t in self.waiting if not t.generated and not t.params.beam_width), None)
+            if staged is not None and self._place(staged, [staging]):
+                self.waiting.remove(staged)
+                log.info("task %d: every slot busy, prefilling it in the staging sequence", staged.id)
 
     def _has_room(self, task: Task) -> bool:
         """A beam search of width W waits for W idle slots (FIFO: those behind it wait too)."""
-        return task.params.beam_width <= 1 or sum(1 for s in self.slots if s.is_idle) >= task.params.beam_width
+        width = task.params.beam_width
+        return width <= 1 or sum(1 for s in self.slots if s.is_idle) >= width
 
     def _start_beams(self, task: Task) -> None:
         """`task` (a beam search) has its first slot: reserve the others, nearest first (llama.cpp

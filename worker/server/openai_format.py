@@ -445,7 +445,8 @@ async def stream_completion(
             offsets[index] += len(ev.text)
         elif isinstance(ev, FinishEvent):
             finishes[index] = ev
-            choice = {"index": index, "text": ev.text, "logprobs": None, "finish_reason": ev.reason, **_score(ev)}
+            choice = {"index": index, "text": ev.text, "logprobs": None, "finish_reason": ev.reason,
+                      **_score(ev)}
             yield sse({**head, "choices": [choice], "timings": timings(ev.stats)})
         elif isinstance(ev, ProgressEvent):
             yield chunk(index, "", **progress(ev, timings_per_token))
