@@ -10,7 +10,7 @@ where len(h) counts h's generated tokens, its end-of-generation token included. 
 
 1. Every live beam b (cumulative log-probability s_b) proposes its W most likely next tokens t,
    as candidates of cumulative log-probability s_b + log p(t | b). Log-probabilities are the
-   log-softmax of the raw logits plus the request's `logit_bias`, in float64; a token of
+   log-softmax of the raw logits plus the request's `logit_bias` (`NextToken`); a token of
    probability 0 (a bias of -inf) is never a candidate.
 2. The W best candidates of all beams are kept (by cumulative log-probability: at one step
    every candidate has the same length, so that is also the order of their scores; ties go to
@@ -112,39 +112,66 @@ def score(logprob: float, length: int, length_penalty: float) -> float:
     return logprob / float(max(length, 1) ** length_penalty)
 
 
-def log_softmax(row: np.ndarray, bias: dict[int, float]) -> np.ndarray:
-    """float64 log-probabilities of one logits row, `bias` added first (-inf: never)."""
-    x = row.astype(np.float64)
-    if bias:
-        ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
-        x[ids] += np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
-    m = x.max()
-    out: np.ndarray = x - (m + math.log(float(np.exp(x - m).sum())))
-    return out
+@dataclass(frozen=True, slots=True)
+class NextToken:
+    """One beam's next-token distribution: log p(t) = x[t] - lse, where x is the logits row with
+    the bias added (float32, as the backend gives it) and lse its log-sum-exp (float32
+    exponentials summed in float64: within ~1e-7 of a float64 log-softmax, at a tenth of its
+    cost on a 49k vocabulary)."""
+
+    x: np.ndarray
+    lse: float
+
+    @staticmethod
+    def of(row: np.ndarray, bias: dict[int, float]) -> NextToken:
+        x = np.asarray(row, dtype=np.float32)
+        if bias:
+            x = x.copy()
+            ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+            x[ids] += np.fromiter(bias.values(), dtype=np.float32, count=len(bias))
+        m = float(x.max())
+        return NextToken(x, m + math.log(float(np.exp(x - m).sum(dtype=np.float64))))
+
+    def logprob(self, token: int) -> float:
+        return float(self.x[token]) - self.lse
+
+    def top(self, k: int) -> list[int]:
+        """The k most likely tokens of probability > 0, most likely first (ties: the lower id)."""
+        x = self.x
+        k = min(k, x.shape[0])
+        if k <= 8:  # a few argmax passes beat a partition of the whole vocabulary
+            out: list[int] = []
+            saved: list[float] = []
+            for _ in range(k):
+                t = int(x.argmax())
+                if x[t] == -math.inf:
+                    break
+                out.append(t)
+                saved.append(float(x[t]))
+                x[t] = -math.inf
+            for t, v in zip(out, saved, strict=True):
+                x[t] = v
+            return out
+        kth = x[np.argpartition(-x, k - 1)[k - 1]]
+        ids = np.flatnonzero((x >= kth) & (x > -math.inf))  # every tie of the k-th value
+        return [int(t) for t in ids[np.lexsort((ids, -x[ids]))][:k]]
 
 
-def best_candidates(beams: Sequence[tuple[float, np.ndarray]], width: int) -> list[Candidate]:
+def best_candidates(beams: Sequence[tuple[float, NextToken]], width: int) -> list[Candidate]:
     """The `width` best extensions of the live beams ((cumulative log-probability, next-token
-    log-probabilities) each): step 1 and 2 of the module doc."""
+    distribution) each): step 1 and 2 of the module doc."""
     cands: list[Candidate] = []
-    for b, (base, lp) in enumerate(beams):
-        k = min(width, lp.shape[0])
-        ids = np.argpartition(-lp, k - 1)[:k] if k < lp.shape[0] else np.arange(lp.shape[0])
-        for t in ids.tolist():
-            v = float(lp[t])
+    for b, (base, dist) in enumerate(beams):
+        for t in dist.top(width):
+            v = dist.logprob(t)
             if v != -math.inf:
-                cands.append(Candidate(b, int(t), base + v, v))
+                cands.append(Candidate(b, t, base + v, v))
     cands.sort(key=lambda c: (-c.logprob, c.beam, c.token))
     return cands[:width]
 
 
-def top_logprobs(lp: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
-    if k <= 0:
-        return ()
-    k = min(k, lp.shape[0])
-    ids = np.argpartition(-lp, k - 1)[:k]
-    ids = ids[np.argsort(-lp[ids], kind="stable")]
-    return tuple((int(t), float(lp[t])) for t in ids)
+def top_logprobs(dist: NextToken, k: int) -> tuple[tuple[int, float], ...]:
+    return tuple((t, dist.logprob(t)) for t in dist.top(k)) if k > 0 else ()
 
 
 @dataclass(slots=True)
@@ -179,7 +206,7 @@ class BeamSearch:
     def step(self, rows: dict[int, np.ndarray]) -> Step:
         """Advance by one token: `rows` holds each live beam's logits, by slot id."""
         p = self.params
-        lps = [log_softmax(rows[b.slot.id], p.logit_bias) for b in self.live]
+        lps = [NextToken.of(rows[b.slot.id], p.logit_bias) for b in self.live]
         chosen = best_candidates([(b.logprob, lp) for b, lp in zip(self.live, lps, strict=True)], self.width)
         step = Step()
         parents = self.live
