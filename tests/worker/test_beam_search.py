@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.util import run_worker
+from tests.util import run_worker, wait_until
 from tests.worker.conftest import Worker, require_backend, worker_args
 from worker.testing.tiny_models import ModelPaths
 
@@ -38,7 +38,7 @@ def beam_worker(request: pytest.FixtureRequest, tiny_models: ModelPaths) -> Iter
     backend: str = request.param
     require_backend(backend)
     model, extra = worker_args(backend, tiny_models)
-    with run_worker(model, "--parallel", str(N_SLOTS), "--ctx-size", str(N_SLOTS * 64), *extra,
+    with run_worker(model, "--parallel", str(N_SLOTS), "--ctx-size", str(N_SLOTS * 512), *extra,
                     timeout=120) as url:
         yield Worker(url, backend)
 
@@ -195,6 +195,19 @@ def test_beam_searches_wider_than_the_free_slots_wait_their_turn(beam_worker: Wo
         both = list(pool.map(lambda _: beam_worker.post("/v1/completions", body).json()["choices"], range(2)))
     for choices in both:
         assert [c["text"] for c in choices] == [c["text"] for c in alone]
+
+
+def test_a_cancelled_beam_search_frees_all_its_slots(beam_worker: Worker) -> None:
+    """A client that leaves a streamed search mid-way: every one of its W slots is freed, and
+    the next search runs."""
+    body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "best_of": 10, "stream": True}
+    with httpx.stream("POST", beam_worker.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        wait_until(lambda: sum(s["is_processing"] for s in beam_worker.get("/slots").json()) == 10,
+                   what="the search holds 10 slots")
+    wait_until(lambda: not any(s["is_processing"] for s in beam_worker.get("/slots").json()),
+               what="every slot freed")
+    assert len(beam(beam_worker, n_predict=4, best_of=N_SLOTS, n=2)) == 2
 
 
 @pytest.mark.parametrize(
