@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1,
-                    help="the worker's threads (1: on a shared 2-core box, more threads only wait on each other)")
+                    help="the worker's threads (1: on a shared 2-core box, more only wait on each other)")
     args = ap.parse_args()
     kinds = {"greedy": {}, f"beam{args.width}": {"best_of": args.width, "n": 1}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,7 +97,8 @@ def main() -> None:
     print(f"\nSmolLM2-135M-Instruct, {backend}, {args.threads} thread(s), N = 1, {args.max_tokens} tokens, "
           f"{args.rounds} rounds (medians)")
     for name in kinds:
-        print(f"  {name:7s} wall {median(walls[name]) * 1e3:8.1f} ms   generating {median(gen_ms[name]):8.1f} ms")
+        wall, gen = median(walls[name]) * 1e3, median(gen_ms[name])
+        print(f"  {name:7s} wall {wall:8.1f} ms   generating {gen:8.1f} ms")
     ratio = median(walls[b]) / median(walls["greedy"])
     gen_ratio = median(gen_ms[b]) / median(gen_ms["greedy"])
     print(f"  {b} / {g.strip()}: {ratio:.2f}x wall, {gen_ratio:.2f}x generating (bound: 1.5x)")
