@@ -222,6 +222,7 @@ def test_a_cancelled_beam_search_frees_all_its_slots(beam_worker: Worker) -> Non
         ({"best_of": 4, "response_format": {"type": "json_object"}}, "response_format"),
         ({"best_of": 4, "length_penalty": "nan"}, "length_penalty"),
         ({"best_of": 4, "early_stopping": True}, "early_stopping"),
+        ({"best_of": 4, "post_sampling_probs": True, "logprobs": True}, "post_sampling_probs"),
     ],
 )
 def test_beam_search_bad_input_is_a_400_naming_the_field(beam_worker: Worker, body: dict[str, Any],

@@ -309,6 +309,9 @@ def check_beam_search(state: WorkerState, params: SamplingParams) -> None:
     if params.speculative is not None:
         raise APIError("beam search does not speculate: leave the speculative-decoding settings out",
                        param="num_assistant_tokens")
+    if params.post_sampling_probs:
+        raise APIError("beam search runs no sampler chain: its logprobs are the model's own "
+                       "(leave post_sampling_probs out)", param="post_sampling_probs")
 
 
 def beam_with_grammar(params: SamplingParams, param: str) -> None:
