@@ -221,6 +221,7 @@ def test_a_cancelled_beam_search_frees_all_its_slots(beam_worker: Worker) -> Non
         ({"best_of": 4, "repeat_penalty": 1.3}, "repeat_penalty"),
         ({"best_of": 4, "response_format": {"type": "json_object"}}, "response_format"),
         ({"best_of": 4, "length_penalty": "nan"}, "length_penalty"),
+        ({"length_penalty": 0.5}, "length_penalty"),  # scores beam search only: alone it would do nothing
         ({"best_of": 4, "early_stopping": True}, "early_stopping"),
         ({"best_of": 4, "post_sampling_probs": True, "logprobs": True}, "post_sampling_probs"),
     ],

@@ -151,6 +151,9 @@ class _SamplingRequest(StrictModel):
             raise APIError(f"best_of ({self.best_of}) must be at least n ({self.n}): the n best of best_of "
                            "beams are returned", param="best_of")
         if not self.is_beam_search:
+            if self.length_penalty != 1.0:
+                raise APIError("length_penalty scores beam search only: set best_of > 1 or use_beam_search",
+                               param="length_penalty")
             return self
         if self.temperature is not None and self.temperature > 0 and not self.greedy_sampling:
             raise APIError("beam search is deterministic: temperature must be 0 or left out (sampling "
