@@ -197,6 +197,20 @@ def test_beam_searches_wider_than_the_free_slots_wait_their_turn(beam_worker: Wo
         assert [c["text"] for c in choices] == [c["text"] for c in alone]
 
 
+def test_a_greedy_request_beside_a_beam_search_gets_its_own_answer(beam_worker: Worker) -> None:
+    """Sampled slots and beam slots share a step: each sampled slot must read its own logits row."""
+    greedy = {"prompt": [0, 5, 6, 7, 8], "max_tokens": 16, "temperature": 0}
+    alone = beam_worker.post("/v1/completions", greedy).json()["choices"][0]["text"]
+    wide = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "best_of": 8, "stream": True}
+    with httpx.stream("POST", beam_worker.url + "/v1/completions", json=wide, timeout=60) as r:
+        assert r.status_code == 200
+        wait_until(lambda: sum(s["is_processing"] for s in beam_worker.get("/slots").json()) == 8,
+                   what="the search holds 8 slots")
+        beside = beam_worker.post("/v1/completions", greedy).json()["choices"][0]["text"]
+        assert sum(s["is_processing"] for s in beam_worker.get("/slots").json()) == 8  # still beside it
+    assert beside == alone
+
+
 def test_a_cancelled_beam_search_frees_all_its_slots(beam_worker: Worker) -> None:
     """A client that leaves a streamed search mid-way: every one of its W slots is freed, and
     the next search runs."""

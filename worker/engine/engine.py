@@ -468,8 +468,11 @@ class Engine:
             rows = self._wait_masks(masks) if masks is not None else [None] * len(slots)
             first = _first_rows(plan)  # an entry's first output row (a verify entry has several)
             if any(s.task is not None and s.task.beam is not None for s in slots):
-                slots, rows = self._step_beams(scheduler, slots, rows, first)
-                to_sample = [s for s in to_sample if s in slots]
+                keep = self._step_beams(scheduler, slots, first)
+                n_sampled = len(to_sample)  # the slots of this decode come first, the saved ones after
+                to_sample = [slots[i] for i in keep if i < n_sampled]
+                first = [first[i] for i in keep if i < n_sampled]
+                slots, rows = [slots[i] for i in keep], [rows[i] for i in keep]
             tasks = [s.task for s in slots if s.task is not None]
             items = [
                 SampleItem(t.sampler, first[i] if i < len(first) else i, mask=m)
@@ -493,10 +496,9 @@ class Engine:
             if scheduler.spec is not None and plan.entries:  # drafting's measured yield
                 scheduler.spec.record_step(len(samples), time.perf_counter() - t0)
 
-    def _step_beams(self, scheduler: Scheduler, slots: list[Slot], masks: list[Any],
-                    first: list[int]) -> tuple[list[Slot], list[Any]]:
+    def _step_beams(self, scheduler: Scheduler, slots: list[Slot], first: list[int]) -> list[int]:
         """The beam searches' step (worker/engine/beam.py) on their slots' logits; the searches
-        that ended report their answers. Returns the other slots (and their masks), which sample.
+        that ended report their answers. Returns the indices of the other slots, which sample.
         `first`: the logits row of each of the step's sampled entries (the first slots)."""
         backend = self._require_backend()
         beams: dict[int, np.ndarray] = {}
@@ -510,7 +512,7 @@ class Engine:
                 beams[s.id] = row
         for task in scheduler.advance_beams(beams):
             self._report_beams(task)
-        return [slots[i] for i in keep], [masks[i] for i in keep]
+        return keep
 
     def _wait_masks(self, masks: MaskBatch) -> list[Any]:
         rows = masks.wait()
