@@ -247,3 +247,22 @@ def test_beam_search_bad_input_is_a_400_naming_the_field(beam_worker: Worker, bo
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param or param in err["message"], err
+
+
+@pytest.mark.parametrize("backend", ["llama_cpp", "torch"])
+def test_a_beam_search_in_one_shared_pool_ends_by_length_instead_of_preempting_itself(
+    backend: str, tiny_models: ModelPaths
+) -> None:
+    """Reproduces a livelock: with --kv-unified each beam may hold the whole pool, so 4 beams
+    with no max_tokens filled it, the search was preempted (the youngest task) and started
+    again, for ever. Each beam now ends by length at n_ctx / W cells (256 / 4 here)."""
+    require_backend(backend)
+    model, extra = worker_args(backend, tiny_models)
+    args = ["--parallel", "4", "--kv-unified", "--ctx-size", "256", *extra]
+    with run_worker(model, *args, timeout=120) as url:
+        r = httpx.post(url + "/v1/completions", timeout=120,
+                       json={"prompt": [0, 5, 6, 7], "best_of": 4, "n": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [c["finish_reason"] for c in choices] == ["length", "length"]
+        assert r.json()["usage"]["completion_tokens"] == 2 * (256 // 4 - 4)

@@ -221,7 +221,10 @@ class Scheduler:
             self.kv.save_tail(s, 0)  # its cache is overwritten by a beam's
             s.task = task  # no feed: not decoding until a beam gets it (Slot.is_decoding)
         b = self._backend
-        task.beam = BeamSearch(task.params, [first, *others], b.n_ctx_seq, b.is_eog, b.token_to_piece)
+        # In one shared pool the W beams together must fit it, or a search alone would fill the
+        # pool, be preempted and start again for ever: each beam ends by length at n_ctx / W cells.
+        n_cells = min(b.n_ctx_seq, b.n_ctx // (len(others) + 1)) if b.kv_unified else b.n_ctx_seq
+        task.beam = BeamSearch(task.params, [first, *others], n_cells, b.is_eog, b.token_to_piece)
 
     def park(self, slot: Slot) -> None:
         """A staged task has its first token: save its KV to the prompt cache, requeue it."""
