@@ -5,8 +5,9 @@ The reference expands every live beam by every token (no shortcut), keeps the `w
 candidates by cumulative log-probability (ties: lower beam, then lower token), finishes those
 that end (EOS, `max_tokens`), and returns the n best by sum / length ** length_penalty. The torch
 backend must match it to 1e-5 in score with the same tokens; llama.cpp (F32 weights and KV)
-computes other kernels, so its scores are compared to 1e-3 (its logits are within 1e-4 of
-transformers', tests/foundation/test_model_parity.py), its tokens exactly.
+computes other kernels, so its scores are compared to 1e-4 (its logits are within 1e-4 of
+transformers', tests/foundation/test_model_parity.py; measured 5.5e-7 in score, torch 1.2e-6),
+its tokens exactly.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from worker.testing.tiny_models import ModelPaths
 N_SLOTS = 12
 EOS = 2
 PROMPT = [0, 17, 305, 44, 610, 9, 871, 23]  # token ids (BOS first): no tokenizer in between
-TOL = {"torch": 1e-5, "llama_cpp": 1e-3}
+TOL = {"torch": 1e-5, "llama_cpp": 1e-4}
 
 Hyp = tuple[list[int], float, str]  # tokens (EOS included), cumulative log-probability, finish reason
 
