@@ -212,13 +212,16 @@ class BeamSearch:
         parents = self.live
         kept: list[tuple[Candidate, Beam]] = []
         left = Counter(c.beam for c in chosen)  # children of each parent still to come
+        tops: dict[int, tuple[tuple[int, float], ...]] = {}  # each parent's top_logprobs, once
         for c in chosen:
             parent = parents[c.beam]
             left[c.beam] -= 1  # the last child takes the parent's output, the others a copy of it
             output = parent.output if left[c.beam] == 0 else copy.deepcopy(parent.output)
             is_eog = not p.ignore_eos and self._is_eog(c.token)
             text, stop_word = ("", None) if is_eog else output.push(self._piece(c.token))
-            top = top_logprobs(lps[c.beam], p.top_logprobs) if p.logprobs else ()
+            if p.logprobs and c.beam not in tops:
+                tops[c.beam] = top_logprobs(lps[c.beam], p.top_logprobs)
+            top = tops.get(c.beam, ())
             node = _Token(parent.last, c.token, c.token_logprob, text, top, not is_eog)
             length = parent.length + 1
             reason: FinishReason | None = "stop" if is_eog or stop_word is not None else None
