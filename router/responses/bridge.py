@@ -113,7 +113,10 @@ class ChatBridge:
                 trace.status = resp.status_code
                 if resp.status_code != 200:
                     raise upstream_error(resp.status_code, await resp.aread())
-                yield _sse_chunks(resp, model, trace)
+                if body.get("stream") is False:  # one body (translate.is_whole), replayed as chunks
+                    yield _replayed(json.loads(await resp.aread()))
+                else:
+                    yield _sse_chunks(resp, model, trace)
             finally:
                 await resp.aclose()
         finally:
@@ -132,6 +135,22 @@ def upstream_error(status: int, raw: bytes) -> APIError:
     kind = cast(ErrorType, err.get("type") or ("invalid_request_error" if status < 500 else "server_error"))
     return APIError(str(err.get("message", "")), status_code=status, type=kind, param=err.get("param"),
                     code=err.get("code"), extra=extra)
+
+
+async def _replayed(completion: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    """A chat completion as the chunks its stream would have had: per choice its message as one
+    delta, then its finish; then the usage."""
+    for choice in completion.get("choices") or []:
+        msg = choice.get("message") or {}
+        calls = [{"index": k, **c} for k, c in enumerate(msg.get("tool_calls") or [])]
+        delta = {"role": "assistant", "content": msg.get("content"),
+                 **({"reasoning_content": msg["reasoning_content"]} if msg.get("reasoning_content") else {}),
+                 **({"tool_calls": calls} if calls else {})}
+        index = choice.get("index", 0)
+        yield {"choices": [{"index": index, "delta": delta, "logprobs": choice.get("logprobs"),
+                            "finish_reason": None}]}
+        yield {"choices": [{"index": index, "delta": {}, "finish_reason": choice.get("finish_reason")}]}
+    yield {"choices": [], "usage": completion.get("usage")}
 
 
 async def _sse_chunks(resp: httpx.Response, model: str, trace: RequestTrace) -> AsyncIterator[dict[str, Any]]:

@@ -106,10 +106,20 @@ def reasoning_kwargs(req: CreateResponse) -> dict[str, Any] | None:
     return kwargs or None
 
 
+def is_whole(req: CreateResponse) -> bool:
+    """A beam search with n > 1 that the client does not stream: the worker answers it in one
+    body (it streams a beam search with n = 1 only, as OVMS), and the bridge replays that body
+    as chunks (router/responses/bridge.py)."""
+    is_beam = bool(req.use_beam_search) or (req.best_of or 1) > 1
+    return is_beam and req.n > 1 and not req.stream
+
+
 def chat_body(req: CreateResponse, model: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    """The upstream's chat-completions request (always streamed, usage included)."""
+    """The upstream's chat-completions request (streamed with usage, unless `is_whole`)."""
     body: dict[str, Any] = {"model": model, "messages": messages, "stream": True,
                             "stream_options": {"include_usage": True}}
+    if is_whole(req):
+        body = {"model": model, "messages": messages, "stream": False}
     tools = req.function_tools()
     if tools and req.max_tool_calls != 0:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
@@ -145,6 +155,9 @@ def chat_body(req: CreateResponse, model: str, messages: list[dict[str, Any]]) -
         "ignore_eos": req.ignore_eos,
         "frequency_penalty": req.frequency_penalty,
         "presence_penalty": req.presence_penalty,
+        "best_of": req.best_of,
+        "use_beam_search": req.use_beam_search,
+        "length_penalty": req.length_penalty,
     }
     body.update({k: v for k, v in plain.items() if v is not None})
     return body

@@ -267,6 +267,11 @@ class CreateResponse(_Model):
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
+    # beam search (OVMS's best_of and length_penalty, vLLM's use_beam_search), done by the worker
+    # (worker/engine/beam.py), which also refuses what does not combine with it
+    best_of: int | None = Field(default=None, ge=1, le=128)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = Field(default=None, allow_inf_nan=False)
     chat_template_kwargs: dict[str, Any] | None = None
 
     _metadata_size = field_validator("metadata")(_check_metadata)

@@ -133,8 +133,6 @@ def test_nvext_annotations_is_a_400_naming_it(router: Router) -> None:
 
 @pytest.mark.parametrize(("extra", "field", "reason"), [
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "stop string"),
-    ({"best_of": 3}, "best_of", "beam search"),
-    ({"length_penalty": 0.5}, "length_penalty", "beam search"),
     ({"num_assistant_tokens": 4}, "num_assistant_tokens", "speculative"),
     ({"assistant_confidence_threshold": 0.4}, "assistant_confidence_threshold", "speculative"),
     ({"max_ngram_size": 3}, "max_ngram_size", "speculative"),
@@ -142,6 +140,19 @@ def test_nvext_annotations_is_a_400_naming_it(router: Router) -> None:
 def test_responses_unsupported_fields_are_400s_with_a_reason(
         router: Router, extra: dict[str, Any], field: str, reason: str) -> None:
     refused(router.post("/v1/responses", {"model": "tiny", "input": "hi", **extra}), field, reason=reason)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"best_of": 3}, "best_of"),  # a beam width over the tiny worker's 2 slots
+    ({"length_penalty": 0.5}, "length_penalty"),  # without beam search it would do nothing
+])
+def test_responses_beam_search_fields_reach_the_worker_and_its_400s(
+        router: Router, extra: dict[str, Any], param: str) -> None:
+    # Beam search (issue 42) moved these fields from refused to honoured; the worker still
+    # answers what it cannot do with a 400 naming the field, and the router passes it on.
+    resp = router.post("/v1/responses", {"model": "tiny", "input": "hi", **extra})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    assert "beam search" in resp.json()["error"]["message"]
 
 
 def test_responses_off_values_of_refused_fields_are_accepted(router: Router) -> None:

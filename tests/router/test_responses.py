@@ -436,3 +436,35 @@ def test_disabled_store_gives_clear_400s(tmp_path: Path) -> None:
         assert not (r.data_dir / "responses.sqlite3").exists()
     finally:
         stop_process(r.proc)
+
+
+# --------------------------------------------------------------------------- beam search
+
+
+def test_responses_beam_search_returns_the_n_best_beams(router: Router) -> None:
+    """best_of / use_beam_search / length_penalty reach the worker's beam search: the n answers
+    are the chat route's, in order; n > 1 without streaming is one upstream body replayed."""
+    beam = {"best_of": 2, "length_penalty": 0.8}
+    chat = _raw(router, "POST", "/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "n": 2, **beam})
+    assert chat.status_code == 200, chat.text
+    want = [c["message"]["content"] for c in chat.json()["choices"]]
+    r = _raw(router, "POST", "/v1/responses", json={"model": "tiny", "input": "hello", "max_output_tokens": 6,
+                                                     "n": 2, **beam})
+    assert r.status_code == 200, r.text
+    got = [o["content"][0]["text"] for o in r.json()["output"] if o["type"] == "message"]
+    assert got == want
+
+
+def test_responses_beam_search_streams_only_one_answer(router: Router) -> None:
+    body = {"model": "tiny", "input": "hello", "max_output_tokens": 6, "use_beam_search": True}
+    whole = _raw(router, "POST", "/v1/responses", json=body).json()
+    text = ""
+    with httpx.stream("POST", router.base + "/v1/responses", json={**body, "stream": True}, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                text += ev.get("delta", "") if ev["type"] == "response.output_text.delta" else ""
+    assert text == whole["output"][0]["content"][0]["text"]
+    r2 = _raw(router, "POST", "/v1/responses", json={**body, "n": 2, "best_of": 2, "stream": True})
+    assert r2.status_code == 400 and r2.json()["error"]["param"] == "n"

@@ -8,6 +8,7 @@ policy        pure scheduling decisions (which prompt pieces go in this step's b
 slot          one KV sequence and the task it serves
 adapters      the LoRA adapters' table (ids, global scales) and a request's adapter set
 task          a request as the engine sees it, and the events it streams back
+beam          beam search (best_of, use_beam_search, length_penalty): W slots, beams in the shared batch
 prompt_cache  the host-RAM prompt cache (`--cache-ram`)
 disk_cache    the disk tier of the prompt cache (`--cache-dir`, `--cache-disk`): files, index, writer
 disk_tier     the engine's side of it: read a prefix before admission, write on stop and sleep

@@ -85,9 +85,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
+import numpy as np
+
 from worker.backends.base import Backend, DecodeStatus, Sample, SampleItem
 from worker.backends.lora import LoraAdapter
 from worker.engine.adapters import Adapters
+from worker.engine.beam import emit_results
 from worker.engine.disk_tier import DiskCacheConfig, DiskTier, open_disk_tier
 from worker.engine.draft_model import DraftModel
 from worker.engine.grammar import MaskBatch, consume
@@ -492,9 +495,15 @@ class Engine:
             return
         slots = to_sample + plan.from_saved
         if slots:
-            tasks = [s.task for s in slots if s.task is not None]
-            rows = self._wait_masks(masks) if masks is not None else [None] * len(tasks)
+            rows = self._wait_masks(masks) if masks is not None else [None] * len(slots)
             first = _first_rows(plan)  # an entry's first output row (a verify entry has several)
+            if any(s.task is not None and s.task.beam is not None for s in slots):
+                keep = self._step_beams(scheduler, slots, first)
+                n_sampled = len(to_sample)  # the slots of this decode come first, the saved ones after
+                to_sample = [slots[i] for i in keep if i < n_sampled]
+                first = [first[i] for i in keep if i < n_sampled]
+                slots, rows = [slots[i] for i in keep], [rows[i] for i in keep]
+            tasks = [s.task for s in slots if s.task is not None]
             items = [
                 SampleItem(t.sampler, first[i] if i < len(first) else i, mask=m)
                 for i, (t, m) in enumerate(zip(tasks, rows, strict=True))
@@ -502,7 +511,7 @@ class Engine:
             spec = scheduler.spec if scheduler.spec is not None and scheduler.spec.has_pending else None
             if spec is not None:
                 spec.before_sampling({s.id: first[i] for i, s in enumerate(to_sample)})
-            for item, slot in zip(items[len(to_sample) :], plan.from_saved, strict=True):
+            for item, slot in zip(items[len(to_sample) :], slots[len(to_sample) :], strict=True):
                 item.logits_index, item.logits = -1, slot.logits
             samples = backend.sample(items, [t.params for t in tasks])
             if any(t.budget is not None for t in tasks):
@@ -516,6 +525,24 @@ class Engine:
                     self._report_end(task, slot_id, verdict)
             if scheduler.spec is not None and plan.entries:  # drafting's measured yield
                 scheduler.spec.record_step(len(samples), time.perf_counter() - t0)
+
+    def _step_beams(self, scheduler: Scheduler, slots: list[Slot], first: list[int]) -> list[int]:
+        """The beam searches' step (worker/engine/beam.py) on their slots' logits; the searches
+        that ended report their answers. Returns the indices of the other slots, which sample.
+        `first`: the logits row of each of the step's sampled entries (the first slots)."""
+        backend = self._require_backend()
+        beams: dict[int, np.ndarray] = {}
+        keep: list[int] = []
+        for i, s in enumerate(slots):
+            if s.task is None or s.task.beam is None:
+                keep.append(i)
+            else:
+                row = backend.logits_row(first[i]) if i < len(first) else s.logits  # else: saved logits
+                assert row is not None
+                beams[s.id] = row
+        for task in scheduler.advance_beams(beams):
+            self._report_beams(task)
+        return keep
 
     def _wait_masks(self, masks: MaskBatch) -> list[Any]:
         rows = masks.wait()
@@ -595,6 +622,28 @@ class Engine:
             st.predicted_ms,
             tps,
         )
+
+    def _report_beams(self, task: Task) -> None:
+        """A beam search ended: its n best answers go to the request's choices, then the metrics."""
+        self._free_sampler(task)
+        assert task.beam is not None
+        st = task.stats
+        st.t_end = time.monotonic()
+        n_tokens = emit_results(task, task.beam, task.choice_emits)
+        m = self._metrics
+        m.on_task_done(
+            n_evaluated=st.n_evaluated,
+            n_cached=st.n_cached,
+            prompt_s=st.prompt_ms / 1e3,
+            n_decoded=n_tokens,
+            predicted_s=st.predicted_ms / 1e3,
+            n_tokens=st.n_prompt + n_tokens,
+        )
+        m.prefix_hit_tokens.inc(st.n_cached)
+        best = task.beam.best()
+        m.requests.labels(best[0].reason if best else "stop").inc()
+        log.info("task %d: beam search of width %d done in %d steps (%.1f ms), %d answers", task.id,
+                 task.beam.width, st.n_decoded, st.predicted_ms, min(task.params.n, len(task.beam.done)))
 
     def _finish_embedding(self, task: Task, vectors: Any) -> None:
         if task.on_embedding is None:  # the HTTP layer refuses generation on an embedding model

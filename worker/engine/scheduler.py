@@ -79,6 +79,7 @@ import numpy as np
 
 from worker.backends.base import Backend, BatchEntry, Sample
 from worker.backends.media import is_media, rows_of, run_length, run_piece
+from worker.engine.beam import BeamSearch
 from worker.engine.kv import KvBook
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.policy import (
@@ -171,7 +172,8 @@ class Scheduler:
 
     def take_all(self) -> list[Task]:
         """Detach every task (running or waiting) and forget all KV: after an error, at exit."""
-        tasks = [t for t in (s.release() for s in self._all) if t is not None] + list(self.waiting)
+        running = [t for t in (s.release() for s in self._all) if t is not None]
+        tasks = list({id(t): t for t in running}.values()) + list(self.waiting)  # a beam search holds several
         self.waiting.clear()
         self.kv.forget_all()
         return tasks
@@ -184,10 +186,12 @@ class Scheduler:
             if s.task is not None and s.task.is_cancelled:
                 task = s.release()
                 assert task is not None
-                log.info(
-                    "task %d cancelled (slot %d freed after %d tokens)", task.id, s.id, task.stats.n_decoded
-                )
-                dropped.append(task)
+                if task not in dropped:  # a beam search's slots all hold it
+                    log.info(
+                        "task %d cancelled (slot %d freed after %d tokens)", task.id, s.id,
+                        task.stats.n_decoded,
+                    )
+                    dropped.append(task)
         if any(t.is_cancelled for t in self.waiting):
             for t in self.waiting:
                 if t.is_cancelled:
@@ -200,8 +204,10 @@ class Scheduler:
     def admit(self) -> None:
         """Waiting tasks (FIFO) into idle slots; then, if all are busy, one into staging."""
         admitted = False
-        while self.waiting and self._place(self.waiting[0], self.slots):
-            self.waiting.popleft()
+        while self.waiting and self._has_room(self.waiting[0]) and self._place(self.waiting[0], self.slots):
+            task = self.waiting.popleft()
+            if task.params.beam_width:
+                self._start_beams(task)
             admitted = True
         if admitted and self._backend.kv_unified and self.prompt_cache is not None:
             for s in self.slots:  # idle caches cost every decode attention in a shared pool
@@ -214,10 +220,30 @@ class Scheduler:
             and self.waiting
             and not any(s.is_idle for s in self.slots)
         ):
-            task = next((t for t in self.waiting if not t.generated), None)
-            if task is not None and self._place(task, [staging]):
-                self.waiting.remove(task)
-                log.info("task %d: every slot busy, prefilling it in the staging sequence", task.id)
+            staged = next((t for t in self.waiting if not t.generated and not t.params.beam_width), None)
+            if staged is not None and self._place(staged, [staging]):
+                self.waiting.remove(staged)
+                log.info("task %d: every slot busy, prefilling it in the staging sequence", staged.id)
+
+    def _has_room(self, task: Task) -> bool:
+        """A beam search of width W waits for W idle slots (FIFO: those behind it wait too)."""
+        width = task.params.beam_width
+        return width <= 1 or sum(1 for s in self.slots if s.is_idle) >= width
+
+    def _start_beams(self, task: Task) -> None:
+        """`task` (a beam search) has its first slot: reserve the others, nearest first (llama.cpp
+        decodes a run of consecutive sequence ids in one pass), for the beams to come."""
+        first = next(s for s in self.slots if s.task is task)
+        idle = sorted((s for s in self.slots if s.is_idle), key=lambda s: (abs(s.id - first.id), s.id))
+        others = idle[: task.params.beam_width - 1]
+        for s in others:
+            self.kv.save_tail(s, 0)  # its cache is overwritten by a beam's
+            s.task = task  # no feed: not decoding until a beam gets it (Slot.is_decoding)
+        b = self._backend
+        # In one shared pool the W beams together must fit it, or a search alone would fill the
+        # pool, be preempted and start again for ever: each beam ends by length at n_ctx / W cells.
+        n_cells = min(b.n_ctx_seq, b.n_ctx // (len(others) + 1)) if b.kv_unified else b.n_ctx_seq
+        task.beam = BeamSearch(task.params, [first, *others], n_cells, b.is_eog, b.token_to_piece)
 
     def park(self, slot: Slot) -> None:
         """A staged task has its first token: save its KV to the prompt cache, requeue it."""
@@ -432,7 +458,8 @@ class Scheduler:
         if self.spec is not None:  # speculation yields to prompts being computed or waiting
             is_busy = bool(prefilling or self.waiting) or self._backend.kv_unified
             b = self._backend
-            drafts = self.spec.drafts(decoding, is_busy=is_busy, n_ctx_seq=b.n_ctx_seq,
+            drafts = self.spec.drafts([s for s in decoding if s.task is not None and s.task.beam is None],
+                                      is_busy=is_busy, n_ctx_seq=b.n_ctx_seq,
                                       room=b.n_batch - len(decoding))
         plan.entries = []
         for s in decoding:
@@ -542,6 +569,12 @@ class Scheduler:
         task = slot.release()
         assert task is not None
         self.kv.offload(slot)  # with a prompt cache, readmission restores it
+        if task.beam is not None:  # a beam search starts again from its prompt
+            for s in self._all:
+                if s.task is task:
+                    s.release()
+                    self.kv.erase(s)
+            task.beam = None
         task.n_preempted += 1
         self.waiting.appendleft(task)
         self._metrics.n_preempted.inc()
@@ -637,6 +670,33 @@ class Scheduler:
                 slot.feed = [token]
                 if slot is self.staging:
                     self.park(slot)
+        return ended
+
+    def advance_beams(self, rows: dict[int, np.ndarray]) -> list[Task]:
+        """One step of every beam search that has logits this step (`rows`: by slot id; every
+        live beam of a search decodes in the same step): the search picks the next beams
+        (worker/engine/beam.py), the slots follow (KV copies). Returns the searches that ended,
+        their slots all freed."""
+        ended: list[Task] = []
+        searches = {id(s.task): s.task for s in self.slots if s.id in rows and s.task is not None}
+        for task in searches.values():
+            search = task.beam
+            assert search is not None
+            for b in search.live:
+                if b.slot.is_prefill:  # the prompt's logits: the first step
+                    b.slot.is_prefill = False
+                    task.stats.t_first_token = task.stats.t_first_token or time.monotonic()
+            step = search.step(rows)
+            task.stats.n_decoded += 1
+            for src, dst, n in step.copies:
+                self.kv.copy(src, dst, n)
+            for beam in search.live:
+                assert beam.last is not None
+                beam.slot.feed = [beam.last.token]
+            if search.is_done:
+                for slot in search.slots():
+                    slot.release()
+                ended.append(task)
         return ended
 
     def release_pooled(self, slots: Sequence[Slot]) -> list[Task]:

@@ -51,7 +51,9 @@ class Slot:
 
     @property
     def is_decoding(self) -> bool:
-        return self.task is not None and not self.is_prefill
+        """Generating, with a token to decode (a beam search's slot waiting for its first beam
+        has none: worker/engine/beam.py)."""
+        return self.task is not None and not self.is_prefill and bool(self.feed)
 
     @property
     def rows(self) -> tuple[int, int]:

@@ -88,6 +88,7 @@ class FinishEvent:
     text: str  # the held-back tail, flushed at the end
     stop_word: str | None
     stats: TaskStats
+    score: float | None = None  # a beam search's answer: its score (worker/engine/beam.py)
 
 
 @dataclass(slots=True)
@@ -169,6 +170,10 @@ class Task:
         self.stats = TaskStats(n_prompt=len(prompt), t_arrival=time.monotonic())
         self.n_preempted = 0
         self.parked: Any = None  # the prompt-cache entry holding its prefill while it waits for a slot
+        # Beam search (params.beam_width > 0): the search once admitted (worker/engine/beam.py), and
+        # where its n answers go (the request's choices; the HTTP layer sets them, else this task's own)
+        self.beam: Any = None
+        self.choice_emits: list[Callable[[Event], None]] = [emit]
 
     def cancel(self) -> None:
         """Any thread: the engine drops the task (and frees its slot) at its next step."""

@@ -83,6 +83,10 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    # Beam search (worker/engine/beam.py): the width (0: off, the request samples), and the score's
+    # length penalty (score = cumulative log-probability / length ** length_penalty).
+    beam_width: int = 0
+    length_penalty: float = 1.0
     cache_prompt: bool = True
     id_slot: int = -1
     post_sampling_probs: bool = (

@@ -21,7 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-_BEAM = "beam search is not implemented"
+_BEAM = "beam search is set on chat, completion and Responses requests, not on this API"
 _MEDIA = ("sglang-omni's audio list is not implemented yet (images and videos are: see `images` and "
           "`videos`; audio goes in chat `input_audio` parts)")
 
@@ -58,11 +58,11 @@ REFUSED: dict[str, str] = {
               "for a chat model whose preset names a speech-model; a worker and this API answer in text"),
     "voice": "a voice is chosen in chat's `audio: {voice, format}` or in POST /v1/audio/speech's body",
     "modalities": "output modalities are chat completions' (OpenAI defines audio output there only)",
-    # beam search
+    # beam search: real fields of chat, completion and Responses requests (worker/engine/beam.py)
     "best_of": _BEAM,
     "use_beam_search": _BEAM,
     "length_penalty": _BEAM,
-    "early_stopping": _BEAM,
+    "early_stopping": "beam search runs until every beam has ended (vLLM's beam search): only false",
     # Dynamo
     "annotations": "Dynamo's annotation events (formatted_prompt, token_ids) are not produced here",
     # older OpenAI shapes

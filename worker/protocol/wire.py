@@ -22,9 +22,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from worker.protocol import sampler_order
+from worker.protocol.errors import APIError
 from worker.protocol.sampling import SamplingParams, SpecRequest
 from worker.protocol.strict import StrictModel
 
@@ -161,6 +162,38 @@ class _SamplingRequest(StrictModel):
     speculative_n_max: int | None = Field(default=None, ge=0, le=1024, alias="speculative.n_max")
     speculative_n_min: int | None = Field(default=None, ge=0, le=1024, alias="speculative.n_min")
     speculative_p_min: float | None = Field(default=None, alias="speculative.p_min")
+    # Beam search (worker/engine/beam.py): OVMS's `best_of` (the width; beam search when > 1,
+    # n <= best_of) and vLLM's `use_beam_search` (width `best_of`, else `n`); `length_penalty`:
+    # score = cumulative log-probability / length ** length_penalty. Deterministic: a
+    # temperature > 0 is refused, and the server's default temperature does not apply.
+    best_of: int | None = Field(default=None, ge=1, le=128)
+    use_beam_search: bool = False
+    length_penalty: float = Field(default=1.0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _beam_search(self) -> _SamplingRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise APIError(f"best_of ({self.best_of}) must be at least n ({self.n}): the n best of best_of "
+                           "beams are returned", param="best_of")
+        if not self.is_beam_search:
+            if self.length_penalty != 1.0:
+                raise APIError("length_penalty scores beam search only: set best_of > 1 or use_beam_search",
+                               param="length_penalty")
+            return self
+        if self.temperature is not None and self.temperature > 0 and not self.greedy_sampling:
+            raise APIError("beam search is deterministic: temperature must be 0 or left out (sampling "
+                           "beams is not implemented)", param="temperature")
+        if self.stream and self.n > 1:
+            raise APIError("streaming beam search supports only n = 1 (as OpenVINO Model Server): the "
+                           "beams are known only at the end", param="n")
+        return self
+
+    @property
+    def is_beam_search(self) -> bool:
+        return self.use_beam_search or (self.best_of or 1) > 1
+
+    def _beam_width(self) -> int:
+        return (self.best_of or self.n) if self.is_beam_search else 0
 
     @field_validator("assistant_confidence_threshold", "speculative_p_min")
     @classmethod
@@ -231,7 +264,8 @@ class _SamplingRequest(StrictModel):
         greedy = bool(self.greedy_sampling or nv.greedy_sampling)
         rep = self.repeat_penalty or self.repetition_penalty or nv.repetition_penalty
         params = SamplingParams(
-            temperature=0.0 if greedy else (d.temperature if self.temperature is None else self.temperature),
+            temperature=0.0 if greedy or self.is_beam_search else (
+                d.temperature if self.temperature is None else self.temperature),
             top_k=nv.top_k if nv.top_k is not None else (d.top_k if self.top_k is None else self.top_k),
             top_p=d.top_p if self.top_p is None else self.top_p,
             min_p=d.min_p if self.min_p is None else self.min_p,
@@ -249,6 +283,8 @@ class _SamplingRequest(StrictModel):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             n=self.n,
+            beam_width=self._beam_width(),
+            length_penalty=self.length_penalty,
             cache_prompt=self.cache_prompt,
             id_slot=self.id_slot,
             return_progress=self.return_progress and self.stream,  # progress only ever goes out in a stream

@@ -114,6 +114,14 @@ class Generation:
                 index = p * params.n + i
                 emit = partial(self._emit, index)
                 self.tasks.append(Task(prompt, params, (base_seed + index) & 0xFFFFFFFF, emit, media=media))
+        # A beam search (params.beam_width) is one engine task per prompt, which answers all n
+        # choices of that prompt at its end: the other choices' tasks only carry their `emit`.
+        self._submitted = self.tasks
+        if params.beam_width:
+            n = params.n
+            self._submitted = [self.tasks[p * n] for p in range(len(prompts))]
+            for p, leader in enumerate(self._submitted):
+                leader.choice_emits = [t.emit for t in self.tasks[p * n : (p + 1) * n]]
         self._is_started = False
         self._quiet_tokens = quiet_tokens
         self.trace = generation_trace(self.tasks)  # None unless a profiling run is active
@@ -131,7 +139,7 @@ class Generation:
             self._is_started = True
             if self.trace is not None:
                 self.trace.on_start()
-            for t in self.tasks:
+            for t in self._submitted:
                 self._engine.submit(t)
 
     def cancel(self) -> None:

@@ -171,6 +171,7 @@ class NativeResults:
             "stopping_word": ev.stop_word or "",
             "tokens_cached": ev.stats.n_prompt + ev.stats.n_decoded,
             "timings": timings(ev.stats),
+            **({"score": ev.score} if ev.score is not None else {}),
         }
         if not stream and c.probs:
             out["completion_probabilities"] = c.probs

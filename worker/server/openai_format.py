@@ -154,6 +154,11 @@ def message(parsed: ParsedMessage) -> dict[str, Any]:
     return out
 
 
+def _score(finish: FinishEvent | None) -> dict[str, Any]:
+    """A beam search's answer carries its score (worker/engine/beam.py); a sampled one nothing."""
+    return {"score": finish.score} if finish is not None and finish.score is not None else {}
+
+
 def error_payload(ev: ErrorEvent) -> dict[str, Any]:
     return error_body(ev.message, ev.type, None, ev.status_code)
 
@@ -295,6 +300,7 @@ class Choices:
                 "finish_reason": reason,
                 "stop_reason": c.finish.stop_word if c.finish else None,
                 "logprobs": {"content": c.chat_logprobs} if want_lp else None,
+                **_score(c.finish),
             })
         n_reasoning = sum(p.n_reasoning for p in self.parses) if self.parses is not None else 0
         return self._body("chat.completion", out, n_reasoning)
@@ -307,6 +313,7 @@ class Choices:
                 "text": "".join(c.text),
                 "finish_reason": c.finish.reason if c.finish else None,
                 "logprobs": c.completion_logprobs.as_dict() if want_lp else None,
+                **_score(c.finish),
             }
             for i, c in enumerate(self.choices)
         ])
@@ -385,7 +392,8 @@ async def stream_chat(
                 yield text_chunk(index, ev.text)
             # vLLM's `stop_reason`: the stop string that ended the choice (None: EOS, length, grammar)
             yield sse({**head, "choices": [{"index": index, "delta": {}, "finish_reason": reason,
-                                            "stop_reason": ev.stop_word}], "timings": timings(ev.stats)})
+                                            "stop_reason": ev.stop_word, **_score(ev)}],
+                       "timings": timings(ev.stats)})
         elif isinstance(ev, ProgressEvent):  # as llama-server: a role delta carrying the progress
             choice = {"index": index, "delta": {"role": "assistant", "content": None}, "finish_reason": None}
             yield sse({**head, "choices": [choice], **progress(ev, timings_per_token)})
@@ -437,7 +445,9 @@ async def stream_completion(
             offsets[index] += len(ev.text)
         elif isinstance(ev, FinishEvent):
             finishes[index] = ev
-            yield chunk(index, ev.text, ev.reason, timings=timings(ev.stats))
+            choice = {"index": index, "text": ev.text, "logprobs": None, "finish_reason": ev.reason,
+                      **_score(ev)}
+            yield sse({**head, "choices": [choice], "timings": timings(ev.stats)})
         elif isinstance(ev, ProgressEvent):
             yield chunk(index, "", **progress(ev, timings_per_token))
         else:

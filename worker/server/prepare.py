@@ -77,6 +77,7 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
         grammar = await _memo_grammar(backend, _grammar_key(tools, tool_format, constraint),
                                       lambda: _chat_grammar(backend, tools, tool_format, constraint))
         params = dataclasses.replace(params, grammar=grammar)
+        beam_with_grammar(params, constraint.param if constraint is not None else "tools")
     markers = detect_markers(source) if reasoning != "none" else None
     output = ChatOutputConfig(
         tool_format=tool_format if rendered_tools is not None else None,
@@ -94,6 +95,9 @@ async def prepare_chat(state: WorkerState, backend: Vocab, req: ChatCompletionRe
         lambda t: backend.tokenize(t, False, True),
     )
     if budget is not None:
+        if params.beam_width:
+            raise APIError("beam search with a reasoning budget is not implemented",
+                           param="thinking_budget_tokens")
         params = dataclasses.replace(params, reasoning_budget=budget)
     if media is not None:
         prompt = await media_prompt(state, backend, text, media)
@@ -338,7 +342,36 @@ def sampling_params(state: WorkerState, backend: Vocab, req: Any) -> SamplingPar
     if state.backend_kind == "torch" and not sampler_order.penalties_first(params):
         raise APIError("the torch backend applies the penalties first in the sampler chain: "
                            "put `penalties` before the other samplers that are on", param="samplers")
+    if params.beam_width:
+        check_beam_search(state, params)
     return params
+
+
+def check_beam_search(state: WorkerState, params: SamplingParams) -> None:
+    """What beam search (worker/engine/beam.py) does not combine with: 400s naming the field.
+    A grammar is checked where it is compiled (`beam_with_grammar`)."""
+    n_slots = state.engine.n_slots
+    if params.beam_width > n_slots:
+        raise APIError(f"a beam search of width {params.beam_width} needs {params.beam_width} slots; this "
+                       f"worker has {n_slots} (--parallel)", param="best_of")
+    if params.has_penalties:
+        name = ("repeat_penalty" if params.repeat_penalty != 1.0 else
+                "presence_penalty" if params.presence_penalty != 0.0 else "frequency_penalty")
+        raise APIError("beam search ranks the model's own log-probabilities: repetition penalties are "
+                       f"not applied to it, so {name} must be left at its off value", param=name)
+    if params.speculative is not None:
+        raise APIError("beam search does not speculate: leave the speculative-decoding settings out",
+                       param="num_assistant_tokens")
+    if params.post_sampling_probs:
+        raise APIError("beam search runs no sampler chain: its logprobs are the model's own "
+                       "(leave post_sampling_probs out)", param="post_sampling_probs")
+
+
+def beam_with_grammar(params: SamplingParams, param: str) -> None:
+    """Constrained output is not searched in beams: a 400 naming the constraint's field."""
+    if params.beam_width and params.grammar is not None:
+        raise APIError("beam search with constrained output (a grammar, a JSON schema, forced tool "
+                       "calls) is not implemented", param=param)
 
 
 def verbose_payload(backend: Vocab, prompt: str, n_prompt: int, content: str) -> dict[str, Any]:
@@ -356,7 +389,9 @@ async def with_output_constraint(backend: Vocab, req: Any, params: SamplingParam
         return params
     grammar = await _memo_grammar(backend, _grammar_key(None, None, constraint),
                                   lambda: compile_constraint(backend, constraint))
-    return dataclasses.replace(params, grammar=grammar)
+    params = dataclasses.replace(params, grammar=grammar)
+    beam_with_grammar(params, constraint.param)
+    return params
 
 
 async def count_input_tokens(state: WorkerState, backend: Vocab, messages: list[ChatMessage],

@@ -1,0 +1,108 @@
+"""Beam search (issue 42): the wall time of a width-4 beam search against greedy decoding, one
+request at a time (N = 1), 64 tokens, on the real SmolLM2-135M-Instruct (Q4_1 GGUF on llama.cpp;
+its HF twin on torch with --torch).
+
+    .venv/bin/python -m bench.bench_beam                 # llama.cpp, 5 rounds
+    .venv/bin/python -m bench.bench_beam --torch --rounds 3
+
+One worker (`-np 4`), chat requests at temperature 0 with `ignore_eos` (so every answer, and
+every beam, runs the whole 64 tokens) and `cache_prompt` off (each request computes its prompt),
+a different prompt each round; greedy and beam alternate which goes first. Printed: the median
+wall time of each, their ratio (the issue's bound: width 4 <= 1.5x greedy), and the median of
+the worker's own `timings.predicted_ms` (the generation part alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.common import ROOT, Server, free_port, median
+
+QUESTIONS = [
+    "Tell me about the history of lighthouses.",
+    "How do I bake a loaf of bread at home?",
+    "Why is the sky blue during the day?",
+    "What should I pack for a week of hiking?",
+    "Explain how a bicycle gear works.",
+    "Write a short note thanking a colleague.",
+    "What are good habits for learning a language?",
+    "Describe a quiet morning in a small town.",
+]
+
+
+def worker(args: argparse.Namespace, log: Path) -> Server:
+    port = free_port()
+    if args.torch:
+        model = ROOT / "models" / "smollm2-135m-instruct"
+        extra = ["--backend", "torch", "--dtype", "float32"]
+    else:
+        model = ROOT / "models" / "smollm2-135m-instruct-q4_1.gguf"
+        extra = []
+    cmd = [sys.executable, "-m", "worker.server.cli", "--model", str(model), "--port", str(port),
+           "--parallel", "4", "--ctx-size", "4096", "--threads", str(args.threads), *extra]
+    return Server("worker", f"http://127.0.0.1:{port}", cmd, log, {"PYTHONPATH": str(ROOT)})
+
+
+def ask(base: str, question: str, max_tokens: int, beam: dict[str, Any]) -> tuple[float, float, int]:
+    """(wall seconds, the worker's predicted_ms, completion tokens) of one request."""
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "cache_prompt": False, **beam}
+    t0 = time.perf_counter()
+    r = httpx.post(base + "/v1/chat/completions", json=body, timeout=600)
+    wall = time.perf_counter() - t0
+    r.raise_for_status()
+    j = r.json()
+    return wall, float(j["timings"]["predicted_ms"]), int(j["usage"]["completion_tokens"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--torch", action="store_true", help="the HF twin on the torch backend")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--width", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="the worker's threads (1: on a shared 2-core box, more only wait on each other)")
+    args = ap.parse_args()
+    kinds = {"greedy": {}, f"beam{args.width}": {"best_of": args.width, "n": 1}}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = worker(args, Path(tmp) / "worker.log")
+        server.start(300)
+        try:
+            for beam in kinds.values():  # warm-up: first graphs, first pages of the weights
+                ask(server.base_url, "hello", 8, beam)
+            walls: dict[str, list[float]] = {k: [] for k in kinds}
+            gen_ms: dict[str, list[float]] = {k: [] for k in kinds}
+            for i in range(args.rounds):
+                order = list(kinds) if i % 2 == 0 else list(reversed(kinds))
+                for name in order:
+                    wall, ms, n = ask(server.base_url, QUESTIONS[i % len(QUESTIONS)], args.max_tokens,
+                                      kinds[name])
+                    assert n == args.max_tokens, f"{name}: {n} tokens"
+                    walls[name].append(wall)
+                    gen_ms[name].append(ms)
+                    print(f"round {i}: {name:7s} {wall * 1e3:8.1f} ms wall, {ms:8.1f} ms generating",
+                          flush=True)
+        finally:
+            server.stop()
+    backend = "torch (HF twin, float32)" if args.torch else "llama.cpp (Q4_1)"
+    g, b = f"{'greedy':7s}", f"beam{args.width}"
+    print(f"\nSmolLM2-135M-Instruct, {backend}, {args.threads} thread(s), N = 1, {args.max_tokens} tokens, "
+          f"{args.rounds} rounds (medians)")
+    for name in kinds:
+        wall, gen = median(walls[name]) * 1e3, median(gen_ms[name])
+        print(f"  {name:7s} wall {wall:8.1f} ms   generating {gen:8.1f} ms")
+    ratio = median(walls[b]) / median(walls["greedy"])
+    gen_ratio = median(gen_ms[b]) / median(gen_ms["greedy"])
+    print(f"  {b} / {g.strip()}: {ratio:.2f}x wall, {gen_ratio:.2f}x generating (bound: 1.5x)")
+
+
+if __name__ == "__main__":
+    main()
