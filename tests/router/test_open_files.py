@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,12 +47,19 @@ def _n_fds(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def _idle_sockets(base: str, n: int) -> Iterator[list[socket.socket]]:
-    host, port = base.removeprefix("http://").split(":")
+def _sockets_until(r: RouterProc, n_fds: int) -> Iterator[list[socket.socket]]:
+    """Idle sockets opened one by one until the router holds `n_fds` descriptors (counted after
+    each is accepted, so that one of its own that closes meanwhile is made up for)."""
+    host, port = r.base.removeprefix("http://").split(":")
     held: list[socket.socket] = []
+    deadline = time.monotonic() + 60
     try:
-        for _ in range(n):
+        while (count := _n_fds(r.proc.pid)) < n_fds:
+            assert time.monotonic() < deadline, f"the router holds {count} descriptors, not {n_fds}"
             held.append(socket.create_connection((host, int(port)), timeout=10))
+            accepted = time.monotonic() + 1.0
+            while _n_fds(r.proc.pid) <= count and time.monotonic() < accepted:
+                time.sleep(0.002)  # polled: the accept happens on the router's loop
         yield held
     finally:
         for s in held:
@@ -82,9 +90,7 @@ def test_past_the_connection_budget_a_new_connection_gets_503_and_the_running_st
     streamer = threading.Thread(target=_stream_tokens, args=(r, out, started))
     streamer.start()
     assert started.wait(60)
-    with _idle_sockets(r.base, budget - 1):  # the stream's connection + these = the budget
-        # the idle sockets are accepted in the background: wait until the router holds them all
-        wait_until(lambda: _n_fds(r.proc.pid) >= budget, 10, what="the idle sockets to be accepted")
+    with _sockets_until(r, _n_fds(r.proc.pid) + budget - 1):  # + the stream's connection = the budget
         refused = httpx.post(f"{r.base}/v1/chat/completions", json=_body(2, False), timeout=30)
         assert refused.status_code == 503, refused.text
         assert refused.headers["retry-after"] == "1"
@@ -103,15 +109,12 @@ def test_emfile_at_spawn_leaves_the_model_retryable_and_it_is_served_once_descri
     limit = 160
     # budget above the limit: nothing stops the clients from taking every descriptor
     r = router_factory(PRESET, "--max-connections", str(10 * limit), nofile=limit)
-    free = limit - _n_fds(r.proc.pid)
-    with _idle_sockets(r.base, free - 1) as held:  # one left: the request's own connection
-        wait_until(lambda: _n_fds(r.proc.pid) >= limit - 1, 10, what="the idle sockets to be accepted")
+    with _sockets_until(r, limit - 1):  # one left: the request's own connection
         first = httpx.post(f"{r.base}/v1/chat/completions", json=_body(2, False), timeout=60)
         assert first.status_code == 503, first.text
         message = first.json()["error"]["message"]
         assert "EMFILE" in message or "Too many open files" in message, message
         assert "transient" in message, message
-        assert len(held) == free - 1
     card = r.models()["tiny"]
     assert "not retried" not in json.dumps(card), card  # transient: not the permanent failure
 
