@@ -43,7 +43,7 @@ def worker(args: argparse.Namespace, log: Path) -> Server:
         model = ROOT / "models" / "smollm2-135m-instruct"
         extra = ["--backend", "torch", "--dtype", "float32"]
     else:
-        model = ROOT / "models" / "smollm2-135m-instruct-q4_1.gguf"
+        model = Path(args.model)
         extra = []
     cmd = [sys.executable, "-m", "worker.server.cli", "--model", str(model), "--port", str(port),
            "--parallel", "4", "--ctx-size", "4096", "--threads", str(args.threads), *extra]
@@ -65,6 +65,9 @@ def ask(base: str, question: str, max_tokens: int, beam: dict[str, Any]) -> tupl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--torch", action="store_true", help="the HF twin on the torch backend")
+    ap.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct-q4_1.gguf"),
+                    help="the GGUF (llama.cpp backend); e.g. the demo requantized to Q4_0, whose rows get "
+                    "llama.cpp's repacked multi-row kernels on x86")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -92,7 +95,7 @@ def main() -> None:
                           flush=True)
         finally:
             server.stop()
-    backend = "torch (HF twin, float32)" if args.torch else "llama.cpp (Q4_1)"
+    backend = "torch (HF twin, float32)" if args.torch else f"llama.cpp ({Path(args.model).name})"
     g, b = f"{'greedy':7s}", f"beam{args.width}"
     print(f"\nSmolLM2-135M-Instruct, {backend}, {args.threads} thread(s), N = 1, {args.max_tokens} tokens, "
           f"{args.rounds} rounds (medians)")

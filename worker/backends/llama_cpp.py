@@ -145,6 +145,8 @@ def _greedy(logits: np.ndarray, ids: np.ndarray, bias: np.ndarray) -> int:
     # The bias on the row in place and the row put back as it was (exactly: the saved values), in
     # place of a copy of the whole row (49,152 floats for SmolLM2: ~90 us a row, 6 ms a step at 64
     # slots, for the two EOG tokens `ignore_eos` biases).
+    if not logits.flags.writeable:  # a saved row we may not touch
+        logits = logits.copy()
     saved = logits[ids]
     logits[ids] += bias
     token = int(np.argmax(logits))
@@ -829,13 +831,17 @@ class LlamaCppBackend:
             if p.logprobs:
                 logprobs = _log_softmax(row if row is not None else self._logits_row(idx))
             post: list[tuple[int, float]] | None = [] if p.logprobs and p.post_sampling_probs else None
-            argmax = self._argmax.get(_address(item.sampler)) if row is None and item.mask is None else None
+            argmax = self._argmax.get(_address(item.sampler)) if item.mask is None else None
             if argmax is not None and post is None:  # greedy: llama.cpp's pick, without the candidates' copy
-                token = _greedy(self._logits_row(idx), *argmax)
-                if token < 0:
-                    token = int(_sampler_sample(item.sampler, self._ctx, idx))
-                else:
+                # (a row of the last decode, a row copied out of an earlier decode call of the step
+                # (a verify entry's), or a saved row)
+                token = _greedy(row if row is not None else self._logits_row(idx), *argmax)
+                if token >= 0:
                     _sampler_accept(item.sampler, token)
+                elif row is None:
+                    token = int(_sampler_sample(item.sampler, self._ctx, idx))
+                else:  # a NaN on top: the sampler decides, as for any row held outside the context
+                    token = self._sample_row(item.sampler, row.copy(), None)
             elif row is None and post is None:  # a row of the last llama_decode: the sampler reads it
                 if item.mask is not None:
                     self._logits_row(idx)[~item.mask] = -np.inf
