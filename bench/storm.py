@@ -10,7 +10,8 @@ Every `--kill-every` seconds one worker process is SIGKILLed while streams run. 
 as one of: completed (the tokens, then [DONE]), an error event, a clean 503 (with Retry-After),
 another status, a transport error, or hung (no end by `--timeout`). Printed: those counts, the
 kills, the requests the killed workers were running at most (slots x kills), the router's peak
-RSS, and each model's state at the end (none may be left failed).
+RSS, and each model's state once settled (none may be left failed: one killed just before the
+end is shown failed for its backoff, then unloaded; `SETTLE_S` is the wait).
 
 The clients are separate processes so that the client is not the bottleneck; each raises its
 open-files limit to the hard one, as the router does. Traffic stays on 127.0.0.1.
@@ -39,6 +40,7 @@ from bench.common import ROOT, router_server
 
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 SLOTS = 8
+SETTLE_S = 45.0  # the longest backoff (30 s) and then some: a model still failed after this is wedged
 
 
 def _raise_nofile() -> None:
@@ -146,9 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.monotonic() - t0
         stop.set()
         watcher.join(5)
-        time.sleep(2)
-        listing = httpx.get(base + "/v1/models", timeout=30).json()["data"]
-        states = {m["id"]: m["status"]["value"] for m in listing}
+        # A model killed shortly before the end shows `failed` for a while (its backoff, at least
+        # FAILED_SHOWN_S), then settles (unloaded, or loaded again if requests wait): wait for it.
+        settle_deadline = time.monotonic() + SETTLE_S
+        while True:
+            listing = httpx.get(base + "/v1/models", timeout=30).json()["data"]
+            states = {m["id"]: m["status"]["value"] for m in listing}
+            if "failed" not in states.values() or time.monotonic() > settle_deadline:
+                break
+            time.sleep(0.5)
+        settled = SETTLE_S - max(0.0, settle_deadline - time.monotonic())
+        scrape = httpx.get(base + "/metrics", timeout=30).text.splitlines()
+        refused = next((line.split()[-1] for line in scrape
+                        if line.startswith("omni_router:connections_refused_total")), "?")
         print(f"storm: {args.streams} streams over {args.models} models (--models-max {args.models_max}, "
               f"{SLOTS} slots each), {args.processes} client processes, {args.tokens} tokens each, "
               f"a worker killed every {args.kill_every:g} s")
@@ -156,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
               f"<= {len(kills) * SLOTS} (slots) or {len(kills) * (SLOTS + 2)} (slots + margin)")
         for outcome, n in sorted(total.items(), key=lambda kv: -kv[1]):
             print(f"  {outcome:28s} {n}")
-        print(f"router peak RSS {peak_rss / 2**20:.0f} MiB; models at the end: {states}")
+        print(f"  (of the 503s, at the router's connection budget: {refused})")
+        print(f"router peak RSS {peak_rss / 2**20:.0f} MiB; models {settled:.1f} s after the last stream: "
+              f"{states}")
         return 0
     finally:
         router.stop(15)

@@ -17,7 +17,8 @@ answer is ours (OpenAI's error envelope, `Retry-After: 1`), not uvicorn's plain 
 already running keep going: nothing they hold is taken. Out of descriptors for real (a budget set
 above the limit), uvloop accepts and at once closes a waiting connection (the client sees a reset):
 the budget is what turns that into a 503. uvicorn logs each refusal; a filter keeps that to one
-line per 10 s with the count in between.
+line per 10 s with the count in between, and counts every one for /metrics
+(`omni_router:connections_refused_total`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import json
 import logging
 import time
 from typing import Any
+
+from router.observability.metrics import CONNECTION_REFUSALS
 
 RESERVE_MIN = 128
 RESERVE_SHARE = 16  # 1/16 of the limit: 1,250 of 20,000
@@ -63,6 +66,7 @@ class _RefusalLogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.getMessage() != _UVICORN_REFUSAL:
             return True
+        CONNECTION_REFUSALS.count += 1  # /metrics: omni_router:connections_refused_total
         self._since += 1
         now = time.monotonic()
         if now - self._last < _LOG_EVERY_S:

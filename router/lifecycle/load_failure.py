@@ -33,6 +33,12 @@ _CLI_USAGE_EXIT = 2
 class LoadFailure:
     cause: str  # one line, for the API error and the Models tab
     is_permanent: bool  # the same load will fail again: no retry until the file or preset changes
+    is_the_box: bool = False  # the box, not the model (its port was taken): requests keep waiting
+
+
+# A worker that could not listen: the port the router picked was taken meanwhile (by another
+# program, or a connection's local port). The next spawn picks another.
+_PORT_TAKEN = re.compile(r"address already in use", re.IGNORECASE)
 
 
 def _strip_log_prefix(line: str) -> str:
@@ -43,6 +49,9 @@ def _strip_log_prefix(line: str) -> str:
 def diagnose(log_tail: Sequence[str], exit_code: int | None, reason: str, *, was_ready: bool) -> LoadFailure:
     """`reason`: what the router saw (`exited with code 1`, `not ready after 300s`, a spawn error)."""
     lines = [_strip_log_prefix(line) for line in log_tail]
+    if not was_ready and any(_PORT_TAKEN.search(line) for line in lines):
+        return LoadFailure("its port was taken before it could listen (EADDRINUSE, transient: retried on "
+                           "another port)", is_permanent=False, is_the_box=True)
     for pattern, reported in _CAUSES:
         for line in lines:
             if (m := pattern.search(line)) is not None:

@@ -835,8 +835,9 @@ class ModelHandle:
             # killed by a signal while loading (SIGKILL from outside, the OOM killer): transient,
             # but a load that kills itself again and again is a crash loop, cut off after a few
             killed = code < 0 and self.failures < KILLED_LOADS_KEPT
-            self._fail(code, diagnose(self.log_tail, code, reason, was_ready=self.ready_since > 0),
-                       keep_waiters=was_serving or killed)
+            failure = diagnose(self.log_tail, code, reason, was_ready=self.ready_since > 0)
+            self._fail(code, failure, keep_waiters=was_serving or killed
+                       or (failure.is_the_box and self.failures < KILLED_LOADS_KEPT))
         self._resolve_stop_waiters(True)
         self._apply_pending()
         self._prune_waiters()

@@ -19,12 +19,14 @@ import ctypes.util
 import errno
 import logging
 import os
+import random
 import shlex
 import signal
 import socket
 import sys
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import httpx
@@ -43,9 +45,30 @@ with contextlib.suppress(OSError):
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port for a worker to listen on, below the kernel's ephemeral range when it can: a port
+    from that range (what binding port 0 gives) may be taken, before the worker binds it, as the
+    local port of one of the many connections a busy router makes and takes (found by
+    bench/storm.py: a worker that could not listen, and its queue failed with it)."""
+    low = _ephemeral_low()
+    if low > 2048:
+        for _ in range(32):
+            port = random.randrange(max(1024, low - 12000), low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def worker_argv(preset: ModelPreset, port: int, parent_pid: int, host: str = "127.0.0.1") -> list[str]:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
@@ -65,6 +65,16 @@ _TTFT_BUCKETS = (
     40.0,
 )
 _LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class ConnectionRefusals:
+    """Client connections answered 503 at the connection budget (router/http/connection_budget.py
+    counts them as uvicorn refuses them, before any app code runs)."""
+
+    count: int = 0
+
+
+CONNECTION_REFUSALS = ConnectionRefusals()
 
 
 class RouterMetrics:
@@ -241,6 +251,10 @@ class _LiveCollector:
             if not h.preset.is_remote:
                 where.add_metric([name, node_name(h)], 1.0)
         yield from (in_flight, queued, state, where)
+        yield CounterMetricFamily(
+            "omni_router:connections_refused",
+            "Client connections answered 503 at the connection budget (--max-connections)",
+            value=CONNECTION_REFUSALS.count)
         merged: dict[str, Metric] = {}  # one family per name, every model's samples in it
         for m in self.workers:
             into = merged.get(m.name)

@@ -82,3 +82,24 @@ def test_cause_and_permanence(tail: list[str], code: int | None, reason: str, wa
                               is_permanent: bool) -> None:
     f = diagnose(tail, code, reason, was_ready=was_ready)
     assert (f.cause, f.is_permanent) == (cause, is_permanent)
+
+
+def test_a_port_taken_before_the_worker_listened_is_the_box_not_the_model() -> None:
+    """bench/storm.py: under 20,000 connections the router's pick of a free port was taken as a
+    connection's local port before the worker bound it; uvicorn exits 3 and the model's whole
+    queue failed with a 503, as for a broken model."""
+    tail = ["14:24:46 INFO worker: omni-worker: model m.gguf (backend llama_cpp), 8 slots, listening on "
+            "127.0.0.1:40123",
+            "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 40123): address "
+            "already in use"]
+    failure = diagnose(tail, 3, "exited with code 3", was_ready=False)
+    assert not failure.is_permanent and failure.is_the_box and "EADDRINUSE" in failure.cause
+
+
+def test_a_worker_port_is_picked_below_the_ephemeral_range() -> None:
+    from router.lifecycle.process import _ephemeral_low, free_port
+
+    low = _ephemeral_low()
+    if low <= 2048:
+        pytest.skip(f"no room below this kernel's ephemeral range (it starts at {low})")
+    assert all(1024 <= free_port() < low for _ in range(20))

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from tests.router.conftest import RouterProc
-from tests.util import ROOT, wait_until
+from tests.util import ROOT, metric, wait_until
 
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
@@ -97,6 +97,7 @@ def test_past_the_connection_budget_a_new_connection_gets_503_and_the_running_st
         err = refused.json()["error"]
         assert err["code"] == "connection_budget" and "--max-connections" in err["message"]
         assert set(err) == {"message", "type", "param", "code"}
+    assert metric(r.base, "omni_router:connections_refused_total") >= 1
     streamer.join(120)
     assert out == {"status": 200, "tokens": 150}  # the running stream kept its connection and finished
     ok = httpx.post(f"{r.base}/v1/chat/completions", json=_body(2, False), timeout=60)
