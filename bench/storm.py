@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing as mp
 import random
@@ -122,11 +123,16 @@ def main(argv: list[str] | None = None) -> int:
             while not stop.is_set():
                 peak_rss = max(peak_rss, proc.memory_info().rss)
                 if args.kill_every > 0 and time.monotonic() >= next_kill:
-                    workers = [c for c in proc.children() if "worker.server.cli" in " ".join(c.cmdline())]
+                    workers = []
+                    for c in proc.children():
+                        with contextlib.suppress(psutil.Error):  # gone, or a zombie not reaped yet
+                            if "worker.server.cli" in " ".join(c.cmdline()):
+                                workers.append(c)
                     if workers:
                         victim = random.choice(workers)
-                        victim.send_signal(signal.SIGKILL)
-                        kills.append(victim.pid)
+                        with contextlib.suppress(psutil.Error):
+                            victim.send_signal(signal.SIGKILL)
+                            kills.append(victim.pid)
                     next_kill += args.kill_every
                 stop.wait(0.2)
 
