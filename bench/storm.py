@@ -2,6 +2,7 @@
 
     .venv/bin/python -m bench.storm [--streams 20000] [--processes 4] [--kill-every 10]
                                     [--models 3] [--models-max 2] [--tokens 8] [--timeout 600]
+                                    [--json PATH]
 
 Starts `omni-router` on a preset of `--models` tiny models (the same GGUF under other names, 8
 slots each) with `--models-max`, then `--processes` client processes open `--streams`
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--router-arg", action="append", default=[], help="another router flag (repeatable)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the figures here (tests/reliability)")
     args = ap.parse_args(argv)
     _raise_nofile()
     names = [f"m{i}" for i in range(args.models)]
@@ -177,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  (of the 503s, at the router's connection budget: {refused})")
         print(f"router peak RSS {peak_rss / 2**20:.0f} MiB; models {settled:.1f} s after the last stream: "
               f"{states}")
+        if args.json is not None:
+            args.json.write_text(json.dumps({
+                "outcomes": dict(total), "kills": len(kills), "bound_slots": len(kills) * SLOTS,
+                "bound_with_margin": len(kills) * (SLOTS + 2), "budget_503s": refused,
+                "peak_rss_mib": peak_rss / 2**20, "states": states, "wall_s": wall}))
         return 0
     finally:
         router.stop(15)
