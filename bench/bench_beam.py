@@ -46,7 +46,7 @@ def worker(args: argparse.Namespace, log: Path) -> Server:
         model = Path(args.model)
         extra = []
     cmd = [sys.executable, "-m", "worker.server.cli", "--model", str(model), "--port", str(port),
-           "--parallel", "4", "--ctx-size", "4096", "--threads", str(args.threads), *extra]
+           "--parallel", "4", "--ctx-size", "4096", "--threads", str(args.threads), *extra, *args.arg]
     return Server("worker", f"http://127.0.0.1:{port}", cmd, log, {"PYTHONPATH": str(ROOT)})
 
 
@@ -69,6 +69,8 @@ def main() -> None:
                     help="the GGUF (llama.cpp backend); e.g. the demo requantized to Q4_0, whose rows get "
                     "llama.cpp's repacked multi-row kernels on x86")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--arg", action="append", default=[], help="another worker flag (repeatable), e.g. "
+                    "--arg=--kv-unified")
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1,
