@@ -54,7 +54,8 @@ def smollm2_paths(out: Path) -> SmolPaths:
     return SmolPaths(out / f"{NAME}-q4_1.gguf", out / NAME)
 
 
-def _link(target: Path, link: Path) -> None:
+def link_file(target: Path, link: Path) -> None:
+    """`link` made a symlink to `target` (a copy where the filesystem has no symlinks)."""
     if link.is_symlink() or link.exists():
         if link.resolve() == target.resolve():
             return
@@ -70,7 +71,7 @@ def ensure_smollm2(out: Path, force: bool = False) -> SmolPaths:
     source = packaged_gguf()
     paths = smollm2_paths(out)
     out.mkdir(parents=True, exist_ok=True)
-    _link(source, paths.gguf)
+    link_file(source, paths.gguf)
     st = source.stat()
     expected = json.dumps({"format": FORMAT_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
     stamp = out / f".{NAME}.done"

@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
+
+from worker.testing.smollm2 import link_file
 
 TINY_NAME = "tiny-voice"
 TINY_RATE = 16000
@@ -92,25 +92,14 @@ def packaged_joe() -> Path | None:
     return path if path.is_file() else None
 
 
-def _link(target: Path, link: Path) -> None:
-    if link.is_symlink() or link.exists():
-        if link.resolve() == target.resolve():
-            return
-        link.unlink()
-    try:
-        os.symlink(target.resolve(), link)
-    except OSError:  # a filesystem without symlinks
-        shutil.copyfile(target, link)
-
-
 def link_joe(out: Path) -> Path | None:
     source = packaged_joe()
     if source is None:
         return None
     out.mkdir(parents=True, exist_ok=True)
     path = out / source.name
-    _link(source, path)
-    _link(Path(f"{source}.json"), Path(f"{path}.json"))
+    link_file(source, path)
+    link_file(Path(f"{source}.json"), Path(f"{path}.json"))
     return path
 
 
