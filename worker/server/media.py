@@ -278,8 +278,8 @@ class _Totals:
 
     def __init__(self, policy: MediaPolicy) -> None:
         self.policy = policy
-        self.bytes = self.pixels = self.n_images = self.n_audio = 0
-        self.seconds = 0.0
+        self.bytes = 0
+        self.sums: dict[str, tuple[float, int]] = {}  # "pixels" / "seconds" -> (sum, items)
 
     def add_bytes(self, where: str, data: bytes, param: str = "messages") -> None:
         self.bytes += len(data)
@@ -289,32 +289,25 @@ class _Totals:
                            f"server's --request-max-media-bytes {limit}", param=param)
 
     def add_image(self, index: int, data: bytes) -> None:
-        where = f"image {index}"
-        self.add_bytes(where, data)
         size = media_probe.image_size(data)
-        limit = self.policy.request_max_pixels
-        if size is None or not limit:
-            return
-        self.pixels += size[0] * size[1]
-        self.n_images += 1
-        if self.pixels > limit and self.n_images > 1:
-            raise APIError(f"{where}: the request's images come to {self.pixels} pixels with it "
-                           f"({size[0]}x{size[1]}), over this server's --request-max-pixels {limit} "
-                           "(read from the headers, not decoded)", param="messages")
+        self._add(f"image {index}", data, "pixels", size[0] * size[1] if size else None,
+                  self.policy.request_max_pixels, "--request-max-pixels")
 
     def add_audio(self, index: int, data: bytes) -> None:
-        where = f"audio {index}"
+        self._add(f"audio {index}", data, "seconds", media_probe.audio_seconds(data),
+                  self.policy.request_max_audio_seconds, "--request-max-audio-seconds")
+
+    def _add(self, where: str, data: bytes, unit: str, amount: float | None, limit: float, flag: str) -> None:
         self.add_bytes(where, data)
-        seconds = media_probe.audio_seconds(data)
-        limit = self.policy.request_max_audio_seconds
-        if seconds is None or not limit:
+        if amount is None or not limit:
             return
-        self.seconds += seconds
-        self.n_audio += 1
-        if self.seconds > limit and self.n_audio > 1:
-            raise APIError(f"{where}: the request's audio comes to {self.seconds:.1f} s with it, over this "
-                           f"server's --request-max-audio-seconds {limit:g} (read from the headers, not "
-                           "decoded)", param="messages")
+        total, n = self.sums.get(unit, (0.0, 0))
+        total, n = total + amount, n + 1
+        self.sums[unit] = (total, n)
+        if total > limit and n > 1:
+            raise APIError(f"{where}: the request's media come to {total:.10g} {unit} with it, over this "
+                           f"server's {flag} {limit:.10g} (read from the headers, not decoded)",
+                           param="messages")
 
 
 def expand_videos(text: str, marker: str, loaded: list[list[bytes]]) -> tuple[str, list[bytes]]:
