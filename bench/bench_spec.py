@@ -7,7 +7,8 @@ llama-server's, on the real SmolLM2-135M-Instruct Q4_1.
 Four servers with the same flags (`-np 8 -c 8192`; the speculating ones add
 `--spec-type ngram-simple --spec-ngram-simple-size-n N --spec-ngram-simple-size-m M`, the same
 on both sides), started together and measured round by round, one request (or one burst) at a
-time, so that the ratios are taken side by side on a noisy box. Workloads (chat, temperature 0):
+time, the order of the servers reversed every other round, so that the ratios are taken side
+by side on a noisy box. Workloads (chat, temperature 0):
 
     rewrite   N = 1: "rewrite this text, changing one thing" (two paragraphs; the answer copies
               the prompt), up to --max-tokens
@@ -156,7 +157,8 @@ def main() -> None:
         texts: dict[tuple[str, str, int], str] = {}
         for r in range(args.rounds):
             for w in workloads:
-                for name, s in servers.items():
+                order = list(servers.items())  # which side goes first alternates round by round
+                for name, s in order if r % 2 == 0 else order[::-1]:
                     if w == "rewrite8" and name.startswith("llama-server"):
                         continue
                     if w == "rewrite8":

@@ -221,3 +221,20 @@ def test_drafting_that_measures_slower_stops_but_is_rechecked() -> None:
             other._step = (1, drafted)
             other.record_step(1, 1 / tok_s)
     assert other.drafts([slot], is_busy=False, n_ctx_seq=100, room=64)
+
+
+def test_when_every_step_drafted_plain_steps_are_measured_next() -> None:
+    """The measured check compares steps with and without drafts at one count of generating
+    slots; where some slot drafted in every step, the next steps are plain ones until both sides
+    are measured, and then the faster side wins."""
+    from worker.engine.speculation import _YIELD_MIN
+
+    spec = Speculator(SpecConfig("ngram-simple", size_n=2, n_max=16), WorkerMetrics())
+    slot = _slot_with_task(SamplingParams(temperature=0), [1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
+    for _ in range(_YIELD_MIN):
+        assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64)  # nothing measured: drafts
+        spec.record_step(1, 1 / 100.0)
+    for _ in range(_YIELD_MIN):
+        assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {}
+        spec.record_step(1, 1 / 50.0)  # plain steps measured slower
+    assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64)

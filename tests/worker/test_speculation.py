@@ -126,6 +126,30 @@ def test_request_fields_timings_and_metrics(worker: Worker) -> None:
         assert r.status_code == 400 and "draft model" in r.text, r.text
 
 
+def test_each_decode_call_of_output_rows_is_timed_for_the_cost_fit(tiny_models: ModelPaths) -> None:
+    """llama.cpp runs a verify entry in a decode call of its own beside the one-row entries: the
+    step-cost fit learns each such call apart (its rows, its seconds), so that a call's fixed
+    cost is not charged as rows; a prompt piece's call (cheaper rows) is not timed for it."""
+    require_backend("llama_cpp")
+    from worker.backends import BackendOptions, load_backend
+    from worker.backends.base import BatchEntry
+
+    options = BackendOptions(n_ctx=1024, n_slots=4, threads=1)
+    backend = load_backend("llama_cpp", str(tiny_models.gguf_f16), options, None)
+    try:
+        prompt = list(range(10, 30))
+        for seq in range(3):
+            backend.decode([BatchEntry(seq, prompt, 0, True)])
+        assert backend.timed_calls == []  # prompt pieces only
+        backend.decode([BatchEntry(0, [5, 6, 7], 20, True, n_outputs=3), BatchEntry(1, [5], 20, True),
+                        BatchEntry(2, [5], 20, True), BatchEntry(3, prompt, 0, False)])
+        timed = backend.timed_calls
+        assert [rows for rows, _ in timed] == [3, 2]
+        assert all(seconds > 0 for _, seconds in timed)
+    finally:
+        backend.close()
+
+
 @pytest.mark.parametrize(("target", "draft"), [("llama_cpp", "torch"), ("torch", "llama_cpp")])
 def test_a_draft_model_on_either_backend_keeps_greedy_output(
     target: str, draft: str, tiny_models: ModelPaths

@@ -51,6 +51,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -325,6 +326,11 @@ class LlamaCppBackend:
         self._outputs: list[
             tuple[np.ndarray | None, int]
         ] = []  # per logits entry: (copied row | None, batch row)
+        # The last decode's llama_decode calls of output rows only (one-row entries, verify
+        # entries): (rows, seconds) each, what the engine's step-cost fit learns from. A step's
+        # verify entries run in calls of their own (`_calls`), so the whole decode's time would
+        # charge the fit with the extra calls' fixed cost as if it were rows.
+        self.timed_calls: list[tuple[int, float]] = []
         # The last llama_decode's logits: one view of llama.cpp's output buffer per (address, rows)
         # (the buffer moves only when it grows), and each output's batch row -> its row there.
         self._views: dict[int, np.ndarray] = {}  # the logits buffer's address -> a view of it
@@ -577,6 +583,7 @@ class LlamaCppBackend:
         if n == 0 or n > self.n_batch:
             raise ValueError(f"batch of {n} tokens (capacity {self.n_batch})")
         calls = self._calls(entries)
+        self.timed_calls = []
         done: list[BatchEntry] = []
         where: dict[int, list[tuple[np.ndarray | None, int]]] = {}  # id(entry) -> its rows' logits
         pooled: dict[int, np.ndarray] = {}  # id(entry) -> its embedding (embedding models)
@@ -586,6 +593,7 @@ class LlamaCppBackend:
                 assert self._ebuf is not None, "media rows for a model loaded without --mmproj"
                 buf = self._ebuf
             rows = buf.fill(call, self._arange, self._embedding)
+            t0 = time.perf_counter()
             ret = ll.llama_decode(self._ctx, buf.batch)
             if ret != 0:
                 for e in done:  # nothing of this batch stays in the KV cache
@@ -599,7 +607,9 @@ class LlamaCppBackend:
                 pooled.update(self._read_embeddings(call))
                 continue
             if rows:
-                self._take_logits(rows)
+                self._take_logits(rows)  # (llama_get_logits: the device's sync, on a GPU)
+            if all(e.logits and e.n_outputs == len(e.tokens) and e.embd is None for e in call):
+                self.timed_calls.append((sum(len(e.tokens) for e in call), time.perf_counter() - t0))
             is_last = k == len(calls) - 1
             it = iter(rows)
             for e in call:

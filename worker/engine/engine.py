@@ -99,6 +99,7 @@ from worker.engine.prompt_cache import PromptCache
 from worker.engine.scheduler import Plan, Scheduler
 from worker.engine.slot import Slot
 from worker.engine.speculation import SpecConfig, Speculator
+from worker.engine.step_cost import StepCost
 from worker.engine.task import GO_ON, EmbeddingEvent, ErrorEvent, FinishEvent, Task, TokenEvent, Verdict
 
 log = logging.getLogger("worker.engine.engine")
@@ -486,7 +487,7 @@ class Engine:
             step_s = time.perf_counter() - t0
             self._metrics.decode_seconds.inc(step_s)
             if scheduler.spec is not None:  # what a decode costs per row: how long a draft pays
-                scheduler.spec.cost.observe(sum(len(entry.tokens) for _, entry in plan.entries), step_s)
+                self._observe_cost(scheduler.spec.cost, plan, step_s)
             to_sample = scheduler.commit(plan, step_s * 1e3)
             self._metrics.n_busy_slots.inc(scheduler.n_busy())
         if backend.pooling is not None:  # an embedding model: an evaluated prompt is a finished task
@@ -525,6 +526,18 @@ class Engine:
                     self._report_end(task, slot_id, verdict)
             if scheduler.spec is not None and plan.entries:  # drafting's measured yield
                 scheduler.spec.record_step(len(samples), time.perf_counter() - t0)
+
+    def _observe_cost(self, cost: StepCost, plan: Plan, step_s: float) -> None:
+        """Feed the step-cost fit with decodes of output rows only (generating slots, verify
+        entries): a prompt piece's rows cost less each (tiled kernels). A backend that runs a
+        decode in several calls reports each call of output rows (`timed_calls`): the fit then
+        learns a call's fixed cost and its rows' apart, as `draft_length` counts them."""
+        calls = getattr(self._backend, "timed_calls", None)
+        if calls is not None:
+            for rows, seconds in calls:
+                cost.observe(rows, seconds)
+        elif all(e.logits and e.n_outputs == len(e.tokens) and e.embd is None for _, e in plan.entries):
+            cost.observe(sum(len(e.tokens) for _, e in plan.entries), step_s)
 
     def _step_beams(self, scheduler: Scheduler, slots: list[Slot], first: list[int]) -> list[int]:
         """The beam searches' step (worker/engine/beam.py) on their slots' logits; the searches

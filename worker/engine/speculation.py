@@ -37,10 +37,14 @@ drafts up to the cap. The model is checked against the result: the engine times 
 (decode, sampling, verification) with and without drafts at each count of generating slots, and
 where drafting steps emit fewer tokens a second than plain ones, the slots stop drafting there
 but for a step in `_RECHECK_EVERY` that keeps the measurement fresh (on this CPU: beside 7
-other generating slots, where the model alone left 0.84x). Before anything is measured a slot
-drafts K (the first verify step is the measurement), and so does a request that asks for a
-draft length itself (`num_assistant_tokens`, `speculative.n_max`: llama-server drafts whenever
-it can), measured yield or not. Under load
+other generating slots, where the model alone left 0.84x). Where some slot drafted in every
+step so far, the next steps are plain until `_YIELD_MIN` of them are measured: without them the
+check had nothing to compare with, and eight rewrites at once drafted in every step at 0.86x
+(beside 7 others a row costs 0.86 of a slot's share and a verify entry's call 1.9: a draft of
+16 pays only if nearly all of it holds, and the model stands at break-even).
+Before anything is measured a slot drafts K (the first verify step is the measurement), and
+so does a request that asks for a draft length itself (`num_assistant_tokens`,
+`speculative.n_max`: llama-server drafts whenever it can), measured yield or not. Under load
 speculation yields: no drafts in a step where a prompt is being computed or a task waits for a
 slot (verify rows would take the prompt pieces' place), and the step's verify rows are capped
 by `max_rows`.
@@ -164,6 +168,10 @@ class _Yield:
             self.plain = _mean(self.plain, self.n_plain, tokens_per_s)
             self.n_plain += 1
 
+    def unmeasured_plain(self) -> bool:
+        """Steps with drafts are measured and plain ones are not (some slot drafted in each)."""
+        return self.n_spec >= _YIELD_MIN and self.n_plain < _YIELD_MIN
+
     def loses(self) -> bool:
         """Steps with drafts emitted fewer tokens a second than plain ones (both well measured)."""
         return self.n_spec >= _YIELD_MIN and self.n_plain >= _YIELD_MIN and self.spec < self.plain
@@ -212,6 +220,8 @@ class Speculator:
         measured = self._yields.get(len(decoding))
         # drafting measured slower at this many generating slots: plain steps, but for a recheck
         losing = measured is not None and measured.loses() and self._n_steps % _RECHECK_EVERY != 0
+        # every step here drafted so far: plain ones next, or the check has nothing to compare with
+        losing = losing or (measured is not None and measured.unmeasured_plain())
         out: dict[int, list[int]] = {}
         rows = min(self.config.max_rows, room)
         ratio = self.cost.row_ratio(len(decoding))  # a draft row's cost over a slot's share; None: unmeasured
@@ -280,7 +290,7 @@ class Speculator:
             worth = 0
         elif ratio is None:  # nothing measured yet: this draft is the measurement
             worth = most
-        else:
+        else:  # the best length this slot may draft now (its adaptive K): one that pays, or none
             worth = draft_length(st.rate, ratio, most, fixed)
         if st.pause > 0 or worth == 0:
             st.pause = max(0, st.pause - 1)

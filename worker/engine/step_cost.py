@@ -1,15 +1,21 @@
 """What a decode step costs as a function of its rows, measured, and the draft length it pays for.
 
-The engine times every decode (`llama_decode`, or the torch forward pass) with the number of
-rows it held (`StepCost.observe`). Timing the whole step instead (its sampling too) was tried
+The engine times every decode of output rows only (generating slots' tokens and verify
+entries; `llama_decode`, or the torch forward pass) with the number of rows it held
+(`StepCost.observe`). A backend that runs one decode as several calls (llama.cpp: a verify entry
+runs apart, `verify_apart`) times each call (`timed_calls`): timing the whole decode charged the
+extra calls' fixed cost to rows, and on the 2-core CPU the fit then read a row at 0.70-0.80 of a
+slot's share beside 7 others and a call at 2.4-3.1, where a call-by-call microbenchmark gives
+0.86 and 1.9 (bench_spec rewrite8, 2026-11-27). Timing the whole step instead (its sampling too) was tried
 and measured worse: prompt steps sample one row of many, decode steps every row, so the fit
 mixed two costs and rewrite fell from 1.34-1.54x to 0.99x (bench_spec, 2026-11-27).
 For the few rows a speculative step adds, a step's cost is close to linear
 in its rows: `base` (the weights streamed once, the fixed overheads) plus `slope` per further
 row. Both are fitted, by least squares, to the running means of steps of 1 to `MAX_ROWS` rows:
 the row counts of generating slots and verify entries, not long prompt pieces, whose tiled
-kernels cost less per row. On a 2-core CPU one more row costs about 0.65 of a one-row step
-(SmolLM2-135M Q4_1: 17.7 ms, then ~12 ms a row); on a GPU a few percent.
+kernels cost less per row. On a 2-core CPU one more row costs about 0.45 of a one-row step
+(SmolLM2-135M Q4_1, 2 threads, a quiet box: 8.5 ms, then ~3.8 ms a row; 0.65 with 1 thread under
+load); on a GPU a few percent.
 
 `draft_length` turns the fit into a decision, per slot and step. A slot among `n` generating
 slots costs, per emitted token without drafting, its share of the step, `step(n) / n`; k draft
