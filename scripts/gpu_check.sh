@@ -73,6 +73,8 @@ run)
         --worker-arg=-ngl --worker-arg=99 --server-arg=-ngl --server-arg=99 2>&1 | tee "$OUT/bench_chat_gpu.log"
     timeout 60 python3 -m bench.step_overhead --model "$M" --threads 8 -ngl 99 --tokens 48 2>&1 \
         | grep -E "^(plain|spec|/)" | tee "$OUT/step_overhead_gpu.log"
+    timeout 40 python3 -m bench.bench_beam --model "$M" --threads 8 --rounds 2 --arg=-ngl --arg=99 2>&1 \
+        | tail -4 | tee "$OUT/bench_beam_gpu.log"
     echo "== table for bench/README =="
     grep -h -E "^\|" "$OUT"/*.log
     ;;

@@ -165,12 +165,20 @@ def test_k_adapts_and_a_failing_slot_pauses() -> None:
     for _ in range(3):
         spec._adapt(0, 4, 0)
     assert state.pause == 4  # three rejected drafts in a row: four steps without drafting
+    # 11 of the last 14 drafted tokens held, then three misses: a rate of ~0.67, which pays for
+    # one draft token's row on this cost curve (above 0.65), so it drafts again after the pause
+    assert 0.65 < state.rate < 0.7
     steps = 0
     while not spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64):
         steps += 1
-    # the pause, then until the acceptance estimate has crept back to where one draft token pays
-    # for its row on this cost curve (a rate above 0.65)
-    assert 4 < steps < 60, steps
+    assert steps == 4
+    # a slot whose drafts nearly all missed waits, past its pause, until its counts have relaxed
+    # towards a new task's far enough that one draft token pays
+    state.accepted, state.missed, state.pause = 1.0, 3.0, 0
+    steps = 0
+    while not spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64):
+        steps += 1
+    assert 60 < steps < 120, steps
 
 
 def test_a_slot_beside_others_needs_a_higher_acceptance_rate() -> None:
@@ -180,7 +188,7 @@ def test_a_slot_beside_others_needs_a_higher_acceptance_rate() -> None:
     a, b = _slot_with_task(SamplingParams(temperature=0), tokens), _slot_with_task(SamplingParams(), [7, 7])
     b.id = 1
     spec.drafts([a], is_busy=False, n_ctx_seq=100, room=64)
-    spec._slots[0].rate = 0.7
+    spec._slots[0].accepted, spec._slots[0].missed = 7.0, 2.0  # rate 0.7
     assert 0 not in spec.drafts([a, b], is_busy=False, n_ctx_seq=100, room=64)  # a row costs 0.79 of a share
     assert 0 in spec.drafts([a], is_busy=False, n_ctx_seq=100, room=64)  # alone: 0.65 of the step
 
@@ -191,7 +199,7 @@ def test_unmeasured_a_slot_drafts_k_to_measure() -> None:
     spec = Speculator(SpecConfig("ngram-simple", size_n=2, n_max=16), WorkerMetrics())
     slot = _slot_with_task(SamplingParams(temperature=0), [1, 2, 3, 4, 5, 6, 7, 8, 1, 2])
     assert slot.task is not None
-    spec._slots[0] = _SlotState(slot.task.id, rate=0.1)
+    spec._slots[0] = _SlotState(slot.task.id, accepted=1.0, missed=9.0)  # rate 0.1
     assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {0: [3, 4]}
     _cpu_like(spec)
     assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {}  # 0.1 pays for nothing
@@ -238,3 +246,23 @@ def test_when_every_step_drafted_plain_steps_are_measured_next() -> None:
         assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64) == {}
         spec.record_step(1, 1 / 50.0)  # plain steps measured slower
     assert spec.drafts([slot], is_busy=False, n_ctx_seq=100, room=64)
+
+
+def test_a_slot_never_drafts_a_length_the_model_says_loses() -> None:
+    """Beside 7 other generating slots, with a verify entry in a decode call of its own, on a
+    curve where a call costs 1 and a row 0.3: a draft of 16 that always holds pays for its call
+    and rows, and one of 2 (K's slow start) does not. The slot drafts the 16 at once (it used to
+    draft 2 because 16 would have paid), and nothing once its rate says that 16 loses too."""
+    spec = Speculator(SpecConfig("ngram-simple", size_n=1, n_max=16), WorkerMetrics(), verify_apart=True)
+    for rows in (1, 2, 4, 8, 17):
+        spec.cost.observe(rows, 1.0 + 0.3 * (rows - 1))
+    drafting = _slot_with_task(SamplingParams(temperature=0), [*range(1, 30), 1])
+    others = [_slot_with_task(SamplingParams(temperature=0), [100 + i, 200 + i]) for i in range(7)]
+    for i, other in enumerate(others):
+        other.id = i + 1
+    assert drafting.task is not None
+    spec._slots[0] = _SlotState(drafting.task.id, accepted=1000.0)  # drafts that held, a rate of 0.999
+    assert spec._slots[0].k == 2
+    assert spec.drafts([drafting, *others], is_busy=False, n_ctx_seq=100, room=64) == {0: list(range(2, 18))}
+    spec._slots[0].missed = 100.0  # a rate of 0.91
+    assert spec.drafts([drafting, *others], is_busy=False, n_ctx_seq=100, room=64) == {}

@@ -30,8 +30,16 @@ partial one and halves after a rejected one; after `_PAUSE_AFTER` rejected draft
 slot stops drafting for a backoff of steps that doubles each time (up to `_MAX_PAUSE`). Whether
 and how long to draft follows the hardware (worker/engine/step_cost.py): the engine measures
 what a step costs per row, and a slot drafts the length that gives the most tokens per unit of
-cost at its recent acceptance rate (at most K), or nothing when no length beats a plain step.
-On a CPU, where a verify row costs ~0.65 of a step, that asks for a high rate and short drafts,
+cost at its recent acceptance rate (at most K), or nothing when no length beats a plain step;
+where K's slow start would draft a length that loses and only a longer one pays (beside other
+slots, where the verify entry's own decode call must be paid for), it drafts the longer one.
+The rate is estimated from decayed counts of accepted tokens and of misses, with one miss more
+than seen (`_UNSEEN_MISS`): drafts of 16 that all held read as ~0.99, not 1. The earlier
+estimate (a running mean of per-draft rates, 1.0 after a draft that held, creeping up by 0.02 a
+step without one) sat at 1.0 for rewrites beside 7 others, where a whole draft is break-even at
+best on this CPU, and the model alone drafted there at 0.81-0.87x (bench_spec rewrite8); with
+the counts it drafts there almost never (1.01x, 2 drafts in 3 bursts).
+On a CPU, where a verify row costs ~0.45-0.65 of a step, that asks for a high rate and short drafts,
 and beside several generating slots it stops drafting; where rows are nearly free (a GPU) it
 drafts up to the cap. The model is checked against the result: the engine times whole steps
 (decode, sampling, verification) with and without drafts at each count of generating slots, and
@@ -62,7 +70,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from worker.backends.base import Backend, Sample, SampleItem
-from worker.engine.step_cost import StepCost, draft_length
+from worker.engine.step_cost import StepCost, draft_length, pays
 
 if TYPE_CHECKING:
     from worker.engine.draft_model import DraftModel
@@ -76,7 +84,13 @@ SPEC_TYPES: tuple[str, ...] = ("none", "ngram-simple", "draft-simple")
 _START_K = 2  # a slot's first draft (a wrong one costs little; K doubles while drafts hold)
 _PAUSE_AFTER = 3  # rejected drafts in a row before a slot pauses drafting
 _MAX_PAUSE = 64  # steps
-_RATE_RECOVERY = 0.02  # per step without a draft, a slot's rate creeps back up (it may try again)
+# A slot's acceptance rate: decayed counts of accepted draft tokens and of misses (the rejected
+# token that ends a draft), rate = accepted / (accepted + missed + _UNSEEN_MISS), the geometric
+# run's estimate with one miss more than seen.
+_PRIOR_ACCEPTED = 3.0  # a new task's counts: a rate of 0.75 before its first draft
+_DECAY = 0.9  # per verified draft: the counts are those of about the last 10 drafts
+_UNSEEN_MISS = 1.0  # one more miss than seen: a run of held drafts is no proof that the next one holds
+_RELAX = 0.02  # per step without a draft the counts relax towards a new task's (half in ~34 steps)
 _YIELD_EWMA = 0.1  # weight of a step in the running tokens-a-second means
 _YIELD_MIN = 8  # steps of each kind before the measured yield overrules the model
 _RECHECK_EVERY = 32  # once drafting measured slower, every this many steps one may draft again
@@ -144,10 +158,16 @@ def accept_point_mass(draft: int, p: np.ndarray, rng: np.random.Generator) -> in
 class _SlotState:
     task_id: int = -1
     k: int = _START_K
-    rate: float = 1.0  # a drafted token's chance to be accepted, a moving estimate (optimistic at first)
+    accepted: float = _PRIOR_ACCEPTED  # recent accepted draft tokens (decayed counts)
+    missed: float = 0.0  # recent drafts that ended in a rejected token
     n_rejected: int = 0  # drafts in a row with nothing accepted
     pause: int = 0  # steps left without drafting
     backoff: int = 4
+
+    @property
+    def rate(self) -> float:
+        """A drafted token's chance to be accepted (each until the first miss)."""
+        return self.accepted / (self.accepted + self.missed + _UNSEEN_MISS)
 
 
 @dataclass(slots=True)
@@ -294,9 +314,12 @@ class Speculator:
             worth = draft_length(st.rate, ratio, most, fixed)
         if st.pause > 0 or worth == 0:
             st.pause = max(0, st.pause - 1)
-            st.rate = min(1.0, st.rate + _RATE_RECOVERY)
+            st.accepted += _RELAX * (_PRIOR_ACCEPTED - st.accepted)  # so it may try again
+            st.missed -= _RELAX * st.missed
             return None
         k = min(st.k, worth)
+        if ratio is not None and not asked and not pays(st.rate, ratio, k, fixed):
+            k = worth  # K's slow start would draft a length that loses: the one that pays instead
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - task.stats.n_decoded - 1)
         return (k, n_min, size_n) if k >= max(1, n_min) else None
@@ -374,10 +397,9 @@ class Speculator:
     def _adapt(self, slot_id: int, n_draft: int, n_ok: int, task_id: int = -1) -> None:
         st = self._slots.setdefault(slot_id, _SlotState(task_id))
         cap = self.config.cap
-        # a drafted token's acceptance, estimated as a geometric run: n_ok accepted, then one miss
-        # (none when the whole draft held)
-        seen = 1.0 if n_ok >= n_draft else n_ok / (n_ok + 1)
-        st.rate = 0.5 * st.rate + 0.5 * seen
+        # a geometric run: n_ok accepted, then one miss (none when the whole draft held)
+        st.accepted = _DECAY * st.accepted + n_ok
+        st.missed = _DECAY * st.missed + (0.0 if n_ok >= n_draft else 1.0)
         if n_ok == n_draft:
             st.k = min(cap, max(st.k, n_draft) * 2)
         elif n_ok > 0:
