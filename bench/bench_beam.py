@@ -10,6 +10,11 @@ every beam, runs the whole 64 tokens) and `cache_prompt` off (each request compu
 a different prompt each round; greedy and beam alternate which goes first. Printed: the median
 wall time of each, their ratio (the issue's bound: width 4 <= 1.5x greedy), and the median of
 the worker's own `timings.predicted_ms` (the generation part alone).
+
+Then the floor (unless --no-floor): the backend alone, in process, with the worker's flags,
+times one decode call of W one-row entries (W sequences, as a beam step) against one of a
+single row (a greedy step), interleaved, at the answers' depth. A beam step holds W rows, so
+beam W's generating ratio cannot fall below that one; what it adds above it is the engine's.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ def main() -> None:
                     "--arg=--kv-unified")
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-floor", action="store_true", help="skip the backend's own W-row / 1-row decode")
     ap.add_argument("--threads", type=int, default=1,
                     help="the worker's threads (1: on a shared 2-core box, more only wait on each other)")
     args = ap.parse_args()
@@ -107,6 +113,46 @@ def main() -> None:
     ratio = median(walls[b]) / median(walls["greedy"])
     gen_ratio = median(gen_ms[b]) / median(gen_ms["greedy"])
     print(f"  {b} / {g.strip()}: {ratio:.2f}x wall, {gen_ratio:.2f}x generating (bound: 1.5x)")
+    if not args.no_floor:
+        one, wide = floor(args)
+        print(f"  the backend's own decode, {args.width} rows / 1 row: {wide * 1e3:.1f} / "
+              f"{one * 1e3:.1f} ms = {wide / one:.2f}x (the floor of the generating ratio)")
+
+
+def floor(args: argparse.Namespace, reps: int = 30) -> tuple[float, float]:
+    """(median seconds of a decode of one row, of `args.width` rows of as many sequences), the
+    backend loaded in process with the worker's flags, at ~160 cells of depth."""
+    from worker.backends import BackendOptions, load_backend
+    from worker.backends.base import BatchEntry
+
+    w = args.width
+    ngl = None
+    if "-ngl" in args.arg[:-1]:
+        ngl = int(args.arg[args.arg.index("-ngl") + 1])
+    if args.torch:
+        options = BackendOptions(n_ctx=4096, n_slots=w, threads=args.threads, device="cpu", dtype="float32")
+        backend = load_backend("torch", str(ROOT / "models" / "smollm2-135m-instruct"), options, None)
+    else:
+        options = BackendOptions(n_ctx=4096, n_slots=w, threads=args.threads, n_gpu_layers=ngl)
+        backend = load_backend("llama_cpp", args.model, options, None)
+    try:
+        depth = 160
+        prompt = [(7 * i) % 4000 + 100 for i in range(depth)]
+        for seq in range(w):
+            backend.decode([BatchEntry(seq, prompt, 0, True)])
+        times: dict[int, list[float]] = {1: [], w: []}
+        for _ in range(reps):
+            for rows in (1, w):
+                t0 = time.perf_counter()
+                backend.decode([BatchEntry(seq, [42], depth, True) for seq in range(rows)])
+                times[rows].append(time.perf_counter() - t0)
+                for seq in range(rows):
+                    backend.seq_rm(seq, depth)
+        return median(times[1]), median(times[w])
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
 
 
 if __name__ == "__main__":
