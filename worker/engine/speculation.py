@@ -25,14 +25,16 @@ row (several rows of one sequence in one decode) with the bits of a one-row deco
 the exact torch CPU path; on llama.cpp see the README (its one-row and several-row kernels may
 round differently).
 
-Adaptive K. Per slot: K doubles after a fully accepted draft, falls to accepted + 1 after a
-partial one and halves after a rejected one; after `_PAUSE_AFTER` rejected drafts in a row the
-slot stops drafting for a backoff of steps that doubles each time (up to `_MAX_PAUSE`). Whether
-and how long to draft follows the hardware (worker/engine/step_cost.py): the engine measures
-what a step costs per row, and a slot drafts the length that gives the most tokens per unit of
-cost at its recent acceptance rate (at most K), or nothing when no length beats a plain step;
-where K's slow start would draft a length that loses and only a longer one pays (beside other
-slots, where the verify entry's own decode call must be paid for), it drafts the longer one.
+Draft length. Whether and how long to draft follows the hardware (worker/engine/step_cost.py):
+the engine measures what a step costs per row, and a slot drafts the length that gives the most
+tokens per unit of cost at its recent acceptance rate, or nothing when no length beats a plain
+step. After `_PAUSE_AFTER` rejected drafts in a row the slot stops drafting for a backoff of
+steps that doubles each time (up to `_MAX_PAUSE`). Before the cost is measured, and for a
+request that asks for a draft length, K limits the draft: it starts at 2, doubles after a fully
+accepted draft, falls to accepted + 1 after a partial one and halves after a rejected one. Once
+measured, K's slow start no longer applies: it drafted 2 or 11 where only 16 paid (beside 7
+others), and on rewrites alone it cost steps that the rate already accounts for (side by side,
+the model's own length ran 1.08x faster than the length capped at K, 8 rounds, 2026-11-27).
 The rate is estimated from decayed counts of accepted tokens and of misses, with one miss more
 than seen (`_UNSEEN_MISS`): drafts of 16 that all held read as ~0.99, not 1. The earlier
 estimate (a running mean of per-draft rates, 1.0 after a draft that held, creeping up by 0.02 a
@@ -70,7 +72,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from worker.backends.base import Backend, Sample, SampleItem
-from worker.engine.step_cost import StepCost, draft_length, pays
+from worker.engine.step_cost import StepCost, draft_length
 
 if TYPE_CHECKING:
     from worker.engine.draft_model import DraftModel
@@ -310,16 +312,17 @@ class Speculator:
             worth = 0
         elif ratio is None:  # nothing measured yet: this draft is the measurement
             worth = most
-        else:  # the best length this slot may draft now (its adaptive K): one that pays, or none
+        else:  # the length with the most tokens per unit of cost, or none that beats a plain step
             worth = draft_length(st.rate, ratio, most, fixed)
         if st.pause > 0 or worth == 0:
             st.pause = max(0, st.pause - 1)
             st.accepted += _RELAX * (_PRIOR_ACCEPTED - st.accepted)  # so it may try again
             st.missed -= _RELAX * st.missed
             return None
-        k = min(st.k, worth)
-        if ratio is not None and not asked and not pays(st.rate, ratio, k, fixed):
-            k = worth  # K's slow start would draft a length that loses: the one that pays instead
+        # measured: the model's length (its rate remembers how drafts went); else K's slow start
+        # Measured: the model's length (the rate remembers how the drafts went). K's slow start
+        # (2, 4, 8, ...) is for a draft that is the measurement, or that a request asked for.
+        k = worth if ratio is not None and not asked else min(st.k, worth)
         if p.max_tokens is not None:
             k = min(k, p.max_tokens - task.stats.n_decoded - 1)
         return (k, n_min, size_n) if k >= max(1, n_min) else None

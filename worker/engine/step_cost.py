@@ -124,8 +124,3 @@ def draft_length(rate: float, row_ratio: float, cap: int, fixed: float = 0.0) ->
             best_k, best = k, value
     return best_k
 
-
-def pays(rate: float, row_ratio: float, k: int, fixed: float = 0.0) -> bool:
-    """Whether a draft of k tokens is expected to emit more tokens per unit of cost than a plain
-    step: `E(k) > 1 + f + k r`."""
-    return expected_tokens(rate, k) > 1.0 + fixed + k * row_ratio
