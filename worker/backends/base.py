@@ -80,6 +80,12 @@ class BatchEntry:
     n_outputs: int = 1
     embd: np.ndarray | None = None
 
+    @property
+    def is_output_rows(self) -> bool:
+        """Every row gives logits (a generating slot's token, a verify entry): not a prompt piece
+        (whose rows cost less each) nor media rows; what the step-cost fit learns from."""
+        return self.logits and self.n_outputs == len(self.tokens) and self.embd is None
+
 
 class DecodeStatus(Enum):
     OK = 0

@@ -608,7 +608,7 @@ class LlamaCppBackend:
                 continue
             if rows:
                 self._take_logits(rows)  # (llama_get_logits: the device's sync, on a GPU)
-            if all(e.logits and e.n_outputs == len(e.tokens) and e.embd is None for e in call):
+            if all(e.is_output_rows for e in call):
                 self.timed_calls.append((sum(len(e.tokens) for e in call), time.perf_counter() - t0))
             is_last = k == len(calls) - 1
             it = iter(rows)

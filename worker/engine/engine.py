@@ -536,7 +536,7 @@ class Engine:
         if calls is not None:
             for rows, seconds in calls:
                 cost.observe(rows, seconds)
-        elif all(e.logits and e.n_outputs == len(e.tokens) and e.embd is None for _, e in plan.entries):
+        elif all(e.is_output_rows for _, e in plan.entries):
             cost.observe(sum(len(e.tokens) for _, e in plan.entries), step_s)
 
     def _step_beams(self, scheduler: Scheduler, slots: list[Slot], first: list[int]) -> list[int]:

@@ -52,8 +52,8 @@ step so far, the next steps are plain until `_YIELD_MIN` of them are measured: w
 check had nothing to compare with, and eight rewrites at once drafted in every step at 0.86x
 (beside 7 others a row costs 0.86 of a slot's share and a verify entry's call 1.9: a draft of
 16 pays only if nearly all of it holds, and the model stands at break-even).
-Before anything is measured a slot drafts K (the first verify step is the measurement), and
-so does a request that asks for a draft length itself (`num_assistant_tokens`,
+Before anything is measured a slot drafts (the first verify step is the measurement), and so
+does a request that asks for a draft length itself (`num_assistant_tokens`,
 `speculative.n_max`: llama-server drafts whenever it can), measured yield or not. Under load
 speculation yields: no drafts in a step where a prompt is being computed or a task waits for a
 slot (verify rows would take the prompt pieces' place), and the step's verify rows are capped
@@ -319,7 +319,6 @@ class Speculator:
             st.accepted += _RELAX * (_PRIOR_ACCEPTED - st.accepted)  # so it may try again
             st.missed -= _RELAX * st.missed
             return None
-        # measured: the model's length (its rate remembers how drafts went); else K's slow start
         # Measured: the model's length (the rate remembers how the drafts went). K's slow start
         # (2, 4, 8, ...) is for a draft that is the measurement, or that a request asked for.
         k = worth if ratio is not None and not asked else min(st.k, worth)
