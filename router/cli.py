@@ -57,6 +57,8 @@ EPILOG = """\b
 Other commands:
   omni-router profile-report DIR  per-request timelines and a per-stage
                                   summary of a profiling run (--help)
+  omni-router pull REPO[:TAG]     a model from a Hugging Face hub into its
+                                  cache; a preset's hf-repo serves it (--help)
 \b
 Presets take any omni-worker flag by its long name (temp = 0.7) and the
 router's own keys (ttl, unload-after, load-timeout, stop-timeout, pin,
@@ -303,6 +305,11 @@ def main(argv: list[str] | None = None) -> None:
     if args[:1] == ["profile-report"]:  # a subcommand beside the default `serve` (no name)
         command = typer.main.get_command(report_cli)
         args, prog = args[1:], "omni-router profile-report"
+    elif args[:1] == ["pull"]:  # a model from a hub into its cache (router/hub/pull_cli.py)
+        from router.hub.pull_cli import pull_cli
+
+        command = typer.main.get_command(pull_cli)
+        args, prog = args[1:], "omni-router pull"
     else:
         command = typer.main.get_command(cli)
     try:

@@ -97,6 +97,10 @@ class ModelPreset:
     model_error: str | None = (
         None  # the model file is missing: this model is failed, the router serves the rest
     )
+    # ---- from a hub (router/hub): `hf-repo = "org/repo[:TAG]"` (llama-server's -hf) and `hf-file`,
+    # fetched into the hub cache at the model's first load; `model` is then the file it brought
+    hf_repo: str | None = None
+    hf_file: str | None = None
     placement: str | None = None  # local | ray; None: ray with `omni-router --ray`, else local
     ray_resources: tuple[tuple[str, float], ...] = ()  # Ray resources its actor needs, sorted
     ray_node_labels: tuple[tuple[str, str], ...] = ()  # node labels it must land on, sorted
@@ -295,6 +299,15 @@ def _ray_node_labels(raw: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((name, str(value)) for name, value in _pairs(raw)))
 
 
+def _hub_ref(raw: str) -> str:
+    """`org/repo[:TAG]`, checked as router.hub reads it."""
+    from router.hub.choice import parse_ref
+
+    s = _text(raw)
+    parse_ref(s)
+    return s
+
+
 def _upstream(raw: str) -> str:
     s = str(raw).strip().rstrip("/")
     if not re.match(r"^https?://[^/\s]+", s):
@@ -339,13 +352,16 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "lora": ("lora", _lora_files),
     "lora-alias": ("lora_aliases", _lora_aliases),
     "speech-model": ("speech_model", _text),
+    "hf-repo": ("hf_repo", lambda raw: _hub_ref(raw)),
+    "hf-file": ("hf_file", _text),
 }
 _TABLES = ("ray-resources", "ray-node-labels", "lora-alias")  # keys whose TOML value is a table
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
           "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
           "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn",
           "embeddings": "embedding", "rerank": "reranking",
-          "md": "model-draft", "spec-draft-model": "model-draft", "mm": "mmproj"}
+          "md": "model-draft", "spec-draft-model": "model-draft", "mm": "mmproj",
+          "hf": "hf-repo", "hfr": "hf-repo", "hff": "hf-file"}
 # llama-server's environment names (LLAMA_ARG_X, lowered, `_` -> `-`, prefix off) of the keys above
 _ENV = {
     "model": "model",
@@ -366,6 +382,8 @@ _ENV = {
     "reranking": "reranking",
     "slot-save-path": "slot-save-path",
     "mmproj": "mmproj",
+    "hf-repo": "hf-repo",
+    "hf-file": "hf-file",
 }
 # ... and of the omni-worker flags that read one (typer's envvar), passed through as worker flags
 _ENV_WORKER = {"repack": "repack"}
@@ -637,8 +655,24 @@ def _check(p: ModelPreset, origin: Mapping[str, str]) -> None:
         return
     if p.cmd:
         raise PresetError(f"{origin['cmd']}: 'cmd' is only valid with backend = cmd")
+    if p.hf_repo is not None or p.hf_file is not None:
+        _check_hub(p, origin)
+        return
     if p.model is None:
-        raise PresetError(f"{at}: missing key 'model' (a .gguf file or a Hugging Face model folder)")
+        raise PresetError(f"{at}: missing key 'model' (a .gguf file or a Hugging Face model folder), "
+                          "or 'hf-repo' (org/repo[:TAG] on a hub)")
+
+
+def _check_hub(p: ModelPreset, origin: Mapping[str, str]) -> None:
+    """`hf-repo` (with `hf-file`) names the model instead of `model`; the hub's files decide the
+    backend (a GGUF repo: llama.cpp, a safetensors one: torch) unless the preset says it."""
+    if p.hf_repo is None:
+        raise PresetError(f"{origin['hf_file']}: 'hf-file' needs 'hf-repo' (the repo the file is in)")
+    if "model" in origin:
+        raise PresetError(f"{origin['hf_repo']}: give 'model' (a file here) or 'hf-repo' (from a hub), "
+                          "not both")
+    if p.backend not in ("auto", "llama_cpp", "torch"):
+        raise PresetError(f"{origin['hf_repo']}: 'hf-repo' needs backend = auto, llama_cpp or torch")
 
 
 def load_presets(path: str | Path, overrides: Mapping[str, Any] | None = None) -> list[ModelPreset]:

@@ -108,7 +108,8 @@ class Forwarder:
         handle = self.pool.get(name)
         if handle is None:
             raise not_found(f"model {name!r} not found (see GET /v1/models)")
-        if handle.state in (ModelState.READY, ModelState.SLEEPING, ModelState.LOADING):
+        if handle.state in (ModelState.READY, ModelState.SLEEPING, ModelState.LOADING,
+                            ModelState.DOWNLOADING):
             return handle
         if not self.pool.config.autoload or not query_autoload(scope.get("query_string", b"")):
             raise APIError(f"model {name!r} is not loaded (autoload is off; POST /models/load first)",

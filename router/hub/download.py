@@ -68,7 +68,7 @@ class HubConfig:
     """Where the hub and the cache are, read from the environment as huggingface_hub reads it."""
 
     endpoint: str = DEFAULT_ENDPOINT
-    cache_dir: Path = Path("~/.cache/huggingface/hub").expanduser()
+    cache_dir: Path = Path.home() / ".cache" / "huggingface" / "hub"
     token: str | None = None
     is_offline: bool = False
 
@@ -288,7 +288,8 @@ def _download(cfg: HubConfig, url: str, blob: Path, remote: RemoteFile, name: st
             if r.status_code == 404:
                 raise HubError(f"{url}: not found on the hub", 404)
             if r.status_code >= 400:
-                raise HubError(f"{url}: the hub answered {r.status_code}", 503 if r.status_code >= 500 else 502)
+                status = 503 if r.status_code >= 500 else 502
+                raise HubError(f"{url}: the hub answered {r.status_code}", status)
             if have and r.status_code != 206:  # the range was ignored: start over
                 on_bytes(-have)
                 have = 0

@@ -51,8 +51,11 @@ class Pulls:
             entry = _Pull(loop.create_future())
             self._inflight[ref] = entry
             cfg = self.config()
-            task = asyncio.ensure_future(asyncio.to_thread(
-                pull, ref, lambda p: loop.call_soon_threadsafe(entry.publish, p), cfg))
+
+            def report(progress: Progress, entry: _Pull = entry) -> None:  # (from the pull's thread)
+                loop.call_soon_threadsafe(entry.publish, progress)
+
+            task = asyncio.ensure_future(asyncio.to_thread(pull, ref, report, cfg))
             task.add_done_callback(lambda t: self._finished(ref, entry, t))
         if on_progress is not None:
             entry.listeners.add(on_progress)

@@ -8,6 +8,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from router.hub.download import Pulled
 from router.lifecycle.effects import Process
 from router.lifecycle.estimate import Estimate
 from router.lifecycle.memory import TreeMemory
@@ -123,6 +124,21 @@ class LoadFailed:
 
 
 @dataclass
+class Fetched:
+    """An `hf-repo` model's files are in the hub cache (router/hub)."""
+
+    attempt: int
+    pulled: Pulled
+
+
+@dataclass
+class FetchFailed:
+    attempt: int
+    error: str
+    is_transient: bool  # the hub down, the disk full: a later load tries again
+
+
+@dataclass
 class SleepDone:
     attempt: int
     ok: bool
@@ -158,6 +174,8 @@ Command = (
     | Progress
     | Ready
     | LoadFailed
+    | Fetched
+    | FetchFailed
     | SleepDone
     | Exited
     | Measured

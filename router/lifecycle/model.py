@@ -32,11 +32,14 @@ import logging
 import re
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from router.events import EventBus
+from router.hub.choice import Ref, parse_ref
+from router.hub.download import HubError, Progress, Pulled
+from router.hub.pulls import PULLS
 from router.lifecycle import messages as msg
 from router.lifecycle.admission import Admission, SlotsFull
 from router.lifecycle.effects import Effects, Process
@@ -108,6 +111,8 @@ class ModelDeps:
     idle: IdleDefaults = field(default_factory=IdleDefaults)
     created: int = 0
     forward_margin: int = FORWARD_MARGIN  # requests forwarded beyond a worker's slots
+    # an `hf-repo` model's files from the hub (router/hub): the one function that goes outside
+    fetch: Callable[[Ref, Callable[[Progress], None]], Awaitable[Pulled]] = PULLS.fetch
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,7 @@ class ModelHandle:
     _task: asyncio.Task[None] | None = None
     _watcher: asyncio.Task[None] | None = None
     is_removed: bool = False  # a reload removed it and it has stopped: the owner has ended
+    pulled: Pulled | None = None  # an `hf-repo` model's files, once in the hub cache
 
     # ---- public, synchronous (hot path)
 
@@ -193,7 +199,23 @@ class ModelHandle:
 
     @property
     def state(self) -> ModelState:
+        progress = self.progress
+        if self.phase is Phase.QUEUED and progress is not None and progress.get("phase") == "downloading":
+            return ModelState.DOWNLOADING
         return self.phase.status
+
+    @property
+    def run_preset(self) -> ModelPreset:
+        """The preset a worker runs: an `hf-repo` model's with the files its pull brought (the
+        model, its projector, the backend the repo calls for, the repo's recommended sampling
+        under the preset's own flags)."""
+        p, got = self.preset, self.pulled
+        if p.hf_repo is None or got is None:
+            return p
+        flags = dict(got.sampling) | dict(p.worker_args)
+        return replace(p, model=got.model, mmproj=p.mmproj or got.mmproj,
+                       backend=got.backend if p.backend == "auto" else p.backend,  # type: ignore[arg-type]
+                       worker_args=tuple(sorted(flags.items())))
 
     @property
     def is_draining(self) -> bool:
@@ -412,6 +434,11 @@ class ModelHandle:
                 self._on_ready(can_sleep, info)
             case msg.LoadFailed(attempt, error, can_retry) if attempt == self._attempt:
                 self._on_load_failed(error, can_retry)
+            case msg.Fetched(attempt, pulled) if attempt == self._attempt:
+                self._on_fetched(pulled)
+            case msg.FetchFailed(attempt, error, is_transient) if attempt == self._attempt:
+                if self.phase is Phase.QUEUED:
+                    self._fail(None, LoadFailure(error, is_permanent=not is_transient))
             case msg.SleepDone(attempt, ok) if attempt == self._attempt:
                 self._on_sleep_done(ok)
             case msg.Exited(proc, code):
@@ -487,11 +514,45 @@ class ModelHandle:
         self.info = None
         self._attempt += 1
         self._load_started = time.monotonic()
+        if self.preset.hf_repo is not None and self.pulled is None:
+            self._set(Phase.QUEUED, {"phase": "downloading", "fraction": 0.0})
+            self._effect = asyncio.create_task(self._download(self._attempt), name=f"download:{self.name}")
+            return
+        self._set(Phase.QUEUED, {"phase": "estimating memory", "fraction": 0.0})
+        self._effect = asyncio.create_task(self._estimate(self._attempt), name=f"estimate:{self.name}")
+
+    async def _download(self, attempt: int) -> None:
+        """The files of an `hf-repo` model into the hub cache (a pull under way for the same
+        reference is joined; leaving does not stop it: router.hub.pulls)."""
+        p = self.preset
+        assert p.hf_repo is not None
+
+        def report(done: Progress) -> None:
+            self._post(msg.Progress(attempt, {
+                "phase": "downloading", "file": done.file, "bytes_done": done.done,
+                "bytes_total": done.total,
+                "fraction": round(done.done / done.total, 4) if done.total else 0.0}))
+
+        try:
+            pulled = await self.deps.fetch(parse_ref(p.hf_repo, p.hf_file), report)
+        except HubError as e:
+            self._post(msg.FetchFailed(attempt, f"{p.hf_repo}: {e}", e.is_transient))
+            return
+        except Exception as e:  # a surprise: never stay downloading
+            self._post(msg.FetchFailed(attempt, f"{p.hf_repo}: {type(e).__name__}: {e}", True))
+            return
+        self._post(msg.Fetched(attempt, pulled))
+
+    def _on_fetched(self, pulled: Pulled) -> None:
+        if self.phase is not Phase.QUEUED:
+            return
+        self.pulled = pulled
+        log.info("model %s: %s is in the hub cache (%s)", self.name, pulled.name, pulled.model)
         self._set(Phase.QUEUED, {"phase": "estimating memory", "fraction": 0.0})
         self._effect = asyncio.create_task(self._estimate(self._attempt), name=f"estimate:{self.name}")
 
     async def _estimate(self, attempt: int) -> None:
-        self._post(msg.Estimated(attempt, await asyncio.to_thread(self.deps.book.estimate, self.preset)))
+        self._post(msg.Estimated(attempt, await asyncio.to_thread(self.deps.book.estimate, self.run_preset)))
 
     def _on_estimated(self, need: Estimate) -> None:
         if self.phase is not Phase.QUEUED:
@@ -525,7 +586,7 @@ class ModelHandle:
 
     async def _spawn(self, attempt: int) -> None:
         try:
-            proc, base_url, argv = await self.deps.effects.spawn(self.preset)
+            proc, base_url, argv = await self.deps.effects.spawn(self.run_preset)
         except Exception as e:  # OSError from the spawn, or a surprise: never stay SPAWNING
             self._post(msg.LoadFailed(attempt, str(e), can_retry=isinstance(e, SpawnError)))
             return
@@ -742,6 +803,7 @@ class ModelHandle:
             self.is_removed = True  # the owner loop ends after this command
             return
         self.preset = pending.preset
+        self.pulled = None  # an hf-repo model's files are looked up again for the new preset
         self.failures = 0
         if self.preset.is_remote:
             self.base_url = self.preset.upstream
@@ -815,7 +877,7 @@ class ModelHandle:
     def _learn_peak(self) -> None:
         """The largest sample of a run that loaded (loading samples included) is the next estimate."""
         if self._peak is not None:
-            self.deps.book.learn(self.preset, self._peak.uss_bytes, self._peak.vram_bytes)
+            self.deps.book.learn(self.run_preset, self._peak.uss_bytes, self._peak.vram_bytes)
 
     def _on_exited(self, proc: Process, code: int) -> None:
         if proc is not self.process:
@@ -1000,14 +1062,14 @@ class ModelHandle:
         est = (
             self.need
             if self.process is not None and self.need is not None
-            else self.deps.book.peek(self.preset)
+            else self.deps.book.peek(self.run_preset)
         )
         return {"estimated_bytes": est.total_bytes if est and est.source != "unknown" else None,
                 "ram_bytes": m.uss_bytes if m else None, "rss_bytes": m.rss_bytes if m else None,
                 "vram_bytes": m.vram_bytes if m else None}
 
     def card(self) -> dict[str, Any]:
-        p = self.preset
+        p = self.run_preset
         card: dict[str, Any] = {
             "id": p.name, "object": "model", "created": self.deps.created, "owned_by": "omni-router",
             "aliases": list(p.aliases), "backend": p.backend, "resolved_backend": p.resolved_backend,
@@ -1030,6 +1092,11 @@ class ModelHandle:
         if p.lora or p.lora_aliases:  # LoRA adapters: `model` reaches one as "<id>:<adapter>" or an alias
             card["lora"] = {"files": [str(f) for f in p.lora],
                             "aliases": {name: f"{p.name}:{adapter}" for name, adapter in p.lora_aliases}}
+        if p.hf_repo is not None:  # from a hub: the reference, and what its pull brought
+            card["hf_repo"] = p.hf_repo if p.hf_file is None else f"{p.hf_repo} ({p.hf_file})"
+            if self.pulled is not None:
+                card["hf"] = {"commit": self.pulled.commit, "files": list(self.pulled.files),
+                              "bytes": self.pulled.total_bytes, "sampling": dict(self.pulled.sampling)}
         return card
 
 

@@ -13,6 +13,7 @@ class ModelState(StrEnum):
     """
 
     UNLOADED = "unloaded"
+    DOWNLOADING = "downloading"  # an `hf-repo` model's files on their way into the hub cache (QUEUED)
     LOADING = "loading"
     READY = "loaded"
     SLEEPING = "sleeping"
@@ -29,6 +30,11 @@ class Phase(StrEnum):
         from                    event                                  to
         UNLOADED|FAILED         ensure_ready / load (FAILED: once its  QUEUED     (asks Slots for a slot
                                   backoff is over)                                and room in the budgets)
+        QUEUED (hf-repo, files  Fetched (router/hub: in the hub cache) QUEUED     (estimates, as any other;
+          not yet fetched:                                                        shown `downloading`
+          `downloading`)                                                          until then)
+        QUEUED (downloading)    FetchFailed                            FAILED     (404: permanent; hub
+                                                                                  down, disk full: not)
         QUEUED                  Estimated (the need, from a thread)    QUEUED     (waits in Slots' FIFO)
         QUEUED                  Granted                                SPAWNING
         QUEUED                  Refused (can never fit)                UNLOADED   (waiters: 503 with figures)

@@ -67,6 +67,19 @@ _TTFT_BUCKETS = (
 _LOAD_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 
 
+def _download_bytes(handles: Mapping[str, ModelHandle]) -> GaugeMetricFamily:
+    """An `hf-repo` model's pull under way (router/hub): bytes done and in all."""
+    family = GaugeMetricFamily("omni_router:model_download_bytes",
+                               "Bytes of a model's files downloaded (done) of all (total), while downloading",
+                               labels=["model", "kind"])
+    for name, h in handles.items():
+        progress = h.progress if h.state is ModelState.DOWNLOADING else None
+        if progress is not None and "bytes_total" in progress:
+            family.add_metric([name, "done"], float(progress["bytes_done"]))
+            family.add_metric([name, "total"], float(progress["bytes_total"]))
+    return family
+
+
 class ConnectionRefusals:
     """Client connections answered 503 at the connection budget (router/http/connection_budget.py
     counts them as uvicorn refuses them, before any app code runs)."""
@@ -250,7 +263,7 @@ class _LiveCollector:
                 state.add_metric([name, s.value], 1.0 if h.state is s else 0.0)
             if not h.preset.is_remote:
                 where.add_metric([name, node_name(h)], 1.0)
-        yield from (in_flight, queued, state, where)
+        yield from (in_flight, queued, state, where, _download_bytes(self._handles))
         yield CounterMetricFamily(
             "omni_router:connections_refused",
             "Client connections answered 503 at the connection budget (--max-connections)",

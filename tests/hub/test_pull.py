@@ -34,7 +34,8 @@ def hub() -> Iterator[StandInHub]:
             "mmproj-tiny-F16.gguf": blob(4, 1000), "README.md": "# tiny\n",
             "generation_config.json": '{"temperature": 0.2, "top_p": 0.9, "do_sample": true}',
         })
-        h.add_repo("omni/split-GGUF", {f"big-Q8_0-0000{i}-of-00003.gguf": blob(10 + i, 5000) for i in (1, 2, 3)})
+        h.add_repo("omni/split-GGUF",
+                   {f"big-Q8_0-0000{i}-of-00003.gguf": blob(10 + i, 5000) for i in (1, 2, 3)})
         h.add_repo("omni/tiny-hf", {"config.json": "{}", "tokenizer.json": "{}", "model.safetensors": blob(7),
                                     "pytorch_model.bin": blob(8), "README.md": "x"})
         yield h
@@ -72,7 +73,8 @@ def test_split_comes_whole_and_safetensors_repo_is_torch(hub: StandInHub, tmp_pa
                for i in (1, 2, 3))
     hf = pull(parse_ref("omni/tiny-hf"), None, cfg(hub.url, tmp_path))
     assert hf.backend == "torch" and hf.model == hf.snapshot
-    assert sorted(p.name for p in hf.snapshot.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    names = sorted(p.name for p in hf.snapshot.iterdir())
+    assert names == ["config.json", "model.safetensors", "tokenizer.json"]
 
 
 def test_unknown_repo_and_tag_are_404_listing_the_tags(hub: StandInHub, tmp_path: Path) -> None:
@@ -98,7 +100,8 @@ def test_hub_down_is_transient_and_the_cache_serves_offline(hub: StandInHub, tmp
     assert offline.model == first.model and len(hub.requests) == n  # the hub was not asked
     assert pull(parse_ref("omni/tiny-GGUF"), None, cfg(down, tmp_path)).model == first.model
     # from the environment, as huggingface_hub reads it
-    env = HubConfig.from_env({"HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.url + "/"})
+    env = HubConfig.from_env({"HF_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1",
+                              "HF_ENDPOINT": hub.url + "/"})
     assert (env.cache_dir, env.is_offline, env.endpoint) == (tmp_path / "home" / "hub", True, hub.url)
     assert HubConfig.from_env({"HF_HUB_CACHE": str(tmp_path), "HF_TOKEN": "t"}).cache_dir == tmp_path
 
@@ -128,7 +131,8 @@ def test_a_corrupt_file_is_refused_and_never_linked(hub: StandInHub, tmp_path: P
 def test_a_full_disk_names_the_folder_and_the_bytes(hub: StandInHub, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     Usage = namedtuple("Usage", "total used free")  # a stand-in for a full disk
-    monkeypatch.setattr("router.hub.download.shutil.disk_usage", lambda path: Usage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr("router.hub.download.shutil.disk_usage",
+                        lambda path: Usage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(HubError) as e:
         pull(parse_ref("omni/tiny-GGUF:F16"), None, cfg(hub.url, tmp_path))
     blobs = tmp_path / "models--omni--tiny-GGUF" / "blobs"

@@ -35,14 +35,14 @@ def test_gguf_choice(ref: str, files: list[str], model: str, mmproj: str | None,
 def test_split_parts_in_order_and_missing_part_refused() -> None:
     c = choose(parse_ref("o/m"), SPLIT)
     assert c.files == tuple(f"big-Q4_K_M-0000{i}-of-00003.gguf" for i in (1, 2, 3))
-    with pytest.raises(ChoiceError, match="missing parts: big-Q4_K_M-00002-of-00003.gguf"):
+    with pytest.raises(ChoiceError, match=r"missing parts: big-Q4_K_M-00002-of-00003\.gguf"):
         choose(parse_ref("o/m"), [f for f in SPLIT if "00002" not in f])
 
 
 def test_hf_file_wins_over_tag() -> None:
     c = choose(parse_ref("o/m:Q8_0", file="m-F16.gguf"), QUANTS)
     assert c.model == "m-F16.gguf"
-    with pytest.raises(ChoiceError, match="no file 'x.gguf'"):
+    with pytest.raises(ChoiceError, match=r"no file 'x\.gguf'"):
         choose(parse_ref("o/m", file="x.gguf"), QUANTS)
 
 
@@ -59,7 +59,7 @@ def test_safetensors_repo_runs_on_torch_with_config_tokenizer_and_weights_only()
                                                                 "onnx/model.onnx"})))
     with pytest.raises(ChoiceError, match="no quantisation tags"):
         choose(parse_ref("o/t:Q4_K_M"), TORCH)
-    with pytest.raises(ChoiceError, match="no .gguf model"):
+    with pytest.raises(ChoiceError, match=r"no \.gguf model"):
         choose(parse_ref("o/t"), ["README.md"])
 
 
@@ -76,5 +76,5 @@ def test_tags_skip_projectors() -> None:
 
 @pytest.mark.parametrize("raw", ["repo", "o/r/x", "o/r:Q4 K", "/r", ""])
 def test_bad_refs(raw: str) -> None:
-    with pytest.raises(ValueError, match="org/repo|quantisation"):
+    with pytest.raises(ValueError, match=r"org/repo|quantisation"):
         parse_ref(raw)

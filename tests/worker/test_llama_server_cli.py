@@ -146,8 +146,9 @@ def test_sleep_idle_seconds_sleeps_and_a_request_wakes(url: str) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["-hf", "ggml-org/some-model-GGUF"], "does not download models"),
-        (["--model-url", "https://example.com/m.gguf"], "does not download models"),
+        (["-hf", "ggml-org/some-model-GGUF", "-m", "x.gguf"], "not both"),
+        (["-hf", "not a repo"], "org/repo"),
+        (["--model-url", "https://example.com/m.gguf"], "does not download a model from a URL"),
         (["-m", "x.gguf", "--context-shift"], "does not shift context"),
         (["-m", "x.gguf", "--control-vector", "a.gguf"], "unknown option --control-vector"),
         (["-m", "x.gguf", "--top-p", "2"], "--top-p"),

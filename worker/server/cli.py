@@ -136,10 +136,41 @@ def _watch_parent(pid: int, server: _Server) -> None:
         time.sleep(0.25)
 
 
-_NO_HUB = (
-    "omni-worker does not download models (there is no model hub here): "
-    "pass a local GGUF file or HF folder with -m"
-)
+_NO_URL = "omni-worker does not download a model from a URL: pass -hf ORG/REPO[:TAG] (a hub) or -m PATH"
+
+
+def _from_hub(hf_repo: str | None, hf_file: str | None, model: str | None, mmproj: str | None,
+              backend: str) -> tuple[str, str | None, str]:
+    """llama-server's -hf: the repo's model (and projector) pulled into the hub cache first
+    (router/hub: HF_ENDPOINT, HF_HUB_CACHE, HF_TOKEN, HF_HUB_OFFLINE), then served from there."""
+    from router.hub.choice import parse_ref
+    from router.hub.download import HubError, pull
+    from router.hub.download import Progress as PullProgress
+
+    if model is not None:
+        raise typer.BadParameter("give -m PATH or -hf ORG/REPO[:TAG], not both", param_hint="--hf-repo")
+    if hf_repo is None:
+        raise typer.BadParameter("--hf-file names a file of the repo given by -hf ORG/REPO",
+                                 param_hint="--hf-file")
+    try:
+        ref = parse_ref(hf_repo, hf_file)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--hf-repo") from None
+    shown = [-1]
+
+    def report(p: PullProgress) -> None:
+        tenth = p.done * 10 // p.total if p.total else 10
+        if tenth != shown[0]:
+            shown[0] = tenth
+            log.info("pulling %s: %d of %d bytes (%s)", ref, p.done, p.total, p.file)
+
+    try:
+        got = pull(ref, report)
+    except HubError as e:
+        raise typer.BadParameter(str(e), param_hint="--hf-repo") from None
+    log.info("%s: %s (%s)", got.name, got.model, got.backend)
+    mm = mmproj or (str(got.mmproj) if got.mmproj else None)
+    return str(got.model), mm, got.backend if backend == "auto" else backend
 
 
 @cli.command()
@@ -429,8 +460,11 @@ def serve(
         help="omni-worker never shifts context (--no-context-shift)",
     ),
     offline: bool = typer.Option(False, "--offline", help="accepted: omni-worker never goes online"),
-    hf_repo: str | None = typer.Option(None, "--hf-repo", "-hf", "-hfr", hidden=True),
-    hf_file: str | None = typer.Option(None, "--hf-file", "-hff", hidden=True),
+    hf_repo: str | None = typer.Option(
+        None, "--hf-repo", "-hf", "-hfr", metavar="ORG/REPO[:TAG]",
+        help="pull the model from a Hugging Face hub first (llama.cpp's choice of file; HF_ENDPOINT, "
+        "HF_HUB_CACHE, HF_TOKEN, HF_HUB_OFFLINE)"),
+    hf_file: str | None = typer.Option(None, "--hf-file", "-hff", help="that file of the -hf repo"),
     model_url: str | None = typer.Option(None, "--model-url", "-mu", hidden=True),
     parent_pid: int | None = typer.Option(None, "--parent-pid", help="exit when this process is gone"),
     http_impl: str = typer.Option(
@@ -484,9 +518,10 @@ def serve(
     """Serve one model with continuous batching over N slots (llama-server's flags, same names)."""
     _setup_logging()
 
-    if hf_repo or hf_file or model_url:
-        flag = "--hf-repo" if hf_repo else "--hf-file" if hf_file else "--model-url"
-        raise typer.BadParameter(_NO_HUB, param_hint=flag)
+    if model_url:
+        raise typer.BadParameter(_NO_URL, param_hint="--model-url")
+    if hf_repo or hf_file:
+        model, mmproj, backend = _from_hub(hf_repo, hf_file, model, mmproj, backend)
     if model is None:
         raise typer.BadParameter(
             "a model is required: -m PATH (a GGUF file or HF folder)", param_hint="--model"

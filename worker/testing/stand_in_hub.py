@@ -79,7 +79,8 @@ class StandInHub:
         from the contents (the same files: the same commit)."""
         built = {}
         for path, src in files.items():
-            data = src.read_bytes() if isinstance(src, Path) else src.encode() if isinstance(src, str) else src
+            data = src.read_bytes() if isinstance(src, Path) else src.encode() if isinstance(src, str) \
+                else src
             built[path] = _hub_file(path, data)
         commit = hashlib.sha1("".join(f"{p}:{f.sha256}" for p, f in sorted(built.items())).encode(),
                               usedforsecurity=False).hexdigest()
@@ -123,7 +124,9 @@ class StandInHub:
 
         self._server = ThreadingHTTPServer((self.host, 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=lambda: self._server.serve_forever(0.05) if self._server else None, name="stand-in-hub", daemon=True)
+        server = self._server
+        self._thread = threading.Thread(target=lambda: server.serve_forever(0.05), name="stand-in-hub",
+                                        daemon=True)
         self._thread.start()
         return self
 
