@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import shutil
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -350,14 +349,11 @@ def pull(ref: Ref, on_progress: Callable[[Progress], None] | None = None,
     total = sum(sizes)
     done = 0
     current = ""
-    last = 0.0
 
-    def on_bytes(n: int) -> None:
-        nonlocal done, last
+    def on_bytes(n: int) -> None:  # every chunk: the caller thins them out (pulls.py, pull_cli.py)
+        nonlocal done
         done += n
-        now = time.monotonic()
-        if on_progress is not None and (now - last >= 0.1 or done >= total):
-            last = now
+        if on_progress is not None:
             on_progress(Progress(done, total, current))
 
     snapshot = cfg.repo_folder(ref.repo) / "snapshots" / listing.commit

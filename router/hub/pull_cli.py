@@ -31,10 +31,14 @@ class Bar:
         self.is_tty = out.isatty()
         self.tenth = -1
         self.started = time.monotonic()
+        self.drawn = 0.0
 
     def __call__(self, p: Progress) -> None:
         frac = p.done / p.total if p.total else 1.0
         if self.is_tty:
+            if time.monotonic() - self.drawn < 0.1 and p.done < p.total:
+                return
+            self.drawn = time.monotonic()
             width = 30
             fill = int(frac * width)
             rate = p.done / max(time.monotonic() - self.started, 1e-3)

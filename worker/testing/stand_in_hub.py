@@ -67,7 +67,7 @@ class StandInHub:
     _hold: int | None = None
     _cut: int | None = None
     _corrupt: set[str] = field(default_factory=set)
-    _gate: threading.Event = field(default_factory=threading.Event)
+    _gate: threading.Condition = field(default_factory=threading.Condition)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _server: ThreadingHTTPServer | None = None
     _thread: threading.Thread | None = None
@@ -91,12 +91,16 @@ class StandInHub:
     # ---- control
 
     def hold_after(self, n: int) -> None:
-        self._gate.clear()
-        self._hold = n
+        """Every transfer sends n bytes (of its response) at most, then waits: call again with a
+        larger n to let each go on to it, or `release()`."""
+        with self._gate:
+            self._hold = n
+            self._gate.notify_all()
 
     def release(self) -> None:
-        self._hold = None
-        self._gate.set()
+        with self._gate:
+            self._hold = None
+            self._gate.notify_all()
 
     def cut_after(self, n: int | None) -> None:
         self._cut = n
@@ -116,7 +120,6 @@ class StandInHub:
         return f"http://{self.host}:{self._server.server_address[1]}"
 
     def __enter__(self) -> StandInHub:
-        self._gate.set()
         hub = self
 
         class Handler(_Handler):
@@ -245,15 +248,15 @@ class _Handler(BaseHTTPRequestHandler):
         step = 64 * 1024
         try:
             while pos < len(data):
-                hold, cut = hub._hold, hub._cut
-                limit = min(x for x in (hold, cut, None) if x is not None) if (hold or cut) else None
-                n = step if limit is None else max(0, min(step, limit - sent))
-                if n == 0:
-                    if cut is not None and sent >= cut:
-                        self.close_connection = True
-                        return  # a connection lost halfway: fewer bytes than Content-Length
-                    hub._gate.wait()
-                    continue
+                cut = hub._cut
+                if cut is not None and sent >= cut:
+                    self.close_connection = True
+                    return  # a connection lost halfway: fewer bytes than Content-Length
+                with hub._gate:
+                    hub._gate.wait_for(lambda sent=sent: hub._hold is None or sent < hub._hold)  # type: ignore[misc]
+                    hold = hub._hold
+                limits = [x - sent for x in (hold, cut) if x is not None]
+                n = min([step, *limits])
                 chunk = data[pos:pos + n]
                 self.wfile.write(chunk)
                 self.wfile.flush()
