@@ -1,12 +1,13 @@
 """Pulls in flight in this process: one download per reference, however many ask for it.
 
 `Pulls.fetch(ref, on_progress)` is the one function the router (a model's first load, POST
-/models/pull, Ollama's /api/pull) calls. The blocking pull runs in a thread; its progress
-(a report per chunk received) comes back to the event loop thinned out: the latest report is
-given to every asker at most every `PUBLISH_S`, and always the last one before a stall. A
-second ask for the same reference joins the pull under way; an asker that leaves (client gone, model unloaded) does not stop it: the bytes are wanted anyway, and
-the next ask finds them in the cache. Two references that share a file (a projector) share its
-download through the cache's file lock (`download.fetch_file`).
+/models/pull, Ollama's /api/pull) calls. The blocking pull runs in a thread; its progress (a
+report per chunk received) comes back to the event loop thinned out: the latest report is given
+to every asker at most every `PUBLISH_S`, and always the last one before a stall. A second ask
+for the same reference joins the pull under way; an asker that leaves (client gone, model
+unloaded) does not stop it: the bytes are wanted anyway, and the next ask finds them in the
+cache. Two references that share a file (a projector) share its download through the cache's
+file lock (`download.fetch_file`).
 """
 
 from __future__ import annotations
