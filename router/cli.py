@@ -20,6 +20,7 @@ from router.banner import banner
 from router.presets import ModelPreset, PresetError, check_unique, load_presets, merge, scan_models_dir
 
 if TYPE_CHECKING:
+    from router.lifecycle.gpu_admission import GpuPlacement
     from router.lifecycle.pool import Placement
 
 cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
@@ -126,6 +127,14 @@ def serve(
             "auto = total less 10% (no limit without a GPU)"
         ),
     ] = "auto",
+    gpu_reserve: Annotated[str, typer.Option(
+        metavar="SIZE|N%", help="GPU memory kept free on each device (the GPU placement's one headroom: "
+        "a model fits a device when its share is at most the free memory less this; 0: all of it)",
+    )] = "1GiB",
+    placement: Annotated[str, typer.Option(
+        "--placement", metavar="spread|binpack", help="a model that fits one GPU goes to the one with the "
+        "most free memory (spread) or the least that fits (binpack) (docs/gpu-placement.md)",
+    )] = "spread",
     max_queue: Annotated[int, typer.Option(min=0, help="requests allowed to wait for a model")] = 256,
     forward_margin: Annotated[int, typer.Option(
         min=0, help="requests forwarded to one of our workers beyond its slots; the rest wait in the router",
@@ -193,12 +202,16 @@ def serve(
             budgets.append(budget(raw, total() if raw.strip().lower() == "auto" else None))
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint=flag) from None
+    gpus = _gpu_placement(gpu_reserve, placement, vram_budget) if ray is None else None
+    if gpus is not None:
+        budgets[1] = 0  # --vram-budget applies per device (router.lifecycle.gpu_book)
     if log_level.lower() not in ("debug", "info", "warning", "error"):
         raise typer.BadParameter("expected one of debug, info, warning, error", param_hint="--log-level")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.INFO)  # --log-level debug: not a line per /health poll
-    for line in banner(presets, host, port, has_api_key=bool(api_key), log_level=log_level.lower()):
+    for line in banner(presets, host, port, has_api_key=bool(api_key), log_level=log_level.lower(),
+                       gpus=gpus.inventory.gpus if gpus is not None else (), gpu_reserve=gpu_reserve):
         logging.getLogger("omni.router").info("%s", line)
     soft, new_soft, hard = raise_open_files_limit()
     logging.getLogger("omni.router").info(
@@ -229,9 +242,9 @@ def serve(
         autoload=models_autoload,
     )
     responses = ResponsesConfig(state_dir, responses_max_entries, responses_ttl)
-    placement = _join_ray(ray) if ray is not None else None
+    where: Placement | None = _join_ray(ray) if ray is not None else gpus
     pool = Pool(presets, config, source=lambda: with_default_cache_dirs(
-        build_presets(preset, models_dir, overrides, has_ray=has_ray), state_dir), placement=placement)
+        build_presets(preset, models_dir, overrides, has_ray=has_ray), state_dir), placement=where)
     app = RouterApp(
         pool, api_keys=api_key, cors_origins=cors_origin, responses=responses, max_body_size=max_body_size
     )
@@ -289,6 +302,29 @@ def _join_ray(address: str) -> Placement:
         raise typer.BadParameter(f"cannot join the Ray cluster at {address!r}: {e}",
                                  param_hint="--ray") from None
     return RayPlacement()
+
+
+def _gpu_placement(reserve_raw: str, strategy: str, vram_budget: str) -> GpuPlacement | None:
+    """The GPU placement when this box has NVIDIA GPUs (read now, blocking: before serving); else None
+    and nothing changes. Checks --gpu-reserve and --placement either way."""
+    from router.lifecycle.gpu_admission import GpuPlacement
+    from router.lifecycle.gpu_book import DeviceBook, parse_reserve
+    from router.lifecycle.gpu_placement import STRATEGIES
+    from router.lifecycle.gpus import read_inventory
+    from router.presets import parse_size
+
+    try:
+        reserve = parse_reserve(reserve_raw)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--gpu-reserve") from None
+    if strategy not in STRATEGIES:
+        raise typer.BadParameter(f"expected one of {', '.join(STRATEGIES)}", param_hint="--placement")
+    inventory = read_inventory()
+    if inventory is None:
+        return None
+    per_device = 0 if vram_budget.strip().lower() == "auto" else parse_size(vram_budget)
+    return GpuPlacement(read_inventory, inventory, DeviceBook(reserve, per_device),
+                        "binpack" if strategy == "binpack" else "spread")
 
 
 def _best(preferred: str, fallback: str) -> str:

@@ -104,6 +104,11 @@ class ModelPreset:
     placement: str | None = None  # local | ray; None: ray with `omni-router --ray`, else local
     ray_resources: tuple[tuple[str, float], ...] = ()  # Ray resources its actor needs, sorted
     ray_node_labels: tuple[tuple[str, str], ...] = ()  # node labels it must land on, sorted
+    # GPU placement (router.lifecycle.gpu_placement, docs/gpu-placement.md)
+    devices: tuple[int, ...] = ()  # the GPUs it runs on, as given (nvidia-smi's indices); (): placed
+    vram: int | None = None  # bytes of GPU memory it needs, over all its devices (replaces the estimate)
+    fit: str = "full"  # full | partial: fewer GPU layers where no set of GPUs has room for all
+    env: tuple[tuple[str, str], ...] = ()  # extra environment for its worker, sorted
     source: str = ""  # where it was defined, for messages
 
     def worker_arg(self, name: str) -> str | None:
@@ -308,6 +313,40 @@ def _hub_ref(raw: str) -> str:
     return s
 
 
+# ---- GPU placement keys (devices, vram, fit, env)
+
+FITS: tuple[str, ...] = ("full", "partial")
+
+
+def _devices(raw: Any) -> tuple[int, ...]:
+    """`[0, 2]` (TOML), `0,2` or `[0, 2]` (INI): distinct GPU indices."""
+    items = raw if isinstance(raw, list) else str(raw).strip().strip("[]").split(",")
+    try:
+        out = tuple(int(str(i).strip()) for i in items if str(i).strip())
+    except ValueError:
+        raise ValueError("expected GPU indices like [0, 2]") from None
+    if not out or min(out) < 0 or len(set(out)) != len(out):
+        raise ValueError("expected distinct GPU indices >= 0 like [0, 2]")
+    return out
+
+
+def _fit(raw: str) -> str:
+    s = str(raw).strip().lower()
+    if s not in FITS:
+        raise ValueError(f"expected one of {', '.join(FITS)}")
+    return s
+
+
+def _env(raw: Any) -> tuple[tuple[str, str], ...]:
+    """A TOML table, or INI `NAME=VALUE, ...`: variables for the worker's environment."""
+    out = []
+    for name, value in _pairs(raw):
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+            raise ValueError(f"{name!r} is not an environment variable name")
+        out.append((name, str(value)))
+    return tuple(sorted(out))
+
+
 def _upstream(raw: str) -> str:
     s = str(raw).strip().rstrip("/")
     if not re.match(r"^https?://[^/\s]+", s):
@@ -354,8 +393,12 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "speech-model": ("speech_model", _text),
     "hf-repo": ("hf_repo", lambda raw: _hub_ref(raw)),
     "hf-file": ("hf_file", _text),
+    "devices": ("devices", _devices),
+    "vram": ("vram", parse_size),
+    "fit": ("fit", _fit),
+    "env": ("env", _env),
 }
-_TABLES = ("ray-resources", "ray-node-labels", "lora-alias")  # keys whose TOML value is a table
+_TABLES = ("ray-resources", "ray-node-labels", "lora-alias", "env")  # keys whose TOML value is a table
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
           "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
           "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn",
@@ -559,7 +602,7 @@ def _put(sec: _RawSection, key: str, value: Any, where: str) -> None:
         value = "true" if value else "false"
     elif isinstance(value, (int, float)):
         value = str(value)
-    elif isinstance(value, list) and canon not in ("alias", "lora"):
+    elif isinstance(value, list) and canon not in ("alias", "lora", "devices"):
         raise PresetError(f"{where}: expected a single value, got a list")
     elif isinstance(value, dict) and canon not in _TABLES:
         raise PresetError(f"{where}: expected a value, got a table")

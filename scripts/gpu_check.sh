@@ -14,7 +14,9 @@
 # the CUDA build, with nothing preloaded (the worker settles its C++ runtime itself,
 # worker/backends/cxx_runtime.py): greedy fidelity against llama-cpp-python's Llama,
 # bench_worker at N = 1, 16, 64, bench_chat and bench_spec, ours against llama-server at
-# -ngl 99, and the engine's time outside the forward pass per step (bench/step_overhead.py). The last thing it prints is the table for bench/README. Logs go to $OUT.
+# -ngl 99, the engine's time outside the forward pass per step (bench/step_overhead.py), and the
+# GPU placement's check (scripts/gpu_placement_check.py). The last thing it prints is the table
+# for bench/README. Logs go to $OUT.
 set -u
 G=/tmp/g
 mkdir -p "$G"
@@ -34,7 +36,9 @@ pack)
         vendor/llama.cpp llama_cpp
     python3 -m pip download -q --only-binary=:all: --no-deps --python-version 3.12 -d .gpu2/whl \
         starlette uvicorn httptools pydantic pydantic-core annotated-types typing-inspection \
-        typing-extensions gguf llguidance pytest-asyncio diskcache
+        typing-extensions gguf llguidance pytest-asyncio diskcache \
+        typer click shellingham rich markdown-it-py mdurl pygments httpx httpcore h11 anyio sniffio idna \
+        certifi psutil prometheus-client nvidia-ml-py  # the router, for the placement check
     du -sh .gpu1 .gpu2
     ;;
 part1)
@@ -73,6 +77,9 @@ run)
         --worker-arg=-ngl --worker-arg=99 --server-arg=-ngl --server-arg=99 2>&1 | tee "$OUT/bench_chat_gpu.log"
     timeout 60 python3 -m bench.step_overhead --model "$M" --threads 8 -ngl 99 --tokens 48 2>&1 \
         | grep -E "^(plain|spec|/)" | tee "$OUT/step_overhead_gpu.log"
+    # GPU placement (docs/gpu-placement.md): the inventory and per-process figures against
+    # nvidia-smi's, and the demo model served through the placement on CUDA
+    timeout 150 python3 scripts/gpu_placement_check.py "$M" 2>&1 | tee "$OUT/gpu_placement.log"
     timeout 40 python3 -m bench.bench_beam --model "$M" --threads 8 --rounds 2 --arg=-ngl --arg=99 2>&1 \
         | tail -4 | tee "$OUT/bench_beam_gpu.log"
     echo "== table for bench/README =="

@@ -43,8 +43,10 @@ from router.http.front import (
     Front,
 )
 from router.http.webui import WebUI
+from router.lifecycle.gpu_admission import GpuPlacement
 from router.lifecycle.pool import Pool
 from router.log_ring import ROUTER_LOG, RingHandler
+from router.observability.gpu_metrics import GpuCollector
 from router.observability.logs import LogRoutes, log_requests
 from router.observability.metrics import RouterMetrics
 from router.observability.profiling import RouterProfiling
@@ -95,6 +97,8 @@ class RouterApp:
         self.forwarder.spoken = SpokenChat(pool, bridge)  # chat answers spoken by a paired voice
         self.responses = ResponsesService(self.store, bridge.open_chat)
         self.metrics = RouterMetrics(self.events, pool.handles, pool.client, self.requests.active.values)
+        if isinstance(pool.placement, GpuPlacement):  # per-GPU gauges (router/observability/gpu_metrics.py)
+            self.metrics.registry.register(GpuCollector(pool.placement.figures))
         self.logs = LogRoutes(self._canonical_name)
         self.webui = WebUI()  # the bundled chat page (webui/), if present
         self.admin_routes = AdminRoutes(pool, self.forwarder, self.metrics, self.route_table)

@@ -122,9 +122,10 @@ class WorkerEffects:
 
 
 def worker_env(preset: ModelPreset) -> dict[str, str] | None:
-    """The worker's environment: ours with this checkout importable (a `cmd` server: inherited)."""
+    """The worker's environment: ours with this checkout importable (a `cmd` server: inherited),
+    and the preset's own `env` (with the GPU placement's CUDA_VISIBLE_DEVICES) over it."""
     if preset.backend == "cmd":
-        return None
+        return {**os.environ, **dict(preset.env)} if preset.env else None
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PROJECT_ROOT, env.get("PYTHONPATH", "")) if p)
-    return env
+    return {**env, **dict(preset.env)}

@@ -36,6 +36,13 @@ class LoadFailure:
     is_the_box: bool = False  # the box, not the model (its port was taken): requests keep waiting
 
 
+# A device that ran out of memory while the model loaded (llama.cpp's CUDA build, ggml, torch; the
+# router's own message once it has the device's figures): the box, not the model. The GPU
+# placement evicts on that device and tries once more (router.lifecycle.gpu_admission).
+OUT_OF_MEMORY = re.compile(r"out of memory at load on GPU|cudaMalloc failed|unable to allocate CUDA\d* "
+                           r"buffer|CUDA out of memory|CUDA error: out of memory|CUDA_ERROR_OUT_OF_MEMORY|"
+                           r"OutOfMemoryError", re.IGNORECASE)
+
 # A worker that could not listen: the port the router picked was taken meanwhile (by another
 # program, or a connection's local port). The next spawn picks another.
 _PORT_TAKEN = re.compile(r"address already in use", re.IGNORECASE)
@@ -52,6 +59,10 @@ def diagnose(log_tail: Sequence[str], exit_code: int | None, reason: str, *, was
     if not was_ready and any(_PORT_TAKEN.search(line) for line in lines):
         return LoadFailure("its port was taken before it could listen (EADDRINUSE, transient: retried on "
                            "another port)", is_permanent=False, is_the_box=True)
+    if not was_ready and (OUT_OF_MEMORY.search(reason) or any(OUT_OF_MEMORY.search(line) for line in lines)):
+        line = next((line for line in lines if OUT_OF_MEMORY.search(line)), "")
+        cause = reason if OUT_OF_MEMORY.search(reason) else f"out of memory while loading: {line}"
+        return LoadFailure(cause, is_permanent=False, is_the_box=True)
     for pattern, reported in _CAUSES:
         for line in lines:
             if (m := pattern.search(line)) is not None:

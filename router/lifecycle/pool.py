@@ -45,12 +45,15 @@ class PoolConfig:
 
 
 class Placement(Protocol):
-    """Where workers run besides this box (router.placement.ray_cluster): wraps the local effects
-    and admission so that each model goes to its own; `close` once every worker has stopped."""
+    """Where workers run: on a Ray cluster besides this box (router.placement.ray_cluster), or on
+    this box's GPUs (router.lifecycle.gpu_admission). Wraps the local effects and admission so
+    that each model goes to its own; `close` once every worker has stopped."""
 
     def wire(self, local: WorkerEffects, slots: Slots) -> tuple[Effects, Admission]: ...
 
     async def close(self) -> None: ...
+
+    def devices(self, name: str) -> list[dict[str, Any]] | None: ...  # its GPUs, for its card (None: no GPUs)
 
 
 class Pool:
@@ -208,4 +211,9 @@ class Pool:
         await self.client.aclose()
 
     def models(self) -> list[dict[str, Any]]:
-        return [h.card() for h in self.handles.values()]
+        cards = [h.card() for h in self.handles.values()]
+        if self.placement is not None:
+            for card in cards:
+                if (devices := self.placement.devices(card["id"])) is not None:
+                    card["devices"] = devices  # [{index, uuid, name, vram_bytes}]
+        return cards

@@ -220,6 +220,9 @@ class RayPlacement:
         admission = NodeSlots(slots)
         return RayEffects(local, admission), admission
 
+    def devices(self, name: str) -> list[dict[str, Any]] | None:
+        return None  # a node's GPUs are Ray's to assign
+
     async def close(self) -> None:
         """Every worker has stopped: leave the cluster (Ray kills any actor still there)."""
         try:

@@ -222,13 +222,22 @@ function memoryOf(card) {
   return typeof size === "number" ? `weights ${fmtBytes(size)}` : "—";
 }
 
+// GPU placement (docs/gpu-placement.md): the devices a model runs on, from its card's `devices`
+function devicesOf(card) {
+  const devs = card.devices || [];
+  if (!devs.length) return null;
+  const text = devs.map((d) => `GPU ${d.index}${typeof d.vram_bytes === "number" ? ` ${fmtBytes(d.vram_bytes)}` : ""}`).join(" · ");
+  return h("div", { class: "muted small devices", text, title: devs.map((d) => `GPU ${d.index}: ${d.name || "?"} (${d.uuid || "?"})`).join("\n") });
+}
+
 function renderModelsPage() {
   const p = S.routerProps;
   $("#router-info").textContent = p ? `models_max ${p.models_max ?? "∞"} · autoload ${p.models_autoload ? "on" : "off"}` : "";
   const rows = [...S.models.values()].map((m) => h("tr", { dataset: { model: m.id, state: stateOf(m) } },
     h("td", {}, h("strong", { text: m.id }), m.pinned ? h("span", { class: "badge", text: "pinned" }) : null,
       m.path || m.upstream ? h("div", { class: "muted small path", text: m.path || m.upstream }) : null,
-      m.node ? h("div", { class: "muted small node", text: `Ray node ${m.node.name}`, title: m.node.id }) : null),
+      m.node ? h("div", { class: "muted small node", text: `Ray node ${m.node.name}`, title: m.node.id }) : null,
+      devicesOf(m)),
     h("td", {}, statusBadge(m), progressBar(m)),
     h("td", { text: m.resolved_backend || m.backend || "", title: m.backend === "auto" ? "backend = auto" : "" }),
     h("td", { text: (m.aliases || []).join(", ") || "—" }),

@@ -47,6 +47,10 @@ class BackendOptions:
     pooling: Pooling | None = None  # with `embedding`: None = the model's own (llama-server's default)
     # None: all layers when the build can offload
     n_gpu_layers: int | None = field(default=None, metadata={"only": "llama_cpp"})
+    # over several GPUs (llama-server's --split-mode, --tensor-split, --main-gpu)
+    split_mode: str = field(default="layer", metadata={"only": "llama_cpp"})
+    tensor_split: tuple[float, ...] = field(default=(), metadata={"only": "llama_cpp"})
+    main_gpu: int = field(default=0, metadata={"only": "llama_cpp"})
     mmproj: str | None = field(default=None, metadata={"only": "llama_cpp"})  # image/audio input (libmtmd)
     image_max_pixels: int = 0  # a vision model's decoded images at most (0: no limit)
     # an audio model's decoded audio at most, in seconds (0: no limit)

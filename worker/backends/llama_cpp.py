@@ -88,6 +88,7 @@ KV_TYPES: dict[str, int] = {
     "f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30,
 }
 FLASH_ATTN: dict[str, int] = {"auto": -1, "off": 0, "on": 1}
+_SPLIT_MODES: dict[str, int] = {"none": 0, "layer": 1, "row": 2}  # llama_split_mode
 POOLING_TYPES: dict[str, int] = {"none": 0, "mean": 1, "cls": 2, "last": 3, "rank": 4}
 
 _GGML_LOG_WARN = 3
@@ -262,6 +263,9 @@ class LlamaCppBackend:
         n_batch: int = 2048,
         n_ubatch: int = 512,
         n_gpu_layers: int | None = None,
+        split_mode: str = "layer",
+        tensor_split: Sequence[float] = (),
+        main_gpu: int = 0,
         threads: int | None = None,
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
@@ -309,6 +313,9 @@ class LlamaCppBackend:
                 "embeddings: ubatch size %d (a multiple of the %d sequences)", self.n_ubatch, self.n_seq_max
             )
         self._n_gpu_layers = -1 if n_gpu_layers is None else n_gpu_layers
+        if split_mode not in _SPLIT_MODES:
+            raise ValueError(f"split_mode: {split_mode!r} is not one of {', '.join(_SPLIT_MODES)}")
+        self._split_mode, self._tensor_split, self._main_gpu = split_mode, tuple(tensor_split), main_gpu
         self._threads = threads or _default_threads()
         self._type_k = KV_TYPES[cache_type_k]
         self._type_v = KV_TYPES[cache_type_v]
@@ -388,6 +395,7 @@ class LlamaCppBackend:
         params = ll.llama_model_default_params()
         params.vocab_only = vocab_only
         params.n_gpu_layers = self._n_gpu_layers
+        self._place_on_gpus(params)
         if not vocab_only:
 
             def on_progress(fraction: float, _user: Any) -> bool:
@@ -410,6 +418,19 @@ class LlamaCppBackend:
                 raise RuntimeError("model loading aborted")
             raise RuntimeError(f"llama.cpp failed to load {self._path!r} (not a valid GGUF model?)")
         return model
+
+    def _place_on_gpus(self, params: Any) -> None:
+        """--split-mode, --main-gpu, --tensor-split (the array kept alive on self, as llama.cpp
+        reads it during the load). A CPU build has no GPU to split over: they change nothing."""
+        params.split_mode = _SPLIT_MODES[self._split_mode]
+        params.main_gpu = self._main_gpu
+        if self._tensor_split:
+            n = int(ll.llama_max_devices())
+            if len(self._tensor_split) > n:
+                log.warning("--tensor-split: %d parts, this build takes %d devices: the first ones only",
+                            len(self._tensor_split), n)
+            self._c_tensor_split = (ctypes.c_float * n)(*self._tensor_split[:n])
+            params.tensor_split = self._c_tensor_split
 
     def _load(self) -> None:
         self._model = self._load_model(vocab_only=False)

@@ -218,6 +218,18 @@ def serve(
         metavar="N|auto|all",
         help="layers on the GPU (default: all)",
     ),
+    split_mode: str | None = typer.Option(
+        None, "--split-mode", "-sm", metavar="none|layer|row",
+        help="llama.cpp backend: how the model spreads over several GPUs (default: layer)",
+    ),
+    tensor_split: str | None = typer.Option(
+        None, "--tensor-split", "-ts", metavar="N0,N1,...",
+        help="llama.cpp backend: each GPU's part of the model, e.g. 3,1 (default: by free memory)",
+    ),
+    main_gpu: int | None = typer.Option(
+        None, "--main-gpu", "-mg", min=0,
+        help="llama.cpp backend: the GPU for the whole model with --split-mode none (default: 0)",
+    ),
     threads: int | None = typer.Option(None, "--threads", "-t", min=1),
     chat_template: str | None = typer.Option(
         None, "--chat-template", help="template file, builtin name or Jinja"
@@ -615,6 +627,9 @@ def serve(
         n_batch=batch_size,
         n_ubatch=ubatch_size,
         n_gpu_layers=_gpu_layers(n_gpu_layers),
+        split_mode=_split_mode(split_mode),
+        tensor_split=_tensor_split(tensor_split),
+        main_gpu=main_gpu or 0,
         threads=threads,
         cache_type_k=cache_type_k,
         cache_type_v=cache_type_v,
@@ -829,6 +844,28 @@ def _gpu_layers(value: str | None) -> int | None:
         raise typer.BadParameter(
             f"{value!r} is not a number, auto or all", param_hint="--n-gpu-layers"
         ) from None
+
+
+def _split_mode(value: str | None) -> str:
+    if value is None:
+        return "layer"
+    if value not in ("none", "layer", "row"):
+        raise typer.BadParameter(f"{value!r} is not one of none, layer, row", param_hint="--split-mode")
+    return value
+
+
+def _tensor_split(value: str | None) -> tuple[float, ...]:
+    """llama-server's `-ts 3,1` (or `3/1`): each device's part; () = llama.cpp's own split."""
+    if not value:
+        return ()
+    try:
+        parts = tuple(float(v) for v in value.replace("/", ",").split(",") if v.strip())
+    except ValueError:
+        parts = ()
+    if not parts or min(parts) < 0 or not sum(parts):
+        raise typer.BadParameter(f"{value!r}: expected non-negative numbers like 3,1",
+                                 param_hint="--tensor-split")
+    return parts
 
 
 def _sleep_when_idle(engine: Engine, idle_s: float, server: _Server) -> None:
