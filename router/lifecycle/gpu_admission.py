@@ -31,6 +31,7 @@ from typing import Any
 
 import psutil
 
+from router import worker_flags
 from router.lifecycle.admission import Admission, Occupant, Slots, SlotsFull
 from router.lifecycle.effects import Effects, Process, WorkerEffects
 from router.lifecycle.estimate import GPU_CONTEXT_BYTES, cached_shape
@@ -41,7 +42,6 @@ from router.lifecycle.gpus import Inventory, InventorySource
 from router.lifecycle.load_failure import OUT_OF_MEMORY
 from router.lifecycle.memory import TreeMemory
 from router.lifecycle.process import LoadError, Watched
-from router import worker_flags
 from router.presets import ModelPreset
 
 log = logging.getLogger("omni.router.gpu")
