@@ -223,7 +223,8 @@ class GpuAdmission:
         while True:
             self._changed.clear()
             async with self._lock:
-                preset = occupant.preset
+                # what its worker runs (an `hf-repo` model's files once pulled: ModelHandle.run_preset)
+                preset: ModelPreset = getattr(occupant, "run_preset", occupant.preset)
                 ask = await asyncio.to_thread(ask_for, preset, need.vram_bytes, self.gpus.strategy)
                 if ask is None:
                     return  # on the CPU

@@ -12,6 +12,21 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
+from typing import Any
+
+
+def install(folder: Path, state: dict[str, Any]) -> dict[str, str]:
+    """Put this script as `nvidia-smi` in FOLDER/bin and `state` in FOLDER/gpus.json; the
+    environment (PATH first, OMNI_FAKE_GPUS) a router needs to see them."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!{sys.executable}\n" + Path(__file__).read_text())
+    smi.chmod(0o755)
+    (folder / "gpus.json").write_text(json.dumps(state))
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+            "OMNI_FAKE_GPUS": str(folder / "gpus.json")}
 
 
 def main(argv: list[str]) -> int:

@@ -8,9 +8,6 @@ flags); what is checked is where the router says and starts them: each worker's 
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,11 +16,11 @@ import psutil
 import pytest
 
 from tests.router.conftest import RouterProc, chat
+from tests.router.fake_nvidia_smi import install
 from tests.util import ROOT
 
 Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
-STAND_IN = Path(__file__).with_name("fake_nvidia_smi.py")
 MIB = 1 << 20
 
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
@@ -39,18 +36,6 @@ def model(name: str, extra: str = "") -> str:
     return f'[models.{name}]\nmodel = "{GGUF}"\nbackend = "llama_cpp"\n{SETTINGS}{extra}\n'
 
 
-def stand_in(tmp_path: Path) -> dict[str, str]:
-    """A PATH with the stand-in `nvidia-smi` first, and the file it reads."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text(f"#!{sys.executable}\n" + STAND_IN.read_text())
-    smi.chmod(0o755)
-    state = tmp_path / "gpus.json"
-    state.write_text(json.dumps(GPUS))
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "OMNI_FAKE_GPUS": str(state)}
-
-
 def worker_of(r: RouterProc, name: str) -> psutil.Process:
     found = [w for w in r.workers()
              if "--alias" in (cmd := w.cmdline()) and cmd[cmd.index("--alias") + 1] == name]
@@ -62,7 +47,7 @@ def test_each_worker_runs_on_the_devices_chosen_and_the_router_says_so(router_fa
                                                                          tmp_path: Path) -> None:
     preset = (model("small") + model("on-one", "devices = [1]") + model("split", 'vram = "30GiB"')
               + model("huge", 'vram = "100GiB"'))
-    r = router_factory(preset, env=stand_in(tmp_path))
+    r = router_factory(preset, env=install(tmp_path, GPUS))
     log = r.log()
     assert "GPU 0: Fake GPU A (GPU-0000aaaa), 24.0 GiB, 22.0 GiB free" in log
     assert "GPU 1: Fake GPU B (GPU-1111bbbb), 24.0 GiB, 14.0 GiB free" in log

@@ -60,11 +60,13 @@ class Router:
 
 
 @contextlib.contextmanager
-def start_router(tmp: Path, preset: Path, api_key: str | None = API_KEY) -> Iterator[Router]:
-    """A real router on `preset` (the API key set, unless None), healthy; stopped on leaving."""
+def start_router(tmp: Path, preset: Path, api_key: str | None = API_KEY,
+                 env: dict[str, str] | None = None) -> Iterator[Router]:
+    """A real router on `preset` (the API key set, unless None; `env` over ours), healthy;
+    stopped on leaving."""
     port = free_port()
     log_path = tmp / "router.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     cmd = [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port),
            *(["--api-key", api_key] if api_key else [])]
     with log_path.open("wb") as log:

@@ -225,7 +225,7 @@ function memoryOf(card) {
 // GPU placement (docs/gpu-placement.md): the devices a model runs on, from its card's `devices`
 function devicesOf(card) {
   const devs = card.devices || [];
-  if (!devs.length) return null;
+  if (!devs.length || ["unloaded", "failed"].includes(stateOf(card))) return null;  // (a stale card's)
   const text = devs.map((d) => `GPU ${d.index}${typeof d.vram_bytes === "number" ? ` ${fmtBytes(d.vram_bytes)}` : ""}`).join(" · ");
   return h("div", { class: "muted small devices", text, title: devs.map((d) => `GPU ${d.index}: ${d.name || "?"} (${d.uuid || "?"})`).join("\n") });
 }
