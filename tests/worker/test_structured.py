@@ -240,11 +240,12 @@ def test_parallel_tool_calls_allow_several_calls_or_one(worker: Worker) -> None:
         body = chat(worker, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
                     temperature=1.0, seed=seed)
         assert len(body["choices"][0]["message"]["tool_calls"]) == 1
-    # Without the bias to end, random weights chain calls until max_tokens cuts one (the output is
-    # then content: a cut call is not a call); every complete one before it is valid.
-    body = chat(
-        worker, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=0, max_tokens=120
-    )
+    # Barred from ending (the bias against end-of-generation), random weights chain calls until
+    # max_tokens cuts one (the output is then content: a cut call is not a call); every complete
+    # one before it is valid.
+    never_end = {"logit_bias": {t: -100.0 for t in eos_bias(worker)["logit_bias"]}}
+    body = chat(worker, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0, seed=0,
+                max_tokens=120, **never_end)
     c = body["choices"][0]
     assert c["finish_reason"] == "length" and not c["message"].get("tool_calls")
     text = c["message"]["content"]

@@ -893,9 +893,12 @@ def _loader(
 
         backend = load_backend(kind, model, options, progress)  # type: ignore[arg-type]  # model was checked to exist above
         meta = backend.meta
-        state().template = load_chat_template(
+        template = state().template = load_chat_template(
             chat_template, meta.chat_template, bos_token=meta.bos_token, eos_token=meta.eos_token
         )
+        if not template.caps.supports_tools:
+            log.warning("the chat template (%s) cannot render tools: a request with tools gets the generic "
+                        "tool prompt (worker/text/generic_tools.py)", template.name)
         state().eog_ids = tuple(t for t in range(meta.n_vocab) if backend.is_eog(t))
         return backend
 

@@ -40,6 +40,7 @@ from worker.server.structured import (
 )
 from worker.text.chat_output import ChatOutputConfig
 from worker.text.chat_template import ChatTemplateError
+from worker.text.generic_tools import with_generic_tools
 from worker.text.reasoning import detect_markers, starts_in_reasoning
 from worker.text.tool_calls import ToolFormat, detect_format
 
@@ -244,6 +245,9 @@ def render_chat(
             str(p.get("text", "")) for p in last.content or [])
         dicts[-1]["content"] = text_of_last + _CONTINUE_MARK
         add_generation_prompt = False
+    caps = state.template.caps
+    if tools and not caps.supports_tools:  # a template that drops tools: worker/text/generic_tools.py
+        dicts, tools = with_generic_tools(dicts, tools, caps.supports_tool_calls), None
     try:
         text = state.template.render(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
                                      **{**state.template_kwargs, **(kwargs or {})})

@@ -23,6 +23,7 @@ def model_card(state: WorkerState) -> dict[str, Any]:
             "n_params": m.n_params,
             "size": m.size_bytes,
             "backend": state.backend_kind,
+            "fim": not m.fim.missing(),  # fill in the middle (/infill): Ollama's `insert` capability
         }
     return card
 
