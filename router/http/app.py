@@ -2,13 +2,15 @@
 
     Cors                         worker.protocol.front (the same rules as the worker's)
     AnthropicErrors              router.anthropic.errors: errors on /v1/messages in Anthropic's envelope
+    OllamaErrors                 router.ollama.errors: errors on /api/* in Ollama's {"error": "..."}
     RequireAPIKey                worker.protocol.front
     Front                        router.http.front: body limit, dispatch
       proxied routes             router.http.forwarding (raw ASGI, the hot path)
       web UI files               router.http.webui
       the router's own routes    Starlette: router.http.admin, the log and profiling routes
                                  (router.observability), the Responses API (router.responses),
-                                 Anthropic's Messages API (router.anthropic)
+                                 Anthropic's Messages API (router.anthropic), Ollama's API
+                                 (router.ollama); unknown routes logged once (router.http.unknown_routes)
 
 The translated APIs reach a model through `ChatBridge.open_chat` (router.responses.bridge), the
 same admission and request tracing (router.observability.requests) as a proxied request.
@@ -42,6 +44,7 @@ from router.http.front import (
     PUBLIC_PREFIXES,
     Front,
 )
+from router.http.unknown_routes import UnknownRoutes
 from router.http.webui import WebUI
 from router.lifecycle.gpu_admission import GpuPlacement
 from router.lifecycle.pool import Pool
@@ -51,6 +54,8 @@ from router.observability.logs import LogRoutes, log_requests
 from router.observability.metrics import RouterMetrics
 from router.observability.profiling import RouterProfiling
 from router.observability.requests import ActiveRequests
+from router.ollama.errors import OllamaErrors
+from router.ollama.routes import OllamaRoutes
 from router.responses.bridge import ChatBridge
 from router.responses.routes import ResponsesRoutes
 from router.responses.service import ResponsesService
@@ -109,17 +114,20 @@ class RouterApp:
                 *self.profiling.routes(),
                 *ResponsesRoutes(self.responses, self.forwarder.resolve_model).routes(),
                 *MessagesRoutes(bridge.open_chat, bridge.call_json, self.forwarder.resolve_model).routes(),
+                *OllamaRoutes(pool, bridge.open_chat, bridge.call_json,
+                              self.forwarder.resolve_model).routes(),
             ],
             exception_handlers={APIError: api_error_handler, HTTPException: http_exception_handler,
                                 500: api_error_handler},
             lifespan=self._lifespan,
         )
-        inner: ASGIApp = Front(self.forwarder, self.webui, self.admin, max_body_size)
+        inner: ASGIApp = Front(self.forwarder, self.webui, UnknownRoutes(self.admin), max_body_size)
         if api_keys:
             inner = RequireAPIKey(
                 inner, tuple(api_keys), public_paths=PUBLIC_PATHS, public_prefixes=PUBLIC_PREFIXES
             )
         inner = AnthropicErrors(inner)  # errors on /v1/messages in Anthropic's envelope, the 401 too
+        inner = OllamaErrors(inner)  # errors on /api/* as Ollama writes them, the 401 too
         origins = cors_origins or []
         self._asgi = Cors(inner, "*" if "*" in origins else ",".join(origins))
 

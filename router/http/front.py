@@ -86,6 +86,8 @@ class Front:
             await self._forwarder.proxy_body(scope, receive, send, f"{raw}?{query}")
         elif method == "GET" and path in PROXY_GET and b"model=" in scope.get("query_string", b""):
             await self._forwarder.proxy_get(scope, receive, send, PROXY_GET[path])
+        elif path == "/" and method in ("GET", "HEAD") and not accepts_html(scope["headers"]):
+            await self._admin(scope, receive, send)  # "Ollama is running" (router/ollama/routes.py)
         elif self._webui.handles(method, path):
             await self._webui(scope, receive, send)
         else:
@@ -100,6 +102,12 @@ class Front:
         if int(length) > self._max_body_size:
             return _too_large(self._max_body_size)
         return None
+
+
+def accepts_html(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request asks for HTML (a browser gets the web UI at `/`; Ollama's clients,
+    which send no such Accept, get "Ollama is running")."""
+    return b"text/html" in (header(headers, b"accept") or b"")
 
 
 def _too_large(limit: int) -> APIError:

@@ -14,6 +14,15 @@ from pydantic import BaseModel
 
 from router.anthropic.errors import PATH_PREFIX as ANTHROPIC_PREFIX
 from router.anthropic.wire import CountTokensRequest, CreateMessage
+from router.ollama.errors import PATH_PREFIX as OLLAMA_PREFIX
+from router.ollama.wire import (
+    OllamaChatRequest,
+    OllamaCopyRequest,
+    OllamaEmbeddingsRequest,
+    OllamaEmbedRequest,
+    OllamaGenerateRequest,
+    OllamaShowRequest,
+)
 from router.responses.wire import AddItems, CreateConversation, CreateResponse
 from worker.protocol.speech import SpeechRequest
 from worker.protocol.wire import (
@@ -44,6 +53,12 @@ BODY_MODELS: dict[str, type[BaseModel]] = {
     "/v1/messages": CreateMessage,
     "/v1/messages/count_tokens": CountTokensRequest,
     "/v1/audio/speech": SpeechRequest,
+    "/api/chat": OllamaChatRequest,
+    "/api/generate": OllamaGenerateRequest,
+    "/api/embed": OllamaEmbedRequest,
+    "/api/embeddings": OllamaEmbeddingsRequest,
+    "/api/show": OllamaShowRequest,
+    "/api/copy": OllamaCopyRequest,
 }
 MODEL_ONLY = frozenset({"/models/load", "/models/unload", "/models/sleep"})
 ERROR_ENVELOPE: dict[str, Any] = {
@@ -70,13 +85,17 @@ ANTHROPIC_ERROR: dict[str, Any] = {  # the Messages API's routes answer in Anthr
         "properties": {"type": {"type": "string"}, "message": {"type": "string"}},
     }},
 }
+OLLAMA_ERROR: dict[str, Any] = {  # Ollama's routes (/api/*) answer {"error": "..."}
+    "type": "object", "required": ["error"], "properties": {"error": {"type": "string"}},
+}
 ANY_BODY: dict[str, Any] = {"schema": {}}
 OK_CONTENT = {"application/json": ANY_BODY, "text/event-stream": ANY_BODY, "*/*": ANY_BODY}
 
 
 def openapi_document(routes: list[tuple[str, str]], model_names: list[str]) -> dict[str, Any]:
     """The document for `routes` ((method, path) pairs) with `model` one of `model_names`."""
-    schemas: dict[str, Any] = {"Error": ERROR_ENVELOPE, "AnthropicError": ANTHROPIC_ERROR}
+    schemas: dict[str, Any] = {"Error": ERROR_ENVELOPE, "AnthropicError": ANTHROPIC_ERROR,
+                               "OllamaError": OLLAMA_ERROR}
     paths: dict[str, dict[str, Any]] = {}
     for method, path in routes:
         paths.setdefault(path, {})[method.lower()] = _operation(method, path, model_names, schemas)
@@ -85,7 +104,8 @@ def openapi_document(routes: list[tuple[str, str]], model_names: list[str]) -> d
 
 
 def _operation(method: str, path: str, model_names: list[str], schemas: dict[str, Any]) -> dict[str, Any]:
-    envelope = "AnthropicError" if path.startswith(ANTHROPIC_PREFIX) else "Error"
+    envelope = ("AnthropicError" if path.startswith(ANTHROPIC_PREFIX)
+                else "OllamaError" if path.startswith(OLLAMA_PREFIX) else "Error")
     error = {"description": "the error envelope",
              "content": {"application/json": {"schema": {"$ref": REF.format(model=envelope)}}}}
     op: dict[str, Any] = {

@@ -190,6 +190,7 @@ class ModelHandle:
     _watcher: asyncio.Task[None] | None = None
     is_removed: bool = False  # a reload removed it and it has stopped: the owner has ended
     pulled: Pulled | None = None  # an `hf-repo` model's files, once in the hub cache
+    keep_alive: float | None = None  # an Ollama request's keep_alive (s; <0: never): overrides unload-after
 
     # ---- public, synchronous (hot path)
 
@@ -993,7 +994,23 @@ class ModelHandle:
         ttl = self.preset.ttl if self.preset.ttl is not None else self.deps.idle.sleep_idle_seconds
         return 0.0 if self.preset.is_remote else ttl
 
+    def set_keep_alive(self, seconds: float | None) -> None:
+        """Ollama's `keep_alive` (router/ollama/): unload once idle this long from now on (0: as
+        soon as idle, <0: never; None: the preset's `unload-after` again). A pinned model stays."""
+        self.keep_alive = seconds
+        self._commands.put_nowait(msg.Poke())  # the idle timer is figured again (now, if idle)
+
+    def unload_at(self) -> float | None:
+        """When an idle unload is due if no request comes (wall clock; None: never)."""
+        after = self._unload_after()
+        if after <= 0:
+            return None
+        idle_s = 0.0 if self.num_in_flight else time.monotonic() - self.last_used
+        return time.time() + max(0.0, after - idle_s)
+
     def _unload_after(self) -> float:
+        if self.keep_alive is not None and not (self.preset.is_remote or self.preset.pin):
+            return 0.0 if self.keep_alive < 0 else max(self.keep_alive, 1e-3)  # 0 means now
         after = self.preset.unload_after
         after = after if after is not None else self.deps.idle.unload_idle_seconds
         return 0.0 if self.preset.is_remote or self.preset.pin else after

@@ -33,9 +33,11 @@ class ChatBridge:
 
     @contextlib.asynccontextmanager
     async def open_chat(self, model: str, body: dict[str, Any], route: str = "/v1/responses",
-                        rid: str | None = None) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+                        rid: str | None = None, path: str = "/v1/chat/completions",
+                        ) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         """Admit one chat-completions stream for `model` and yield its parsed SSE chunks
-        (`rid`: the client's X-Request-Id, else a new one).
+        (`rid`: the client's X-Request-Id, else a new one; `path`: another streaming route of
+        the worker, /v1/completions or /infill, for Ollama's generate).
 
         An upstream error status comes out as its own `APIError`; a cut stream as a final
         `{"error"}` chunk.
@@ -47,7 +49,7 @@ class ChatBridge:
             body = {**body, "model": adapter}
         trace = self._requests.begin(rid or request_id([]), handle, route)
         try:
-            async with self._open_chat(model, handle, body, trace) as chunks:
+            async with self._open_chat(model, handle, body, trace, path) as chunks:
                 yield chunks
         except APIError as e:
             trace.status = e.status_code
@@ -98,11 +100,11 @@ class ChatBridge:
 
     @contextlib.asynccontextmanager
     async def _open_chat(self, model: str, handle: ModelHandle, body: dict[str, Any],
-                         trace: RequestTrace) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+                         trace: RequestTrace, path: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
         base = await self._requests.admit(handle, trace)
         client = self._pool.client
         try:
-            req = client.build_request("POST", base + "/v1/chat/completions", json=body,
+            req = client.build_request("POST", base + path, json=body,
                                        headers={"x-request-id": trace.request_id})
             try:
                 resp = await client.send(req, stream=True)

@@ -55,7 +55,7 @@ def last_assistant(page: Page):  # type: ignore[no-untyped-def]
 
 def test_static_files_are_served_public_gzipped_and_cached(router: Router) -> None:
     with httpx.Client(base_url=router.base, timeout=10) as c:
-        index = c.get("/")  # no API key: the page itself is public, the API is not
+        index = c.get("/", headers={"accept": "text/html"})  # no API key: the page is public, the API is not
         assert index.status_code == 200 and "text/html" in index.headers["content-type"]
         assert index.headers["cache-control"] == "no-cache"
         assert "script-src 'self'" in index.headers["content-security-policy"]

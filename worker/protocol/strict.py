@@ -43,6 +43,21 @@ MEDIA: dict[str, str] = {
                           "`input_audio` part to a model that takes audio)",
 }
 
+# Ollama's options (router/ollama/) that are load-time settings here, or samplers we do not have
+_OLLAMA_LOAD = ("an Ollama load-time option: a model is loaded once for every client, with its preset's keys "
+                "(ctx-size, n-gpu-layers, threads, ...: docs/presets.md)")
+OLLAMA: dict[str, str] = {
+    **{k: _OLLAMA_LOAD for k in ("num_batch", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_thread",
+                                 "numa", "low_vram", "f16_kv", "vocab_only", "logits_all", "embedding_only",
+                                 "num_gqa")},
+    "mirostat": "Mirostat sampling is not implemented",
+    "mirostat_tau": "Mirostat sampling is not implemented",
+    "mirostat_eta": "Mirostat sampling is not implemented",
+    "tfs_z": "tail-free sampling is not implemented (llama.cpp removed it)",
+    "typical_p": "locally typical sampling is not implemented",
+    "penalize_newline": "Ollama's deprecated penalize_newline is not implemented",
+}
+
 # fields that people send and we do not do -> why (the 400 says it)
 REFUSED: dict[str, str] = {
     **SPECULATIVE,
@@ -72,6 +87,7 @@ REFUSED: dict[str, str] = {
     # llama-server's sampling on the accelerator: sampling here runs in the engine, on the host
     "backend_sampling": "sampling runs in the engine on the host (llama-server's backend sampling "
                         "is not implemented; false is what runs)",
+    **OLLAMA,
 }
 
 _NO_USERS = "an end-user id: there is no per-user policy or quota here"
@@ -128,6 +144,14 @@ INERT: dict[str, str] = {
     "_SamplingRequest.reasoning_control": "llama-server makes reasoning endable at run time with it; no "
                                           "route here ends it, and the output is the same either way",
     "TextBlock.citations": "only an empty list (no document blocks are served, so nothing can be cited)",
+    "OllamaOptions.num_keep": "the context is never shifted here (a prompt that does not fit is refused), so "
+                              "there are no tokens to keep across a shift",
+    "OllamaFunctionCall.index": "a call's place is its place in `tool_calls` (Ollama writes it; clients "
+                                "send it back)",
+    "OllamaToolCall.index": "a call's place is its place in `tool_calls` (Open WebUI writes it; clients "
+                            "send it back)",
+    "OllamaEmbeddingsRequest.input": "Open WebUI sends the same text as `prompt` too; this older route "
+                                     "embeds `prompt` (POST /api/embed takes `input`)",
 }
 
 # field -> the value that turns its feature off: dropped when sent with that value
