@@ -8,6 +8,7 @@ name the field; adapters load and unload at run time (--lora-runtime) and are re
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -101,11 +102,38 @@ def test_an_adapter_for_another_model_fails_the_load_with_the_reason(tiny_loras:
     assert "made for another base model" in proc.stdout + proc.stderr
 
 
+def test_an_adapter_deleted_while_asleep_fails_the_wake_whole_and_the_worker_lives(
+    tiny_loras: ModelPaths, tmp_path: Path
+) -> None:
+    """Regression (issue 47, 3): load an adapter, sleep, delete its file, wake twice, decode: the
+    worker died of a segfault (exit 139). The failed wake had left a context (so the backend no
+    longer counted as asleep) and a NULL adapter, which the next decode gave to llama.cpp. Now a
+    wake is all or nothing: each try is a clear error, the model stays asleep, the worker lives,
+    and it wakes once the file is back."""
+    lora = tmp_path / "a.gguf"
+    shutil.copyfile(A.gguf, lora)
+    with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora", str(lora)) as base:
+        adapted = text(base)
+        assert httpx.post(f"{base}/sleep", timeout=60).status_code == 200
+        lora.unlink()
+        for _ in range(2):
+            r = httpx.post(f"{base}/wake", timeout=60)
+            assert r.status_code == 500 and str(lora) in r.text, r.text
+            assert httpx.get(f"{base}/health", timeout=10).json()["is_sleeping"] is True
+        r = complete(base)
+        assert r.status_code == 500, r.text
+        message = r.json()["error"]["message"]
+        assert "could not wake" in message and str(lora) in message
+        assert httpx.get(f"{base}/health", timeout=10).json() == {"status": "ok", "is_sleeping": True}
+        shutil.copyfile(A.gguf, lora)
+        assert text(base) == adapted
+
+
 def test_adapters_loaded_at_run_time_and_reached_by_model_name(
     tiny_loras: ModelPaths, tmp_path: Path
 ) -> None:
-    with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora-runtime", "-a", "tiny",
-                    "--slot-save-path", str(tmp_path)) as base:
+    with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora-runtime", "--lora-allowed-path", str(MODELS),
+                    "-a", "tiny", "--slot-save-path", str(tmp_path)) as base:
         plain = text(base)
         r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(BAD.gguf)})
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"

@@ -956,15 +956,28 @@ class LlamaCppBackend:
             self._lora_set = ()
 
     def wake(self) -> None:
-        if self._ctx is None:
-            self._abort.clear()
+        """Reload the weights, the context and every adapter; all or nothing. A failed wake (an
+        adapter's file changed or went away while asleep) frees what it had loaded and raises: the
+        backend is asleep again, whole. Half-awake (a context, a NULL adapter pointer) it would
+        count as awake and hand the NULL to llama_set_adapters_lora at the next decode: a segfault."""
+        if self._ctx is not None:
+            return
+        self._abort.clear()
+        try:
             self._load()
             self._cur_threads = self._threads
             for i, path in enumerate(self._lora_paths):
                 if path is not None:
-                    self._lora_ptrs[i] = ll.llama_adapter_lora_init(self._model, path.encode())
-                    if not self._lora_ptrs[i]:  # the file changed or went away while asleep
-                        raise RuntimeError(f"LoRA adapter {i} ({path}) failed to load again at wake")
+                    ptr = ll.llama_adapter_lora_init(self._model, path.encode())
+                    if not ptr:
+                        raise RuntimeError(
+                            f"LoRA adapter {i} ({path}) could not be loaded again at wake: its file "
+                            "changed or went away while the model slept. The model stays asleep; put "
+                            "the file back, or unload the adapter (POST /v1/unload_lora_adapter)")
+                    self._lora_ptrs[i] = ptr
+        except BaseException:
+            self.sleep()  # frees the context, the weights and the adapters loaded so far
+            raise
 
     def close(self) -> None:
         self.sleep()

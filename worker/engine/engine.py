@@ -368,7 +368,11 @@ class Engine:
         if self._disk is None or not self._disk.divert(task, self._require_scheduler()):
             self._require_scheduler().enqueue(task)  # first: if waking fails, _fail_all answers it too
         if self._require_backend().is_sleeping:
-            self.wake()
+            try:
+                self.wake()
+            except Exception as e:  # the backend stays asleep (its wake is all or nothing)
+                log.exception("wake failed")
+                self._fail_all(f"the model could not wake: {e}", 500)
 
     def _require_backend(self) -> Backend:
         assert self._backend is not None, "engine used before the model loaded"
