@@ -168,6 +168,44 @@ def test_adapters_loaded_at_run_time_and_reached_by_model_name(
         assert text(base) == plain
 
 
+def test_run_time_adapters_come_only_from_the_allowed_folder_with_one_refusal_for_all(
+    tiny_loras: ModelPaths, tmp_path: Path
+) -> None:
+    """Regression (issue 47, 6): --lora-runtime loaded any path a client named, and its two errors
+    ("no such file", "not a readable GGUF file") told the client which files exist on the box.
+    Now --lora-runtime needs --lora-allowed-path; outside it (symlinks and '..' resolved), missing,
+    or not a file: the same 400, word for word. Inside it, the adapter's own checks speak."""
+    proc = subprocess.run([sys.executable, "-m", "worker.server.cli", "-m", str(tiny_loras.gguf_f32),
+                           "--port", "0", "--lora-runtime"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "--lora-allowed-path" in proc.stdout + proc.stderr
+    root = tmp_path / "adapters"
+    (root / "sub").mkdir(parents=True)
+    shutil.copyfile(A.gguf, root / "sub" / "a.gguf")
+    shutil.copyfile(BAD.gguf, root / "bad.gguf")
+    (root / "escape.gguf").symlink_to(B.gguf)  # a link inside that leads outside
+    (root / "inner.gguf").symlink_to(root / "sub" / "a.gguf")  # a link that stays inside
+    (tmp_path / "outside.gguf").write_bytes(b"GGUF" + bytes(100))
+    refused = [str(B.gguf), str(root / "escape.gguf"), str(root / "sub" / ".." / ".." / "outside.gguf"),
+               "../outside.gguf", str(root / "missing.gguf"), "sub", str(root), "/etc/hostname",
+               "/nonexistent/x.gguf", str(tmp_path / "outside.gguf")]
+    with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora-runtime", "--lora-allowed-path", str(root)) as base:
+        answers = set()
+        for i, path in enumerate(refused):
+            r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": f"x{i}", "lora_path": path})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", (path, r.text)
+            answers.add(r.text)
+        assert len(answers) == 1, answers
+        assert "--lora-allowed-path" in answers.pop()
+        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "bad.gguf"})
+        assert r.status_code == 400 and "made for another base model" in r.json()["error"]["message"]
+        for name, path in (("a", "sub/a.gguf"), ("inner", str(root / "inner.gguf"))):
+            r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            assert r.status_code == 200, r.text
+            assert r.json()["path"] == str((root / "sub" / "a.gguf").resolve())
+        assert [a["name"] for a in httpx.get(f"{base}/lora-adapters").json()] == ["a", "inner"]
+
+
 @pytest.mark.parametrize("kind", ["torch"])
 def test_torch_peft_adapters_burst(tiny_loras: ModelPaths, kind: str) -> None:
     """The burst on the torch backend (its logits against the merged model's and the base's are

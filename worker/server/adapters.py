@@ -6,11 +6,21 @@ The table and a request's adapter set are worker/engine/adapters.py's. Loading r
 engine thread between two steps (the running requests go on); unloading waits until the engine
 is idle, so no request runs with an adapter that goes away. A request that names an adapter by
 `model` ("<model>:<name>") gets it at scale 1 (worker/server/prepare.py).
+
+Where a run-time adapter may come from: under `--lora-allowed-path` only (which `--lora-runtime`
+needs), after symlinks and `..` are resolved (a relative `lora_path` is taken from that folder),
+and only the kind of thing the backend loads (a file for llama.cpp, a PEFT folder for torch).
+Every refusal of a path is the same 400, word for word, whether the path is outside the folder,
+missing or of the wrong kind: the route is open to clients, and two different answers would tell
+a client which files exist anywhere on the box. Once a path passes, the adapter's own checks
+(worker/backends/lora.py) say what is wrong with it: that speaks only of the allowed folder.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+from pathlib import Path
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -24,6 +34,20 @@ from worker.protocol.wire import LoadLoraRequest, LoraScale, UnloadLoraRequest
 from worker.server.context import ready_backend, worker_state
 
 _SCALES = TypeAdapter(list[LoraScale])
+PATH_REFUSED = "lora_path does not name an adapter under this server's --lora-allowed-path"
+
+
+def allowed_adapter_path(path: str, root: str, is_folder: bool) -> str | None:
+    """The real path of the adapter at `path` (relative: in `root`) when it lies under `root`,
+    symlinks and `..` resolved, and is a folder (`is_folder`) or else a regular file; None for
+    every other case alike (see the module doc)."""
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(os.path.join(real_root, path)))  # an absolute `path` replaces the root
+    if not real.is_relative_to(real_root) or real == real_root:
+        return None
+    if not (real.is_dir() if is_folder else real.is_file()):
+        return None
+    return str(real)
 
 
 def describe(a: LoraAdapter) -> dict[str, Any]:
@@ -69,9 +93,14 @@ async def load_adapter(request: Request) -> Response:
     state = worker_state(request)
     ready_backend(state)
     req = parse_model(LoadLoraRequest, await request.body())
+    assert state.lora_allowed_path is not None, "the CLI refuses --lora-runtime without it"
+    path = await asyncio.to_thread(allowed_adapter_path, req.lora_path, state.lora_allowed_path,
+                                   state.backend_kind != "llama_cpp")  # a file system walk: off the loop
+    if path is None:
+        raise APIError(PATH_REFUSED, param="lora_path")
     engine = state.engine
     try:
-        adapter = await asyncio.wrap_future(engine.call(lambda: engine.load_lora(req.lora_path, req.scale,
+        adapter = await asyncio.wrap_future(engine.call(lambda: engine.load_lora(path, req.scale,
                                                                                  req.lora_name)))
     except LoraError as e:
         raise APIError(str(e), param="lora_path") from None

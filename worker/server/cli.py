@@ -245,7 +245,13 @@ def serve(
     ),
     lora_runtime: bool = typer.Option(
         False, "--lora-runtime",
-        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): adapters loaded at run time",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's): adapters loaded at run time, "
+             "from under --lora-allowed-path only",
+    ),
+    lora_allowed_path: str | None = typer.Option(
+        None, "--lora-allowed-path", metavar="DIR",
+        help="with --lora-runtime (which needs it): adapters are loaded only from under this directory, "
+             "symlinks and '..' resolved",
     ),
     lora_init_without_apply: bool = typer.Option(
         False, "--lora-init-without-apply",
@@ -614,6 +620,12 @@ def serve(
     if mmproj is not None and (kind != "llama_cpp" or embedding):
         raise typer.BadParameter("a projector for a GGUF generating model (llama.cpp backend) only",
                                  param_hint="--mmproj")
+    if lora_runtime and lora_allowed_path is None:
+        raise typer.BadParameter("loading adapters at run time needs the folder they may come from: "
+                                 "--lora-allowed-path DIR", param_hint="--lora-runtime")
+    if lora_allowed_path is not None and not os.path.isdir(lora_allowed_path):
+        raise typer.BadParameter(f"{lora_allowed_path!r} is not a directory",
+                                 param_hint="--lora-allowed-path")
     if allowed_local_media_path is not None and not os.path.isdir(allowed_local_media_path):
         raise typer.BadParameter(f"{allowed_local_media_path!r} is not a directory",
                                  param_hint="--allowed-local-media-path")
@@ -694,6 +706,7 @@ def serve(
         is_verbose=verbose,
         is_props_on=props,
         is_lora_runtime_on=lora_runtime,
+        lora_allowed_path=lora_allowed_path,
         slot_save_path=slot_save_path,
         is_cors_proxy_on=ui_mcp_proxy,
         template_kwargs={} if reasoning == "auto" else {"enable_thinking": reasoning == "on"},

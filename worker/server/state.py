@@ -40,6 +40,7 @@ class WorkerState:
     )  # --reasoning on|off: enable_thinking (a request's win)
     is_cors_proxy_on: bool = False  # --ui-mcp-proxy: GET/POST /cors-proxy (403 without it, as llama-server)
     is_lora_runtime_on: bool = False  # --lora-runtime: POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+    lora_allowed_path: str | None = None  # --lora-allowed-path: the folder those adapters come from
     is_props_on: bool = False  # --props: POST /props answers (501 without it, as llama-server)
     slot_save_path: str | None = None  # --slot-save-path: POST /slots/{id}?action=save|restore
     is_verbose: bool = False  # --verbose: every response carries `__verbose`, as llama-server's
