@@ -6,6 +6,8 @@
     embeddings     the embedding and rerank handlers
     context        what each handler needs first: state, a ready backend (`Vocab`), checked tokens
     media          image parts and sglang-omni's `images`: URLs, local/remote policy, limits, 400s
+    remote_media   fetching an http(s) media URL: public addresses only, pinned, each redirect
+                   checked, one deadline and a size bound for the whole fetch
     prepare        request preparation: template, tools, grammar, sampling params, tokens
     state          `WorkerState`, what the handlers share
     generation     the bridge between one request and the engine thread

@@ -39,6 +39,7 @@ from worker.engine.speculation import SPEC_TYPES, SpecConfig, SpecType
 from worker.protocol.sampling import SamplingParams
 from worker.protocol.speech import is_voice_file
 from worker.server.media import (
+    REMOTE_TIMEOUT_S,
     VIDEO_MAX_DECODED_PIXELS,
     VIDEO_MAX_SECONDS,
     VIDEO_MAX_STREAM_FRAMES,
@@ -453,7 +454,17 @@ def serve(
         None, "--allowed-local-media-path", help="file:// image URLs are read only under this directory"
     ),
     allow_remote_media: bool = typer.Option(
-        False, "--allow-remote-media", help="fetch http(s) image URLs (refused by default: 400)"
+        False, "--allow-remote-media",
+        help="fetch http(s) image and video URLs (refused by default: 400), from public addresses only",
+    ),
+    allow_private_media: bool = typer.Option(
+        False, "--allow-private-media",
+        help="with --allow-remote-media: loopback and private addresses too (link-local and cloud "
+             "metadata addresses stay refused)",
+    ),
+    remote_media_timeout: float = typer.Option(
+        REMOTE_TIMEOUT_S, "--remote-media-timeout", min=0.1,
+        help="seconds a remote media fetch may take in all (lookups, redirects, every read)",
     ),
     api_key: str | None = typer.Option(None, "--api-key", help="comma-separated keys; /health stays public"),
     api_key_file: str | None = typer.Option(None, "--api-key-file", help="a file of keys, one per line"),
@@ -717,6 +728,7 @@ def serve(
             Sampling(video_fps, video_max_frames, max_pixels=video_max_pixels),
             request_max_pixels=request_max_pixels, request_max_audio_seconds=request_max_audio_seconds,
             request_max_media_bytes=request_max_media_bytes,
+            allow_private_remote=allow_private_media, remote_timeout_s=remote_media_timeout,
         ),
     )
     engine.start()  # the model loads while the HTTP stack is imported

@@ -8,8 +8,10 @@ model's media marker in the text, and their bytes are loaded here, in order. Ima
 - `data:` URLs (base64): always;
 - `file://` URLs and plain paths: only under `--allowed-local-media-path` (llama-server's
   flag), after symlinks are resolved;
-- `http(s)://` URLs: only with `--allow-remote-media` (the box may have no internet), with a
-  timeout and the size limit.
+- `http(s)://` URLs: only with `--allow-remote-media` (the box may have no internet), to public
+  addresses only (`--allow-private-media` adds loopback and private ones), each redirect checked,
+  under one deadline for the whole fetch (`--remote-media-timeout`) and the size limit
+  (worker/server/remote_media.py).
 
 Videos (OpenAI-style `video_url` parts, sglang-omni's request-level `videos`, which go after
 `images` in the last user message) come from the same places as images, under the same flags.
@@ -38,7 +40,6 @@ import base64
 import binascii
 import os
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,10 @@ from worker.backends import media_probe, video
 from worker.backends.media import AudioBytes, MediaError, Vision, audio_format
 from worker.protocol.errors import APIError
 from worker.protocol.wire import ChatMessage
+from worker.server import remote_media
 
 MAX_MEDIA_BYTES = 20 * 1024 * 1024  # an image's or an audio's bytes
-_REMOTE_TIMEOUT_S = 10.0
+REMOTE_TIMEOUT_S = 10.0  # --remote-media-timeout: a whole fetch, redirects included
 _IMAGE_PARTS = ("image_url", "input_image", "image")
 _AUDIO_PARTS = ("input_audio",)
 _VIDEO_PARTS = ("video_url",)
@@ -80,6 +82,8 @@ class MediaPolicy:
     request_max_pixels: int = 0  # --request-max-pixels
     request_max_audio_seconds: float = 0.0  # --request-max-audio-seconds
     request_max_media_bytes: int = 0  # --request-max-media-bytes
+    allow_private_remote: bool = False  # --allow-private-media: loopback and private addresses too
+    remote_timeout_s: float = REMOTE_TIMEOUT_S  # --remote-media-timeout
 
 @dataclass(frozen=True, slots=True)
 class VideoPart:
@@ -359,7 +363,7 @@ def load_url(where: str, url: str, policy: MediaPolicy, kind: str = "image",
         if not policy.allow_remote:
             raise APIError(f"{where}: remote {kind} URLs are refused (this server has no "
                            f"--allow-remote-media); send the {kind} as a data URL", param=param)
-        data = _fetch(where, url, param)
+        data = _fetch(where, url, policy, param)
     else:
         data = _read_local(where, url, policy, kind, param)
     if len(data) > MAX_MEDIA_BYTES:
@@ -383,10 +387,9 @@ def _read_local(where: str, url: str, policy: MediaPolicy, kind: str, param: str
         raise APIError(f"{where}: cannot read {path!r}: {e.strerror}", param=param) from None
 
 
-def _fetch(where: str, url: str, param: str) -> bytes:
+def _fetch(where: str, url: str, policy: MediaPolicy, param: str) -> bytes:
+    rules = remote_media.FetchPolicy(policy.allow_private_remote, policy.remote_timeout_s, MAX_MEDIA_BYTES)
     try:
-        with urllib.request.urlopen(url, timeout=_REMOTE_TIMEOUT_S) as r:  # http(s) only, checked above
-            data: bytes = r.read(MAX_MEDIA_BYTES + 1)
-            return data
-    except OSError as e:
+        return remote_media.fetch(url, rules)
+    except remote_media.FetchError as e:
         raise APIError(f"{where}: cannot fetch {url!r}: {e}", param=param) from None
