@@ -55,9 +55,11 @@ def flac_header(seconds: float, rate: int = 8000) -> bytes:
     return b"fLaC" + bytes([0x80, 0, 0, len(info)]) + info
 
 
-def mp3_frames(n_bytes: int) -> bytes:
-    """MPEG-2 layer III frames at 8 kbps, 16 kHz (36 bytes, 36 ms each), silent."""
-    frame = bytes([0xFF, 0xF3, 0x18, 0xC4]) + b"\x00" * 32
+def mp3_frames(n_bytes: int, free_format: bool = False) -> bytes:
+    """MPEG-2 layer III frames at 8 kbps, 16 kHz (36 bytes, 36 ms each), silent. `free_format`:
+    bitrate index 0, the same frames whose header states no bit rate (the decoder measures the
+    distance between two headers), so no length can be read from it."""
+    frame = bytes([0xFF, 0xF3, 0x08 if free_format else 0x18, 0xC4]) + b"\x00" * 32
     return frame * (n_bytes // len(frame))
 
 
@@ -93,6 +95,7 @@ def test_the_header_agrees_with_the_decoder() -> None:
         (mp3_frames(36 * 1000), 36.0),  # 1,000 frames of 36 ms, from the bit rate
         (b"ID3\x03\x00\x00\x00\x00\x00\x00" + mp3_frames(36 * 10), 0.36),
         (b"\x00" * 100, None),
+        (mp3_frames(36 * 1000, free_format=True), None),  # refused under a limit: see below
     ],
 )
 def test_audio_seconds(data: bytes, seconds: float | None) -> None:
@@ -157,6 +160,41 @@ def test_hours_of_audio_are_refused_by_default(audio: str, name: str, data: byte
     assert "--audio-max-seconds 1800" in message and "header" in message, message
     assert _rss(audio) - before < 100 * 2**20
     print(f"{name} refused in {seconds * 1000:.1f} ms")
+
+
+def test_audio_that_states_no_length_is_refused_before_decoding(audio: str) -> None:
+    """Regression (issue 47, 8): 19 MiB of free-format MP3 (bitrate index 0) passed the header
+    check, as its header states no length, and the request's total skipped it: it was refused
+    only after decoding, 13.2 s later, the worker 1.4 GB larger. Now refused at once, naming the
+    limit, without decoding."""
+    bomb = mp3_frames(19 * 2**20, free_format=True)
+    before = _rss(audio)
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(bomb).decode(), "format": "mp3"}}
+    r, seconds = _chat(audio, part)
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "cannot be read from its header" in message, message
+    assert "--request-max-audio-seconds 3600" in message, message
+    assert _rss(audio) - before < 100 * 2**20
+    print(f"19 MiB of free-format MP3 refused in {seconds * 1000:.1f} ms")
+
+
+def test_each_limit_refuses_audio_of_unknown_length_alone() -> None:
+    """The per-item limit (--audio-max-seconds, in the backend) and the request's total
+    (--request-max-audio-seconds) each refuse it before any decoding; with both off (0) it
+    goes on to the decoder, as the user asked."""
+    from worker.backends.media import MediaError
+    from worker.backends.mtmd import _decode_audio
+    from worker.protocol.errors import APIError
+    from worker.server.media import MediaPolicy, _Totals
+
+    bomb = mp3_frames(36 * 100, free_format=True)
+    with pytest.raises(MediaError, match=r"cannot be read from its header.*--audio-max-seconds 1800"):
+        _decode_audio(None, "audio 0", bomb, 1800.0)  # refused before the decoder is reached
+    with pytest.raises(APIError, match=r"audio 0: .*--request-max-audio-seconds 60"):
+        _Totals(MediaPolicy(request_max_audio_seconds=60)).add_audio(0, bomb)
+    _Totals(MediaPolicy(request_max_audio_seconds=0)).add_audio(0, bomb)  # no total: not counted
+    _Totals(MediaPolicy(request_max_audio_seconds=60)).add_audio(0, b"not audio at all")  # the backend's 400
 
 
 def _chat_parts(url: str, parts: list[dict[str, Any]]) -> httpx.Response:

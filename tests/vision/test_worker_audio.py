@@ -135,7 +135,8 @@ def _b64(data: bytes) -> str:
     [
         (_audio_turn(b"not audio at all, just some text"), "audio 0: not WAV, MP3 or FLAC audio"),
         (_audio_turn(png(20, 20, 1)), "audio 0: not WAV, MP3 or FLAC audio"),
-        (_audio_turn(b"RIFF\x00\x00\x00\x00WAVE" + b"\x00" * 40), "audio 0: the bytes are not audio"),
+        # no fmt or data chunk: no length in its header, refused before decoding (issue 47, 8)
+        (_audio_turn(b"RIFF\x00\x00\x00\x00WAVE" + b"\x00" * 40), "audio 0: its length cannot be read"),
         (_raw_part({"data": "@@@@", "format": "wav"}), "audio 0: `input_audio.data` is not valid base64"),
         (_raw_part({"data": _b64(wav(0.2, 1)), "format": "ogg"}), "`input_audio.format` must be one of"),
         (_raw_part({"data": _b64(wav(0.2, 1))}), "`input_audio.format` must be one of"),

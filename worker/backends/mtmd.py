@@ -101,10 +101,18 @@ def _decode(ctx: Any, where: str, data: bytes, max_pixels: int) -> Any:
 def _decode_audio(ctx: Any, where: str, data: bytes, max_seconds: float) -> Any:
     """An mtmd bitmap of the audio bytes (miniaudio, in libmtmd's helper: mono float samples at
     the projector's rate); MediaError for bytes that are not WAV, MP3 or FLAC audio, that do not
-    decode, that hold no samples, or more than `max_seconds` of them (0: no limit)."""
+    decode, that hold no samples, or more than `max_seconds` of them (0: no limit). Under a limit,
+    audio whose header states no length (a free-format MP3, a FLAC stream of unknown length) is
+    refused before decoding: miniaudio decodes a whole file before anyone can count its samples,
+    and 19 MiB of free-format MP3 is hours of them (1.4 GB)."""
     if not is_audio_file(data):  # anything else would go to stb_image, then to ffmpeg
         raise MediaError(f"{where}: not WAV, MP3 or FLAC audio")
     said = media_probe.audio_seconds(data)  # before decoding: a small file may hold hours
+    if max_seconds and said is None:
+        raise MediaError(f"{where}: its length cannot be read from its header (a free-format MP3, a "
+                         "FLAC stream of unknown length, a cut file?), and under this server's "
+                         f"--audio-max-seconds {max_seconds:g} audio is measured before it is decoded: "
+                         "send WAV, FLAC or MP3 that states its length")
     if max_seconds and said is not None and said > max_seconds:
         raise MediaError(f"{where}: {said:.1f} s is over this server's --audio-max-seconds {max_seconds:g} "
                          "(read from its header, not decoded)")

@@ -274,11 +274,14 @@ def load_media(items: list[str | AudioPart | VideoPart], policy: MediaPolicy,
 
 class _Totals:
     """A request's media summed as its items load: bytes, and the pixels and seconds their headers
-    state (a header that says nothing adds nothing here; the backend checks the decoded item
-    against the per-item limit). Eight images each under --image-max-pixels still decode to
-    gigabytes together: the totals refuse that before the first decode. One item alone is the
-    per-item limits' business (their message names them), so pixels and seconds are refused by
-    total from the second item on."""
+    state. Eight images each under --image-max-pixels still decode to gigabytes together: the
+    totals refuse that before the first decode. One item alone is the per-item limits' business
+    (their message names them), so pixels and seconds are refused by total from the second item
+    on. Audio whose header states no length (a free-format MP3) cannot be counted, so under a
+    total it is refused, whatever its place: skipped, it would decode to hours unchecked. (An
+    image header that states no size belongs to bytes that stb_image cannot decode either: PNG,
+    GIF and BMP always state it, a JPEG before its first scan; those are left to the backend's
+    400.) Bytes that are no audio at all are the backend's 400 too."""
 
     def __init__(self, policy: MediaPolicy) -> None:
         self.policy = policy
@@ -298,8 +301,13 @@ class _Totals:
                   self.policy.request_max_pixels, "--request-max-pixels")
 
     def add_audio(self, index: int, data: bytes) -> None:
-        self._add(f"audio {index}", data, "seconds", media_probe.audio_seconds(data),
-                  self.policy.request_max_audio_seconds, "--request-max-audio-seconds")
+        seconds, limit = media_probe.audio_seconds(data), self.policy.request_max_audio_seconds
+        if seconds is None and limit and audio_format(data) is not None:
+            raise APIError(f"audio {index}: its length cannot be read from its header (a free-format MP3, "
+                           "a FLAC stream of unknown length, a cut file?), so it cannot be counted against "
+                           f"this server's --request-max-audio-seconds {limit:g}: refused before decoding; "
+                           "send WAV, FLAC or MP3 that states its length", param="messages")
+        self._add(f"audio {index}", data, "seconds", seconds, limit, "--request-max-audio-seconds")
 
     def _add(self, where: str, data: bytes, unit: str, amount: float | None, limit: float, flag: str) -> None:
         self.add_bytes(where, data)
