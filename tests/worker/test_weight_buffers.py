@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.util import ROOT, run_worker
+from worker.backends.cxx_runtime import Decision, decide, inspect, llama_lib_dir
 from worker.backends.weight_buffers import AMX, RepackPlan, plan
 from worker.testing.tiny_models import ModelPaths
 
@@ -107,14 +108,35 @@ def _greedy(url: str) -> str:
     return text
 
 
+def _this_box() -> tuple[list[str], Decision]:
+    """What the decision tables are given here: the extra buffer types this build of llama.cpp
+    offers on this CPU (AMX among them on an AMX CPU with a native build), and the C++ runtime
+    decision for the libraries llama-cpp-python loads (a CUDA build carries its own runtime)."""
+    code = ("import json\nfrom worker.backends import weight_buffers as wb\n"
+            "from worker.backends.llama_lib import llc\nprint(json.dumps(wb.available(llc._lib)))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       check=True)
+    where = llama_lib_dir()
+    libs = [i for p in sorted(where.glob("lib*.so*")) if (i := inspect(p)) is not None] if where else []
+    return json.loads(r.stdout.strip().splitlines()[-1]), decide(libs)
+
+
 def test_repack_flags_and_props(q4_0: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/props says what the decision tables say for this CPU and build. Regression (issue 47, 9):
+    it asserted `left_out == []` and `preloaded is False`, false on an AMX CPU with a native
+    build and on a build that carries its own C++ runtime (the CUDA build)."""
+    available, runtime_decision = _this_box()
     with run_worker(q4_0, "--parallel", "1", "--ctx-size", "256", "--threads", "1") as url:
         auto = _props_weights(url)
         auto_text = _greedy(url)
-    assert auto["repack"] == "auto" and auto["left_out"] == []
+    want = plan("auto", available)
+    assert auto["repack"] == "auto"
+    assert (auto["extra_buffer_types"], auto["left_out"]) == (list(want.allowed), list(want.left_out))
     assert isinstance(auto["buffers_mib"], dict) and auto["buffers_mib"]
     runtime = auto["cxx_runtime"]
-    assert isinstance(runtime, dict) and runtime["preloaded"] is False  # this build links libstdc++
+    assert isinstance(runtime, dict)
+    could_not_load = "could not be loaded" in str(runtime["reason"])  # settle()'s fallback, said so
+    assert runtime["preloaded"] is (runtime_decision.preload and not could_not_load), runtime
     with run_worker(q4_0, "--parallel", "1", "--ctx-size", "256", "--threads", "1", "-nr") as url:
         off = _props_weights(url)
         assert _greedy(url)  # answers; the text may differ (other kernels)

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from tests.util import ROOT, run_worker
-from worker.backends.cxx_runtime import decide, inspect
+from worker.backends.cxx_runtime import decide, inspect, llama_lib_dir
 from worker.testing.tiny_models import ModelPaths
 
 pytestmark = pytest.mark.soak
@@ -54,7 +54,11 @@ def test_the_worker_runs_on_them_with_one_runtime(tiny_models: ModelPaths, stati
     assert weights["cxx_runtime"]["preloaded"] is True, weights
     monkeypatch.delenv("LLAMA_CPP_LIB_PATH")
     monkeypatch.delenv("MTMD_CPP_LIB")
+    installed = llama_lib_dir()  # a CUDA build carries its own runtime too: ask the table (issue 47, 9)
+    libs = sorted(installed.glob("lib*.so*")) if installed else []
+    infos = [i for p in libs if (i := inspect(p)) is not None]
     with run_worker(tiny_models.gguf_f32, *ARGS, timeout=120) as url:  # the installed build
-        assert httpx.get(url + "/props", timeout=10).json()["weights"]["cxx_runtime"]["preloaded"] is False
+        got = httpx.get(url + "/props", timeout=10).json()["weights"]["cxx_runtime"]["preloaded"]
+        assert got is decide(infos).preload
         reference = httpx.post(url + "/v1/completions", json=BODY, timeout=60).json()["choices"][0]["text"]
     assert text == reference
