@@ -68,3 +68,35 @@ def test_an_adapter_for_another_base_model_is_refused_with_the_reason(tiny_loras
         b.load_lora(str(lora_paths(MODELS, "bad").peft))
     with pytest.raises(LoraError, match="not a PEFT adapter folder"):
         b.load_lora(str(tiny_loras.hf_dir))
+
+
+def test_sleep_takes_the_adapters_off_the_device_and_wake_brings_them_back(
+        tiny_loras: ModelPaths, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (issue 47, 10): a sleeping torch backend kept its adapters, the sets built from
+    them and the model's active set on the GPU, and the router counted that memory as free. No GPU
+    here: the place a sleeping backend keeps its adapters is made `meta` (any device other than
+    the model's), and every adapter tensor must be there after the sleep, with no set left
+    built. Unmeasured on CUDA. Then, on the CPU, a sleep and wake give the adapted logits again."""
+    import worker.backends.torch_backend as tb
+
+    b = backend(str(tiny_loras.hf_dir))
+    b.load_lora(str(lora_paths(MODELS, "a").peft))
+    b.set_lora(((0, 1.0),))
+    adapted = logits(b)
+    assert b._lora_sets and b._require_model().layers[0].lora
+    monkeypatch.setattr(tb, "_ASLEEP", torch.device("meta"), raising=False)
+    b.sleep()
+    weights = b._loras[0]
+    assert weights is not None and weights.tensors()
+    assert {t.device.type for t in weights.tensors()} == {"meta"}
+    assert b._lora_sets == {} and b._lora_set == ()
+
+    b = backend(str(tiny_loras.hf_dir))
+    b.load_lora(str(lora_paths(MODELS, "a").peft))
+    monkeypatch.setattr(tb, "_ASLEEP", torch.device("cpu"))
+    b.sleep()
+    b.wake()
+    weights = b._loras[0]
+    assert weights is not None and {t.device for t in weights.tensors()} == {b.device}
+    b.set_lora(((0, 1.0),))
+    torch.testing.assert_close(logits(b), adapted, atol=0, rtol=0)

@@ -100,6 +100,7 @@ from worker.torch_model.weights import checkpoint_files, iter_tensors, tensor_na
 log = logging.getLogger(__name__)
 _VISION_PREFIXES = ("model.vision_model.", "model.connector.")  # a VLM's (worker/torch_model/vision.py)
 _LORA_SETS_KEPT = 8  # built adapter sets kept (each a few small matrices per layer)
+_ASLEEP = torch.device("cpu")  # where a sleeping backend keeps its LoRA adapters
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
@@ -521,9 +522,20 @@ class TorchBackend:
         self._require_model().set_lora(pairs)
         self._lora_set = key
 
+    def _park_loras(self, device: torch.device) -> None:
+        """Every adapter's tensors to `device` (a sleep: the host; a wake: the model's device). The
+        sets built from them and the model's active set are dropped (the next `set_lora` builds
+        its set again): left on the GPU, they would hold memory the router counts as freed."""
+        if self._model is not None:
+            self._model.set_lora(None)
+        self._lora_set, self._lora_sets = (), {}
+        pin = device.type == "cpu" and self.device.type == "cuda"
+        self._loras = [w.to(device, pin=pin) if w is not None else None for w in self._loras]
+
     def sleep(self) -> None:
         if self._sleeping:
             return
+        self._park_loras(_ASLEEP)
         self._graphs = None
         self._kv = None
         self._logits = torch.empty(0)
@@ -544,6 +556,7 @@ class TorchBackend:
     def wake(self) -> None:
         if not self._sleeping:
             return
+        self._park_loras(self.device)
         if self._model is None:
             self._load_weights()
             self._lora_set = ()  # a new model: no set on it yet

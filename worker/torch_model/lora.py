@@ -57,6 +57,23 @@ class LoraWeights:
     path: str
     layers: list[dict[str, Pair]]
 
+    def to(self, device: torch.device, *, pin: bool = False) -> LoraWeights:
+        """The same adapter with every tensor on `device` (with `pin`: in pinned host memory, so
+        that the copy back to the GPU at wake is asynchronous)."""
+
+        def move(t: Tensor) -> Tensor:
+            if pin:
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                host.copy_(t)
+                return host
+            return t.to(device, non_blocking=True)
+
+        return LoraWeights(self.path, [{k: (move(a), move(b)) for k, (a, b) in layer.items()}
+                                       for layer in self.layers])
+
+    def tensors(self) -> list[Tensor]:
+        return [t for layer in self.layers for pair in layer.values() for t in pair]
+
 
 def load_peft(path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LoraWeights:
     folder = Path(path)
