@@ -46,6 +46,11 @@ SCHEMA: dict[str, Any] = {
     "additionalProperties": False,
 }
 GREEDY = {"temperature": 0, "num_predict": 12}
+THINK_TEMPLATE = (  # the tiny model, made to think: the assistant's turn opens a <think> block
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' }}{%- endif %}"
+)
 MODELS = {"chat": "tiny", "fim": "coder", "vision": "vlm", "embed": "embed"}
 
 
@@ -55,6 +60,8 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     vlm: VlmPaths = ensure_vlm(ROOT / "models")
     coder = tmp / "tiny-fim.gguf"
     write_fim_variant(coder)
+    think = tmp / "think.jinja"
+    think.write_text(THINK_TEMPLATE)
     preset = tmp / "preset.toml"
     preset.write_text(f"""
 {preset_defaults(4096)}
@@ -70,6 +77,11 @@ backend = "llama_cpp"
 model = "{vlm.gguf}"
 mmproj = "{vlm.mmproj}"
 backend = "llama_cpp"
+
+[models.thinker]
+model = "{GGUF}"
+backend = "llama_cpp"
+chat-template = "{think}"
 
 [models.embed]
 model = "{GGUF}"
@@ -120,7 +132,7 @@ def test_root_version_list_show_and_ps(router: tuple[str, Path], client: ollama.
     assert httpx.get(base + "/api/version", headers=AUTH).json()["version"].count(".") == 2
 
     listed = {m.model: m for m in client.list().models}
-    assert set(listed) == {"tiny:latest", "coder:latest", "vlm:latest", "embed:latest"}
+    assert set(listed) == {"tiny:latest", "coder:latest", "vlm:latest", "thinker:latest", "embed:latest"}
     tiny = listed["tiny:latest"]
     assert tiny.size == GGUF.stat().st_size and len(tiny.digest or "") == 64
     assert tiny.details is not None and tiny.details.format == "gguf" and tiny.details.family == "llama"
@@ -243,6 +255,17 @@ def test_tools_and_tool_history_reach_the_model(client: ollama.Client) -> None:
     assert r.done and r.message.role == "assistant"
     for call in r.message.tool_calls or []:  # random weights: a call only if the model makes one
         assert call.function.name == "get_weather" and isinstance(call.function.arguments, dict)
+
+
+def test_think_separates_the_reasoning(client: ollama.Client) -> None:
+    assert "thinking" in (client.show("thinker").capabilities or [])
+    assert "thinking" not in (client.show("tiny").capabilities or [])
+    r = client.chat(model="thinker", messages=[{"role": "user", "content": "hi"}], think=True,
+                    options={"num_predict": 6, "temperature": 0})
+    assert r.message.thinking and r.eval_count == 6  # random weights never close the block: all reasoning
+    g = list(client.generate(model="thinker", prompt="hi", think="high", stream=True,
+                             options={"num_predict": 6}))
+    assert "".join(p.thinking or "" for p in g) and g[-1].done
 
 
 def test_images_on_the_tiny_vlm(client: ollama.Client) -> None:
