@@ -17,6 +17,7 @@ import typer
 from typer._click.exceptions import ClickException  # typer vendors its own click
 
 from router.banner import banner
+from router.discovery import Discovery
 from router.presets import ModelPreset, PresetError, check_unique, load_presets, merge, scan_models_dir
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ def default_data_dir() -> Path:
 
 
 def build_presets(
-    preset: list[Path], models_dir: Path | None, overrides: dict[str, Any], *, has_ray: bool = False
+    preset: list[Path], models_dir: Path | None, overrides: dict[str, Any], *, has_ray: bool = False,
+    discovery: Discovery | None = None,
 ) -> list[ModelPreset]:
     presets: list[ModelPreset] = []
     for path in preset:
@@ -41,8 +43,13 @@ def build_presets(
     check_unique(presets)
     if models_dir is not None:
         presets = merge(presets, scan_models_dir(models_dir, overrides))
+    if discovery is not None:  # the hub cache, Ollama's store, LM Studio's folder (router/discovery)
+        from router.discovery import discovered, merge_discovered
+
+        presets = merge_discovered(presets, discovered(discovery, overrides))
     if not presets:
-        raise PresetError("no models: give --preset FILE and/or --models-dir DIR")
+        raise PresetError("no models: give --preset FILE and/or --models-dir DIR, or pull one first "
+                          "(omni-router pull ORG/REPO[:TAG])")
     if not has_ray:
         for p in presets:
             if p.placement == "ray" or p.ray_resources or p.ray_node_labels:
@@ -174,6 +181,15 @@ def serve(
             "but placement = local ones (docs/ray.md; pip install omni-router[ray])",
         ),
     ] = None,
+    discover_hub_cache: Annotated[bool, typer.Option(
+        "--discover-hub-cache/--no-discover-hub-cache",
+        help="serve every GGUF repo in the Hugging Face cache as org/repo:TAG")] = True,
+    discover_ollama: Annotated[bool, typer.Option(
+        "--discover-ollama/--no-discover-ollama",
+        help="serve Ollama's models (~/.ollama/models, $OLLAMA_MODELS) as name:tag")] = True,
+    discover_lmstudio: Annotated[bool, typer.Option(
+        "--discover-lmstudio/--no-discover-lmstudio",
+        help="serve LM Studio's models (~/.lmstudio/models) as publisher/repo:TAG")] = True,
     log_level: Annotated[str, typer.Option(metavar="debug|info|warning|error")] = "info",
     version: Annotated[
         bool,
@@ -191,8 +207,9 @@ def serve(
 
     has_ray = ray is not None
     state_dir = data_dir or default_data_dir()
+    discovery = Discovery(discover_hub_cache, discover_ollama, discover_lmstudio)
     presets = with_default_cache_dirs(
-        build_presets(preset, models_dir, overrides, has_ray=has_ray), state_dir)
+        build_presets(preset, models_dir, overrides, has_ray=has_ray, discovery=discovery), state_dir)
     from router.lifecycle.memory import budget, gpu_total_bytes, host_total_bytes
 
     budgets = []
@@ -244,7 +261,8 @@ def serve(
     responses = ResponsesConfig(state_dir, responses_max_entries, responses_ttl)
     where: Placement | None = _join_ray(ray) if ray is not None else gpus
     pool = Pool(presets, config, source=lambda: with_default_cache_dirs(
-        build_presets(preset, models_dir, overrides, has_ray=has_ray), state_dir), placement=where)
+        build_presets(preset, models_dir, overrides, has_ray=has_ray, discovery=discovery), state_dir),
+        placement=where)
     app = RouterApp(
         pool, api_keys=api_key, cors_origins=cors_origin, responses=responses, max_body_size=max_body_size
     )
@@ -349,7 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         command = typer.main.get_command(cli)
     try:
-        command.main(args=args, prog_name=prog, standalone_mode=False)
+        code = command.main(args=args, prog_name=prog, standalone_mode=False)
+        if isinstance(code, int) and code:  # a typer.Exit(code) (click returns it without standalone mode)
+            sys.exit(code)
     except typer.Exit as e:
         sys.exit(e.exit_code)
     except typer.Abort:

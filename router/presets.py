@@ -774,6 +774,22 @@ def scan_models_dir(directory: str | Path, overrides: Mapping[str, Any] | None =
     return found
 
 
+def discovered_preset(name: str, model: Path, where: str, *, mmproj: Path | None = None,
+                      worker_args: Mapping[str, str] | None = None, ctx_size: int | None = None,
+                      overrides: Mapping[str, Any] | None = None) -> ModelPreset:
+    """A GGUF model found in another tool's store (router/discovery), built as a --models-dir entry is:
+    its store's settings (sampling, context) as preset keys, the router's CLI overrides on top."""
+    # GGUF, whatever its file is called (Ollama's blobs have no suffix)
+    sec = _RawSection(name, where, {"model": (str(model), where), "backend": ("llama_cpp", where)})
+    if mmproj is not None:
+        sec.values["mmproj"] = (str(mmproj), where)
+    if ctx_size is not None:
+        _put(sec, "ctx-size", str(ctx_size), where)
+    for key, value in (worker_args or {}).items():
+        _put(sec, key, value, where)
+    return _build(name, [sec, _cli_section(overrides)], model.parent, where)
+
+
 def _gguf_folder(d: Path) -> tuple[Path, Path | None] | None:
     """A folder's GGUF model and its projector, as llama.cpp's router scans a models folder."""
     files = sorted(f for f in d.iterdir() if f.is_file() and f.suffix == ".gguf")

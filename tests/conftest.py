@@ -47,6 +47,24 @@ def tiny_audio() -> AudioModelPaths:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _no_model_stores_of_this_box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A router discovers the models of other tools on its box (router/discovery): the routers
+    the tests start see empty stores of this session's own instead (a test that wants one sets
+    its own), so what this box happens to hold never changes what they serve."""
+    empty = tmp_path_factory.mktemp("no-stores")
+    names = {"HF_HUB_CACHE": empty / "hub", "OLLAMA_MODELS": empty / "ollama",
+             "LMSTUDIO_MODELS_DIR": empty / "lmstudio"}
+    old = {k: os.environ.get(k) for k in names}
+    os.environ.update({k: str(v) for k, v in names.items()})
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _private_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A router keeps state under $XDG_STATE_HOME/omni-router unless given --data-dir: the
     Responses store and each model's disk prompt cache, which a later run would find and reuse

@@ -10,7 +10,8 @@
       the router's own routes    Starlette: router.http.admin, the log and profiling routes
                                  (router.observability), the Responses API (router.responses),
                                  Anthropic's Messages API (router.anthropic), Ollama's API
-                                 (router.ollama); unknown routes logged once (router.http.unknown_routes)
+                                 (router.ollama), pulls (router.hub: /models/pull, /api/pull);
+                                 unknown routes logged once (router.http.unknown_routes)
 
 The translated APIs reach a model through `ChatBridge.open_chat` (router.responses.bridge), the
 same admission and request tracing (router.observability.requests) as a proxied request.
@@ -47,6 +48,9 @@ from router.http.front import (
 from router.http.unknown_routes import UnknownRoutes
 from router.http.webui import WebUI
 from router.lifecycle.gpu_admission import GpuPlacement
+from router.hub.download import Pulled
+from router.hub.pulls import PULLS
+from router.hub.routes import PullRoutes
 from router.lifecycle.pool import Pool
 from router.log_ring import ROUTER_LOG, RingHandler
 from router.observability.gpu_metrics import GpuCollector
@@ -56,6 +60,7 @@ from router.observability.profiling import RouterProfiling
 from router.observability.requests import ActiveRequests
 from router.ollama.errors import OllamaErrors
 from router.ollama.routes import OllamaRoutes
+from router.presets import PresetError
 from router.responses.bridge import ChatBridge
 from router.responses.routes import ResponsesRoutes
 from router.responses.service import ResponsesService
@@ -116,6 +121,7 @@ class RouterApp:
                 *MessagesRoutes(bridge.open_chat, bridge.call_json, self.forwarder.resolve_model).routes(),
                 *OllamaRoutes(pool, bridge.open_chat, bridge.call_json,
                               self.forwarder.resolve_model).routes(),
+                *PullRoutes(PULLS, self._after_pull).routes(),  # POST /models/pull, /api/pull (router/hub)
             ],
             exception_handlers={APIError: api_error_handler, HTTPException: http_exception_handler,
                                 500: api_error_handler},
@@ -179,6 +185,14 @@ class RouterApp:
             for path in ("/", "/index.html", "/favicon.ico", "/static/{file}", "/assets/{file}"):
                 table["GET", path] = None
         return list(table)
+
+    async def _after_pull(self, pulled: Pulled) -> str | None:
+        """A model just pulled is served once the presets are read again (the hub cache is
+        discovered): the name it is served under, if it is."""
+        with contextlib.suppress(PresetError):
+            await self.pool.reload()
+        handle = self.pool.get(pulled.name)
+        return None if handle is None else handle.name
 
     def _canonical_name(self, name: str) -> str | None:
         handle = self.pool.get(name)

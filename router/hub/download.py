@@ -31,7 +31,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +119,9 @@ class Progress:
     done: int
     total: int
     file: str
+    file_done: int = 0  # of the file under way: its bytes here, its size and its hash (etag)
+    file_total: int = 0
+    digest: str = ""
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,7 @@ class Pulled:
     total_bytes: int
     sampling: Mapping[str, str] = field(default_factory=dict)  # worker flag -> value
     tag: str | None = None
+    layers: tuple[tuple[str, str, int], ...] = ()  # (file, its hash, its size), as the hub listed them
 
     @property
     def name(self) -> str:
@@ -348,26 +352,29 @@ def pull(ref: Ref, on_progress: Callable[[Progress], None] | None = None,
     sizes = [listing.files[f].size or 0 for f in choice.files]
     total = sum(sizes)
     done = 0
-    current = ""
+    current, file_start = "", 0
 
     def on_bytes(n: int) -> None:  # every chunk: the caller thins them out (pulls.py, pull_cli.py)
         nonlocal done
         done += n
         if on_progress is not None:
-            on_progress(Progress(done, total, current))
+            remote = listing.files.get(current)
+            on_progress(Progress(done, total, current, done - file_start, remote.size or 0 if remote else 0,
+                                 remote.etag if remote else ""))
 
     snapshot = cfg.repo_folder(ref.repo) / "snapshots" / listing.commit
     if not listing.is_cached:
         with httpx.Client(follow_redirects=True, timeout=httpx.Timeout(30.0, read=60.0)) as client:
             for name in choice.files:
-                current = name
+                current, file_start = name, done
                 fetch_file(cfg, ref.repo, listing.commit, name, listing.files[name], on_bytes, client)
         _write_ref(cfg, ref, listing.commit)
     else:
         done = total
-    if on_progress is not None:
+    if on_progress is not None and listing.is_cached:
         on_progress(Progress(total, total, current))
-    return _pulled(ref, listing.commit, snapshot, choice, total)
+    layers = tuple((f, listing.files[f].etag, listing.files[f].size or 0) for f in choice.files)
+    return replace(_pulled(ref, listing.commit, snapshot, choice, total), layers=layers)
 
 
 def _write_ref(cfg: HubConfig, ref: Ref, commit: str) -> None:

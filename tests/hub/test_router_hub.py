@@ -79,3 +79,24 @@ def test_a_router_of_hub_models_downloads_at_first_load_and_serves(
     torch = httpx.post(f"{r.base}/v1/chat/completions", json={**body, "model": "tiny-torch"}, timeout=120)
     assert torch.status_code == 200, torch.text
     assert r.models()["tiny-torch"]["resolved_backend"] == "torch"
+
+
+def test_hub_down_fails_the_model_transiently_and_a_later_request_loads_it(
+        router_factory: Callable[..., RouterProc], model_hub: StandInHub, tmp_path: Path) -> None:
+    r = router_factory(f'{preset_defaults(512)}\n[models.tiny]\nhf-repo = "{GGUF_REPO}:F16"\n'
+                       f'\n[models.nope]\nhf-repo = "{GGUF_REPO}:Q2_K"\n',
+                       env=hub_env(model_hub, tmp_path / "hub"))
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    model_hub.fail_with = 503
+    down = httpx.post(f"{r.base}/v1/chat/completions", json=body, timeout=60)
+    assert down.status_code == 503 and "the hub answered 503" in down.json()["error"]["message"].replace(
+        f"{model_hub.url} answered 503", "the hub answered 503"), down.text
+    status = r.models()["tiny"]["status"]
+    assert status["value"] == "failed" and status["permanent"] is False
+    model_hub.fail_with = None
+    up = httpx.post(f"{r.base}/v1/chat/completions", json=body, timeout=120)
+    assert up.status_code == 200, up.text
+    # an unknown tag: permanent, and the message lists the tags there are
+    nope = httpx.post(f"{r.base}/v1/chat/completions", json={**body, "model": "nope"}, timeout=60)
+    assert nope.status_code == 500 and "tags: F16, Q4_K_M, Q8_0" in nope.json()["error"]["message"], nope.text
+    assert r.models()["nope"]["status"]["permanent"] is True

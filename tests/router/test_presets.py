@@ -315,7 +315,8 @@ def test_demo_presets_parse_to_the_same_models(name: str) -> None:
             r"^omni-router: error: Invalid value for --ram-budget: "
             r"expected a size like 512M, 20GiB or a number of bytes$",
         ),
-        ([], r"^omni-router: error: no models: give --preset FILE and/or --models-dir DIR$"),
+        ([], r"^omni-router: error: no models: give --preset FILE and/or --models-dir DIR, or pull one "
+         r"first \(omni-router pull ORG/REPO\[:TAG\]\)$"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(

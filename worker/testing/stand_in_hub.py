@@ -11,7 +11,8 @@
     404s carry the hub's X-Error-Code (RepoNotFound, RevisionNotFound, EntryNotFound) and
     X-Error-Message, as huggingface_hub's `hf_raise_for_status` reads them.
 
-Control for tests (all thread-safe): `hold_after(n)` makes every file transfer stop after n
+Control for tests (all thread-safe): `fail_with = 503` answers everything so (the hub down);
+`hold_after(n)` makes every file transfer stop after n
 bytes until `release()` (progress is then observable by condition, never by timing);
 `cut_after(n)` closes each transfer after n bytes (a connection lost halfway); `corrupt(path)`
 serves a file with one byte changed; `ranges` records the Range headers seen, `served` the bytes
@@ -64,6 +65,7 @@ class StandInHub:
     ranges: list[str] = field(default_factory=list)
     served: dict[str, int] = field(default_factory=dict)
     requests: list[str] = field(default_factory=list)
+    fail_with: int | None = None  # every request answers this status (a hub that is down: 503)
     _hold: int | None = None
     _cut: int | None = None
     _corrupt: set[str] = field(default_factory=set)
@@ -178,6 +180,9 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.stand_in
         path = unquote(urlsplit(self.path).path)
         hub.requests.append(f"{self.command} {path}")
+        if hub.fail_with is not None:
+            self._error(hub.fail_with, "ServiceUnavailable", "the stand-in hub is down")
+            return
         if (m := _INFO_RE.match(path)) is not None:
             repo = self._repo(m.group(1), m.group(2))
             if repo is not None:
