@@ -47,10 +47,10 @@ from router.http.front import (
 )
 from router.http.unknown_routes import UnknownRoutes
 from router.http.webui import WebUI
-from router.lifecycle.gpu_admission import GpuPlacement
 from router.hub.download import Pulled
 from router.hub.pulls import PULLS
 from router.hub.routes import PullRoutes
+from router.lifecycle.gpu_admission import GpuPlacement
 from router.lifecycle.pool import Pool
 from router.log_ring import ROUTER_LOG, RingHandler
 from router.observability.gpu_metrics import GpuCollector
