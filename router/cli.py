@@ -131,7 +131,8 @@ def serve(
         str,
         typer.Option(
             help="GPU memory the workers may use: SIZE, 0 = no limit, "
-            "auto = total less 10% (no limit without a GPU)"
+            "auto = total less 10% (no limit without a GPU); with the GPU placement (GPUs, no --ray): "
+            "on each GPU, and auto = no cap beyond --gpu-reserve"
         ),
     ] = "auto",
     gpu_reserve: Annotated[str, typer.Option(

@@ -4,21 +4,21 @@ Effects only, and blocking (USS reads /proc/PID/smaps_rollup; nvidia-smi is a su
 callers run `tree_memory` in a thread. USS, the memory unique to the tree, is what stopping the
 worker gives back; RSS also counts shared pages (libraries, page cache of mmapped weights) and
 so overstates it. VRAM is the sum over the tree's pids of what the driver reports per process;
-None where there is no NVIDIA GPU (no `pynvml` module and no `nvidia-smi`).
+None where there is no NVIDIA GPU (no `pynvml` module and no `nvidia-smi`). The driver is asked
+through router.lifecycle.gpus (NVML or nvidia-smi), which also reads each device for the GPU
+placement.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import importlib
 import logging
 import shutil
-import subprocess
 from dataclasses import dataclass
-from typing import Any
 
 import psutil
+
+from router.lifecycle.gpus import nvidia_smi, nvml
 
 log = logging.getLogger("omni.router.memory")
 
@@ -50,31 +50,21 @@ def tree_memory(pid: int) -> TreeMemory | None:
     return TreeMemory(rss, uss, None if vram is None else sum(vram.get(p.pid, 0) for p in procs))
 
 
-@functools.cache
-def _nvml() -> Any | None:
-    try:
-        nvml = importlib.import_module("pynvml")
-        nvml.nvmlInit()
-        return nvml
-    except Exception:  # not installed, or no driver
-        return None
-
-
 def has_gpu() -> bool:
-    return _nvml() is not None or shutil.which("nvidia-smi") is not None
+    return nvml() is not None or shutil.which("nvidia-smi") is not None
 
 
 def gpu_memory_by_pid() -> dict[int, int] | None:
     """Bytes of VRAM used per pid on every NVIDIA GPU; None when there is none to ask."""
-    nvml = _nvml()
-    if nvml is not None:
+    lib = nvml()
+    if lib is not None:
         out: dict[int, int] = {}
         with contextlib.suppress(Exception):
-            for i in range(nvml.nvmlDeviceGetCount()):
-                for proc in nvml.nvmlDeviceGetComputeRunningProcesses(nvml.nvmlDeviceGetHandleByIndex(i)):
+            for i in range(lib.nvmlDeviceGetCount()):
+                for proc in lib.nvmlDeviceGetComputeRunningProcesses(lib.nvmlDeviceGetHandleByIndex(i)):
                     out[proc.pid] = out.get(proc.pid, 0) + int(proc.usedGpuMemory or 0)
         return out
-    text = _nvidia_smi("--query-compute-apps=pid,used_memory")
+    text = nvidia_smi("--query-compute-apps=pid,used_memory")
     if text is None:
         return None
     found: dict[int, int] = {}
@@ -87,29 +77,17 @@ def gpu_memory_by_pid() -> dict[int, int] | None:
 
 def gpu_total_bytes() -> int | None:
     """Total VRAM of all NVIDIA GPUs, or None."""
-    nvml = _nvml()
-    if nvml is not None:
+    lib = nvml()
+    if lib is not None:
         with contextlib.suppress(Exception):
-            return sum(int(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).total)
-                       for i in range(nvml.nvmlDeviceGetCount()))
-    text = _nvidia_smi("--query-gpu=memory.total")
+            return sum(int(lib.nvmlDeviceGetMemoryInfo(lib.nvmlDeviceGetHandleByIndex(i)).total)
+                       for i in range(lib.nvmlDeviceGetCount()))
+    text = nvidia_smi("--query-gpu=memory.total")
     try:
         return (
             None if text is None else sum(int(s.strip()) for s in text.splitlines() if s.strip()) * (1 << 20)
         )
     except ValueError:
-        return None
-
-
-def _nvidia_smi(query: str) -> str | None:
-    """`nvidia-smi QUERY` as bare CSV (no header, no units), or None where it is absent or fails."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-    try:
-        return subprocess.run([smi, query, "--format=csv,noheader,nounits"], capture_output=True, text=True,
-                              timeout=5, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
         return None
 
 

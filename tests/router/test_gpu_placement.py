@@ -229,3 +229,28 @@ def test_a_partial_fit_sets_the_layers_and_a_cpu_model_is_not_placed() -> None:
     assert (asked.vram_bytes, asked.can_split, asked.strategy) == (3 * G, True, "binpack")
     assert ask_for(ModelPreset("t", backend="torch", devices=(1,)), 0, "spread") == Ask(
         "t", 0, 0, (1,), can_split=False)
+
+
+# ---- the worker's own flags for it (llama-server's spellings)
+
+
+@pytest.mark.parametrize(("raw", "expected"), [
+    (None, ()), ("3,1", (3.0, 1.0)), ("0.625,0.375", (0.625, 0.375)), ("1/1/2", (1.0, 1.0, 2.0))])
+def test_the_workers_tensor_split_reads_llama_servers_forms(raw: str | None,
+                                                            expected: tuple[float, ...]) -> None:
+    from worker.server.cli import _tensor_split
+
+    assert _tensor_split(raw) == expected
+
+
+@pytest.mark.parametrize("raw", ["a,b", "-1,2", "0,0"])
+def test_a_bad_tensor_split_or_split_mode_is_refused_by_name(raw: str) -> None:
+    import typer
+
+    from worker.server.cli import _split_mode, _tensor_split
+
+    with pytest.raises(typer.BadParameter, match="non-negative numbers"):
+        _tensor_split(raw)
+    with pytest.raises(typer.BadParameter, match="none, layer, row"):
+        _split_mode("rows")
+    assert _split_mode(None) == "layer" and _split_mode("none") == "none"

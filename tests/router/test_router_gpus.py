@@ -8,6 +8,9 @@ flags); what is checked is where the router says and starts them: each worker's 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -90,3 +93,18 @@ def test_each_worker_runs_on_the_devices_chosen_and_the_router_says_so(router_fa
     assert total in metrics
     assert 'omni_router:gpu_model_memory_bytes{gpu="1",model="on-one"}' in metrics
     assert 'omni_router:gpu_model_memory_bytes{gpu="0",model="split"}' in metrics
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--gpu-reserve", "lots", "expected a size like 1GiB or 512M, or a percentage like 5%"),
+    ("--gpu-reserve", "100%", "a percentage below 100"),
+    ("--placement", "pack", "expected one of spread, binpack"),
+])
+def test_a_bad_gpu_flag_is_refused_by_name_before_serving(tmp_path: Path, flag: str, value: str,
+                                                          says: str) -> None:
+    preset = tmp_path / "p.toml"
+    preset.write_text(model("m"))
+    out = subprocess.run([sys.executable, "-m", "router.cli", "--preset", str(preset), flag, value],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), **install(tmp_path, GPUS)})
+    assert out.returncode == 2 and flag in out.stderr and says in out.stderr, out.stderr
