@@ -119,6 +119,7 @@ def test_an_adapter_deleted_while_asleep_fails_the_wake_whole_and_the_worker_liv
         for _ in range(2):
             r = httpx.post(f"{base}/wake", timeout=60)
             assert r.status_code == 500 and str(lora) in r.text, r.text
+            assert r.json()["error"]["message"].startswith("the model could not wake: LoRA adapter 0")
             assert httpx.get(f"{base}/health", timeout=10).json()["is_sleeping"] is True
         r = complete(base)
         assert r.status_code == 500, r.text

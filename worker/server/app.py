@@ -347,5 +347,8 @@ async def wake(request: Request) -> Response:
     state = worker_state(request)
     ready_backend(state)
     t0 = time.monotonic()
-    await asyncio.wrap_future(state.engine.call(state.engine.wake))
+    try:
+        await asyncio.wrap_future(state.engine.call(state.engine.wake))
+    except RuntimeError as e:  # the backend stays asleep (a wake is all or nothing): say why
+        raise APIError(f"the model could not wake: {e}", status_code=500, type="server_error") from None
     return JSONResponse({"status": "ok", "wake_ms": round((time.monotonic() - t0) * 1e3, 1)})
