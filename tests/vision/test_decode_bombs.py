@@ -55,6 +55,13 @@ def flac_header(seconds: float, rate: int = 8000) -> bytes:
     return b"fLaC" + bytes([0x80, 0, 0, len(info)]) + info
 
 
+def mp3_lying(n_bytes: int) -> bytes:
+    """One MPEG-1 layer III frame at 320 kbps, 48 kHz, then `n_bytes` of 8 kbps frames: by its
+    first frame's bit rate the file is minutes long, by its frames hours."""
+    first = bytes([0xFF, 0xFB, 0xE4, 0xC4])  # MPEG-1 layer III, 320 kbps, 48 kHz, no padding
+    return first + bytes(144 * 320_000 // 48_000 - 4) + mp3_frames(n_bytes)
+
+
 def mp3_frames(n_bytes: int, free_format: bool = False) -> bytes:
     """MPEG-2 layer III frames at 8 kbps, 16 kHz (36 bytes, 36 ms each), silent. `free_format`:
     bitrate index 0, the same frames whose header states no bit rate (the decoder measures the
@@ -96,6 +103,9 @@ def test_the_header_agrees_with_the_decoder() -> None:
         (b"ID3\x03\x00\x00\x00\x00\x00\x00" + mp3_frames(36 * 10), 0.36),
         (b"\x00" * 100, None),
         (mp3_frames(36 * 1000, free_format=True), None),  # refused under a limit: see below
+        (mp3_lying(36 * 1000), 36.024),  # the frames' sum, not 36 KB at the first frame's 320 kbps
+        (mp3_frames(36 * 1000) + b"\x00" * 1300, 36.0 + 1300 * 576 / 8000 / 13),  # junk: at the densest
+        (mp3_frames(36 * 1000) + b"TAG" + b"\x00" * 125, 36.0),  # an ID3v1 tag is no audio
     ],
 )
 def test_audio_seconds(data: bytes, seconds: float | None) -> None:
@@ -150,6 +160,8 @@ def test_a_144_megapixel_png_is_refused_by_default(vision: str) -> None:
 @pytest.mark.parametrize(("name", "data", "fmt"), [
     ("10 h of FLAC", flac_header(36000), "flac"),
     ("19 MiB of 8 kbps MP3", mp3_frames(19 * 2**20), "mp3"),
+    # issue 47, 8: by its first frame's 320 kbps it said 8 minutes and decoded to 5.5 hours
+    ("a 320 kbps frame before 19 MiB of 8 kbps MP3", mp3_lying(19 * 2**20), "mp3"),
 ])
 def test_hours_of_audio_are_refused_by_default(audio: str, name: str, data: bytes, fmt: str) -> None:
     before = _rss(audio)

@@ -6,13 +6,16 @@ before anyone can look at the size, so the limits (`--image-max-pixels`, `--audi
 are checked here first, on the few bytes that state it: an image's width and height (PNG's
 IHDR, JPEG's frame header, GIF's screen, BMP's info header: the four formats the worker takes)
 and an audio file's length (WAV: its data chunk at its byte rate; FLAC: STREAMINFO's total
-samples; MP3: the Xing/Info or VBRI frame count, else the bytes at the first frame's bit rate).
-A header that says nothing (a FLAC stream of unknown length, a truncated file) gives None; the
-decoder then runs and its output is checked, as before.
+samples; MP3: its frames walked header to header, each stating its own size and samples, the
+bytes between them counted at the densest MPEG audio can be, so a first frame cannot speak for
+the rest). A header that says nothing (a FLAC stream of unknown length, a free-format MP3, a
+truncated file) gives None; under a limit such audio is refused before decoding (mtmd.py,
+worker/server/media.py).
 """
 
 from __future__ import annotations
 
+import functools
 import struct
 
 _JPEG_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
@@ -28,6 +31,10 @@ _MP3_KBPS = {
     (False, 1): (0, 32, 48, 56, 64, 80, 96, 112, 128, 144, 160, 176, 192, 224, 256),
 }
 _MP3_RATES = {3: (44100, 48000, 32000), 2: (22050, 24000, 16000), 0: (11025, 12000, 8000)}  # by version bits
+# The most audio a byte of MPEG audio can hold: a free-format MPEG-2.5 layer III frame of 576
+# samples at 8 kHz (72 ms) in its 4-byte header and 9 bytes of side information.
+_DENSEST_S_PER_BYTE = 576 / 8000 / 13
+_TRAILER_BYTES = 128  # an ID3v1 tag
 
 
 def image_size(data: bytes) -> tuple[int, int] | None:
@@ -114,43 +121,48 @@ def _flac_seconds(data: bytes) -> float | None:
 
 
 def _mp3_seconds(data: bytes) -> float | None:
-    i = 0
-    if data.startswith(b"ID3") and len(data) >= 10:
-        size = data[6] << 21 | data[7] << 14 | data[8] << 7 | data[9]
-        i = 10 + size
-    limit = min(len(data) - 4, i + 64 * 1024)  # the first frame is near the start
-    while i < limit and not (data[i] == 0xFF and data[i + 1] & 0xE0 == 0xE0):
-        i += 1
-    if i >= limit:
+    """The frames' own length, walked header to header: each frame's header states its size and
+    its samples (a first frame's bit rate or a Xing count would be only a claim about the rest:
+    a 320 kbps first frame before 19 MiB of 8 kbps ones reads as minutes and decodes to hours).
+    Bytes between frames (junk, a tag, frames whose size is not stated: free format) count at
+    the densest any decoder could find there (`_DENSEST_S_PER_BYTE`), so the sum bounds what
+    a decoder gets from the file. None: not one frame states its size (a free-format file)."""
+    i, n = 0, len(data)
+    if data.startswith(b"ID3") and n >= 10:
+        i = 10 + (data[6] << 21 | data[7] << 14 | data[8] << 7 | data[9])
+    seconds, skipped, found = 0.0, 0, False
+    while i + 4 <= n:
+        shape = _frame_shape(data[i + 1], data[i + 2]) if data[i] == 0xFF else None
+        if shape is None:  # not a frame here: skip to the next sync byte
+            j = data.find(b"\xff", i + 1)
+            j = n if j < 0 else j
+            skipped += j - i
+            i = j
+            continue
+        size, pad, frame_s = shape
+        i += size + (pad if data[i + 2] & 2 else 0)
+        seconds += frame_s
+        found = True
+    if not found:
         return None
-    b1, b2 = data[i + 1], data[i + 2]
-    version, layer_bits = (b1 >> 3) & 3, (b1 >> 1) & 3
-    if version == 1 or layer_bits == 0:
+    if skipped > _TRAILER_BYTES:  # an ID3v1 tag (128 bytes) at the end is no audio
+        seconds += skipped * _DENSEST_S_PER_BYTE
+    return seconds
+
+
+@functools.cache
+def _frame_shape(b1: int, b2: int) -> tuple[int, int, float] | None:
+    """(bytes without padding, padding bytes, seconds) of an MPEG audio frame from its header's
+    second and third bytes; None where they are not a frame header that states its size (a
+    reserved value, or bitrate index 0: free format)."""
+    version, layer_bits, index, rate_index = (b1 >> 3) & 3, (b1 >> 1) & 3, b2 >> 4, (b2 >> 2) & 3
+    if b1 & 0xE0 != 0xE0 or version == 1 or layer_bits == 0 or index in (0, 15) or rate_index == 3:
         return None
     layer = 4 - layer_bits  # 1, 2 or 3
     is_v1 = version == 3
-    kbps = _MP3_KBPS[(is_v1, layer)][(b2 >> 4) & 0xF] if (b2 >> 4) & 0xF != 0xF else 0
-    rate_index = (b2 >> 2) & 3
-    if rate_index == 3:
-        return None
+    bps = _MP3_KBPS[(is_v1, layer)][index] * 1000
     rate = _MP3_RATES[version][rate_index]
-    per_frame = 384 if layer == 1 else 1152 if is_v1 or layer == 2 else 576
-    frames = _vbr_frames(data, i)
-    if frames:
-        return frames * per_frame / rate
-    if kbps == 0:
-        return None
-    return (len(data) - i) * 8 / (kbps * 1000)
-
-
-def _vbr_frames(data: bytes, frame: int) -> int | None:
-    """The frame count of a Xing/Info or VBRI header in the first frame, if there is one."""
-    window = data[frame : frame + 200]
-    for tag in (b"Xing", b"Info"):
-        at = window.find(tag)
-        if at >= 0 and len(window) >= at + 12 and window[at + 7] & 1:
-            return int(struct.unpack_from(">I", window, at + 8)[0])
-    at = window.find(b"VBRI")
-    if at >= 0 and len(window) >= at + 18:
-        return int(struct.unpack_from(">I", window, at + 14)[0])
-    return None
+    if layer == 1:
+        return 12 * bps // rate * 4, 4, 384 / rate
+    per_frame = 1152 if is_v1 or layer == 2 else 576
+    return per_frame // 8 * bps // rate, 1, per_frame / rate
