@@ -36,6 +36,29 @@ export const loadModel = (model) => call("POST", "/models/load", { model });
 export const unloadModel = (model) => call("POST", "/models/unload", { model });
 export const sleepModel = (model) => call("POST", "/models/sleep", { model });
 
+// POST /models/pull: yields each NDJSON line (progress, then success); an error before any byte
+// moved is thrown with the router's message (a 404 lists the repo's tags).
+export async function* pullModel(model, signal) {
+  const resp = await fetch("/models/pull", { method: "POST", signal,
+    headers: headers({ "content-type": "application/json" }), body: JSON.stringify({ model }) });
+  if (resp.status === 401) throw new AuthError(await errorOf(resp));
+  if (!resp.ok) throw new Error(await errorOf(resp));
+  const reader = resp.body.getReader();
+  const dec = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buf += dec.decode(value, { stream: true });
+    let nl;
+    while ((nl = buf.indexOf("\n")) >= 0) {
+      const line = buf.slice(0, nl).trim();
+      buf = buf.slice(nl + 1);
+      if (line) yield JSON.parse(line);
+    }
+  }
+}
+
 // Yields {event, data} for each SSE message of a streaming response.
 async function* sseMessages(resp) {
   const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();

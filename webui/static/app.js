@@ -69,7 +69,7 @@ matchMedia("(prefers-color-scheme: dark)").addEventListener("change", applyTheme
 
 // ------------------------------------------------------------------ models
 
-const GROUPS = [["Loaded", ["loaded"]], ["Sleeping", ["sleeping"]], ["Loading", ["loading", "stopping"]],
+const GROUPS = [["Loaded", ["loaded"]], ["Sleeping", ["sleeping"]], ["Loading", ["downloading", "loading", "stopping"]],
                 ["Available", ["unloaded"]], ["Failed", ["failed"]]];
 const stateOf = (card) => card?.status?.value || "unloaded";
 
@@ -135,6 +135,7 @@ function statusBadge(card) {
 
 function progressBar(card) {
   const p = card.status?.progress;
+  if (stateOf(card) === "downloading") return bytesBar(p?.bytes_done || 0, p?.bytes_total || 0, "downloading");
   if (stateOf(card) !== "loading") return null;
   const frac = typeof p?.fraction === "number" ? Math.max(0, Math.min(1, p.fraction)) : null;
   const bar = h("div", { class: "progress", role: "progressbar", "aria-valuemin": "0", "aria-valuemax": "100",
@@ -252,6 +253,43 @@ function renderModelsPage() {
     h("div", { class: "table-wrap" }, h("table", { class: "models" },
       h("thead", {}, h("tr", {}, ...["Model", "State", "Backend", "Aliases", "Memory", "In flight", ""].map((t) => h("th", { text: t })))),
       h("tbody", {}, ...rows))), ...failed);
+}
+
+// ------------------------------------------------------------------ pulling a model (POST /models/pull)
+
+function bytesBar(done, total, label) {
+  const frac = total ? Math.max(0, Math.min(1, done / total)) : null;
+  const bar = h("div", { class: "progress", role: "progressbar", "aria-valuemin": "0", "aria-valuemax": "100",
+                          "aria-valuenow": frac === null ? undefined : String(Math.round(frac * 100)) },
+                h("div", { class: frac === null ? "fill indeterminate" : "fill" }));
+  if (frac !== null) bar.firstChild.style.width = `${(frac * 100).toFixed(0)}%`;
+  const text = total ? `${label} ${fmtBytes(done)} / ${fmtBytes(total)}` : label;
+  return h("div", { class: "progress-wrap" }, bar, h("span", { class: "muted small", text }));
+}
+
+async function pullRepo(ev) {
+  ev.preventDefault();
+  const repo = $("#pull-repo").value.trim();
+  const out = $("#pull-progress");
+  if (!repo) return;
+  $("#pull-button").disabled = true;
+  out.replaceChildren(bytesBar(0, 0, `pulling ${repo}`));
+  try {
+    for await (const line of api.pullModel(repo)) {
+      if (line.error) throw new Error(line.error.message);
+      if (line.status === "downloading") out.replaceChildren(bytesBar(line.bytes_done, line.bytes_total, `pulling ${repo}`));
+      if (line.status === "success") {
+        out.replaceChildren(h("span", { class: "muted small pull-done",
+          text: `${line.model}: ${fmtBytes(line.bytes)} in the hub cache${line.served_as ? `, served as ${line.served_as}` : ""}` }));
+        await refreshModels();
+      }
+    }
+  } catch (e) {
+    out.replaceChildren(h("span", { class: "error pull-error", text: e.message }));
+    if (e instanceof api.AuthError) handleError(e);
+  } finally {
+    $("#pull-button").disabled = false;
+  }
 }
 
 // ------------------------------------------------------------------ conversations
@@ -793,6 +831,7 @@ function wire() {
   });
   $("#open-settings").addEventListener("click", openSettings);
   $("#settings-form").addEventListener("submit", saveSettings);
+  $("#pull-form").addEventListener("submit", pullRepo);
   $("#apikey-form").addEventListener("submit", () => {
     api.setApiKey($("#apikey-form").elements.key.value.trim());
     start();
