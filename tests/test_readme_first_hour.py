@@ -119,3 +119,49 @@ def test_the_first_hour_commands_get_a_chat_answer(tmp_path: Path) -> None:
     )
     banner = log_path.read_text()
     assert "omni-router: 1 model" in banner and f"web UI: http://127.0.0.1:{port}/" in banner
+
+
+def first_pull_commands() -> list[str]:
+    text = README.read_text()
+    section = text[text.index("<!-- BEGIN first-pull"):text.index("<!-- END first-pull -->")]
+    block = re.search(r"```sh\n(.*?)```", section, re.S)
+    assert block is not None, "no ```sh block in the README's first-pull section"
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+@pytest.mark.skipif(not TINY.exists(), reason="tiny models not generated (make models)")
+def test_the_first_pull_commands_pull_then_serve(tmp_path: Path) -> None:
+    """The README's "no GGUF at hand?" block, run as written but against a stand-in hub
+    (worker/testing/stand_in_hub.py, HF_ENDPOINT) that serves the tiny model under the repo's
+    name, into a temporary hub cache; the router started with no arguments serves the pull."""
+    from worker.testing.stand_in_hub import StandInHub
+
+    pull_cmd, serve_cmd = first_pull_commands()
+    pull_args, serve_args = shlex.split(pull_cmd), shlex.split(serve_cmd)
+    assert pull_args[:2] == [".venv/bin/omni-router", "pull"] and serve_args == [".venv/bin/omni-router"]
+    ref = pull_args[2]
+    repo, _, tag = ref.partition(":")
+    port = free_port()
+    with StandInHub() as hub:
+        hub.add_repo(repo, {f"{repo.split('/')[1].removesuffix('-GGUF')}-{tag}.gguf": TINY})
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_ENDPOINT": hub.url,
+               "HF_HUB_CACHE": str(tmp_path / "hub")}
+        pulled = subprocess.run([sys.executable, "-m", "router.cli", *pull_args[1:]], env=env, cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        assert pulled.returncode == 0 and pulled.stdout.startswith(f"{ref}: "), pulled.stderr
+        log_path = tmp_path / "router.log"
+        with log_path.open("wb") as log:
+            argv = [sys.executable, "-m", "router.cli", "--port", str(port),
+                    "--data-dir", str(tmp_path / "state")]
+            router = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      start_new_session=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            wait_healthy(router, base, 60, lambda: log_path.read_text()[-3000:])
+            import httpx
+
+            r = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+                "model": ref, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            assert r.status_code == 200, r.text
+        finally:
+            stop_process(router)
