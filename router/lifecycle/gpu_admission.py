@@ -235,7 +235,7 @@ class GpuAdmission:
                 holders = [h for h in self.slots.holders if h is not occupant]
                 occupancies = [h.occupancy() for h in holders]
                 devices = book.devices(inv, ours, {o.name for o in occupancies if o.is_up})
-                residents = book.residents(occupancies)
+                residents = book.residents(occupancies, asking=name)
                 oom = self.gpus.ooms.get(name)
                 if oom is not None:
                     if oom.count >= 2:
@@ -248,8 +248,8 @@ class GpuAdmission:
                     decision: Place | Evict | Wait | NoRoom = (
                         Evict(victims, oom.devices) if victims else place(devices, residents,
                                                                           replace(ask, devices=oom.devices)))
-                else:
-                    decision = place(devices, residents, ask)
+                else:  # (in a thread: on 8 GPUs the eviction search takes tens of ms)
+                    decision = await asyncio.to_thread(place, devices, residents, ask)
                 match decision:
                     case Place():
                         book.book(name, decision)

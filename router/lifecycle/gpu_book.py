@@ -102,12 +102,19 @@ class DeviceBook:
                               self.reserve.of(g.total_bytes), self.budget - mine if self.budget else None))
         return out
 
-    def residents(self, occupancies: Iterable[Occupancy]) -> list[Resident]:
+    def residents(self, occupancies: Iterable[Occupancy], asking: str = "") -> list[Resident]:
+        """Our models on the devices as the policy sees them; `asking` (the model being placed) left
+        out. A booked model without a slot yet (placed, waiting for `--models-max`) is loading."""
         out = []
+        seen = {asking}
         for o in occupancies:
+            seen.add(o.name)
             shares = tuple(sorted(self.charge(o.name, o.is_up).items()))
             if shares:
                 # busy: serving, loading or stopping: its room comes back later (a pinned one's never)
                 out.append(Resident(o.name, shares, is_evictable(o), not o.is_pinned and not is_evictable(o),
                                     o.last_used))
+        for name in self.placed:
+            if name not in seen:
+                out.append(Resident(name, tuple(sorted(self.charge(name, False).items())), False, True))
         return out

@@ -183,6 +183,8 @@ def _eviction(rooms: dict[int, int], candidates: Sequence[Resident], ask: Ask) -
         for chosen in itertools.combinations(sorted(rooms), k):
             on_them = sorted((r for r in candidates if any(r.on(i) for i in chosen)),
                              key=lambda r: (r.last_used, r.name))
+            if not on_them or _split(chosen, _freed(rooms, on_them), ask) is None:
+                continue  # not even all of them would make room here
             after = dict(rooms)
             for n, victim in enumerate(on_them, 1):
                 for i, b in victim.shares:
@@ -196,6 +198,15 @@ def _eviction(rooms: dict[int, int], candidates: Sequence[Resident], ask: Ask) -
         if best is not None:
             return best[1]
     return None
+
+
+def _freed(rooms: dict[int, int], victims: Sequence[Resident]) -> dict[int, int]:
+    after = dict(rooms)
+    for victim in victims:
+        for i, b in victim.shares:
+            if i in after:
+                after[i] += b
+    return after
 
 
 def _partial(rooms: dict[int, int], ask: Ask) -> Place | None:

@@ -160,6 +160,9 @@ def test_residents_are_the_booked_models_with_what_they_hold() -> None:
     residents = book.residents(occupancies)
     assert residents == [Resident("a", ((0, 3 * G), (1, 2 * G)), True, False, 5.0),
                          Resident("c", ((1, G),), False, True, 1.0)]
+    book.book("queued", Place((0,), (G,)))  # placed, waiting for a slot: loading, so busy
+    assert book.residents(occupancies, asking="c")[-1] == Resident("queued", ((0, G),), False, True)
+    assert [r.name for r in book.residents(occupancies, asking="queued")] == ["a", "c"]
     book.forget("a")
     assert book.charge("a", True) == {}
 
