@@ -109,13 +109,18 @@ def test_an_adapter_deleted_while_asleep_fails_the_wake_whole_and_the_worker_liv
     worker died of a segfault (exit 139). The failed wake had left a context (so the backend no
     longer counted as asleep) and a NULL adapter, which the next decode gave to llama.cpp. Now a
     wake is all or nothing: each try is a clear error, the model stays asleep, the worker lives,
-    and it wakes once the file is back."""
-    lora = tmp_path / "a.gguf"
+    and it wakes once the file is back, or once the adapter is unloaded (--lora-runtime)."""
+    lora, runtime = tmp_path / "a.gguf", tmp_path / "b.gguf"
     shutil.copyfile(A.gguf, lora)
-    with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora", str(lora)) as base:
-        adapted = text(base)
+    shutil.copyfile(B.gguf, runtime)
+    with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora", str(lora), "--lora-runtime",
+                    "--lora-allowed-path", str(tmp_path)) as base:
+        adapted = text(base, [{"id": 0, "scale": 1.0}])
+        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "b.gguf"})
+        assert r.status_code == 200 and r.json()["id"] == 1, r.text
         assert httpx.post(f"{base}/sleep", timeout=60).status_code == 200
         lora.unlink()
+        runtime.unlink()
         for _ in range(2):
             r = httpx.post(f"{base}/wake", timeout=60)
             assert r.status_code == 500 and str(lora) in r.text, r.text
@@ -126,8 +131,12 @@ def test_an_adapter_deleted_while_asleep_fails_the_wake_whole_and_the_worker_liv
         message = r.json()["error"]["message"]
         assert "could not wake" in message and str(lora) in message
         assert httpx.get(f"{base}/health", timeout=10).json() == {"status": "ok", "is_sleeping": True}
-        shutil.copyfile(A.gguf, lora)
-        assert text(base) == adapted
+        shutil.copyfile(A.gguf, lora)  # the first is back; the second is not
+        r = httpx.post(f"{base}/wake", timeout=60)
+        assert r.status_code == 500 and "LoRA adapter 1" in r.text and str(runtime) in r.text, r.text
+        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)  # while asleep
+        assert r.status_code == 200, r.text
+        assert text(base) == text(base, [{"id": 0, "scale": 1.0}]) == adapted
 
 
 def test_adapters_loaded_at_run_time_and_reached_by_model_name(

@@ -972,8 +972,9 @@ class LlamaCppBackend:
                     if not ptr:
                         raise RuntimeError(
                             f"LoRA adapter {i} ({path}) could not be loaded again at wake: its file "
-                            "changed or went away while the model slept. The model stays asleep; put "
-                            "the file back, or unload the adapter (POST /v1/unload_lora_adapter)")
+                            "changed or went away while the model slept. The model stays asleep: put "
+                            "the file back (or, with --lora-runtime, unload the adapter: POST "
+                            "/v1/unload_lora_adapter)")
                     self._lora_ptrs[i] = ptr
         except BaseException:
             self.sleep()  # frees the context, the weights and the adapters loaded so far

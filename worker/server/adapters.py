@@ -104,6 +104,8 @@ async def load_adapter(request: Request) -> Response:
                                                                                  req.lora_name)))
     except LoraError as e:
         raise APIError(str(e), param="lora_path") from None
+    except RuntimeError as e:  # a sleeping model wakes first, and that failed (another adapter's file)
+        raise APIError(f"the model could not wake: {e}", status_code=500, type="server_error") from None
     return JSONResponse(describe(adapter))
 
 
