@@ -152,7 +152,12 @@ def _common(req: _Generation, model: str) -> dict[str, Any]:
 
 
 def chat_body(req: OllamaChatRequest, model: str) -> dict[str, Any]:
-    body = {**_common(req, model), "messages": chat_messages(req.messages)}
+    messages = chat_messages(req.messages)
+    if req.system is not None:
+        messages.insert(0, {"role": "system", "content": req.system})
+    body = {**_common(req, model), "messages": messages}
+    if req.num_predict is not None and req.num_predict >= 0 and "max_tokens" not in body:
+        body["max_tokens"] = req.num_predict
     if req.tools:
         body["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     return body

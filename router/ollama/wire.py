@@ -93,6 +93,11 @@ class _Generation(StrictModel):
 class OllamaChatRequest(_Generation):
     messages: list[OllamaMessage] = Field(default_factory=list)
     tools: list[OllamaTool] | None = None
+    # Not Ollama's chat fields, but Open WebUI's converter (convert_payload_openai_to_ollama) puts
+    # them at the root: its tasks' max_tokens as `num_predict`, an options `system` as `system`.
+    # Honoured as it means them (Ollama's server drops them without a word).
+    num_predict: int | None = Field(default=None, ge=-2)  # the output limit; options.num_predict wins
+    system: str | None = None  # a system message before the others
 
 
 class OllamaGenerateRequest(_Generation):

@@ -140,6 +140,15 @@ def test_format_is_response_format(fmt: Any, expected: dict[str, Any]) -> None:
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
+def test_open_webuis_root_num_predict_and_system_on_chat() -> None:
+    req = parse_model(OllamaChatRequest, {"model": "m", "num_predict": 7, "system": "S",
+                                          "messages": [{"role": "user", "content": "u"}]})
+    body = chat_body(req, "m")
+    assert body["max_tokens"] == 7 and body["messages"][0] == {"role": "system", "content": "S"}
+    req = parse_model(OllamaChatRequest, {"model": "m", "num_predict": 7, "options": {"num_predict": 3}})
+    assert chat_body(req, "m")["max_tokens"] == 3  # the option wins
+
+
 def test_generate_goes_to_chat_completions_or_infill() -> None:
     path, body = generate_body(OllamaGenerateRequest(model="m", prompt="p", system="s", think=True), "m")
     assert path == "/v1/chat/completions" and body["reasoning_effort"] == "medium"
