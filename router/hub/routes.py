@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -47,11 +46,10 @@ class PullRequest(StrictModel):
     stream: bool = True
 
 
-class OllamaPullRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OllamaPullRequest(StrictModel):
     model: str | None = None
     name: str | None = None  # older clients
-    insecure: bool = False  # (no registry of ours to be insecure with: accepted, changes nothing)
+    insecure: bool = False  # inert (strict.INERT): no registry of ours to be insecure with
     stream: bool = True
 
 

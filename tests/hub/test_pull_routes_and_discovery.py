@@ -100,6 +100,10 @@ def test_pull_while_serving_and_discovered_stores(router_factory: Callable[..., 
         assert missing.status_code == 404 and "tags: F16, Q4_K_M, Q8_0" in missing.json()["error"]
         library = c.post("/api/pull", json={"model": "llama3.2", "stream": False})
         assert library.status_code == 404 and "hf.co/ORG/REPO" in library.json()["error"]
+        named = c.post("/api/pull", json={"name": "llama3.2", "stream": False})  # older clients' field
+        assert named.status_code == 404 and "llama3.2" in named.json()["error"]
+        no_file = c.post("/models/pull", json={"model": GGUF_REPO, "hf_file": "nope.gguf", "stream": False})
+        assert no_file.status_code == 404 and "nope.gguf" in no_file.text
 
 
 def test_the_ollama_sdk_pulls(router_factory: Callable[..., RouterProc], model_hub: StandInHub,

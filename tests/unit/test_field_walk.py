@@ -30,7 +30,7 @@ DOC = ROOT / "docs" / "compatibility.md"
 REQUEST_MODULES = ("worker.protocol.wire", "worker.protocol.profile_log", "worker.server.embeddings",
                    "router.responses.wire", "router.anthropic.wire", "router.http.admin",
                    "worker.server.slot_actions", "worker.protocol.speech", "router.speech.wire",
-                   "router.ollama.wire")
+                   "router.ollama.wire", "router.hub.routes")
 # pydantic models that are not request bodies (or only wrap StrictModel items)
 NOT_REQUEST_MODELS = {"StrictModel", "OpenAIBaseModel", "_Items"}
 # honoured, and no test can show it on the models the suite has (say why in the doc's row)

@@ -150,6 +150,8 @@ INERT: dict[str, str] = {
                                 "send it back)",
     "OllamaToolCall.index": "a call's place is its place in `tool_calls` (Open WebUI writes it; clients "
                             "send it back)",
+    "OllamaPullRequest.insecure": "there is no registry of ours to be insecure with: pulls come from the hub "
+                                  "over HTTPS",
     "OllamaEmbeddingsRequest.input": "Open WebUI sends the same text as `prompt` too; this older route "
                                      "embeds `prompt` (POST /api/embed takes `input`)",
 }
