@@ -18,6 +18,7 @@ from typer._click.exceptions import ClickException  # typer vendors its own clic
 
 from router.banner import banner
 from router.discovery import Discovery
+from router.keys.keyfile import KeyFileError
 from router.presets import ModelPreset, PresetError, check_unique, load_presets, merge, scan_models_dir
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ Other commands:
                                   summary of a profiling run (--help)
   omni-router pull REPO[:TAG]     a model from a Hugging Face hub into its
                                   cache; a preset's hf-repo serves it (--help)
+  omni-router keys add NAME       add a key to a keys file (--keys FILE;
+                                  --help)
 \b
 Presets take any omni-worker flag by its long name (temp = 0.7) and the
 router's own keys (ttl, unload-after, load-timeout, stop-timeout, pin,
@@ -151,7 +154,10 @@ def serve(
         min=0, help="client connections held at once, past it a 503 (0: from the open-files limit, "
         "docs/reliability.md)",
     )] = 0,
-    api_key: Annotated[list[str], typer.Option(help="required bearer key (repeatable)")] = [],  # noqa: B006  # typer copies it, never mutated
+    api_key: Annotated[list[str], typer.Option(help="required bearer key (repeatable): an admin key")] = [],  # noqa: B006  # typer copies it, never mutated
+    keys: Annotated[Path | None, typer.Option(
+        "--keys", metavar="FILE", help="keys file (TOML): roles, models, limits per key; reloaded with the "
+        "presets (`omni-router keys add --help`, docs/keys.md)")] = None,
     cors_origin: Annotated[list[str], typer.Option(help="allowed CORS origin (repeatable, * for any)")] = [],  # noqa: B006  # typer copies it, never mutated
     ctx_size: Annotated[int | None, typer.Option("--ctx-size", "-c", help="override for every model")] = None,
     parallel: Annotated[
@@ -228,7 +234,10 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.INFO)  # --log-level debug: not a line per /health poll
-    for line in banner(presets, host, port, has_api_key=bool(api_key), log_level=log_level.lower(),
+    from router.keys.keyfile import load_keyring
+
+    keyring = load_keyring(keys, api_key)  # a bad file: KeyFileError, one line and exit 2
+    for line in banner(presets, host, port, has_api_key=keyring.is_enabled, log_level=log_level.lower(),
                        gpus=gpus.inventory.gpus if gpus is not None else (), gpu_reserve=gpu_reserve):
         logging.getLogger("omni.router").info("%s", line)
     soft, new_soft, hard = raise_open_files_limit()
@@ -265,7 +274,8 @@ def serve(
         build_presets(preset, models_dir, overrides, has_ray=has_ray, discovery=discovery), state_dir),
         placement=where)
     app = RouterApp(
-        pool, api_keys=api_key, cors_origins=cors_origin, responses=responses, max_body_size=max_body_size
+        pool, api_keys=api_key, cors_origins=cors_origin, responses=responses, max_body_size=max_body_size,
+        keys_file=keys,
     )
     uvicorn.run(app, host=host, port=port, loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"),
                 log_level=log_level.lower(), access_log=False, timeout_keep_alive=75, lifespan="on",
@@ -365,6 +375,11 @@ def main(argv: list[str] | None = None) -> None:
 
         command = typer.main.get_command(pull_cli)
         args, prog = args[1:], "omni-router pull"
+    elif args[:1] == ["keys"]:  # `omni-router keys add NAME ...` (router.keys.cli)
+        from router.keys.cli import keys_cli
+
+        command = typer.main.get_command(keys_cli)
+        args, prog = args[1:], "omni-router keys"
     else:
         command = typer.main.get_command(cli)
     try:
@@ -378,7 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     except ClickException as e:
         print(f"omni-router: error: {e.format_message()}", file=sys.stderr)
         sys.exit(2)
-    except PresetError as e:
+    except (PresetError, KeyFileError) as e:
         print(f"omni-router: error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from router.http.forwarding import Forwarder
 from router.http.openapi import openapi_document
+from router.keys import views
 from router.lifecycle.model import ModelHandle
 from router.lifecycle.pool import Pool
 from router.observability.metrics import RouterMetrics
@@ -38,8 +39,10 @@ class ModelRef(StrictModel):
 
 class AdminRoutes:
     def __init__(self, pool: Pool, forwarder: Forwarder, metrics: RouterMetrics,
-                 route_table: Callable[[], list[tuple[str, str]]]) -> None:
+                 route_table: Callable[[], list[tuple[str, str]]],
+                 reload_keys: Callable[[], Awaitable[Callable[[], None]]] | None = None) -> None:
         self.pool = pool
+        self._reload_keys = reload_keys  # parses the keys file, returns what swaps it in (router.keys.book)
         self._forwarder = forwarder
         self._metrics = metrics
         self._route_table = route_table
@@ -69,7 +72,8 @@ class AdminRoutes:
     async def dynamo_list_models(self, request: Request) -> Response:
         """Dynamo's list of models by endpoint: a generation model serves both; an embedding
         model or reranker neither (it is listed in /v1/models)."""
-        names = [h.name for h in self.pool.handles.values() if not (h.preset.embedding or h.preset.reranking)]
+        names = [h.name for h in views.visible(self.pool.handles.values())
+                 if not (h.preset.embedding or h.preset.reranking)]
         return JSONResponse({"chat_completion_models": names, "completion_models": names})
 
     async def tools(self, request: Request) -> Response:
@@ -80,20 +84,25 @@ class AdminRoutes:
     async def list_models(self, request: Request) -> Response:
         if request.query_params.get("reload", "").lower() in ("1", "true", "yes", "on"):
             await self.reload()  # llama.cpp's `GET /models?reload=1`
-        return JSONResponse({"object": "list", "data": self.pool.models()})
+        return JSONResponse({"object": "list", "data": views.cards(self.pool)})
 
     async def reload_models(self, request: Request) -> Response:
         return JSONResponse({"success": True, **await self.reload()})
 
     async def reload(self) -> dict[str, list[str]]:
-        """Re-read the presets; a broken file changes nothing and is a 400 that says why."""
+        """Re-read the presets and the keys file; a broken file changes nothing and is a 400 that
+        says why. Running requests keep their key (and their stream)."""
+        install_keys = await self._reload_keys() if self._reload_keys is not None else None
         try:
-            return await self.pool.reload()
+            changes = await self.pool.reload()
         except PresetError as e:
             log.error("preset reload rejected, running config unchanged: %s", e)
             raise APIError(
                 f"preset reload rejected, running config unchanged: {e}", code="invalid_preset"
             ) from None
+        if install_keys is not None:
+            install_keys()
+        return changes
 
     def reload_in_background(self) -> None:
         """SIGHUP: reload; errors are logged (by `reload`)."""
@@ -113,7 +122,7 @@ class AdminRoutes:
         handle = self.pool.get(name)
         if handle is None:
             raise not_found(f"model {name!r} not found")
-        return JSONResponse(handle.card())
+        return JSONResponse(views.card(handle))
 
     async def _handle_from_body(self, request: Request) -> ModelHandle:
         body = await request.body()
@@ -149,22 +158,34 @@ class AdminRoutes:
 
         async def stream() -> AsyncIterator[bytes]:
             async with events.subscribe(frozenset({"status_change"})) as queue:
-                for h in self.pool.handles.values():
-                    yield _sse("model_status", {"model": h.name, "status": h.status()})
+                for h in views.visible(self.pool.handles.values()):
+                    yield _sse("model_status", {"model": h.name, "status": views.shown_status(h.status())})
                 while True:
                     try:
                         event, data = await asyncio.wait_for(queue.get(), SSE_KEEPALIVE_S)
                     except TimeoutError:
                         yield b": keep-alive\n\n"
                         continue
-                    yield _sse(event, data)
+                    shown = self._shown_event(data)
+                    if shown is not None:
+                        yield _sse(event, shown)
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
 
+    def _shown_event(self, data: dict[str, Any]) -> dict[str, Any] | None:
+        """A status event as the request's key may see it (None: not one of its models)."""
+        handle = self.pool.handles.get(str(data.get("model")))
+        if handle is not None and not views.is_visible(handle):
+            return None
+        if isinstance(data.get("status"), dict):
+            return {**data, "status": views.shown_status(data["status"])}
+        return data
+
     async def openapi(self, request: Request) -> Response:
         """An OpenAPI 3.1 document of every route (router.http.openapi), built from the route table."""
-        return JSONResponse(openapi_document(self._route_table(), list(self.pool.handles)))
+        return JSONResponse(openapi_document(self._route_table(),
+                                             [h.name for h in views.visible(self.pool.handles.values())]))
 
     async def metrics_text(self, request: Request) -> Response:
         """Prometheus text: the router's series and every running worker's (router.observability.metrics)."""
@@ -174,7 +195,7 @@ class AdminRoutes:
         return JSONResponse({
             "role": "router",
             "build_info": "omni-router",
-            "models": [h.card() for h in self.pool.handles.values()],
+            "models": views.cards(self.pool),
             "models_max": self.pool.config.models_max,
             "models_autoload": self.pool.config.autoload,
         })

@@ -3,7 +3,7 @@
     Cors                         worker.protocol.front (the same rules as the worker's)
     AnthropicErrors              router.anthropic.errors: errors on /v1/messages in Anthropic's envelope
     OllamaErrors                 router.ollama.errors: errors on /api/* in Ollama's {"error": "..."}
-    RequireAPIKey                worker.protocol.front
+    KeyGuard                     router.keys.guard: the route table's access, a key's limits
     Front                        router.http.front: body limit, dispatch
       proxied routes             router.http.forwarding (raw ASGI, the hot path)
       web UI files               router.http.webui
@@ -15,7 +15,8 @@
 
 The translated APIs reach a model through `ChatBridge.open_chat` (router.responses.bridge), the
 same admission and request tracing (router.observability.requests) as a proxied request.
-API keys are compared in constant time against every configured key.
+Keys (`--api-key`, `--keys FILE`; router.keys): one middleware and one table of routes; the
+request's key is what `Pool.get` and the model listings consult to show a key only its models.
 """
 
 from __future__ import annotations
@@ -37,19 +38,16 @@ from router.anthropic.errors import AnthropicErrors
 from router.anthropic.routes import MessagesRoutes
 from router.http.admin import AdminRoutes
 from router.http.forwarding import Forwarder
-from router.http.front import (
-    DEFAULT_MAX_BODY_SIZE,
-    PROXY_GET,
-    PROXY_POST,
-    PUBLIC_PATHS,
-    PUBLIC_PREFIXES,
-    Front,
-)
+from router.http.front import DEFAULT_MAX_BODY_SIZE, PROXY_GET, PROXY_POST, Front
 from router.http.unknown_routes import UnknownRoutes
 from router.http.webui import WebUI
 from router.hub.download import Pulled
 from router.hub.pulls import PULLS
 from router.hub.routes import PullRoutes
+from router.keys.book import KeyBook
+from router.keys.guard import KeyGuard
+from router.keys.keyfile import load_keyring
+from router.keys.routes import KeyRoutes
 from router.lifecycle.gpu_admission import GpuPlacement
 from router.lifecycle.pool import Pool
 from router.log_ring import ROUTER_LOG, RingHandler
@@ -67,7 +65,7 @@ from router.responses.service import ResponsesService
 from router.responses.store import Store
 from router.speech.chat import SpokenChat
 from worker.protocol.errors import APIError, api_error_handler, http_exception_handler
-from worker.protocol.front import Cors, RequireAPIKey
+from worker.protocol.front import Cors
 
 __all__ = ["PROXY_GET", "PROXY_POST", "ResponsesConfig", "RouterApp"]
 
@@ -94,13 +92,17 @@ class RouterApp:
         cors_origins: list[str] | None = None,
         responses: ResponsesConfig | None = None,
         max_body_size: int = DEFAULT_MAX_BODY_SIZE,
+        keys_file: Path | None = None,
     ) -> None:
         self.pool = pool
         rc = responses or ResponsesConfig()
         data_dir = rc.data_dir or Path(".")
         self.events = pool.events
         self.profiling = RouterProfiling(self.events, pool.handles, pool.client, data_dir)
-        self.requests = ActiveRequests(self.events, self.profiling)
+        plain_keys = list(api_keys or [])
+        self.keys = KeyBook(load_keyring(keys_file, plain_keys),
+                            source=None if keys_file is None else lambda: load_keyring(keys_file, plain_keys))
+        self.requests = ActiveRequests(self.events, self.profiling, self.keys.record)
         self.forwarder = Forwarder(pool, self.requests)
         self.store = Store(data_dir / "responses.sqlite3", max_entries=rc.max_entries, ttl_s=rc.ttl_s)
         bridge = ChatBridge(pool, self.requests)
@@ -109,12 +111,15 @@ class RouterApp:
         self.metrics = RouterMetrics(self.events, pool.handles, pool.client, self.requests.active.values)
         if isinstance(pool.placement, GpuPlacement):  # per-GPU gauges (router/observability/gpu_metrics.py)
             self.metrics.registry.register(GpuCollector(pool.placement.figures))
+        self.metrics.registry.register(self.keys.usage)  # requests and tokens by key and model
         self.logs = LogRoutes(self._canonical_name)
         self.webui = WebUI()  # the bundled chat page (webui/), if present
-        self.admin_routes = AdminRoutes(pool, self.forwarder, self.metrics, self.route_table)
+        self.admin_routes = AdminRoutes(pool, self.forwarder, self.metrics, self.route_table,
+                                        reload_keys=self.keys.prepare_reload)
         self.admin = Starlette(
             routes=[
                 *self.admin_routes.routes(),
+                *KeyRoutes(self.keys).routes(),
                 *self.logs.routes(),
                 *self.profiling.routes(),
                 *ResponsesRoutes(self.responses, self.forwarder.resolve_model).routes(),
@@ -128,10 +133,7 @@ class RouterApp:
             lifespan=self._lifespan,
         )
         inner: ASGIApp = Front(self.forwarder, self.webui, UnknownRoutes(self.admin), max_body_size)
-        if api_keys:
-            inner = RequireAPIKey(
-                inner, tuple(api_keys), public_paths=PUBLIC_PATHS, public_prefixes=PUBLIC_PREFIXES
-            )
+        inner = KeyGuard(inner, self.keys)  # open when no key is configured
         inner = AnthropicErrors(inner)  # errors on /v1/messages in Anthropic's envelope, the 401 too
         inner = OllamaErrors(inner)  # errors on /api/* as Ollama writes them, the 401 too
         origins = cors_origins or []

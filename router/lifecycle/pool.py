@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import httpx
 
 from router.events import EventBus
+from router.keys.context import can_see
 from router.lifecycle.admission import Admission, Slots
 from router.lifecycle.effects import Effects, WorkerEffects
 from router.lifecycle.estimate import MemoryBook
@@ -116,11 +117,12 @@ class Pool:
 
     def get(self, name: str) -> ModelHandle | None:
         """The model `name` routes to: a name or alias, or "<name>:<adapter>" (a LoRA adapter of
-        that model: the worker resolves the adapter, router/presets.py)."""
+        that model: the worker resolves the adapter, router/presets.py). None too for a model
+        the request's API key may not use (router.keys.context): every API then answers 404."""
         handle = self.by_name.get(name)
         if handle is None and ":" in name:
             handle = self.by_name.get(name.rpartition(":")[0])
-        return handle
+        return _if_visible(handle)
 
     async def start(self) -> None:
         self._slots_task = asyncio.create_task(self.deps.slots.run(), name="slots")
@@ -217,3 +219,10 @@ class Pool:
                 if (devices := self.placement.devices(card["id"])) is not None:
                     card["devices"] = devices  # [{index, uuid, name, vram_bytes}]
         return cards
+
+
+def _if_visible(handle: ModelHandle | None) -> ModelHandle | None:
+    """`handle`, unless the request's API key may not use it (router.keys)."""
+    if handle is None or can_see((handle.name, *handle.preset.aliases)):
+        return handle
+    return None

@@ -48,6 +48,7 @@ class RequestTrace:
     request_id: str
     model: str
     route: str
+    key: str = ""  # the API key's name (router.keys), "" without keys
     t_received: float = field(default_factory=time.time)
     t_queued: float = 0.0  # 0: admitted at once
     state_when_queued: str = ""  # the model's state when it had to wait ("loaded" = waited for a slot)
@@ -107,6 +108,9 @@ class RequestTrace:
             self.completion_tokens = int(m.group(1))
             if (p := _PROMPT.search(body)) is not None:
                 self.prompt_tokens = int(p.group(1))
+            return
+        if b'"usage"' in body and (p := _PROMPT.search(body)) is not None:  # embeddings: no completion
+            self.prompt_tokens = int(p.group(1))
             return
         for m in _PREDICTED_N.finditer(body):
             self._has_timings = True

@@ -11,9 +11,11 @@ every request the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from router.events import EventBus
+from router.keys.context import current_key
 from router.observability.profiling import RouterProfiling
 from router.observability.request_trace import RequestTrace
 
@@ -22,13 +24,16 @@ if TYPE_CHECKING:
 
 
 class ActiveRequests:
-    def __init__(self, events: EventBus, profiling: RouterProfiling) -> None:
+    def __init__(self, events: EventBus, profiling: RouterProfiling,
+                 on_key_end: Callable[[str, str, int | None, int | None], None] | None = None) -> None:
         self._events = events
         self._profiling = profiling
+        self._on_key_end = on_key_end  # a keyed request's usage (router.keys.book.KeyBook.record)
         self.active: dict[int, RequestTrace] = {}
 
     def begin(self, rid: str, handle: ModelHandle, route: str) -> RequestTrace:
-        trace = RequestTrace(rid, handle.name, route)
+        key = current_key()  # the request's API key, if the router has keys (router.keys.context)
+        trace = RequestTrace(rid, handle.name, route, key="" if key is None else key.name)
         self.active[id(trace)] = trace
         return trace
 
@@ -51,4 +56,6 @@ class ActiveRequests:
     def end(self, trace: RequestTrace) -> None:
         del self.active[id(trace)]
         trace.end()
+        if trace.key and self._on_key_end is not None:
+            self._on_key_end(trace.key, trace.model, trace.prompt_tokens, trace.completion_tokens)
         self._events.emit("request", trace.event())

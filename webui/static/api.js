@@ -4,6 +4,7 @@
 const KEY = "omni.apiKey";
 
 export class AuthError extends Error {}
+export class ForbiddenError extends Error {}  // 403: a valid key without the right (a user key's admin action)
 
 export function apiKey() { return localStorage.getItem(KEY) || ""; }
 export function setApiKey(key) { key ? localStorage.setItem(KEY, key) : localStorage.removeItem(KEY); }
@@ -26,6 +27,7 @@ export async function call(method, path, body, signal) {
   if (body) init.body = JSON.stringify(body);
   const resp = await fetch(path, init);
   if (resp.status === 401) throw new AuthError(await errorOf(resp));
+  if (resp.status === 403) throw new ForbiddenError(await errorOf(resp));
   if (!resp.ok) throw new Error(await errorOf(resp));
   return resp.json();
 }

@@ -27,6 +27,7 @@ const TEXT_LIMIT = 512 * 1024;
 
 const S = {
   models: new Map(),   // id -> card from /v1/models (status kept fresh by /models/sse)
+  canManage: true,     // false once the key was refused a load/unload/sleep (403): a user key
   routerProps: null,
   selected: null,      // model id
   modelProps: new Map(), // id -> worker /props (defaults, modalities)
@@ -117,15 +118,24 @@ function selectModel(id, { load = true } = {}) {
   localStorage.setItem(MODEL_KEY, id);
   closeMenu();
   const st = stateOf(S.models.get(id));
-  if (load && (st === "unloaded" || st === "failed")) doModel("load", id);
+  if (load && S.canManage && (st === "unloaded" || st === "failed")) doModel("load", id, { quiet: true });
   fetchModelProps(id);
   renderModels();
 }
 
-async function doModel(action, id) {
+// Keys (router/keys): a user key may chat with its models but not load, unload or sleep them
+// (403). The first 403 hides those buttons; a model picked then loads with the first message.
+async function doModel(action, id, { quiet = false } = {}) {
   try {
     await { load: api.loadModel, unload: api.unloadModel, sleep: api.sleepModel }[action](id);
-  } catch (e) { handleError(e); }
+  } catch (e) {
+    if (e instanceof api.ForbiddenError) {
+      S.canManage = false;
+      renderModels();
+      renderModelsPage();
+      if (!quiet) toast(`${e.message} (this key can chat; models load when a message needs them)`);
+    } else handleError(e);
+  }
 }
 
 function statusBadge(card) {
@@ -161,6 +171,7 @@ function failureLine(st) {
 }
 
 function modelButtons(card, withSleep = false) {
+  if (!S.canManage) return null;  // a user key (see doModel)
   const st = stateOf(card);
   const b = (label, action, cls = "") => h("button", { class: `btn small ${cls}`, type: "button", dataset: { action },
     onclick: (ev) => { ev.stopPropagation(); doModel(action, card.id); } , text: label });
@@ -767,7 +778,7 @@ function saveSettings(ev) {
   S.settings = s;
   localStorage.setItem(SETTINGS_KEY, JSON.stringify(s));
   const key = form.elements.api_key.value.trim();
-  if (key !== api.apiKey()) { api.setApiKey(key); start(); }
+  if (key !== api.apiKey()) { api.setApiKey(key); S.canManage = true; start(); }
   applyTheme();
 }
 
@@ -834,6 +845,7 @@ function wire() {
   $("#pull-form").addEventListener("submit", pullRepo);
   $("#apikey-form").addEventListener("submit", () => {
     api.setApiKey($("#apikey-form").elements.key.value.trim());
+    S.canManage = true;  // a new key: its rights are learned anew
     start();
     refreshConversations();
   });

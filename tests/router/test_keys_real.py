@@ -1,0 +1,198 @@
+"""Keys with limits against a real router and a real tiny-model worker, through the official
+SDKs: a limited key sees only its models, gets 429 past its rate and the SDK's own retry then
+succeeds; 20 streams from a key limited to 4 at once run at most 4 at a time and none is lost;
+the usage counted per key in /metrics is the sum of the usage the answers reported."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from router.keys.keyfile import hash_key
+from tests.router.conftest import RouterProc, fake_model
+from tests.util import ROOT, preset_defaults
+
+GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
+pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
+Factory = Callable[..., RouterProc]
+ADMIN, RATE, ANTH, CONC = "sk-admin", "sk-rate", "sk-anth", "sk-conc"
+KEYS = f"""
+[keys.root]
+sha256 = "{hash_key(ADMIN)}"
+role = "admin"
+
+[keys.rate]
+sha256 = "{hash_key(RATE)}"
+models = ["tiny"]
+rpm = 60
+
+[keys.anth]
+sha256 = "{hash_key(ANTH)}"
+models = ["ti*"]
+rpm = 60
+
+[keys.conc]
+sha256 = "{hash_key(CONC)}"
+models = ["tiny"]
+concurrency = 4
+"""
+PRESET = f"""{preset_defaults(1024)}
+[models.tiny]
+model = "{GGUF}"
+backend = "llama_cpp"
+parallel = 8
+load-on-startup = true
+pin = true
+
+{fake_model("other")}"""
+
+
+@pytest.fixture
+def router(router_factory: Factory, tmp_path: Path) -> Iterator[RouterProc]:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS)
+    r = router_factory(PRESET, "--keys", str(keys))
+    r.headers = {"Authorization": f"Bearer {ADMIN}"}
+    r.wait_status("tiny", "loaded", 60)
+    yield r
+
+
+def drain(r: RouterProc, key: dict[str, str]) -> httpx.Response:
+    """Spend the key's rpm bucket on cheap requests (tokenize) until the router says 429."""
+    with r.client() as c:
+        for _ in range(200):
+            resp = c.post("/tokenize", json={"model": "tiny", "content": "hi"}, headers=key)
+            if resp.status_code == 429:
+                return resp
+            assert resp.status_code == 200, resp.text
+    raise AssertionError("no 429 after 200 requests from a key with rpm = 60")
+
+
+def statuses(log: list[int]) -> httpx.Client:
+    return httpx.Client(event_hooks={"response": [lambda resp: log.append(resp.status_code)]})
+
+
+def test_the_openai_sdk_sees_its_models_gets_429_past_the_rate_and_its_retry_succeeds(
+    router: RouterProc,
+) -> None:
+    plain = openai.OpenAI(base_url=f"{router.base}/v1", api_key=RATE, max_retries=0)
+    assert [m.id for m in plain.models.list()] == ["tiny"]
+    with pytest.raises(openai.NotFoundError):
+        plain.chat.completions.create(
+            model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    resp = drain(router, {"Authorization": f"Bearer {RATE}"})
+    err = resp.json()["error"]
+    assert (
+        err["type"] == "rate_limit_error"
+        and err["code"] == "rate_limit_exceeded"
+        and "'rate'" in err["message"]
+    )
+    assert 1 <= int(resp.headers["retry-after"]) <= 2 and 0 < int(resp.headers["retry-after-ms"]) <= 1000
+    with pytest.raises(openai.RateLimitError):
+        plain.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    seen: list[int] = []
+    retrying = openai.OpenAI(
+        base_url=f"{router.base}/v1", api_key=RATE, max_retries=3, http_client=statuses(seen)
+    )
+    out = retrying.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert seen[0] == 429 and seen[-1] == 200  # refused first, then the SDK's own retry got in
+
+
+def test_the_anthropic_sdk_sees_its_models_gets_429_past_the_rate_and_its_retry_succeeds(
+    router: RouterProc,
+) -> None:
+    plain = anthropic.Anthropic(base_url=router.base, api_key=ANTH, max_retries=0)
+    assert [m.id for m in plain.models.list()] == ["tiny"]
+    msgs: Any = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.NotFoundError):
+        plain.messages.create(model="other", max_tokens=2, messages=msgs)
+    drain(router, {"x-api-key": ANTH})
+    with pytest.raises(anthropic.RateLimitError) as e:
+        plain.messages.create(model="tiny", max_tokens=2, messages=msgs)
+    assert e.value.response.headers["retry-after"] in ("1", "2")
+    seen: list[int] = []
+    retrying = anthropic.Anthropic(
+        base_url=router.base, api_key=ANTH, max_retries=3, http_client=statuses(seen)
+    )
+    out = retrying.messages.create(model="tiny", max_tokens=2, messages=msgs)
+    assert out.stop_reason in ("end_turn", "max_tokens")
+    assert seen[0] == 429 and seen[-1] == 200
+
+
+def key_usage(text: str, key: str) -> dict[str, float]:
+    """omni_router:key_* samples of `key` on model tiny from a /metrics scrape."""
+    out = {}
+    for name in ("requests", "prompt_tokens", "completion_tokens"):
+        m = re.search(rf'^omni_router:key_{name}_total\{{key="{key}",model="tiny"\}} (\S+)$', text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def test_twenty_streams_from_a_key_limited_to_four_run_four_at_a_time_and_usage_adds_up(
+    router: RouterProc,
+) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    results: list[tuple[int, dict[str, Any] | None, bool]] = []
+    lock = threading.Lock()
+    running = threading.Event()
+
+    def one(i: int) -> None:
+        client = openai.OpenAI(base_url=f"{router.base}/v1", api_key=CONC, max_retries=0)
+        stream = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": f"count {i}"}],
+            max_tokens=24,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage, finished = None, False
+        for chunk in stream:
+            running.set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finished = True
+            if chunk.usage is not None:
+                usage = chunk.usage.model_dump()
+        with lock:
+            results.append((i, usage, finished))
+
+    peak = 0
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    with httpx.Client(base_url=router.base, headers=admin, timeout=10) as c:
+        assert running.wait(60)
+        while any(t.is_alive() for t in threads):
+            m = re.search(
+                r'^omni_router:requests_in_flight\{model="tiny"\} (\S+)$', c.get("/metrics").text, re.M
+            )
+            usage = {u["key"]: u for u in c.get("/keys/usage").json()["data"]}["conc"]
+            peak = max(peak, int(float(m.group(1))) if m else 0, usage["active"])
+            assert usage["active"] <= 4 and (m is None or float(m.group(1)) <= 4)
+        for t in threads:
+            t.join(60)
+        assert len(results) == 20 and all(u is not None and done for _, u, done in results)  # none lost
+        assert peak == 4  # they did overlap, four at a time
+        want = {
+            "requests": 20.0,
+            "prompt_tokens": float(sum(u["prompt_tokens"] for _, u, _ in results if u)),
+            "completion_tokens": float(sum(u["completion_tokens"] for _, u, _ in results if u)),
+        }
+        assert key_usage(c.get("/metrics").text, "conc") == want
+        as_json = {u["key"]: u for u in c.get("/keys/usage").json()["data"]}["conc"]
+        assert as_json["models"]["tiny"] == {k: int(v) for k, v in want.items()}
+        assert json.dumps(as_json["limits"]) == json.dumps({"rpm": None, "tpm": None, "concurrency": 4})
