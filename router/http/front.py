@@ -1,8 +1,8 @@
 """The router's raw ASGI front: the body-size limit, then dispatch. Proxied routes go to
 router.http.forwarding without touching Starlette (the hot path); the web UI's files to
 router.http.webui; everything else to the Starlette app of the router's own routes
-(router.http.admin). The API key and CORS layers around it are the worker's own
-(worker.protocol.front), so both servers apply the same rules.
+(router.http.admin). Around it: the keys' middleware (router.keys.guard, with the route table
+of who may call what) and CORS, the worker's own (worker.protocol.front).
 """
 
 from __future__ import annotations
@@ -54,8 +54,6 @@ PROXY_GET: dict[str, str] = {
     "/lora-adapters": "/lora-adapters",
 }
 _SLOT_ACTION = re.compile(r"^/slots/[^/]+$")  # POST /slots/{id}?action=save|restore|erase&model=
-PUBLIC_PATHS = frozenset({"/health", "/", "/index.html", "/favicon.ico"})
-PUBLIC_PREFIXES = ("/static/", "/webui/", "/assets/")
 DEFAULT_MAX_BODY_SIZE = 100 * 1024 * 1024  # bytes; an audio upload is the largest body we expect
 
 

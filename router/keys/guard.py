@@ -63,8 +63,8 @@ class KeyGuard:
                 send,
                 401,
                 "authentication_error",
-                "invalid_api_key",
-                "Invalid API Key: send it as `Authorization: Bearer KEY`",
+                401,  # llama-server's code
+                "Invalid API Key",  # llama-server's words, which clients match
             )
             return
         if access is Access.ADMIN and not key.is_admin:
@@ -173,7 +173,7 @@ async def _deny(
     send: Send,
     status: int,
     kind: str,
-    code: str,
+    code: str | int,
     message: str,
     retry_after_s: float | None = None,
 ) -> None:

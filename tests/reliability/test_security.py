@@ -17,7 +17,6 @@ import pytest
 
 from router.http import app as app_module
 from router.http.app import PROXY_GET, RouterApp
-from router.http.front import PUBLIC_PATHS
 from router.lifecycle.pool import Pool, PoolConfig
 from router.presets import load_presets
 from tests.router.conftest import RouterProc, chat, fake_model
@@ -99,11 +98,11 @@ def test_every_route_but_health_and_static_files_needs_the_key(
 
 
 def test_keys_are_compared_in_constant_time_against_every_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The router's key check is the worker's (worker.protocol.front), configured with the router's
-    # public paths.
+    # The worker's key check (worker.protocol.front); the router's is router.keys' (compared by
+    # hash against every key: tests/unit/test_keys.py).
     async def app(scope: Any, receive: Any, send: Any) -> None: ...
 
-    guard = front.RequireAPIKey(app, ("k1", "k2", "k3"), public_paths=PUBLIC_PATHS)
+    guard = front.RequireAPIKey(app, ("k1", "k2", "k3"))
     calls: list[tuple[bytes, bytes]] = []
     real = front.hmac.compare_digest
 

@@ -175,3 +175,25 @@ def kill_router_and_expect_no_workers(
         )
 
     wait_until(all_gone, timeout, what="workers to exit with their router")
+
+
+@contextlib.contextmanager
+def running_router(
+    tmp: Path, preset: str, *args: str, headers: dict[str, str] | None = None
+) -> Iterator[RouterProc]:
+    """A router on `preset` for a module-scoped fixture (router_factory is per test): healthy on
+    entry, stopped on exit. `headers`: what RouterProc's helpers send (an admin key)."""
+    (tmp / "preset.toml").write_text(preset)
+    log_path = tmp / "router.log"
+    port = free_port()
+    with log_path.open("wb") as log:
+        cmd = [PY, "-m", "router.cli", "--preset", str(tmp / "preset.toml"), "--port", str(port), *args]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "XDG_STATE_HOME": str(tmp / "state")}
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    r = RouterProc(proc, f"http://127.0.0.1:{port}", log_path, headers or {})
+    try:
+        wait_healthy(proc, r.base, 30, lambda: r.log()[-3000:])
+        yield r
+    finally:
+        stop_process(proc)

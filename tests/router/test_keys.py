@@ -21,8 +21,8 @@ from router.keys.access import Access, classify
 from router.keys.keyfile import hash_key, load_keys
 from router.lifecycle.pool import Pool, PoolConfig
 from router.presets import load_presets
-from tests.router.conftest import PY, RouterProc, chat, fake_model
-from tests.util import ROOT, free_port, stop_process, wait_healthy, wait_until
+from tests.router.conftest import PY, RouterProc, chat, fake_model, running_router
+from tests.util import ROOT, wait_until
 
 Factory = Callable[..., RouterProc]
 ADMIN, USER, ONE = "sk-admin-1", "sk-user-2", "sk-one-3"
@@ -70,34 +70,8 @@ def team(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
     """One router for the tests that only read or load: `--keys` with TEAM, models a and b."""
     tmp = tmp_path_factory.mktemp("keys-team")
     (tmp / "keys.toml").write_text(keys_toml(TEAM))
-    (tmp / "preset.toml").write_text(PRESET)
-    port = free_port()
-    log_path = tmp / "router.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                PY,
-                "-m",
-                "router.cli",
-                "--preset",
-                str(tmp / "preset.toml"),
-                "--port",
-                str(port),
-                "--keys",
-                str(tmp / "keys.toml"),
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT), "XDG_STATE_HOME": str(tmp / "state")},
-        )
-    r = RouterProc(proc, f"http://127.0.0.1:{port}", log_path, bearer(ADMIN))
-    try:
-        wait_healthy(proc, r.base, 30, lambda: r.log()[-3000:])
+    with running_router(tmp, PRESET, "--keys", str(tmp / "keys.toml"), headers=bearer(ADMIN)) as r:
         yield r
-    finally:
-        stop_process(proc)
 
 
 def bearer(key: str) -> dict[str, str]:

@@ -9,7 +9,6 @@ import json
 import re
 import threading
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -18,9 +17,13 @@ import openai
 import pytest
 
 from router.keys.keyfile import hash_key
-from tests.router.conftest import RouterProc, fake_model
+from tests.router.conftest import RouterProc, fake_model, running_router
 from tests.util import ROOT, preset_defaults
 
+try:  # the anthropic SDK's own http client package (older versions used httpx)
+    import httpx2 as anthropic_http
+except ImportError:
+    anthropic_http = httpx  # type: ignore[no-redef,unused-ignore]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
 Factory = Callable[..., RouterProc]
@@ -56,14 +59,16 @@ pin = true
 {fake_model("other")}"""
 
 
-@pytest.fixture
-def router(router_factory: Factory, tmp_path: Path) -> Iterator[RouterProc]:
-    keys = tmp_path / "keys.toml"
-    keys.write_text(KEYS)
-    r = router_factory(PRESET, "--keys", str(keys))
-    r.headers = {"Authorization": f"Bearer {ADMIN}"}
-    r.wait_status("tiny", "loaded", 60)
-    yield r
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProc]:
+    """One router for the module: each test uses its own keys, so their buckets do not meet."""
+    tmp = tmp_path_factory.mktemp("keys-real")
+    (tmp / "keys.toml").write_text(KEYS)
+    with running_router(
+        tmp, PRESET, "--keys", str(tmp / "keys.toml"), headers={"Authorization": f"Bearer {ADMIN}"}
+    ) as r:
+        r.wait_status("tiny", "loaded", 60)
+        yield r
 
 
 def drain(r: RouterProc, key: dict[str, str]) -> httpx.Response:
@@ -77,8 +82,9 @@ def drain(r: RouterProc, key: dict[str, str]) -> httpx.Response:
     raise AssertionError("no 429 after 200 requests from a key with rpm = 60")
 
 
-def statuses(log: list[int]) -> httpx.Client:
-    return httpx.Client(event_hooks={"response": [lambda resp: log.append(resp.status_code)]})
+def statuses(log: list[int], module: Any = httpx) -> Any:
+    """An http client (httpx's, or httpx2's: the anthropic SDK's) that logs each response's status."""
+    return module.Client(event_hooks={"response": [lambda resp: log.append(resp.status_code)]})
 
 
 def test_the_openai_sdk_sees_its_models_gets_429_past_the_rate_and_its_retry_succeeds(
@@ -127,7 +133,7 @@ def test_the_anthropic_sdk_sees_its_models_gets_429_past_the_rate_and_its_retry_
     assert e.value.response.headers["retry-after"] in ("1", "2")
     seen: list[int] = []
     retrying = anthropic.Anthropic(
-        base_url=router.base, api_key=ANTH, max_retries=3, http_client=statuses(seen)
+        base_url=router.base, api_key=ANTH, max_retries=3, http_client=statuses(seen, anthropic_http)
     )
     out = retrying.messages.create(model="tiny", max_tokens=2, messages=msgs)
     assert out.stop_reason in ("end_turn", "max_tokens")
