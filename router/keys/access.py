@@ -159,6 +159,11 @@ def classify(method: str, template: str) -> Access | None:
 
 def access_for(method: str, path: str, query: str = "") -> Access:
     """Who may call `method path?query` (a concrete path). HEAD is GET's."""
+    return rule_for(method, path, query) or UNKNOWN
+
+
+def rule_for(method: str, path: str, query: str = "") -> Access | None:
+    """`access_for`, but None for a request no rule covers (no route: nothing to audit)."""
     method = "GET" if method == "HEAD" else method
     if method == "GET" and path in _RELOADING and is_reload(query):
         return Access.ADMIN
@@ -168,7 +173,7 @@ def access_for(method: str, path: str, query: str = "") -> Access:
     for m, pattern, access in _PATTERNS:
         if m in (method, ANY) and pattern.fullmatch(path):
             return access
-    return UNKNOWN
+    return None
 
 
 def is_reload(query: str) -> bool:

@@ -10,11 +10,12 @@ For each HTTP request (an OPTIONS preflight passes: Cors answers it outside us):
     POST of a USER route (inference)         the key's rpm/tpm buckets (429 + Retry-After), then
                                              its concurrency gate (wait in line; a full line: 429)
     ADMIN route                              an audit line naming the key, the route and the status
+                                             (a path in no rule is ADMIN too, but not audited)
 
 The key comes from `Authorization: Bearer KEY` or `X-Api-Key: KEY` (the anthropic SDK's header;
-llama-server takes it on every route, and so do we). Errors are in the route's API's envelope:
-OpenAI's; Anthropic's on /v1/messages (router.anthropic.errors rewrites ours, outside us);
-Ollama's `{"error": "..."}` on /api/*.
+llama-server takes it on every route, and so do we). Errors are in OpenAI's envelope; the layers
+outside us put them in Anthropic's on /v1/messages (router.anthropic.errors) and in Ollama's
+`{"error": "..."}` on /api/* (router.ollama.errors).
 
 Without `--api-key` or `--keys` nothing is checked: every route is open and cards are whole.
 """
@@ -25,11 +26,10 @@ import json
 import logging
 import math
 import time
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.keys.access import Access, access_for
+from router.keys.access import UNKNOWN, Access, rule_for
 from router.keys.book import KeyBook
 from router.keys.context import CURRENT
 from router.keys.keyfile import Key
@@ -38,7 +38,6 @@ from router.keys.views import PROPS_INTERNALS
 from worker.protocol.errors import error_body
 
 audit = logging.getLogger("omni.router.audit")
-OLLAMA_PREFIX = "/api/"
 
 
 class KeyGuard:
@@ -52,7 +51,8 @@ class KeyGuard:
             return
         method: str = scope["method"]
         path: str = scope["path"]
-        access = access_for(method, path, scope.get("query_string", b"").decode("latin-1"))
+        rule = rule_for(method, path, scope.get("query_string", b"").decode("latin-1"))
+        access = UNKNOWN if rule is None else rule
         if access is Access.PUBLIC:
             await self._app(scope, receive, send)
             return
@@ -79,7 +79,7 @@ class KeyGuard:
             return
         token = CURRENT.set(key)
         try:
-            if access is Access.ADMIN:
+            if rule is Access.ADMIN:  # (a path no rule covers is answered 404: no action to audit)
                 await self._audited(key, scope, receive, send)
             elif method == "POST":
                 await self._metered(key, scope, receive, send)
@@ -177,11 +177,7 @@ async def _deny(
     message: str,
     retry_after_s: float | None = None,
 ) -> None:
-    body: dict[str, Any] = (
-        {"error": message}
-        if scope["path"].startswith(OLLAMA_PREFIX)
-        else error_body(message, kind, None, code)
-    )
+    body = error_body(message, kind, None, code)  # the outer layers rewrite it for Anthropic and Ollama
     data = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
     if retry_after_s is not None:

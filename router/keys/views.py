@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from router.keys.context import can_see, sees_internals
 
+__all__ = ["card", "cards", "is_visible", "sees_internals", "shown_card", "shown_status", "visible"]
+
 if TYPE_CHECKING:
     from router.lifecycle.model import ModelHandle
     from router.lifecycle.pool import Pool

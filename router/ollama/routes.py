@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 from starlette.types import Scope
 
+from router.keys import views
 from router.lifecycle.model import WORKER_DEFAULT_SLOTS, ModelHandle
 from router.lifecycle.pool import Pool
 from router.lifecycle.state import ModelState
@@ -112,7 +113,7 @@ class OllamaRoutes:
         return JSONResponse({"version": VERSION})
 
     async def tags(self, request: Request) -> Response:
-        handles = list(self.pool.handles.values())
+        handles = views.visible(self.pool.handles.values())  # the request's key's models (router.keys)
         facts = await asyncio.to_thread(lambda: [catalog.facts(h.preset) for h in handles])
         return JSONResponse(
             {
@@ -131,8 +132,10 @@ class OllamaRoutes:
         )
 
     async def ps(self, request: Request) -> Response:
-        handles = [
-            h for h in self.pool.handles.values() if h.state in (ModelState.READY, ModelState.SLEEPING)
+        handles = [  # the request's key's models (router.keys)
+            h
+            for h in views.visible(self.pool.handles.values())
+            if h.state in (ModelState.READY, ModelState.SLEEPING)
         ]
         facts = await asyncio.to_thread(lambda: [catalog.facts(h.preset) for h in handles])
         out = []
@@ -168,11 +171,14 @@ class OllamaRoutes:
         meta = _meta(handle)
         num_ctx = _num_ctx(handle, f.context_length)
         params = [f"num_ctx {num_ctx}"] + ([f"stop {json.dumps(f.eos_text)}"] if f.eos_text else [])
+        source = handle.preset.model or handle.preset.upstream
+        if not views.sees_internals():  # the file's path: admin keys, or a router without keys
+            source = name
         modelfile = (
             "\n".join(
                 [
                     f"# Modelfile of {name}, from omni-router's preset",
-                    f"FROM {handle.preset.model or handle.preset.upstream}",
+                    f"FROM {source}",
                     *(f"PARAMETER {p}" for p in params),
                 ]
             )

@@ -144,6 +144,11 @@ def test_a_model_outside_a_keys_list_is_not_there_on_every_api(team: RouterProc)
                 ("/responses", {"model": name, "input": "hi"}),
                 ("/v1/messages", {"model": name, "max_tokens": 4, "messages": msgs}),
                 ("/v1/messages/count_tokens", {"model": name, "messages": msgs}),
+                ("/api/chat", {"model": name, "messages": msgs}),
+                ("/api/generate", {"model": name, "prompt": "hi"}),
+                ("/api/embed", {"model": name, "input": "hi"}),
+                ("/api/embeddings", {"model": name, "prompt": "hi"}),
+                ("/api/show", {"model": name}),
             ):
                 resp = c.post(path, json=body, headers=bearer(ONE))
                 assert resp.status_code == 404, (path, resp.text)
@@ -156,6 +161,8 @@ def test_a_model_outside_a_keys_list_is_not_there_on_every_api(team: RouterProc)
             return [m["id"] for m in c.get(path, headers=bearer(key)).json()["data"]]
 
         assert ids(ONE) == ["a"] and ids(ONE, "/models") == ["a"] and ids(USER) == ["a", "b"]
+        tags = c.get("/api/tags", headers=bearer(ONE)).json()["models"]
+        assert [m["name"] for m in tags] == ["a:latest"]
         assert [m["id"] for m in c.get("/props", headers=bearer(ONE)).json()["models"]] == ["a"]
         assert c.get("/dynamo/alpha/list-models", headers=bearer(ONE)).json()["chat_completion_models"] == [
             "a"

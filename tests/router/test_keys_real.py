@@ -13,12 +13,13 @@ from typing import Any
 
 import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 
 from router.keys.keyfile import hash_key
 from tests.router.conftest import RouterProc, fake_model, running_router
-from tests.util import ROOT, preset_defaults
+from tests.util import ROOT, preset_defaults, wait_until
 
 try:  # the anthropic SDK's own http client package (older versions used httpx)
     import httpx2 as anthropic_http
@@ -27,7 +28,7 @@ except ImportError:
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
 Factory = Callable[..., RouterProc]
-ADMIN, RATE, ANTH, CONC = "sk-admin", "sk-rate", "sk-anth", "sk-conc"
+ADMIN, RATE, ANTH, CONC, OLLA = "sk-admin", "sk-rate", "sk-anth", "sk-conc", "sk-olla"
 KEYS = f"""
 [keys.root]
 sha256 = "{hash_key(ADMIN)}"
@@ -41,6 +42,11 @@ rpm = 60
 [keys.anth]
 sha256 = "{hash_key(ANTH)}"
 models = ["ti*"]
+rpm = 60
+
+[keys.olla]
+sha256 = "{hash_key(OLLA)}"
+models = ["tiny"]
 rpm = 60
 
 [keys.conc]
@@ -138,6 +144,33 @@ def test_the_anthropic_sdk_sees_its_models_gets_429_past_the_rate_and_its_retry_
     out = retrying.messages.create(model="tiny", max_tokens=2, messages=msgs)
     assert out.stop_reason in ("end_turn", "max_tokens")
     assert seen[0] == 429 and seen[-1] == 200
+
+
+def test_the_ollama_sdk_sees_its_models_and_gets_429_past_the_rate(router: RouterProc) -> None:
+    """The ollama client has no retry logic of its own: it raises the 429, and a retry after the
+    Retry-After the router sent gets in."""
+    client = ollama.Client(host=router.base, headers={"Authorization": f"Bearer {OLLA}"})
+    assert [m.model for m in client.list().models] == ["tiny:latest"]
+    assert [m.model for m in client.ps().models] == ["tiny:latest"]
+    assert "FROM tiny" in client.show("tiny").modelfile  # the model's name, not its file's path
+    for call in (lambda: client.show("other"), lambda: client.chat(model="other", messages=[])):
+        with pytest.raises(ollama.ResponseError) as e:
+            call()
+        assert e.value.status_code == 404
+    msgs = [{"role": "user", "content": "hi"}]
+    drain(router, {"Authorization": f"Bearer {OLLA}"})
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="tiny", messages=msgs, options={"num_predict": 2})
+    assert e.value.status_code == 429 and "over its requests per minute" in e.value.error
+
+    def retried() -> bool:
+        try:
+            return bool(client.chat(model="tiny", messages=msgs, options={"num_predict": 2}).done)
+        except ollama.ResponseError as err:
+            assert err.status_code == 429
+            return False
+
+    wait_until(retried, 5, interval=0.25, what="the rpm bucket to let one more request in")
 
 
 def key_usage(text: str, key: str) -> dict[str, float]:
