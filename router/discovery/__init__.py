@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.presets import ModelPreset
+from router.presets import NAME_RE, ModelPreset, PresetError
 
 log = logging.getLogger("omni.router.discovery")
 
@@ -42,10 +42,13 @@ def discovered(which: Discovery, overrides: Mapping[str, Any] | None = None) -> 
             continue
         try:
             presets = scan(overrides)
-        except OSError as e:  # a store we cannot read is no store, not a router that will not start
+        except (OSError, PresetError) as e:  # a store we cannot read: no store, not a router that fails
             log.warning("model discovery: %s", e)
             continue
         for p in presets:
+            if not NAME_RE.match(p.name):
+                log.warning("%s: %r is not a name a client can send: not served", p.source, p.name)
+                continue
             if p.name in found:
                 log.warning("%s: %r is also in %s: the first one is served", p.source, p.name,
                             found[p.name].source)

@@ -1,5 +1,5 @@
 """Models from a stand-in hub through a real router and real workers: a preset of `hf-repo`
-models only; the first chat waits for the download, /v1/models and /metrics show
+models only; the first chat waits for the download, /v1/models, /models/sse and /metrics show
 `downloading` with growing bytes on the way (the stand-in hub holds each transfer at a byte
 count the test moves: observed by condition, never by timing); the VLM's projector came along
 and takes an image; the safetensors repo runs on torch; the GGUF repo's recommended sampling
@@ -7,8 +7,9 @@ reaches the worker."""
 
 from __future__ import annotations
 
+import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,18 @@ def _downloaded(r: RouterProc, name: str, at_least: int) -> dict[str, Any]:
     return dict(status) if ok else {}
 
 
+def _sse_downloading(lines: Iterator[str], at_least: int) -> dict[str, Any]:
+    """The first models-SSE status of `tiny` downloading with `at_least` bytes done."""
+    for line in lines:
+        if line.startswith("data: "):
+            data = json.loads(line[6:])
+            status = data.get("status", {})
+            if (data.get("model") == "tiny" and status.get("value") == "downloading"
+                    and status.get("progress", {}).get("bytes_done", 0) >= at_least):
+                return dict(status)
+    raise AssertionError("the models stream ended")
+
+
 def test_a_router_of_hub_models_downloads_at_first_load_and_serves(
         router_factory: Callable[..., RouterProc], model_hub: StandInHub, tmp_path: Path) -> None:
     r = router_factory(PRESET, env=hub_env(model_hub, tmp_path / "hub"))
@@ -56,7 +69,12 @@ def test_a_router_of_hub_models_downloads_at_first_load_and_serves(
         model_hub.repos[GGUF_REPO].files["generation_config.json"].data))
     metrics = httpx.get(f"{r.base}/metrics", timeout=10).text
     assert f'omni_router:model_download_bytes{{kind="total",model="tiny"}} {float(total)}' in metrics
-    model_hub.hold_after(256 * 1024)
+    with httpx.stream("GET", f"{r.base}/models/sse", timeout=httpx.Timeout(10, read=60)) as sse:
+        events = sse.iter_lines()
+        seen = _sse_downloading(events, 64 * 1024)  # the snapshot on connecting
+        assert seen["progress"]["bytes_done"] < 256 * 1024
+        model_hub.hold_after(256 * 1024)
+        _sse_downloading(events, 256 * 1024)  # a status_change as the bytes move on
     later = wait_until(lambda: _downloaded(r, "tiny", 256 * 1024), 30, what="downloading, 256 KiB done")
     assert later["progress"]["bytes_done"] > first["progress"]["bytes_done"]
     assert not answers  # the chat still waits for its model
