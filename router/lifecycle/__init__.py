@@ -13,4 +13,8 @@
     modalities what a model takes as input (its mmproj's header) and whether it speaks, without loading it
     load_failure why a load failed, in one line, and whether trying again can help
     memory     a worker's measured RAM and VRAM
+    gpus       the box's GPUs and each process's use of them (NVML or nvidia-smi): the leaf that asks
+    gpu_placement  which GPUs a model runs on: the pure policy (docs/gpu-placement.md)
+    gpu_book   what each model is charged on each GPU, each GPU's room (the reservations)
+    gpu_admission  the GPU placement wired in: devices before a slot; the worker started on them
 """
