@@ -8,6 +8,7 @@ flags); what is checked is where the router says and starts them: each worker's 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import pytest
 
 from tests.router.conftest import RouterProc, chat
 from tests.router.fake_nvidia_smi import install
-from tests.util import ROOT
+from tests.util import ROOT, wait_until
 
 Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
@@ -87,7 +88,16 @@ def test_each_worker_runs_on_the_devices_chosen_and_the_router_says_so(router_fa
     workers = [w for w in r.workers() if "--alias" in w.cmdline()]  # (not the stand-in nvidia-smi)
     assert len(workers) == 3  # none was spawned for `huge`
 
+    # once it runs, what the driver reports for its process on each device replaces the estimate
+    small = worker_of(r, "small").pid
+    state = {**GPUS, "apps": [{"pid": small, "gpu_uuid": "GPU-0000aaaa", "used_memory": 700}]}
+    (tmp_path / "gpus.json").write_text(json.dumps(state))
+    wait_until(lambda: r.models()["small"]["devices"][0]["vram_bytes"] == 700 * MIB, 30,
+               what="the measured use on the card")
     metrics = httpx.get(f"{r.base}/metrics", timeout=10).text
+    charged = 'omni_router:gpu_model_memory_bytes{gpu="0",model="small"} '
+    seen = [float(line[len(charged):]) for line in metrics.splitlines() if line.startswith(charged)]
+    assert seen == [700 * MIB]
     total = ('omni_router:gpu_memory_total_bytes{gpu="0",name="Fake GPU A",uuid="GPU-0000aaaa"} '
              "2.5769803776e+10")
     assert total in metrics
