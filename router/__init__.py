@@ -14,10 +14,11 @@
     responses/     the OpenAI Responses API, translated onto the workers' chat completions
     anthropic/     Anthropic's Messages API, translated onto the workers' chat completions
     speech/        chat answers spoken: a chat model paired with a voice (`speech-model`)
+    keys/          keys for a team (`--keys`): the route-access table, the middleware, limits, usage
     http/          the ASGI app: the front (auth, CORS, body limit), proxying, the router's own routes
 
 Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
-presets/worker_flags/events/log_ring/upstream/prompt_cache_dir, lifecycle, placement, observability,
-responses, anthropic and speech, http, cli/banner. From `worker` the router imports `worker.protocol`
+presets/worker_flags/events/log_ring/upstream/prompt_cache_dir (and keys' keyfile and context),
+lifecycle, placement, observability, keys, responses, anthropic and speech, http, cli/banner. From `worker` the router imports `worker.protocol`
 only, and it launches workers by command line.
 """

@@ -8,6 +8,7 @@
     limits    token buckets (rpm, tpm) and the concurrency gate, pure but for the gate's futures
     usage     requests and tokens by key and model (/metrics, /keys/usage)
     book      the keys' state, one owner (reloaded with the presets)
+    routes    GET /keys/usage
     cli       `omni-router keys add NAME ...`
 
 A model outside a key's list is not there for it: `Pool.get` (every API resolves names there)

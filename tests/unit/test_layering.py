@@ -23,10 +23,11 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
     ],
     "router": [
         ("router.presets", "router.worker_flags", "router.events", "router.log_ring", "router.upstream",
-         "router.prompt_cache_dir"),
+         "router.prompt_cache_dir", "router.keys.keyfile", "router.keys.context"),
         ("router.lifecycle",),
         ("router.placement",),
         ("router.observability",),
+        ("router.keys",),  # but its keyfile and context, which Pool.get and the request traces read
         ("router.responses", "router.anthropic", "router.speech"),
         ("router.http",),
         ("router.cli", "router.banner"),
