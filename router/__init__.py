@@ -19,6 +19,6 @@
 
 Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
 presets/worker_flags/events/log_ring/upstream/prompt_cache_dir (and keys' keyfile and context),
-lifecycle, placement, observability, keys, responses, anthropic and speech, http, cli/banner. From `worker` the router imports `worker.protocol`
-only, and it launches workers by command line.
+lifecycle, placement, observability, keys, responses, anthropic and speech, http, cli/banner.
+From `worker` the router imports `worker.protocol` only, and it launches workers by command line.
 """
