@@ -57,7 +57,7 @@ def test_the_worker_pulls_with_hf_then_serves(model_hub: StandInHub, tmp_path: P
     log = tmp_path / "worker.log"
     with log.open("wb") as out:
         argv = [sys.executable, "-m", "worker.server.cli", "-hf", f"{GGUF_REPO}:f16", "--port", str(port),
-                "-c", "512", "-np", "1", "-t", "1"]
+                "-c", "512", "-np", "1", "-t", "1", "--top-p", "0.5"]
         proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
@@ -67,5 +67,8 @@ def test_the_worker_pulls_with_hf_then_serves(model_hub: StandInHub, tmp_path: P
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert "tiny-llama-F16.gguf" in log.read_text()
+        params = httpx.get(f"{base}/props", timeout=10).json()["default_generation_settings"]["params"]
+        assert params["temperature"] == 0.2  # the repo's generation_config.json ...
+        assert params["top_p"] == 0.5  # ... under the command line's own flags
     finally:
         stop_process(proc)

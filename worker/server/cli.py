@@ -141,9 +141,10 @@ _NO_URL = "omni-worker does not download a model from a URL: pass -hf ORG/REPO[:
 
 
 def _from_hub(hf_repo: str | None, hf_file: str | None, model: str | None, mmproj: str | None,
-              backend: str) -> tuple[str, str | None, str]:
+              backend: str) -> tuple[str, str | None, str, dict[str, str]]:
     """llama-server's -hf: the repo's model (and projector) pulled into the hub cache first
-    (router/hub: HF_ENDPOINT, HF_HUB_CACHE, HF_TOKEN, HF_HUB_OFFLINE), then served from there."""
+    (router/hub: HF_ENDPOINT, HF_HUB_CACHE, HF_TOKEN, HF_HUB_OFFLINE), then served from there;
+    with the sampling its generation_config.json recommends (flag -> value)."""
     from router.hub.choice import parse_ref
     from router.hub.download import HubError, pull
     from router.hub.download import Progress as PullProgress
@@ -171,7 +172,28 @@ def _from_hub(hf_repo: str | None, hf_file: str | None, model: str | None, mmpro
         raise typer.BadParameter(str(e), param_hint="--hf-repo") from None
     log.info("%s: %s (%s)", got.name, got.model, got.backend)
     mm = mmproj or (str(got.mmproj) if got.mmproj else None)
-    return str(got.model), mm, got.backend if backend == "auto" else backend
+    return str(got.model), mm, got.backend if backend == "auto" else backend, dict(got.sampling)
+
+
+_SAMPLING_PARAMS = {"temp": ("temperature", float), "top-p": ("top_p", float), "top-k": ("top_k", int),
+                    "min-p": ("min_p", float), "repeat-penalty": ("repeat_penalty", float)}
+
+
+def _recommended(sampling: dict[str, str], given: dict[str, float]) -> dict[str, float]:
+    """`given` (parameter -> value) with a pulled repo's recommended sampling for each parameter
+    the command line left at its default (a flag given wins)."""
+    from typer._click.core import ParameterSource
+    from typer._click.globals import get_current_context
+
+    ctx = get_current_context(silent=True)
+    out = dict(given)
+    for flag, raw in sampling.items():
+        name, kind = _SAMPLING_PARAMS.get(flag, ("", float))
+        is_default = ctx is None or ctx.get_parameter_source(name) in (ParameterSource.DEFAULT, None)
+        if name in out and is_default:
+            out[name] = kind(float(raw))
+            log.info("--%s %s: the repo's recommended sampling (generation_config.json)", flag, raw)
+    return out
 
 
 @cli.command()
@@ -550,7 +572,12 @@ def serve(
     if model_url:
         raise typer.BadParameter(_NO_URL, param_hint="--model-url")
     if hf_repo or hf_file:
-        model, mmproj, backend = _from_hub(hf_repo, hf_file, model, mmproj, backend)
+        model, mmproj, backend, sampling = _from_hub(hf_repo, hf_file, model, mmproj, backend)
+        chosen = _recommended(sampling, {"temperature": temperature, "top_p": top_p, "top_k": top_k,
+                                         "min_p": min_p, "repeat_penalty": repeat_penalty})
+        temperature, top_p, min_p, repeat_penalty = (chosen["temperature"], chosen["top_p"], chosen["min_p"],
+                                                     chosen["repeat_penalty"])
+        top_k = int(chosen["top_k"])
     if model is None:
         raise typer.BadParameter(
             "a model is required: -m PATH (a GGUF file or HF folder)", param_hint="--model"
