@@ -28,7 +28,7 @@ except ImportError:
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
 Factory = Callable[..., RouterProc]
-ADMIN, RATE, ANTH, CONC, OLLA = "sk-admin", "sk-rate", "sk-anth", "sk-conc", "sk-olla"
+ADMIN, RATE, ANTH, CONC, OLLA, TOK = "sk-admin", "sk-rate", "sk-anth", "sk-conc", "sk-olla", "sk-tok"
 KEYS = f"""
 [keys.root]
 sha256 = "{hash_key(ADMIN)}"
@@ -48,6 +48,11 @@ rpm = 30
 sha256 = "{hash_key(OLLA)}"
 models = ["tiny"]
 rpm = 30
+
+[keys.tok]
+sha256 = "{hash_key(TOK)}"
+models = ["tiny"]
+tpm = 40
 
 [keys.conc]
 sha256 = "{hash_key(CONC)}"
@@ -224,6 +229,21 @@ def test_the_ollama_sdk_sees_its_models_and_gets_429_past_the_rate(router: Route
             return False
 
     wait_until(retried, 5, interval=0.25, what="the rpm bucket to let one more request in")
+
+
+def test_a_key_past_its_tokens_per_minute_gets_429_counted_from_the_answers_usage(router: RouterProc) -> None:
+    client = openai.OpenAI(base_url=f"{router.base}/v1", api_key=TOK, max_retries=0)
+    msgs: Any = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(  # one answer larger than the key's minute of tokens
+        model="tiny", messages=msgs, max_tokens=48, extra_body={"ignore_eos": True}
+    )
+    assert out.usage is not None and out.usage.total_tokens > 40
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1)
+    assert "over its tokens per minute (40)" in e.value.message
+    # the debt (total - 40 tokens) at 40 a minute: the key waits that long, and is told so
+    wait_s = (out.usage.total_tokens - 40) * 60 / 40
+    assert int(e.value.response.headers["retry-after"]) == pytest.approx(wait_s, abs=2)
 
 
 def key_usage(text: str, key: str) -> dict[str, float]:
