@@ -613,8 +613,7 @@ class Engine:
         assert verdict.reason is not None
         st = task.stats
         st.t_end = time.monotonic()
-        task.emit(FinishEvent(verdict.reason, task.output.finish(), verdict.stop_word, st))
-        m = self._metrics
+        m = self._metrics  # counted before the answer goes: a client that then reads /metrics sees it
         m.on_task_done(
             n_evaluated=st.n_evaluated,
             n_cached=st.n_cached,
@@ -625,6 +624,7 @@ class Engine:
         )
         m.prefix_hit_tokens.inc(st.n_cached)
         m.requests.labels(verdict.reason).inc()
+        task.emit(FinishEvent(verdict.reason, task.output.finish(), verdict.stop_word, st))
         tps = st.n_decoded / (st.predicted_ms / 1e3) if st.predicted_ms > 0 else 0.0
         log.info(
             "task %d done on slot %d: %s; prompt %d tokens (%d cached) in %.1f ms; "
@@ -670,8 +670,7 @@ class Engine:
         st = task.stats
         st.t_first_token = st.t_end = time.monotonic()
         self._free_sampler(task)
-        task.on_embedding(EmbeddingEvent(vectors, st))
-        m = self._metrics
+        m = self._metrics  # counted before the answer goes, as in _report_end
         m.on_task_done(
             n_evaluated=st.n_evaluated,
             n_cached=st.n_cached,
@@ -681,6 +680,7 @@ class Engine:
             n_tokens=st.n_prompt,
         )
         m.embeddings.inc()
+        task.on_embedding(EmbeddingEvent(vectors, st))
 
     def _free_sampler(self, task: Task) -> None:
         if task.sampler is not None and self._backend is not None:
