@@ -104,8 +104,16 @@ def ollama_name(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
 
 
-def iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+NEVER = "2318-01-01T00:00:00Z"  # a time that never comes (Ollama's expires_at of a model kept forever)
+
+
+def iso(ts: float | None) -> str:
+    """A wall-clock time as Ollama writes it; None, or past what a date can hold (a keep_alive
+    of 1e300 seconds), is NEVER."""
+    try:
+        return NEVER if ts is None else datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+    except (OverflowError, ValueError, OSError):
+        return NEVER
 
 
 def facts(preset: ModelPreset) -> FileFacts:

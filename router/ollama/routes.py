@@ -54,7 +54,6 @@ CallJSON = Callable[[str, str, dict[str, Any]], Awaitable[dict[str, Any]]]
 ResolveModel = Callable[[str | None, Scope], str]
 VERSION = "0.12.6"  # the Ollama API version whose shapes these routes follow (clients gate features on it)
 RUNNING = "Ollama is running"
-NEVER = "2318-01-01T00:00:00Z"  # expires_at of a model that never unloads (Ollama's far future, too)
 _PRESETS = (
     "omni-router serves the models its presets name (--preset, --models-dir); {what}: edit the "
     "preset file and POST /models/reload"
@@ -150,7 +149,7 @@ class OllamaRoutes:
                     "size": ram + vram or f.size,
                     "digest": f.digest,
                     "details": catalog.details(f, meta.get("n_params")),
-                    "expires_at": NEVER if due is None else catalog.iso(due),
+                    "expires_at": catalog.iso(due),
                     "size_vram": vram,
                     "context_length": _num_ctx(h, f.context_length),
                 }

@@ -146,6 +146,9 @@ _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|µs|ms|s|m|h)")
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
+FOREVER_S = 100 * 365 * 86400.0
+
+
 def keep_alive_seconds(value: KeepAlive) -> float:
     """A `keep_alive` in seconds: a number is seconds, a string a Go duration ("5m", "1h30m")
     or a number of seconds; negative means never unload (returned as -1)."""
@@ -166,4 +169,6 @@ def keep_alive_seconds(value: KeepAlive) -> float:
                     f"keep_alive {value!r} is not a duration ('5m', '1h30m', '300s') or a number of seconds"
                 ) from None
             seconds = sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
-    return -1.0 if seconds < 0 else seconds
+    if seconds != seconds:
+        raise ValueError("keep_alive is not a number")
+    return -1.0 if seconds < 0 or seconds > FOREVER_S else seconds  # a century or more: never

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from router.ollama.catalog import NEVER, iso, parameter_size
 from router.ollama.translate import Answer, chat_body, chat_messages, generate_body, sampling
 from router.ollama.wire import (
     OllamaChatRequest,
@@ -41,14 +42,17 @@ JPEG = base64.b64encode(b"\xff\xd8\xff\xe0" + b"\0" * 16).decode()
         ("0", 0.0),
         ("120", 120.0),
         ("2h", 7200.0),
+        (1e300, -1.0),  # a century or more is forever
+        (float("inf"), -1.0),
+        ("9999999999h", -1.0),
     ],
 )
 def test_keep_alive_is_seconds(value: float | str, seconds: float) -> None:
     assert keep_alive_seconds(value) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("value", ["soon", "5 m", "m5", "", "5x"])
-def test_keep_alive_that_is_not_a_duration_is_refused(value: str) -> None:
+@pytest.mark.parametrize("value", ["soon", "5 m", "m5", "", "5x", float("nan")])
+def test_keep_alive_that_is_not_a_duration_is_refused(value: str | float) -> None:
     with pytest.raises(ValueError, match="keep_alive"):
         keep_alive_seconds(value)
 
@@ -258,3 +262,14 @@ def test_generic_tool_prompt_shows_the_tools_and_writes_history_as_text() -> Non
     assert calls[0].name == "get_weather" and json.loads(calls[0].arguments) == {"city": "Paris"}
     added = with_generic_tools([{"role": "user", "content": "x"}], [WEATHER], renders_calls=True)
     assert added[0] == {"role": "system", "content": tool_prompt([WEATHER])}
+
+
+@pytest.mark.parametrize(("ts", "text"), [(0.0, "1970-01-01T00:00:00Z"), (None, NEVER), (1e300, NEVER)])
+def test_expires_at_never_overflows(ts: float | None, text: str) -> None:
+    assert iso(ts) == text  # a keep_alive of 1e300 s is forever, not a 500 from /api/ps
+
+
+@pytest.mark.parametrize(("n", "label", "text"), [(134_515_008, "", "134.52M"), (7_615_616_512, "", "7.62B"),
+                                                  (None, "135M", "135M"), (0, "", "")])
+def test_parameter_size_as_ollama_writes_it(n: int | None, label: str, text: str) -> None:
+    assert parameter_size(n, label) == text
