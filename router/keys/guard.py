@@ -22,6 +22,8 @@ Without `--api-key` or `--keys` nothing is checked: every route is open and card
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -33,7 +35,7 @@ from router.keys.access import UNKNOWN, Access, rule_for
 from router.keys.book import KeyBook
 from router.keys.context import CURRENT
 from router.keys.keyfile import Key
-from router.keys.limits import GateFull
+from router.keys.limits import Gate, GateFull
 from router.keys.views import PROPS_INTERNALS
 from worker.protocol.errors import error_body
 
@@ -114,7 +116,7 @@ class KeyGuard:
             await self._app(scope, receive, send)
             return
         try:
-            await gate.acquire()
+            replay = await _wait_in_line(gate, receive)
         except GateFull:
             await _deny(
                 scope,
@@ -127,8 +129,10 @@ class KeyGuard:
                 retry_after_s=1.0,
             )
             return
+        if replay is None:
+            return  # the client left while waiting in line: nothing to answer
         try:
-            await self._app(scope, receive, send)
+            await self._app(scope, replay, send)
         finally:
             gate.release()
 
@@ -154,6 +158,53 @@ class KeyGuard:
                 f"?{query}" if query else "",
                 status or "no answer",
             )
+
+
+async def _wait_in_line(gate: Gate, receive: Receive) -> Receive | None:
+    """`gate.acquire()`, reading the request meanwhile so that a client who leaves while it waits
+    gives up its place (None: nobody to answer). Returns the `receive` for the app: what was read
+    while waiting, then the rest (a read still pending first: it will be the disconnect)."""
+    if gate.can_enter():
+        await gate.acquire()
+        return receive
+    buffered: list[Message] = []
+    turn = asyncio.ensure_future(gate.acquire())
+    read: asyncio.Future[Message] | None = None
+    try:
+        while not turn.done():
+            if read is None:
+                read = asyncio.ensure_future(receive())
+            await asyncio.wait((turn, read), return_when=asyncio.FIRST_COMPLETED)
+            if not read.done():
+                continue
+            message = read.result()
+            read = None
+            if message["type"] == "http.disconnect":
+                turn.cancel()  # the gate passes on a turn handed over just then
+                with contextlib.suppress(asyncio.CancelledError, GateFull):
+                    await turn
+                if turn.done() and not turn.cancelled() and turn.exception() is None:
+                    gate.release()  # our turn came before the cancel did
+                return None
+            buffered.append(message)
+        turn.result()  # GateFull: the line is full
+    except BaseException:
+        turn.cancel()
+        if read is not None:
+            read.cancel()
+        raise
+    pending = read
+
+    async def replay() -> Message:
+        nonlocal pending
+        if buffered:
+            return buffered.pop(0)
+        if pending is not None:
+            waiting, pending = pending, None
+            return await waiting
+        return await receive()
+
+    return replay
 
 
 def _token(headers: list[tuple[bytes, bytes]]) -> bytes:

@@ -57,8 +57,12 @@ class Gate:
     def num_waiting(self) -> int:
         return len(self._waiters)
 
+    def can_enter(self) -> bool:
+        """Whether `acquire` would return at once."""
+        return self.active < self.limit and not self._waiters
+
     async def acquire(self) -> None:
-        if self.active < self.limit and not self._waiters:
+        if self.can_enter():
             self.active += 1
             return
         if len(self._waiters) >= self.queue:

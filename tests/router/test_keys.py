@@ -5,6 +5,7 @@ cutting a running stream; `omni-router keys add` writing no plain key."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -327,3 +329,57 @@ def test_without_keys_every_route_is_open_and_cards_are_whole(router_factory: Fa
         assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
         assert "args" in c.get("/v1/models/a").json()["status"]
         assert c.get("/keys/usage").json() == {"object": "list", "data": []}
+
+
+def test_a_keys_line_is_bounded_and_a_client_that_leaves_it_gives_up_its_place(
+    router_factory: Factory, tmp_path: Path
+) -> None:
+    preset = fake_model("a", "--tokens", "60", "--token-delay", "0.05")
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        keys_toml(TEAM) + f'\n[keys.solo]\nsha256 = "{hash_key("sk-solo")}"\nconcurrency = 1\nqueue = 1\n'
+    )
+    r = router_factory(preset, "--keys", str(keys))
+    solo = bearer("sk-solo")
+    statuses: dict[str, int] = {}
+    first = threading.Event()
+
+    def stream(name: str) -> None:
+        with (
+            httpx.Client(base_url=r.base, timeout=30) as c,
+            c.stream("POST", "/v1/chat/completions", json=chat("a", True), headers=solo) as resp,
+        ):
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    first.set()
+            statuses[name] = resp.status_code
+
+    def line() -> dict[str, Any]:
+        data = httpx.get(f"{r.base}/keys/usage", headers=bearer(ADMIN), timeout=10).json()["data"]
+        return {u["key"]: u for u in data}["solo"]
+
+    running = threading.Thread(target=stream, args=("running",))
+    running.start()
+    assert first.wait(20)
+
+    def leave() -> None:  # waits in line, then gives up
+        with contextlib.suppress(httpx.TimeoutException):
+            httpx.post(f"{r.base}/v1/chat/completions", json=chat("a"), headers=solo, timeout=1.0)
+
+    leaver = threading.Thread(target=leave)
+    leaver.start()
+    wait_until(lambda: line()["waiting"] == 1, 10, what="the request to wait in line")
+    leaver.join(10)
+    wait_until(lambda: line()["waiting"] == 0, 10, what="the client that left to give up its place")
+    assert line()["active"] == 1  # the first stream still runs
+
+    queued = threading.Thread(target=stream, args=("queued",))
+    queued.start()
+    wait_until(lambda: line()["waiting"] == 1, 10, what="the next request to wait in line")
+    resp = httpx.post(f"{r.base}/v1/chat/completions", json=chat("a"), headers=solo, timeout=10)
+    assert resp.status_code == 429 and resp.json()["error"]["code"] == "concurrency_limit_exceeded"
+    assert resp.headers["retry-after"] == "1"
+    running.join(30)
+    queued.join(30)
+    assert statuses == {"running": 200, "queued": 200}
+    assert line()["models"]["a"]["requests"] == 2  # the one that left never ran
