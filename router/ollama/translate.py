@@ -148,7 +148,16 @@ def _common(req: _Generation, model: str) -> dict[str, Any]:
         body["reasoning_effort"] = (
             req.think if isinstance(req.think, str) else ("medium" if req.think else "none")
         )
+    if req.logprobs or req.top_logprobs:
+        body["logprobs"] = True
+        if req.top_logprobs:
+            body["top_logprobs"] = req.top_logprobs
     return body
+
+
+def _no_logprobs(req: _Generation, what: str) -> None:
+    if req.logprobs or req.top_logprobs:
+        raise APIError(f"logprobs are served for templated prompts and chats, not {what}", param="logprobs")
 
 
 def chat_body(req: OllamaChatRequest, model: str) -> dict[str, Any]:
@@ -168,6 +177,7 @@ def generate_body(req: OllamaGenerateRequest, model: str) -> tuple[str, dict[str
     if req.suffix is not None:
         if req.images or req.format or req.think:
             raise APIError("suffix (fill in the middle) takes no images, format or think", param="suffix")
+        _no_logprobs(req, "fill in the middle")
         body = {
             "model": model,
             "stream": True,
@@ -181,6 +191,7 @@ def generate_body(req: OllamaGenerateRequest, model: str) -> tuple[str, dict[str
             raise APIError(
                 "raw prompts take no images, system or think: they go to the model as they are", param="raw"
             )
+        _no_logprobs(req, "raw prompts")
         body = {**_common(req, model), "prompt": req.prompt}
         return COMPLETIONS_PATH, body
     messages: list[dict[str, Any]] = []
@@ -196,6 +207,21 @@ def _native(fields: dict[str, Any]) -> dict[str, Any]:
     if "max_tokens" in out:
         out["n_predict"] = out.pop("max_tokens")
     return out
+
+
+def _logprobs(lp: Any) -> list[dict[str, Any]]:
+    """A chat chunk's logprobs as Ollama writes them: token, logprob, top_logprobs."""
+    content = lp.get("content") if isinstance(lp, dict) else None
+    return [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "top_logprobs": [
+                {"token": t["token"], "logprob": t["logprob"]} for t in e.get("top_logprobs") or []
+            ],
+        }
+        for e in content or []
+    ]
 
 
 def created_at() -> str:
@@ -224,6 +250,7 @@ class Answer:
     calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     usage: dict[str, Any] = field(default_factory=dict)
     timings: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
 
     def _obj(self, content: str = "", thinking: str = "", calls: list[dict[str, Any]] | None = None) -> Chunk:
         head: Chunk = {"model": self.model, "created_at": created_at()}
@@ -257,10 +284,15 @@ class Answer:
                 slot["arguments"] += fn.get("arguments") or ""
                 if c.get("id"):
                     slot["id"] = c["id"]
-            if text or thinking:
+            lps = _logprobs(choice.get("logprobs"))
+            self.logprobs += lps
+            if text or thinking or lps:
                 self.text.append(text or "")
                 self.thinking.append(thinking)
-                out.append(self._obj(text or "", thinking))
+                obj = self._obj(text or "", thinking)
+                if lps:
+                    obj["logprobs"] = lps
+                out.append(obj)
             if choice.get("finish_reason"):
                 self.reason = choice["finish_reason"]
                 if self.calls:
@@ -306,6 +338,8 @@ class Answer:
             "".join(self.thinking) if whole else "",
             self.tool_calls() if whole and self.calls else None,
         )
+        if whole and self.logprobs:
+            done["logprobs"] = self.logprobs
         done.update(
             done=True,
             done_reason=_done_reason(self.reason),

@@ -88,6 +88,8 @@ class _Generation(StrictModel):
     stream: bool = True
     keep_alive: KeepAlive | None = None
     think: Think | None = None
+    logprobs: bool = False  # each output token's log probability (templated prompts and chat)
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)  # and its most likely alternatives
 
 
 class OllamaChatRequest(_Generation):

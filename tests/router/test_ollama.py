@@ -211,6 +211,32 @@ def test_chat_and_generate_streamed_and_whole(client: ollama.Client) -> None:
     assert capped.eval_count == 3 and capped.done_reason == "length"
 
 
+def test_logprobs_of_each_token(client: ollama.Client) -> None:
+    r = client.chat(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        logprobs=True,
+        top_logprobs=2,
+        options={"num_predict": 4, "temperature": 0},
+    )
+    assert r.logprobs is not None and len(r.logprobs) == r.eval_count == 4
+    assert all(lp.logprob <= 0 and len(lp.top_logprobs or []) == 2 for lp in r.logprobs)
+    assert "".join(lp.token for lp in r.logprobs) == r.message.content
+    parts = list(
+        client.generate(
+            model="tiny",
+            prompt="hi",
+            logprobs=True,
+            stream=True,
+            options={"num_predict": 4, "temperature": 0},
+        )
+    )
+    assert sum(len(p.logprobs or []) for p in parts) == 4
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="tiny", prompt="hi", raw=True, logprobs=True)
+    assert e.value.status_code == 400 and "logprobs" in e.value.error
+
+
 def test_greedy_chat_equals_openai_chat_completions(router: tuple[str, Path], client: ollama.Client) -> None:
     messages = [{"role": "system", "content": "You answer."}, {"role": "user", "content": "Name a colour."}]
     ours = client.chat(model="tiny", messages=messages, options={"temperature": 0, "num_predict": 16})
@@ -260,11 +286,16 @@ def test_tools_and_tool_history_reach_the_model(client: ollama.Client) -> None:
 def test_think_separates_the_reasoning(client: ollama.Client) -> None:
     assert "thinking" in (client.show("thinker").capabilities or [])
     assert "thinking" not in (client.show("tiny").capabilities or [])
-    r = client.chat(model="thinker", messages=[{"role": "user", "content": "hi"}], think=True,
-                    options={"num_predict": 6, "temperature": 0})
+    r = client.chat(
+        model="thinker",
+        messages=[{"role": "user", "content": "hi"}],
+        think=True,
+        options={"num_predict": 6, "temperature": 0},
+    )
     assert r.message.thinking and r.eval_count == 6  # random weights never close the block: all reasoning
-    g = list(client.generate(model="thinker", prompt="hi", think="high", stream=True,
-                             options={"num_predict": 6}))
+    g = list(
+        client.generate(model="thinker", prompt="hi", think="high", stream=True, options={"num_predict": 6})
+    )
     assert "".join(p.thinking or "" for p in g) and g[-1].done
 
 

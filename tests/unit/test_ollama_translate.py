@@ -145,8 +145,10 @@ def test_format_is_response_format(fmt: Any, expected: dict[str, Any]) -> None:
 
 
 def test_open_webuis_root_num_predict_and_system_on_chat() -> None:
-    req = parse_model(OllamaChatRequest, {"model": "m", "num_predict": 7, "system": "S",
-                                          "messages": [{"role": "user", "content": "u"}]})
+    req = parse_model(
+        OllamaChatRequest,
+        {"model": "m", "num_predict": 7, "system": "S", "messages": [{"role": "user", "content": "u"}]},
+    )
     body = chat_body(req, "m")
     assert body["max_tokens"] == 7 and body["messages"][0] == {"role": "system", "content": "S"}
     req = parse_model(OllamaChatRequest, {"model": "m", "num_predict": 7, "options": {"num_predict": 3}})
@@ -269,7 +271,28 @@ def test_expires_at_never_overflows(ts: float | None, text: str) -> None:
     assert iso(ts) == text  # a keep_alive of 1e300 s is forever, not a 500 from /api/ps
 
 
-@pytest.mark.parametrize(("n", "label", "text"), [(134_515_008, "", "134.52M"), (7_615_616_512, "", "7.62B"),
-                                                  (None, "135M", "135M"), (0, "", "")])
+@pytest.mark.parametrize(
+    ("n", "label", "text"),
+    [(134_515_008, "", "134.52M"), (7_615_616_512, "", "7.62B"), (None, "135M", "135M"), (0, "", "")],
+)
 def test_parameter_size_as_ollama_writes_it(n: int | None, label: str, text: str) -> None:
     assert parameter_size(n, label) == text
+
+
+def test_answer_carries_logprobs_per_chunk_and_whole() -> None:
+    a = Answer("m", is_chat=True, started=0.0)
+    lp = {
+        "content": [
+            {
+                "token": "Hi",
+                "logprob": -0.5,
+                "bytes": [72, 105],
+                "top_logprobs": [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105]}],
+            }
+        ]
+    }
+    out = a.feed({"choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": lp}]})
+    expected = [{"token": "Hi", "logprob": -0.5, "top_logprobs": [{"token": "Hi", "logprob": -0.5}]}]
+    assert out[0]["logprobs"] == expected and a.final(whole=True)["logprobs"] == expected
+    body = chat_body(OllamaChatRequest(model="m", logprobs=True, top_logprobs=3), "m")
+    assert body["logprobs"] is True and body["top_logprobs"] == 3
