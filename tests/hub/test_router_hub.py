@@ -109,8 +109,8 @@ def test_hub_down_fails_the_model_transiently_and_a_later_request_loads_it(
     down = httpx.post(f"{r.base}/v1/chat/completions", json=body, timeout=60)
     assert down.status_code == 503 and "the hub answered 503" in down.json()["error"]["message"].replace(
         f"{model_hub.url} answered 503", "the hub answered 503"), down.text
-    status = r.models()["tiny"]["status"]
-    assert status["value"] == "failed" and status["permanent"] is False
+    status = r.models()["tiny"]["status"]  # failed, transiently (unloaded again after FAILED_SHOWN_S)
+    assert (status["value"] == "failed" and status["permanent"] is False) or "last_failure" in status, status
     model_hub.fail_with = None
     up = httpx.post(f"{r.base}/v1/chat/completions", json=body, timeout=120)
     assert up.status_code == 200, up.text
