@@ -347,7 +347,8 @@ def pull(ref: Ref, on_progress: Callable[[Progress], None] | None = None,
         choice = choose(ref, list(listing.files))
     except ChoiceError as e:
         if listing.is_cached:  # what is missing may be on the hub: say so
-            raise HubError(f"{e} (in the cache; the hub was not asked)", 503, e.tags) from None
+            why = "HF_HUB_OFFLINE is set" if cfg.is_offline else "it could not be reached"
+            raise HubError(f"{e} in the cache (the hub was not asked: {why})", 503, e.tags) from None
         raise HubError(str(e), 404, e.tags or tuple(tags_of(list(listing.files)))) from None
     sizes = [listing.files[f].size or 0 for f in choice.files]
     total = sum(sizes)

@@ -50,6 +50,16 @@ def test_a_pull_killed_halfway_resumes_and_an_unknown_tag_lists_tags(model_hub: 
     lines = done.stderr.splitlines()
     assert lines[-1].startswith(f"pulling {GGUF_REPO}:Q8_0: 100% (") and all("\r" not in x for x in lines)
 
+    offline = {**env, "HF_HUB_OFFLINE": "1"}  # the cache answers; the hub is not asked
+    asked = len(model_hub.requests)
+    cached = subprocess.run(pull_cmd(f"{GGUF_REPO}:q8_0"), env=offline, capture_output=True, text=True,
+                            timeout=60)
+    assert cached.returncode == 0 and len(model_hub.requests) == asked
+    assert cached.stdout.splitlines()[0] == done.stdout.splitlines()[0]
+    missing = subprocess.run(pull_cmd(f"{GGUF_REPO}:F16"), env=offline, capture_output=True, text=True,
+                             timeout=60)
+    assert missing.returncode == 1 and "HF_HUB_OFFLINE" in missing.stderr, missing.stderr
+
 
 def test_the_worker_pulls_with_hf_then_serves(model_hub: StandInHub, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **hub_env(model_hub, tmp_path / "hub")}
