@@ -147,6 +147,17 @@ def serve(
         "most free memory (spread) or the least that fits (binpack) (docs/gpu-placement.md)",
     )] = "spread",
     max_queue: Annotated[int, typer.Option(min=0, help="requests allowed to wait for a model")] = 256,
+    # -- the swap scheduler (router/lifecycle/swap.py, docs/internals.md "Swaps")
+    swap_policy: Annotated[str, typer.Option(
+        metavar="fair|fifo", help="which waiting model loads next and when a busy one is swapped out: fair "
+        "(serve the loaded model first, within the bounds below) or fifo (swap for each head of queue)",
+    )] = "fair",
+    swap_max_wait: Annotated[float, typer.Option(
+        min=0, help="seconds a waiting model may wait for a busy one before it is swapped out for it",
+    )] = 10.0,
+    swap_max_passes: Annotated[int, typer.Option(
+        min=0, help="loads of other models a waiting model may see before a busy one is swapped out for it",
+    )] = 3,
     forward_margin: Annotated[int, typer.Option(
         min=0, help="requests forwarded to one of our workers beyond its slots; the rest wait in the router",
     )] = 2,
@@ -257,8 +268,13 @@ def serve(
                                           max_connections)
     connection_budget.install()
     from router.lifecycle.pool import Pool, PoolConfig
+    from router.lifecycle.swap import POLICIES, SwapRule
 
+    if swap_policy not in POLICIES:
+        raise typer.BadParameter(f"{swap_policy!r} is not one of {', '.join(POLICIES)}",
+                                 param_hint="--swap-policy")
     config = PoolConfig(
+        swap=SwapRule(swap_policy, swap_max_wait, swap_max_passes),  # type: ignore[arg-type]  # checked above
         models_max=models_max,
         max_queue=max_queue,
         forward_margin=forward_margin,

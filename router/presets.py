@@ -41,17 +41,34 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from router import variants
+from router.variants import RequestDefaults
+
 Backend = Literal["auto", "llama_cpp", "torch", "piper", "cmd", "remote"]
 BACKENDS: tuple[str, ...] = ("auto", "llama_cpp", "torch", "piper", "cmd", "remote")
 PLACEMENTS: tuple[str, ...] = ("local", "ray")  # where a worker runs (docs/ray.md)
 POOLINGS: tuple[str, ...] = ("none", "mean", "cls", "last", "rank")  # worker --pooling
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")
+_INI_GROUP = "group:"  # an INI section [group:NAME] is a group of models, not a model
 _INLINE_COMMENT = re.compile(r"\s+[;#].*$")  # `c = 2048 ; comment` (unquoted values only)
 log = logging.getLogger("router.presets")
 
 
 class PresetError(ValueError):
     """A bad preset; the message is one line fit for the user."""
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """A group of models (llama-swap's `groups`, same meanings and defaults; the swap scheduler,
+    router/lifecycle/swap.py, keeps them): `swap`: at most one member holds a slot at a time;
+    `exclusive`: loading a member unloads the models of other groups (waiting for busy ones);
+    `persistent`: its members are never unloaded to make room for a model of another group."""
+
+    name: str
+    swap: bool = True
+    exclusive: bool = True
+    persistent: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +127,13 @@ class ModelPreset:
     fit: str = "full"  # full | partial: fewer GPU layers where no set of GPUs has room for all
     env: tuple[tuple[str, str], ...] = ()  # extra environment for its worker, sorted
     source: str = ""  # where it was defined, for messages
+    # ---- groups, variants and the swap scheduler (router/variants.py, router/lifecycle/swap.py)
+    group: GroupRule | None = None  # the group it is a member of ([groups.NAME])
+    variant_of: str | None = None  # served by that model's worker with `request_defaults`
+    request_defaults: RequestDefaults = field(default_factory=RequestDefaults)  # into each request (variants)
+    priority: int = 0  # which waiting model loads first (higher first, within the fairness bound)
+    concurrency_limit: int | None = None  # requests forwarded at once at most; past it they queue
+    load_delay: float = 0.0  # seconds added to each load: for tests and benchmarks of tiny models
 
     def worker_arg(self, name: str) -> str | None:
         return next((v for k, v in self.worker_args if k == name), None)
@@ -347,6 +371,39 @@ def _env(raw: Any) -> tuple[tuple[str, str], ...]:
     return tuple(sorted(out))
 
 
+def _signed_int(raw: str) -> int:
+    try:
+        return int(str(raw).strip())
+    except ValueError:
+        raise ValueError("expected an integer") from None
+
+
+def _json_table(raw: Any) -> dict[str, Any]:
+    """A TOML table, or JSON object text (INI): `{"enable_thinking": false}`."""
+    if isinstance(raw, dict):
+        return dict(raw)
+    try:
+        data = json.loads(str(raw))
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise ValueError('expected a table (TOML) or a JSON object like {"enable_thinking": false}')
+    return data
+
+
+def _lora_scale(raw: Any) -> tuple[tuple[int, float], ...]:
+    """`0=0.5, 1=1.0` or a table {"0" = 0.5}: adapter id -> scale."""
+    out = []
+    for key, value in _pairs(raw):
+        try:
+            out.append((int(key), float(value)))
+        except (TypeError, ValueError):
+            raise ValueError(f"expected ID=SCALE items (adapter id, number), got {key}={value}") from None
+        if out[-1][0] < 0:
+            raise ValueError(f"adapter id {key}: expected an integer >= 0")
+    return tuple(sorted(out))
+
+
 def _upstream(raw: str) -> str:
     s = str(raw).strip().rstrip("/")
     if not re.match(r"^https?://[^/\s]+", s):
@@ -397,8 +454,19 @@ _KEYS: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "vram": ("vram", parse_size),
     "fit": ("fit", _fit),
     "env": ("env", _env),
+    # groups, variants, the swap scheduler (router/variants.py, router/lifecycle/swap.py)
+    "variant-of": ("variant_of", _text),
+    "system-prompt": ("system_prompt", _text),
+    "chat-template-kwargs": ("chat_template_kwargs", _json_table),
+    "reasoning-budget": ("reasoning_budget", _int(-1)),
+    "lora-scale": ("lora_scale", _lora_scale),
+    "priority": ("priority", _signed_int),
+    "concurrency-limit": ("concurrency_limit", _int(1)),
+    "load-delay": ("load_delay", _float(0)),
 }
-_TABLES = ("ray-resources", "ray-node-labels", "lora-alias", "env")  # keys whose TOML value is a table
+# keys whose TOML value is a table
+_TABLES = ("ray-resources", "ray-node-labels", "lora-alias", "env", "chat-template-kwargs", "lora-scale")
+_DEFAULTS_KEYS = ("system_prompt", "chat_template_kwargs", "reasoning_budget", "lora_scale")  # variants.py
 _SHORT = {"m": "model", "a": "alias", "c": "ctx-size", "np": "parallel", "b": "batch-size",
           "ngl": "n-gpu-layers", "gpu-layers": "n-gpu-layers", "t": "threads",
           "cram": "cache-ram", "kvu": "kv-unified", "fa": "flash-attn",
@@ -509,10 +577,12 @@ class _RawSection:
     spellings: dict[str, str] = field(default_factory=dict)  # canonical key -> as written
 
 
-def _parse_ini(path: Path) -> tuple[_RawSection, list[_RawSection]]:
+def _parse_ini(path: Path) -> tuple[_RawSection, list[_RawSection], list[_RawSection]]:
     glob = _RawSection("*", f"{path}")
     sections: list[_RawSection] = []
+    groups: list[_RawSection] = []
     current: _RawSection | None = None
+    is_group = False
     seen: dict[str, int] = {}
     text = path.read_text(encoding="utf-8")
     for lineno, line in enumerate(text.splitlines(), start=1):
@@ -524,8 +594,13 @@ def _parse_ini(path: Path) -> tuple[_RawSection, list[_RawSection]]:
             if not s.endswith("]"):
                 raise PresetError(f"{where}: malformed section header {s!r} (expected [name])")
             name = s[1:-1].strip()
+            is_group = name.startswith(_INI_GROUP)
             if name == "*":
                 current = glob
+                continue
+            if is_group:  # [group:NAME]: a group of models (GroupRule), not a model
+                current = _RawSection(name[len(_INI_GROUP):].strip(), f"{where} [{name}]")
+                groups.append(current)
                 continue
             if not name or not NAME_RE.match(name):
                 raise PresetError(f"{where}: invalid model name {name!r} (use letters, digits and ._:/@+-)")
@@ -550,18 +625,21 @@ def _parse_ini(path: Path) -> tuple[_RawSection, list[_RawSection]]:
             continue  # llama.cpp's preset files start with `version = 1`
         if current is None:
             raise PresetError(f"{where}: key {key!r} outside a section (put defaults under [*])")
+        if is_group:
+            current.values[key] = (value, where)
+            continue
         _put(current, key, value, where)
-    return glob, sections
+    return glob, sections, groups
 
 
-def _parse_toml(path: Path) -> tuple[_RawSection, list[_RawSection]]:
+def _parse_toml(path: Path) -> tuple[_RawSection, list[_RawSection], list[_RawSection]]:
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise PresetError(f"{path}: invalid TOML: {e}") from None
     for top in data:
-        if top not in ("defaults", "models", "version"):
-            raise PresetError(f"{path}: unknown top-level key {top!r} (valid: defaults, models)")
+        if top not in ("defaults", "models", "groups", "version"):
+            raise PresetError(f"{path}: unknown top-level key {top!r} (valid: defaults, models, groups)")
     glob = _RawSection("*", f"{path}: defaults")
     defaults = data.get("defaults", {})
     if not isinstance(defaults, dict):
@@ -581,7 +659,7 @@ def _parse_toml(path: Path) -> tuple[_RawSection, list[_RawSection]]:
         for key, value in table.items():
             _put(sec, key, value, f"{path}: models.{name}.{key}")
         sections.append(sec)
-    return glob, sections
+    return glob, sections, _toml_groups(path, data.get("groups", {}))
 
 
 def _put(sec: _RawSection, key: str, value: Any, where: str) -> None:
@@ -650,6 +728,7 @@ def _build(name: str, layers: list[_RawSection], base_dir: Path, where: str) -> 
             origin[fname] = at
     model = kwargs.pop("model", None)
     mmproj = kwargs.pop("mmproj", None)
+    kwargs["request_defaults"] = _request_defaults(kwargs, {})
     if kwargs.get("lora"):  # adapter files: found as `model` is
         kwargs["lora"] = tuple(_resolve_model(f, base_dir) for f in kwargs["lora"])
     if kwargs.get("model_draft"):  # the worker's --spec-draft-model (speculative decoding, draft-simple)
@@ -718,6 +797,138 @@ def _check_hub(p: ModelPreset, origin: Mapping[str, str]) -> None:
         raise PresetError(f"{origin['hf_repo']}: 'hf-repo' needs backend = auto, llama_cpp or torch")
 
 
+# --------------------------------------------------------------------------- groups and variants
+#
+# TOML:  [groups.NAME]  members = ["a", "b"]  swap = true  exclusive = true  persistent = false
+# INI:   [group:NAME]   members = a, b        (the same keys; a model cannot be named "group:...")
+# A model is a member of one group at most; a model in none behaves as if groups did not exist.
+# A variant: [models.X] variant-of = "base" and its own request defaults (router/variants.py).
+
+_GROUP_KEYS = ("members", "swap", "exclusive", "persistent")
+
+
+def _toml_groups(path: Path, groups: Any) -> list[_RawSection]:
+    if not isinstance(groups, dict):
+        raise PresetError(f"{path}: 'groups' must be a table of [groups.NAME] tables")
+    out = []
+    for name, table in groups.items():
+        if not isinstance(table, dict):
+            raise PresetError(f"{path}: groups.{name} must be a table (members, swap, exclusive, persistent)")
+        out.append(_RawSection(name, f"{path}: groups.{name}",
+                               {k: (v, f"{path}: groups.{name}.{k}") for k, v in table.items()}))
+    return out
+
+
+def _with_groups(presets: list[ModelPreset], groups: list[_RawSection]) -> list[ModelPreset]:
+    """Each member's preset with its group's rule; errors name the key path."""
+    by_name = {p.name: p for p in presets}
+    owner: dict[str, str] = {}
+    for sec in groups:
+        if not NAME_RE.match(sec.name):
+            raise PresetError(f"{sec.where}: invalid group name {sec.name!r} (letters, digits and ._:/@+-)")
+        for key, (_, at) in sec.values.items():
+            if key not in _GROUP_KEYS:
+                guess = next(iter(difflib_close(key, _GROUP_KEYS)), None)
+                hint = f"; did you mean {guess!r}?" if guess else ""
+                raise PresetError(f"{at}: unknown group key {key!r}{hint} (valid: {', '.join(_GROUP_KEYS)})")
+        flags = {}
+        for key in ("swap", "exclusive", "persistent"):
+            if key in sec.values:
+                value, at = sec.values[key]
+                try:
+                    flags[key] = value if isinstance(value, bool) else _bool(value)
+                except ValueError as e:
+                    raise PresetError(f"{at}: invalid value {value!r} for {key!r}: {e}") from None
+        if "members" not in sec.values:
+            raise PresetError(f"{sec.where}: missing key 'members' (the models of this group)")
+        raw, at = sec.values["members"]
+        members = _aliases(raw) if isinstance(raw, (str, list)) else ()
+        if not members:
+            raise PresetError(f"{at}: expected a list of model names")
+        rule = GroupRule(sec.name, **flags)
+        for m in members:
+            p = by_name.get(m)
+            if p is None:
+                raise PresetError(f"{at}: {m!r} is not a model of this preset file (members are model names)")
+            if p.variant_of is not None:
+                raise PresetError(f"{at}: {m!r} is a variant of {p.variant_of!r}: put {p.variant_of!r} in "
+                                  "the "
+                                  "group (a variant is served by its base's worker)")
+            if m in owner:
+                raise PresetError(f"{at}: {m!r} is already a member of group {owner[m]!r} (one group each)")
+            owner[m] = sec.name
+            by_name[m] = replace(p, group=rule)
+    return [by_name[p.name] for p in presets]
+
+
+def difflib_close(word: str, choices: tuple[str, ...]) -> list[str]:
+    import difflib
+
+    return difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+
+
+def _request_defaults(kwargs: dict[str, Any], worker_args: dict[str, str]) -> RequestDefaults:
+    """Pops the router-side request defaults out of `kwargs` (system-prompt, ...)."""
+    own = {k: kwargs.pop(k) for k in _DEFAULTS_KEYS if k in kwargs}
+    return variants.build(worker_args, system_prompt=own.get("system_prompt"),
+                          template_kwargs=own.get("chat_template_kwargs") or {},
+                          reasoning_budget=own.get("reasoning_budget"),
+                          lora_scale=own.get("lora_scale") or ())
+
+
+def _build_variant(sec: _RawSection) -> ModelPreset:
+    """A variant from its own section only ([*] / [defaults] and the command line are its base's:
+    they configure a worker, and a variant has none of its own)."""
+    kwargs: dict[str, Any] = {}
+    worker_args: dict[str, str] = {}
+    valid = (f"valid in a variant: {', '.join(variants.VARIANT_KEYS)}, and the sampling flags "
+             f"{', '.join(sorted([*variants.PER_REQUEST, 'reasoning']))}")
+    for canon, (value, at) in sec.values.items():
+        flag = canon[len(_WORKER_PREFIX):] if canon.startswith(_WORKER_PREFIX) else None
+        if flag is not None and (flag in variants.PER_REQUEST or flag == "reasoning"):
+            try:
+                worker_args[flag] = _worker_value(flag, value)
+            except ValueError as e:
+                raise PresetError(f"{at}: invalid value {value!r} for {flag!r}: {e}") from None
+            continue
+        if canon not in variants.VARIANT_KEYS:
+            key = sec.spellings.get(canon, flag or canon)
+            raise PresetError(f"{at}: {key!r} cannot be applied per request: a "
+                              f"variant is served by its base model's worker ({valid})")
+        fname, conv = _KEYS[canon]
+        try:
+            kwargs[fname] = conv(value)
+        except ValueError as e:
+            raise PresetError(f"{at}: invalid value {value!r} for {canon!r}: {e}") from None
+    defaults = _request_defaults(kwargs, worker_args)
+    return ModelPreset(name=sec.name, source=sec.where, request_defaults=defaults, **kwargs)
+
+
+def _key_at(p: ModelPreset, key: str) -> str:
+    """`file: models.NAME.KEY` (TOML) or `file:LINE: KEY` (INI, the section's line)."""
+    return f"{p.source}.{key}" if ": models." in p.source else f"{p.source}: {key}"
+
+
+def _linked_variants(presets: list[ModelPreset]) -> list[ModelPreset]:
+    """Each variant checked against its base, its defaults put on top of the base's."""
+    by_name = {p.name: p for p in presets}
+    out = []
+    for p in presets:
+        if p.variant_of is not None:
+            base = by_name.get(p.variant_of)
+            if base is None or base.variant_of is not None:
+                what = "a variant itself" if base is not None else "not a model of this preset file"
+                raise PresetError(f"{_key_at(p, 'variant-of')}: {p.variant_of!r} is {what} (variant-of names "
+                                  "a model with its own worker)")
+            lora = dict(p.request_defaults.fields).get("lora")
+            has_lora = base.lora or base.worker_arg("lora-scaled") or base.worker_arg("lora-runtime")
+            if lora is not None and not has_lora:
+                raise PresetError(f"{_key_at(p, 'lora-scale')}: {p.variant_of!r}: no LoRA adapter ('lora')")
+            p = replace(p, request_defaults=p.request_defaults.over(base.request_defaults))
+        out.append(p)
+    return out
+
+
 def load_presets(path: str | Path, overrides: Mapping[str, Any] | None = None) -> list[ModelPreset]:
     """Read and validate a preset file; `overrides` (router CLI, canonical keys) win over it."""
     path = Path(path)
@@ -725,16 +936,17 @@ def load_presets(path: str | Path, overrides: Mapping[str, Any] | None = None) -
         raise PresetError(f"{path}: preset file not found")
     suffix = path.suffix.lower()
     if suffix == ".toml":
-        glob, sections = _parse_toml(path)
+        glob, sections, groups = _parse_toml(path)
     elif suffix in (".ini", ".cfg", ".conf", ""):
-        glob, sections = _parse_ini(path)
+        glob, sections, groups = _parse_ini(path)
     else:
         raise PresetError(f"{path}: unknown preset format {suffix!r} (valid: .ini, .toml)")
     cli = _cli_section(overrides)
     base_dir = path.parent.resolve()
-    presets = [_build(s.name, [glob, s, cli], base_dir, s.where) for s in sections]
+    presets = [_build_variant(s) if "variant-of" in s.values
+               else _build(s.name, [glob, s, cli], base_dir, s.where) for s in sections]
     check_unique(presets)
-    return presets
+    return _with_groups(_linked_variants(presets), groups)
 
 
 def _cli_section(overrides: Mapping[str, Any] | None) -> _RawSection:

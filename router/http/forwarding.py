@@ -63,6 +63,7 @@ class Forwarder:
             handle = self.lookup(name, scope)
             if (adapter := handle.preset.adapter_for(name)) is not None:
                 body = _with_model(body, adapter)  # a LoRA alias: the worker's "<model>:<adapter>"
+            body = self._with_defaults(body, name, handle, upstream_path)
             if self.spoken is not None and upstream_path == "/v1/chat/completions" and b'"audio"' in body:
                 data = parse_json(body)  # a chat that asks for a spoken answer (router/speech/)
                 if isinstance(data, dict) and self.spoken.takes(handle.preset, data):
@@ -72,6 +73,16 @@ class Forwarder:
             await send_error(send, e)
             return
         await self._run(scope, receive, send, handle, "POST", upstream_path, body)
+
+    def _with_defaults(self, body: bytes, name: str, handle: ModelHandle, upstream_path: str) -> bytes:
+        """A variant's (or its model's) request defaults written into a JSON body (router/variants.py);
+        the body as it is when there are none (no parse on the hot path)."""
+        if not (handle.preset.request_defaults or self.pool.variant(name) is not None):
+            return body
+        data = parse_json(body) if body.lstrip()[:1] == b"{" else None
+        if not isinstance(data, dict):
+            return body  # a form body (an upload): its model field routes it, defaults are for text
+        return json.dumps(self.pool.with_defaults(name, data, upstream_path)).encode()
 
     async def proxy_get(self, scope: Scope, receive: Receive, send: Send, upstream_path: str) -> None:
         """A GET routed by `?model=`."""

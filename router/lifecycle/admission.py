@@ -1,15 +1,16 @@
-"""Admission: who holds a slot and memory, who waits (FIFO), whom to evict or drain.
+"""Admission: who holds a slot and memory, who waits, whom to evict or drain.
 
 A model holds a slot from its grant until its process is reaped, and is charged the memory it
 uses (or is expected to use) against `--ram-budget` / `--vram-budget`. A model that needs a
-slot joins a FIFO (one entry per model, however many requests wait for it) with its `Need`.
-One task, `Slots.run`, asks the pure policy (`router.lifecycle.eviction.choose_victim`) what to do for
-the head of the queue: admit; evict the LRU idle model (a command to its owner, which refuses
-if a request slipped in meanwhile); drain the LRU busy model (it finishes its in-flight
-requests but admits no new ones; undone when the queue empties); wait until something changes
-(a release, a request finishing, a load finishing, a new memory sample); or, when nothing can
-ever make room, refuse the load at once (`SlotsFull`, with the figures; the model is not marked
-failed). Running requests are never aborted to make room.
+slot joins the queue (one entry per model, however many requests wait for it) with its `Need`.
+One task, `Slots.run`, asks the pure swap scheduler (`router.lifecycle.swap.decide`: which
+waiting model next, under the groups' rules and the fairness bound) what to do: admit one;
+evict an idle model (a command to its owner, which refuses if a request slipped in meanwhile);
+drain a busy one (it finishes its in-flight requests but admits no new ones; undone when the
+queue empties); hold until something changes (a release, a request finishing, a load
+finishing, a new memory sample) or until a waiting model becomes overdue; or, when nothing can
+ever make room, refuse that load at once (`SlotsFull`, with the figures; the model is not
+marked failed). Running requests are never aborted to make room.
 
 Slots knows its holders only through the small `Occupant` protocol; whether one drains is the
 occupant's own state (`Occupancy`), not tracked here. `release` is called by the occupant's
@@ -19,13 +20,15 @@ owner alone, when it is left without a process.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-from collections import deque
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.lifecycle.eviction import Admit, Drain, Evict, Full, Limits, Need, Occupancy, choose_victim
+from router.lifecycle import swap
+from router.lifecycle.eviction import Limits, Need, Occupancy
 from router.presets import ModelPreset
 
 log = logging.getLogger("omni.router.admission")
@@ -62,6 +65,12 @@ class Occupant(Protocol):
     @property
     def is_draining(self) -> bool: ...
 
+    @property
+    def num_waiting(self) -> int: ...  # requests waiting for it
+
+    @property
+    def load_seconds(self) -> float | None: ...  # its last measured load, grant to ready
+
     def occupancy(self) -> Occupancy: ...
 
     async def evict(self) -> bool: ...
@@ -74,22 +83,35 @@ class _SlotRequest:
     occupant: Occupant
     need: Need
     granted: asyncio.Future[None]
+    since: float  # monotonic, when it joined
+    order: int
+    num_passed: int = 0  # loads of other models since it joined (the swap scheduler's bound)
+
+    def candidate(self) -> swap.Candidate:
+        o, p = self.occupant, self.occupant.preset
+        return swap.Candidate(o.name, self.since, self.order, self.need, max(1, o.num_waiting),
+                              o.load_seconds, p.priority, p.group, self.num_passed)
 
 
 class Slots:
-    """`--models-max` and memory budget bookkeeping."""
+    """`--models-max` and memory budget bookkeeping; the swap scheduler decides (`rule`)."""
 
-    def __init__(self, limits: Limits, snapshot: Callable[[Occupant], Occupancy] | None = None) -> None:
+    def __init__(self, limits: Limits, snapshot: Callable[[Occupant], Occupancy] | None = None,
+                 rule: swap.SwapRule | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.limits = limits
+        self.rule = rule or swap.SwapRule()
         self.snapshot = snapshot or (lambda h: h.occupancy())  # placement adds a node's reservations
         self.holders: list[Occupant] = []
-        self._queue: deque[_SlotRequest] = deque()
+        self._queue: list[_SlotRequest] = []
         self._changed = asyncio.Event()
+        self._clock = clock
+        self._order = itertools.count()
+        self.num_loads = 0  # slots granted (each a load; with --models-max 1, a swap)
 
     async def acquire(self, occupant: Occupant, need: Need) -> None:
         """Wait for a slot and room in the budgets; `SlotsFull` if there never will be."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append(_SlotRequest(occupant, need, fut))
+        self._queue.append(_SlotRequest(occupant, need, fut, self._clock(), next(self._order)))
         self.poke()
         try:
             await fut
@@ -111,46 +133,61 @@ class Slots:
         return [r.occupant.name for r in self._queue if not r.granted.done()]
 
     async def run(self) -> None:
+        until: float | None = None
         while True:
-            await self._changed.wait()
+            timeout = None if until is None else max(0.0, until - self._clock())
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout)
+            except TimeoutError:
+                pass  # a waiting model became overdue
             self._changed.clear()
             try:
-                await self._admit_from_queue()
+                until = await self._admit_from_queue()
             except Exception:  # a bug here must not stop admission for good
                 log.exception("admission pass failed")
                 await asyncio.sleep(0.1)  # retry, without spinning on a persistent bug
                 self.poke()
 
-    async def _admit_from_queue(self) -> None:
+    async def _admit_from_queue(self) -> float | None:
+        """Act on the scheduler's decisions until it holds; returns when to decide again."""
         refused: set[str] = set()
-        while self._queue:
-            head = self._queue[0]
-            if head.granted.done():  # its load was cancelled
-                self._queue.popleft()
-                continue
+        while True:
+            self._queue = [r for r in self._queue if not r.granted.done()]  # (cancelled loads)
+            if not self._queue:
+                await self._undrain()
+                return None
             holders = list(self.holders)
             by_name = {h.name: h for h in holders}
-            decision = choose_victim([self.snapshot(h) for h in holders], head.need, self.limits)
-            if isinstance(decision, Admit):
-                self._queue.popleft()
-                self.holders.append(head.occupant)
-                head.granted.set_result(None)
-            elif isinstance(decision, Evict):
-                # The victim's owner re-checks (a request may have been admitted since the
-                # snapshot); either way the next decision sees its new state.
-                if decision.victim in refused:
-                    return  # wait for the next change rather than spin
-                if not await by_name[decision.victim].evict():
-                    refused.add(decision.victim)
-            elif isinstance(decision, Drain):
-                await by_name[decision.victim].drain(True)
-                return  # its last release pokes us
-            elif isinstance(decision, Full):
-                self._queue.popleft()
-                head.granted.set_exception(SlotsFull(decision.reason))
-            else:
-                return
-        await self._undrain()
+            entries = {r.occupant.name: r for r in self._queue}
+            decision = swap.decide([self.snapshot(h) for h in holders], [r.candidate() for r in self._queue],
+                                   self.limits, self.rule, self._clock())
+            match decision:
+                case swap.Load(name):
+                    self._grant(entries[name])
+                case swap.Evict(victim):
+                    # The victim's owner re-checks (a request may have been admitted since the
+                    # snapshot); either way the next decision sees its new state.
+                    if victim in refused:
+                        return None  # wait for the next change rather than spin
+                    if not await by_name[victim].evict():
+                        refused.add(victim)
+                case swap.Drain(victim):
+                    await by_name[victim].drain(True)
+                    return None  # its last release pokes us
+                case swap.Refuse(name, reason):
+                    entry = entries[name]
+                    self._queue.remove(entry)
+                    entry.granted.set_exception(SlotsFull(reason))
+                case swap.Hold(_, until):
+                    return until
+
+    def _grant(self, entry: _SlotRequest) -> None:
+        self._queue.remove(entry)
+        self.holders.append(entry.occupant)
+        self.num_loads += 1
+        for other in self._queue:
+            other.num_passed += 1
+        entry.granted.set_result(None)
 
     async def _undrain(self) -> None:
         """Nobody waits any more: models drained for the queue admit requests again."""

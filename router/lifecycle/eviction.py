@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from router.presets import GroupRule
+
 
 @dataclass(frozen=True)
 class Occupancy:
@@ -35,6 +37,8 @@ class Occupancy:
     is_pinned: bool = False
     ram_bytes: int = 0  # what it is charged against the budgets
     vram_bytes: int = 0
+    group: GroupRule | None = None  # its preset group (router/lifecycle/swap.py keeps the rules)
+    num_queued: int = 0  # requests waiting at it (not yet forwarded)
 
 
 @dataclass(frozen=True)

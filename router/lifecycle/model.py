@@ -52,6 +52,7 @@ from router.lifecycle.process import SpawnError
 from router.lifecycle.state import ModelState, Phase
 from router.presets import ModelPreset
 from router.prompt_cache_dir import folder_bytes
+from router.variants import RequestDefaults
 from worker.protocol.errors import APIError
 
 log = logging.getLogger("omni.router.model")
@@ -172,6 +173,8 @@ class ModelHandle:
     ready_since: float = 0.0
     memory: TreeMemory | None = None  # the worker's process tree, last sample; None without a process
     need: Estimate | None = None  # what this run was admitted with
+    load_seconds: float | None = None  # the last load, from its grant to ready (the swap scheduler's cost)
+    _granted_at: float = 0.0
     can_sleep: bool = True  # the server speaks our /sleep + /wake contract (its /health has is_sleeping)
     _peak: TreeMemory | None = None  # this run's largest sample while awake (learned for the next load)
     _failure: str | None = None  # why we stop it (STOPPING_AFTER_FAILURE), for the FAILED message
@@ -230,8 +233,9 @@ class ModelHandle:
         after the respawn (`_fail`)."""
         p = self.preset
         if p.is_remote or p.backend == "cmd":
-            return None
-        return (p.parallel or WORKER_DEFAULT_SLOTS) + self.deps.forward_margin
+            return p.concurrency_limit
+        limit = (p.parallel or WORKER_DEFAULT_SLOTS) + self.deps.forward_margin
+        return limit if p.concurrency_limit is None else min(limit, p.concurrency_limit)
 
     def _has_room(self) -> bool:
         limit = self.forward_limit
@@ -260,6 +264,11 @@ class ModelHandle:
             if self.deps.slots.queued:
                 self.deps.slots.poke()  # an idle model may now be evicted for a queued one
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting here (not yet forwarded): what a load or an undrain would serve."""
+        return sum(1 for w in self._waiters if not w.done())
+
     def occupancy(self) -> Occupancy:
         ram, vram = self.charge()
         return Occupancy(
@@ -271,6 +280,8 @@ class ModelHandle:
             self.preset.pin,
             ram,
             vram,
+            self.preset.group,
+            self.num_waiting,
         )
 
     def charge(self) -> tuple[int, int]:
@@ -582,6 +593,7 @@ class ModelHandle:
         if self.phase is not Phase.QUEUED:
             return  # left the queue meanwhile: its slot was given back on the way out
         self._set(Phase.SPAWNING, {"phase": "spawning", "fraction": 0.0})
+        self._granted_at = time.monotonic()
         self.deps.events.emit("load_started", {"model": self.name})
         self._effect = asyncio.create_task(self._spawn(self._attempt), name=f"spawn:{self.name}")
 
@@ -619,6 +631,8 @@ class ModelHandle:
     async def _start(self, attempt: int, proc: Process, base_url: str) -> None:
         effects = self.deps.effects
         try:
+            if self.preset.load_delay > 0:  # a preset's `load-delay` (tests, benchmarks): a slower load
+                await asyncio.sleep(self.preset.load_delay)
             can_sleep = await effects.wait_ready(proc, base_url, self.preset.load_timeout,
                                                  lambda p: self._post(msg.Progress(attempt, p)))
             info = await effects.info(base_url)
@@ -633,6 +647,7 @@ class ModelHandle:
         if can_sleep is not None:
             self.can_sleep, self.info = can_sleep, info
             self.ready_since = time.monotonic()
+            self.load_seconds = self.ready_since - self._granted_at
             self._learn_peak()
             log.info("model %s: loaded in %.2f s (from the first request or load; %s)", self.name,
                      self.ready_since - self._load_started, _worker_load_line(self.process))
@@ -1127,6 +1142,7 @@ def needs_restart(old: ModelPreset, new: ModelPreset) -> bool:
     (aliases, idle tiers, pin, memory, timeouts, load-on-startup) apply without a restart."""
     def worker_side(p: ModelPreset) -> ModelPreset:
         return replace(settings(p), aliases=(), load_on_startup=False, ttl=None, unload_after=None, pin=False,
-                       memory=None, stop_timeout=0.0, load_timeout=0.0)
+                       memory=None, stop_timeout=0.0, load_timeout=0.0, group=None,
+                       request_defaults=RequestDefaults(), priority=0, concurrency_limit=None, load_delay=0.0)
 
     return worker_side(old) != worker_side(new)

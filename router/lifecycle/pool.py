@@ -13,11 +13,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
 
+from router import variants
 from router.events import EventBus
 from router.keys.context import can_see
 from router.lifecycle.admission import Admission, Slots
@@ -26,6 +27,7 @@ from router.lifecycle.estimate import MemoryBook
 from router.lifecycle.eviction import Limits
 from router.lifecycle.memory import has_gpu
 from router.lifecycle.model import IdleDefaults, ModelDeps, ModelHandle, Waiting, needs_restart, settings
+from router.lifecycle.swap import SwapRule
 from router.presets import ModelPreset, PresetError
 from router.upstream import UpstreamClient
 
@@ -43,6 +45,7 @@ class PoolConfig:
     autoload: bool = True
     host: str = "127.0.0.1"
     forward_margin: int = 2  # requests forwarded to a worker beyond its slots (--forward-margin)
+    swap: SwapRule = field(default_factory=SwapRule)  # --swap-policy, --swap-max-wait, --swap-max-passes
 
 
 class Placement(Protocol):
@@ -80,7 +83,7 @@ class Pool:
             trust_env=False,
         )
         self.upstream = UpstreamClient()  # the proxy's keep-alive connections to workers
-        self.slots = Slots(Limits(config.models_max, config.ram_budget, config.vram_budget))
+        self.slots = Slots(Limits(config.models_max, config.ram_budget, config.vram_budget), rule=config.swap)
         self.book = MemoryBook(has_gpu())
         self.placement = placement
         admission: Admission = self.slots
@@ -101,9 +104,11 @@ class Pool:
         self.handles: dict[str, ModelHandle] = {}
         self.by_name: dict[str, ModelHandle] = {}
         self.retired: set[ModelHandle] = set()  # removed by a reload, finishing their requests
+        self.variants: dict[str, ModelPreset] = {}  # names and aliases -> the variant (router/variants.py)
         for p in presets:
-            self.handles[p.name] = ModelHandle(p, self.deps)
-        self._index()
+            if p.variant_of is None:
+                self.handles[p.name] = ModelHandle(p, self.deps)
+        self._index_with({p.name: p for p in presets})
         self._slots_task: asyncio.Task[None] | None = None
         self._reload_lock = asyncio.Lock()
         self._background: set[asyncio.Task[Any]] = set()
@@ -112,17 +117,37 @@ class Pool:
     def num_waiting(self) -> int:
         return self.deps.waiting.num_waiting
 
-    def _index(self) -> None:
-        self.by_name = {n: h for h in self.handles.values() for n in h.preset.names}
-
     def get(self, name: str) -> ModelHandle | None:
         """The model `name` routes to: a name or alias, or "<name>:<adapter>" (a LoRA adapter of
         that model: the worker resolves the adapter, router/presets.py). None too for a model
-        the request's API key may not use (router.keys.context): every API then answers 404."""
+        the request's API key may not use (router.keys.context): every API then answers 404. A
+        variant's name: its base's worker, for a key that may use the variant or its base."""
         handle = self.by_name.get(name)
+        v = self.variants.get(name)
+        if handle is not None and v is not None and can_see(v.names):
+            return handle
         if handle is None and ":" in name:
             handle = self.by_name.get(name.rpartition(":")[0])
         return _if_visible(handle)
+
+    def variant(self, name: str) -> ModelPreset | None:
+        """The variant `name` is (its defaults go into each request: router/variants.py), or None."""
+        return self.variants.get(name)
+
+    def with_defaults(self, name: str, body: dict[str, Any], path: str) -> dict[str, Any]:
+        """`body` (a request for `name`, to the worker route `path`) with the request defaults of
+        `name` written under its own fields: a variant's over its base's (router/variants.py).
+        A variant's name stays in `model` for our worker (it echoes it back); a `cmd` or remote
+        upstream gets its base's name, the one it serves."""
+        v = self.variants.get(name)
+        handle = self.get(name)
+        if handle is None:
+            return body
+        defaults = v.request_defaults if v is not None else handle.preset.request_defaults
+        out = variants.apply(body, defaults, path)
+        if v is not None and (handle.preset.is_remote or handle.preset.backend == "cmd"):
+            out = {**out, "model": handle.name}
+        return out
 
     async def start(self) -> None:
         self._slots_task = asyncio.create_task(self.deps.slots.run(), name="slots")
@@ -160,6 +185,8 @@ class Pool:
 
     def apply(self, presets: list[ModelPreset]) -> dict[str, list[str]]:
         """Make the pool serve `presets` (already validated as a whole)."""
+        everything = {p.name: p for p in presets}
+        presets = [p for p in presets if p.variant_of is None]
         new = {p.name: p for p in presets}
         added: list[str] = []
         removed: list[str] = []
@@ -184,7 +211,7 @@ class Pool:
                 if p.load_on_startup and not p.is_remote:
                     h.load()
         self.handles = {p.name: self.handles[p.name] for p in presets}  # the files' order
-        self._index_with(new)
+        self._index_with(everything)
         self._estimate_all()
         log.info("presets reloaded: added %s, removed %s, restarting %s", added or "none", removed or "none",
                  changed or "none")
@@ -194,8 +221,10 @@ class Pool:
         return lambda: self.retired.discard(h)
 
     def _index_with(self, presets: dict[str, ModelPreset]) -> None:
-        """Names and aliases from the new presets (a handle takes its new preset a moment later)."""
-        self.by_name = {n: self.handles[name] for name, p in presets.items() for n in p.names}
+        """Names and aliases from the new presets (a handle takes its new preset a moment later);
+        a variant's names route to its base's handle."""
+        self.by_name = {n: self.handles[p.variant_of or name] for name, p in presets.items() for n in p.names}
+        self.variants = {n: p for p in presets.values() if p.variant_of is not None for n in p.names}
 
     async def close(self) -> None:
         """Stop every worker (concurrently, each with its stop-timeout), then the tasks."""
@@ -213,12 +242,19 @@ class Pool:
         await self.client.aclose()
 
     def models(self) -> list[dict[str, Any]]:
-        cards = [h.card() for h in self.handles.values()]
-        if self.placement is not None:
-            for card in cards:
-                if (devices := self.placement.devices(card["id"])) is not None:
-                    card["devices"] = devices  # [{index, uuid, name, vram_bytes}]
-        return cards
+        """Each model's card, each variant's right after its base's."""
+        by_base: dict[str, list[ModelPreset]] = {}
+        for v in {v.name: v for v in self.variants.values()}.values():
+            by_base.setdefault(v.variant_of or "", []).append(v)
+        out = []
+        for h in self.handles.values():
+            base = h.card()
+            if self.placement is not None and (devices := self.placement.devices(base["id"])) is not None:
+                base["devices"] = devices  # [{index, uuid, name, vram_bytes}]
+            out.append(base)
+            out.extend({**base, "id": v.name, "aliases": list(v.aliases), "variant_of": h.name,
+                        "defaults": v.request_defaults.view()} for v in by_base.get(h.name, []))
+        return out
 
 
 def _if_visible(handle: ModelHandle | None) -> ModelHandle | None:

@@ -118,7 +118,7 @@ class NodeSlots:
         slots = self.by_node.get(node.node_id)
         if slots is None:
             slots = self.by_node[node.node_id] = Slots(cluster_nodes.limits_of(node, self.local.limits),
-                                                       cluster_nodes.reserved)
+                                                       cluster_nodes.reserved, self.local.rule)
             log.info("node %s: %s", node.short, cluster_nodes.describe(slots.limits))
             self._tasks.append(asyncio.create_task(slots.run(), name=f"slots:{node.short}"))
         return slots

@@ -47,6 +47,7 @@ class ChatBridge:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
         if (adapter := handle.preset.adapter_for(model)) is not None:  # a LoRA alias (router/presets.py)
             body = {**body, "model": adapter}
+        body = self._pool.with_defaults(model, body, "/v1/chat/completions")  # a variant's (router/variants)
         trace = self._requests.begin(rid or request_id([]), handle, route)
         try:
             async with self._open_chat(model, handle, body, trace, path) as chunks:
@@ -72,6 +73,7 @@ class ChatBridge:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
         if (adapter := handle.preset.adapter_for(model)) is not None:  # a LoRA alias (router/presets.py)
             body = {**body, "model": adapter}
+        body = self._pool.with_defaults(model, body, path)  # a variant's (router/variants.py)
         trace = self._requests.begin(rid or request_id([]), handle, path)
         try:
             base = await self._requests.admit(handle, trace)

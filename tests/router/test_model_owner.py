@@ -25,6 +25,7 @@ from router.lifecycle.memory import TreeMemory
 from router.lifecycle.model import IdleDefaults, ModelDeps, ModelHandle, Waiting
 from router.lifecycle.process import LoadError
 from router.lifecycle.state import Phase
+from router.lifecycle.swap import SwapRule
 from router.presets import ModelPreset
 from tests.router.fake_effects import FakeEffects, FakeProc
 from worker.protocol.errors import APIError
@@ -99,7 +100,7 @@ def preset(name: str, **kw: Any) -> ModelPreset:
 @contextlib.asynccontextmanager
 async def rig(limits: Limits | None = None, idle: IdleDefaults | None = None) -> AsyncIterator[Rig]:
     fx = FakeEffects()
-    slots = Slots(limits or Limits(models_max=4))
+    slots = Slots(limits or Limits(models_max=4), rule=SwapRule("fifo"))  # drains at once: each step is seen
     deps = ModelDeps(slots, EventBus(), fx, MemoryBook(has_gpu=False), Waiting(16), idle or IdleDefaults())
     r = Rig(fx, slots, deps)
     task = asyncio.create_task(slots.run())

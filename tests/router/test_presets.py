@@ -154,7 +154,8 @@ TOML_ERRORS = [
         '[models.a]\nmodel = "{m}"\nctx-size = {{ x = 1 }}\n',
         r"models\.a\.ctx-size: expected a value, got a table",
     ),
-    ('[models.a]\nmodel = "{m}"\n[model.b]\n', r"unknown top-level key 'model' \(valid: defaults, models\)"),
+    ('[models.a]\nmodel = "{m}"\n[model.b]\n',
+     r"unknown top-level key 'model' \(valid: defaults, models, groups\)"),
     ("models = 3\n", r"'models' must be a table"),
     ("[models]\na = 3\n", r"models\.a must be a table"),
     (
