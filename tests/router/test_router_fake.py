@@ -386,7 +386,8 @@ def test_pinned_models_holding_every_slot_fail_a_load_fast(router_factory: Facto
 
 def test_a_busy_model_is_drained_so_a_queued_model_does_not_starve(router_factory: Factory) -> None:
     r = router_factory(
-        fake_model("a", "--tokens", "10", "--token-delay", "0.05") + fake_model("b"), "--models-max", "1"
+        fake_model("a", "--tokens", "10", "--token-delay", "0.05") + fake_model("b"), "--models-max", "1",
+        "--swap-max-wait", "1",  # drained once `b` has waited this long (router/lifecycle/swap.py)
     )
     stop = threading.Event()
     outcomes: list[str] = []
