@@ -82,15 +82,19 @@ def test_a_swap_group_never_has_two_members_up_and_a_persistent_model_stays_thro
     router_factory: Factory,
 ) -> None:
     tiny = f'model = "{GGUF}"\nbackend = "llama_cpp"\nparallel = 1\n'
-    preset = (f"{preset_defaults(256)}[models.a]\n{tiny}[models.b]\n{tiny}[models.keep]\n{tiny}"
-              '[groups.pair]\nmembers = ["a", "b"]\n'
-              '[groups.resident]\nmembers = ["keep"]\nswap = false\nexclusive = false\npersistent = true\n')
+    preset = (
+        f"{preset_defaults(256)}[models.a]\n{tiny}[models.b]\n{tiny}[models.keep]\n{tiny}"
+        '[groups.pair]\nmembers = ["a", "b"]\n'
+        '[groups.resident]\nmembers = ["keep"]\nswap = false\nexclusive = false\npersistent = true\n'
+    )
     r = router_factory(preset, "--models-max", "2")
     complete(r, "keep")
     keep_pid = [w.pid for w in r.workers()]
     with watching(r) as w:
-        threads = [threading.Thread(target=lambda m=m: complete(r, m))  # type: ignore[misc]
-                   for m in ("a", "b", "a", "b", "keep")]
+        threads = [
+            threading.Thread(target=lambda m=m: complete(r, m))  # type: ignore[misc]
+            for m in ("a", "b", "a", "b", "keep")
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -109,12 +113,19 @@ SLOW = ("--tokens", "20", "--token-delay", "0.1")  # a 2 s stream: busy while it
 def test_an_exclusive_load_unloads_other_groups_idle_models_and_waits_for_busy_ones(
     router_factory: Factory,
 ) -> None:
-    preset = (fake_model("x") + fake_model("busy", *SLOW) + fake_model("idle") + fake_model("free")
-              + '[groups.first]\nmembers = ["x"]\n[groups.second]\nmembers = ["busy", "idle"]\nswap = false\n')
+    preset = (
+        fake_model("x")
+        + fake_model("busy", *SLOW)
+        + fake_model("idle")
+        + fake_model("free")
+        + '[groups.first]\nmembers = ["x"]\n[groups.second]\nmembers = ["busy", "idle"]\nswap = false\n'
+    )
     r = router_factory(preset, "--models-max", "0")
     for m in ("idle", "free", "busy"):
         complete(r, m, stream=False)
-    assert {m: r.status(m) for m in ("idle", "free", "busy")} == dict.fromkeys(("idle", "free", "busy"), "loaded")
+    assert {m: r.status(m) for m in ("idle", "free", "busy")} == dict.fromkeys(
+        ("idle", "free", "busy"), "loaded"
+    )
     out: dict[str, Any] = {}
     with watching(r) as w:
         streaming = threading.Thread(target=lambda: out.update(chunks=stream_chat(r, "busy")))

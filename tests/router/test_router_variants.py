@@ -58,7 +58,10 @@ def test_a_variant_answers_with_its_own_defaults_from_its_base_worker(router_fac
     r = router_factory(PRESET)
     cards = r.models()
     assert cards["pirate"]["variant_of"] == "tiny" and cards["pirate"]["defaults"] == {
-        "temperature": 0.0, "n_predict": 12, "system_prompt": SYSTEM}
+        "temperature": 0.0,
+        "n_predict": 12,
+        "system_prompt": SYSTEM,
+    }
     assert [m for m in cards if m.startswith("pirate")] == ["pirate", "pirate-wide"]
 
     variant = post(r, "/v1/chat/completions", {"model": "pirate", "messages": USER})
@@ -71,12 +74,20 @@ def test_a_variant_answers_with_its_own_defaults_from_its_base_worker(router_fac
     assert cached > variant["usage"]["prompt_tokens"] // 2
     assert cached == again["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    same_through_base = post(r, "/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "system", "content": SYSTEM}, *USER], "temperature": 0,
-        "max_tokens": 12})
+    same_through_base = post(
+        r,
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "system", "content": SYSTEM}, *USER],
+            "temperature": 0,
+            "max_tokens": 12,
+        },
+    )
     assert text(variant) == text(same_through_base)  # exactly what its defaults mean
-    without = post(r, "/v1/chat/completions", {"model": "tiny", "messages": USER, "temperature": 0,
-                                               "max_tokens": 12})
+    without = post(
+        r, "/v1/chat/completions", {"model": "tiny", "messages": USER, "temperature": 0, "max_tokens": 12}
+    )
     assert text(without) != text(variant)  # the system prompt changed the answer
     assert variant["usage"]["prompt_tokens"] == same_through_base["usage"]["prompt_tokens"]
     assert variant["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"]
@@ -84,8 +95,11 @@ def test_a_variant_answers_with_its_own_defaults_from_its_base_worker(router_fac
     # the request's own fields win over the variant's
     short = post(r, "/v1/chat/completions", {"model": "pirate", "messages": USER, "max_tokens": 2})
     assert short["usage"]["completion_tokens"] <= 2
-    own_system = post(r, "/v1/chat/completions", {"model": "pirate", "messages": [
-        {"role": "system", "content": "Be terse."}, *USER]})
+    own_system = post(
+        r,
+        "/v1/chat/completions",
+        {"model": "pirate", "messages": [{"role": "system", "content": "Be terse."}, *USER]},
+    )
     assert own_system["usage"]["prompt_tokens"] != variant["usage"]["prompt_tokens"]
 
     # text completions take the sampling defaults; the Responses API goes through the bridge

@@ -1,0 +1,249 @@
+"""Swap benchmark: agent-like traces over more models than fit, FIFO against our scheduler, side by
+side in one run (router/lifecycle/swap.py; docs/internals.md "Swaps between models").
+
+    .venv/bin/python bench/bench_swap.py [--agents 8] [--rounds 1] [--load-delay 1.5] [--json out.json]
+
+One router per policy (`--swap-policy fifo`, then `fair`), the same trace, `--models-max 1`,
+three tiny GGUF models A, B, C whose loads are made realistic by the preset's `load-delay`.
+The trace: `--agents` clients, each a chain of calls A, B, A, C (`--rounds` times; client i
+starts i steps into the chain) with its own think time between calls (seeded, 0.3-1.5 s), plus
+a background chat on A (a call every 0.5 s of think time) until every agent is done. Each call
+is a short greedy chat completion.
+
+Reported per policy: swaps (loads, from /models/sse), total wall time (until the last agent's
+last answer), p50 / p99 latency per model (a call's whole time: its wait for the model and its
+answer), the longest one, and `--swap-max-wait` (the bound: no call should wait much past it,
+plus the swap it waited for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.common import percentile  # noqa: E402  # after the sys.path insert above
+from tests.util import free_port, wait_until  # noqa: E402
+
+GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
+CHAIN = ("A", "B", "A", "C")
+
+
+def preset_text(load_delay: float) -> str:
+    models = "".join(f'[models.{m}]\nmodel = "{GGUF}"\nbackend = "llama_cpp"\n' for m in ("A", "B", "C"))
+    return (
+        f"[defaults]\nctx-size = 256\nparallel = 2\nthreads = 1\nstop-timeout = 5\n"
+        f"load-delay = {load_delay}\n{models}"
+    )
+
+
+@dataclass
+class Run:
+    policy: str
+    calls: list[tuple[str, float]] = field(default_factory=list)  # (model, seconds)
+    loads: dict[str, int] = field(default_factory=dict)
+    sequence: list[str] = field(default_factory=list)  # the models in the order they loaded
+    wall_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def summary(self, max_wait: float) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "policy": self.policy,
+            "swaps": sum(self.loads.values()),
+            "loads": self.loads,
+            "wall_s": round(self.wall_s, 2),
+            "calls": len(self.calls),
+            "errors": len(self.errors),
+            "swap_max_wait_s": max_wait,
+        }
+        for m in ("A", "B", "C"):
+            xs = [s for n, s in self.calls if n == m]
+            out[m] = {
+                "calls": len(xs),
+                "p50_s": round(percentile(xs, 50), 2),
+                "p99_s": round(percentile(xs, 99), 2),
+            }
+        out["longest_s"] = round(max(s for _, s in self.calls), 2) if self.calls else None
+        return out
+
+
+class Router:
+    def __init__(self, preset: Path, *args: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115  # the child's output, for a failure's tail
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "--preset",
+                str(preset),
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                *args,
+            ],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_until(lambda: httpx.get(f"{self.base}/health").status_code == 200, 30, what="router up")
+
+    def close(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(30)
+
+
+def count_loads(r: Router, run: Run, stop: threading.Event, ready: threading.Event) -> None:
+    """Each move of a model into `loaded` from /models/sse is one load (with --models-max 1, a swap)."""
+    last: dict[str, str] = {}
+    try:
+        with httpx.Client(base_url=r.base, timeout=None) as c, c.stream("GET", "/models/sse") as resp:
+            for line in resp.iter_lines():
+                if stop.is_set():
+                    return
+                if not line.startswith("data: "):
+                    continue
+                data = json.loads(line[6:])
+                name, value = data["model"], data["status"]["value"]
+                if value == "loaded" and last.get(name) != "loaded":
+                    with run.lock:
+                        run.loads[name] = run.loads.get(name, 0) + 1
+                        run.sequence.append(name)
+                last[name] = value
+                ready.set()
+    except httpx.HTTPError:
+        if not stop.is_set():
+            raise
+
+
+def call(c: httpx.Client, run: Run, model: str, n: int) -> None:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": f"step {n}"}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
+    t0 = time.perf_counter()
+    resp = c.post("/v1/chat/completions", json=body)
+    took = time.perf_counter() - t0
+    with run.lock:
+        run.calls.append((model, took))
+        if resp.status_code != 200:
+            run.errors.append(f"{model}: {resp.status_code} {resp.text[:200]}")
+
+
+def agent(r: Router, run: Run, i: int, rounds: int, think_s: float) -> None:
+    chain = CHAIN[i % 4 :] + CHAIN[: i % 4]
+    with httpx.Client(base_url=r.base, timeout=600) as c:
+        for n, model in enumerate(chain * rounds):
+            call(c, run, model, n)
+            time.sleep(think_s)  # the agent thinks (its own work), then calls again
+
+
+def background(r: Router, run: Run, done: threading.Event) -> None:
+    with httpx.Client(base_url=r.base, timeout=600) as c:
+        n = 0
+        while not done.is_set():
+            call(c, run, "A", n)
+            n += 1
+            done.wait(0.5)
+
+
+def one_policy(policy: str, args: argparse.Namespace, preset: Path) -> Run:
+    r = Router(
+        preset, "--models-max", "1", "--swap-policy", policy, "--swap-max-wait", str(args.swap_max_wait)
+    )
+    run = Run(policy)
+    stop, ready = threading.Event(), threading.Event()
+    counter = threading.Thread(target=count_loads, args=(r, run, stop, ready), daemon=True)
+    counter.start()
+    ready.wait(10)
+    rnd = random.Random(args.seed)
+    thinks = [rnd.uniform(0.3, 1.5) for _ in range(args.agents)]
+    done = threading.Event()
+    t0 = time.perf_counter()
+    agents = [
+        threading.Thread(target=agent, args=(r, run, i, args.rounds, thinks[i])) for i in range(args.agents)
+    ]
+    chat = threading.Thread(target=background, args=(r, run, done))
+    chat.start()
+    for i, t in enumerate(agents):
+        time.sleep(0.2 if i else 0.0)
+        t.start()
+    for t in agents:
+        t.join()
+    run.wall_s = time.perf_counter() - t0
+    done.set()
+    chat.join()
+    stop.set()
+    r.close()
+    return run
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--agents", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=1, help="times each agent runs its chain A, B, A, C")
+    ap.add_argument("--load-delay", type=float, default=1.5, help="seconds added to each tiny model's load")
+    ap.add_argument("--swap-max-wait", type=float, default=10.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not GGUF.exists():
+        sys.exit(f"{GGUF} is missing: make models")
+    with tempfile.TemporaryDirectory() as tmp:
+        preset = Path(tmp) / "swap.toml"
+        preset.write_text(preset_text(args.load_delay))
+        runs = [one_policy(p, args, preset) for p in ("fifo", "fair")]
+    results = [run.summary(args.swap_max_wait) for run in runs]
+    print(
+        f"swap bench: {args.agents} agents x {args.rounds} rounds of A, B, A, C (+ a background chat on A), "
+        f"--models-max 1, load-delay {args.load_delay} s, --swap-max-wait {args.swap_max_wait} s"
+    )
+    print(
+        f"{'policy':7} {'swaps':>5} {'wall s':>7} {'calls':>5}  "
+        + "  ".join(f"{m} p50/p99 s" for m in ("A", "B", "C"))
+        + "  longest s  errors"
+    )
+    for s in results:
+        cols = "  ".join(f"{s[m]['p50_s']:5.2f}/{s[m]['p99_s']:5.2f} " for m in ("A", "B", "C"))
+        print(
+            f"{s['policy']:7} {s['swaps']:5d} {s['wall_s']:7.1f} {s['calls']:5d}  {cols} "
+            f"{s['longest_s']:9.2f}  {s['errors']:6d}"
+        )
+    fifo, fair = results
+    print(
+        f"fair/fifo: swaps {fair['swaps'] / max(1, fifo['swaps']):.2f}x, wall time "
+        f"{fair['wall_s'] / fifo['wall_s']:.2f}x"
+    )
+    for run in runs:
+        print(f"  {run.policy} loads in order: {' '.join(run.sequence)}")
+        for e in run.errors[:3]:
+            print(f"  {run.policy} error: {e}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
