@@ -1115,6 +1115,9 @@ class ModelHandle:
             card["upstream"] = p.upstream
         if p.speech_model is not None:
             card["speech_model"] = p.speech_model  # the voice that speaks its chat answers
+        if p.group is not None:  # its preset group (docs/swaps.md)
+            card["group"] = {"name": p.group.name, "swap": p.group.swap, "exclusive": p.group.exclusive,
+                             "persistent": p.group.persistent}
         if self.node is not None:
             card["node"] = self.node
         if self.info is not None and self.state is not ModelState.UNLOADED:

@@ -548,3 +548,18 @@ async def test_a_sleeping_model_is_evicted_for_another_when_slots_are_full() -> 
         await asked
         b.release()
         assert a.phase is Phase.UNLOADED
+
+
+@pytest.mark.asyncio
+async def test_concurrency_limit_queues_requests_past_it_in_arrival_order() -> None:
+    async with rig() as r:
+        h = r.add("a", concurrency_limit=1)
+        await r.up(h)
+        assert h.forward_limit == 1  # (a `cmd` server has no bound of its own: the preset's only)
+        first = await h.ensure_ready()
+        second = asyncio.create_task(h.ensure_ready())
+        await r.quiet()
+        assert not second.done() and h.num_waiting == 1 and not h.can_admit()
+        h.release()
+        assert await asyncio.wait_for(second, 1) == first and h.num_in_flight == 1
+        h.release()
