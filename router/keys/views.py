@@ -60,5 +60,5 @@ def cards(pool: Pool) -> list[dict[str, Any]]:
     return [
         shown_card(c)
         for c in pool.models()
-        if c["id"] not in pool.handles and c["id"] not in pool.variants or pool.get(c["id"]) is not None
+        if (c["id"] not in pool.handles and c["id"] not in pool.variants) or pool.get(c["id"]) is not None
     ]

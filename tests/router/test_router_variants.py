@@ -6,16 +6,18 @@ prompt through two variants reuses the worker's prompt cache."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.router.conftest import RouterProc
+from tests.router.conftest import RouterProc, chat, fake_model, running_router
+from tests.router.test_keys import bearer, keys_toml
 from tests.util import ROOT, preset_defaults
 
 Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
-pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
+needs_tiny = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
 
 SYSTEM = "You answer like a pirate, in few words."
 PRESET = f"""{preset_defaults(512)}
@@ -54,6 +56,7 @@ def text(out: dict[str, Any]) -> str:
     return str(out["choices"][0]["message"]["content"])
 
 
+@needs_tiny
 def test_a_variant_answers_with_its_own_defaults_from_its_base_worker(router_factory: Factory) -> None:
     r = router_factory(PRESET)
     cards = r.models()
@@ -113,3 +116,22 @@ def test_a_variant_answers_with_its_own_defaults_from_its_base_worker(router_fac
     assert r.log().count("model tiny: spawning") == 1
     for name in ("tiny", "pirate", "pirate-wide"):
         assert cards[name]["status"]["value"] == "unloaded"  # (the cards were read before the first load)
+
+
+def test_a_key_sees_and_uses_a_variant_it_may_use_and_no_other(tmp_path: Path) -> None:
+    """keys (router.keys): a variant is there for a key that may use its name or its base's."""
+    preset = (fake_model("a") + fake_model("b") + '[models.a-precise]\nvariant-of = "a"\ntemp = 0\n'
+              + '[models.b-precise]\nvariant-of = "b"\ntemp = 0\n')
+    base_key, variant_key = "sk-base-1", "sk-variant-2"
+    (tmp_path / "keys.toml").write_text(keys_toml({"base": (base_key, "user", ["a"]),
+                                                   "variant": (variant_key, "user", ["b-precise"])}))
+    with running_router(tmp_path, preset, "--keys", str(tmp_path / "keys.toml")) as r, r.client() as c:
+        def ids(key: str) -> list[str]:
+            return [m["id"] for m in c.get("/v1/models", headers=bearer(key)).json()["data"]]
+
+        def status(key: str, model: str) -> int:
+            return c.post("/v1/chat/completions", json=chat(model), headers=bearer(key)).status_code
+
+        assert ids(base_key) == ["a", "a-precise"] and ids(variant_key) == ["b-precise"]
+        assert [status(base_key, m) for m in ("a", "a-precise", "b", "b-precise")] == [200, 200, 404, 404]
+        assert [status(variant_key, m) for m in ("b-precise", "b", "a-precise")] == [200, 404, 404]
