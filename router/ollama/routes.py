@@ -252,6 +252,8 @@ class OllamaRoutes:
     async def _answer(
         self, model: str, path: str, body: dict[str, Any], answer: Answer, stream: bool
     ) -> Response:
+        if not stream and path == CHAT_PATH:  # one body from the worker: no stream to fold
+            body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
         stack = AsyncExitStack()
         chunks = await stack.enter_async_context(
             self.open_chat(model, body, route="/api/" + ("chat" if answer.is_chat else "generate"), path=path)

@@ -143,7 +143,7 @@ def upstream_error(status: int, raw: bytes) -> APIError:
 
 async def _replayed(completion: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
     """A chat completion as the chunks its stream would have had: per choice its message as one
-    delta, then its finish; then the usage."""
+    delta, then its finish; then the usage (and llama-server's timings, when it has them)."""
     for choice in completion.get("choices") or []:
         msg = choice.get("message") or {}
         calls = [{"index": k, **c} for k, c in enumerate(msg.get("tool_calls") or [])]
@@ -154,7 +154,8 @@ async def _replayed(completion: dict[str, Any]) -> AsyncIterator[dict[str, Any]]
         yield {"choices": [{"index": index, "delta": delta, "logprobs": choice.get("logprobs"),
                             "finish_reason": None}]}
         yield {"choices": [{"index": index, "delta": {}, "finish_reason": choice.get("finish_reason")}]}
-    yield {"choices": [], "usage": completion.get("usage")}
+    yield {"choices": [], "usage": completion.get("usage"),
+           **({"timings": completion["timings"]} if completion.get("timings") else {})}  # llama-server's
 
 
 async def _sse_chunks(resp: httpx.Response, model: str, trace: RequestTrace) -> AsyncIterator[dict[str, Any]]:
