@@ -121,6 +121,11 @@ def test_the_openai_sdk_sees_its_models_gets_429_past_the_rate_and_its_retry_suc
 ) -> None:
     plain = openai.OpenAI(base_url=f"{router.base}/v1", api_key=RATE, max_retries=0)
     assert [m.id for m in plain.models.list()] == ["tiny"]
+    with router.client() as c:  # a worker's own /props: its file's path for admin keys only
+        assert (
+            "model_path" not in c.get("/props?model=tiny", headers={"Authorization": f"Bearer {RATE}"}).json()
+        )
+        assert c.get("/props?model=tiny", headers=router.headers).json()["model_path"].endswith(GGUF.name)
     with pytest.raises(openai.NotFoundError):
         plain.chat.completions.create(
             model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=2
