@@ -412,3 +412,29 @@ def test_with_one_busy_model_the_bound_still_serves_the_other() -> None:
     result = simulate([hog, once], {"A": 1.0, "B": 1.0}, FAIR, service_s=0.3, parallel=2)
     assert FAIR.max_wait <= result.longest_wait_by_model["B"] <= FAIR.max_wait + 2.0 + 0.3
     assert result.num_swaps == 3  # A, B once (when overdue), A again
+
+
+def bench_trace(num_agents: int, rounds: int) -> list[Agent]:
+    """bench/bench_swap.py's trace: its seed, think times and start offsets; the background chat
+    cut at 8 calls (the bench runs it until the agents are done)."""
+    rnd = random.Random(0)
+    thinks = [rnd.uniform(0.3, 1.5) for _ in range(num_agents)]
+    agents = [
+        Agent(CHAIN[i % 4 :] + CHAIN[: i % 4], think_s=thinks[i], start_s=0.2 * i, rounds=rounds)
+        for i in range(num_agents)
+    ]
+    return [*agents, Agent(("A",), think_s=0.5, start_s=0.0, rounds=8)]
+
+
+@pytest.mark.parametrize(
+    ("num_agents", "rounds", "fifo_swaps", "fair_swaps"), [(8, 1, 11, 7), (4, 2, 12, 13)]
+)
+def test_the_simulation_makes_the_swaps_the_bench_measured(
+    num_agents: int, rounds: int, fifo_swaps: int, fair_swaps: int
+) -> None:
+    """The bench's figures (bench/README.md, docs/swaps.md: 2.5 s loads, parallel 2 + margin 2),
+    reproduced by the simulation: a change of the rule that changes these changes those docs."""
+    loads = {"A": 2.5, "B": 2.5, "C": 2.5}
+    fifo = simulate(bench_trace(num_agents, rounds), loads, FIFO, service_s=0.1)
+    fair = simulate(bench_trace(num_agents, rounds), loads, FAIR, service_s=0.1)
+    assert (fifo.num_swaps, fair.num_swaps) == (fifo_swaps, fair_swaps), (fifo.loads, fair.loads)

@@ -91,6 +91,7 @@ async function refreshModels() {
 }
 
 function onStatus(model, status) {
+  for (const c of S.models.values()) if (c.variant_of === model) c.status = status;  // a variant: its base's state
   const card = S.models.get(model);
   if (!card) { refreshModels(); return; }
   const was = stateOf(card);
