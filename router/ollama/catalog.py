@@ -24,8 +24,7 @@ from typing import Any
 from router.lifecycle.gguf_header import GGUFHeaderError, Value, read_keys
 from router.lifecycle.modalities import modalities
 from router.presets import ModelPreset
-from worker.text.chat_template import ChatTemplateError, load_chat_template
-from worker.text.fim import FIM_TOKEN_TEXTS
+from worker.protocol.fim_tokens import FIM_TOKEN_TEXTS
 
 log = logging.getLogger("omni.router.ollama")
 
@@ -152,8 +151,8 @@ def _facts(path: Path, size: int, mtime_ns: int, template_spec: str | None) -> F
     eos = keys.get("tokenizer.ggml.eos_token_id")
     eos_text = str(vocab[eos]) if isinstance(eos, int) and 0 <= eos < len(vocab) else ""
     fim = _fim_texts(keys, vocab)
-    template = _template(template_spec, keys.get("tokenizer.chat_template"), vocab, keys)
-    source = template.source if template else ""
+    gguf_template = keys.get("tokenizer.chat_template")
+    source = template_source(template_spec, gguf_template if isinstance(gguf_template, str) else None)
     info: dict[str, Any] = {
         k: _json_value(v)
         for k, v in keys.items()
@@ -174,7 +173,7 @@ def _facts(path: Path, size: int, mtime_ns: int, template_spec: str | None) -> F
         template=source if fim is None else insert_template(fim, source),
         eos_text=eos_text,
         has_fim=fim is not None,
-        supports_tools=bool(template and template.caps.supports_tools),
+        supports_tools=_mentions_tools(source),
         model_info=info,
     )
 
@@ -212,20 +211,35 @@ def _json_value(v: Value) -> Any:
     return v if not isinstance(v, list) or len(v) <= 64 else None  # long arrays: as Ollama, left out
 
 
-def _template(spec: str | None, gguf: Value | None, vocab: list[Any], keys: dict[str, Value]) -> Any:
-    def token(key: str) -> str:
-        i = keys.get(key)
-        return str(vocab[i]) if isinstance(i, int) and 0 <= i < len(vocab) else ""
-
+def template_source(spec: str | None, model_template: str | None) -> str:
+    """The chat template the worker will render, read without loading it (the worker's own
+    rules, worker/text/chat_template.py: the preset's `chat-template` if given, a file (a .json
+    one: its "chat_template" key), inline Jinja, or a builtin name; else the model's own).
+    A builtin's source lives in the worker: its name is shown."""
+    if not spec:
+        return model_template or ""
+    path = Path(spec)
     try:
-        return load_chat_template(
-            spec,
-            gguf if isinstance(gguf, str) else None,
-            bos_token=token("tokenizer.ggml.bos_token_id"),
-            eos_token=token("tokenizer.ggml.eos_token_id"),
-        )
-    except (ChatTemplateError, OSError, ValueError):
-        return None
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+            if path.suffix.lower() != ".json":
+                return text
+            value = json.loads(text).get("chat_template")
+            if isinstance(value, list):  # HF's named templates: "default", else the first
+                named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+                value = named.get("default", next(iter(named.values()), None))
+            return value if isinstance(value, str) else ""
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return ""
+    if "{{" in spec or "{%" in spec:
+        return spec
+    return f"{{# omni-worker's builtin chat template {spec!r} #}}"
+
+
+def _mentions_tools(template: str) -> bool:
+    """Whether a template renders `tools`, told from its text before a load (the loaded worker,
+    which probes it, has the last word: its card's `tools`)."""
+    return "tools" in template
 
 
 def _folder_facts(path: Path, digest: str, modified: float, spec: str | None) -> FileFacts:
@@ -239,9 +253,8 @@ def _folder_facts(path: Path, digest: str, modified: float, spec: str | None) ->
     config, tok = read("config.json"), read("tokenizer_config.json")
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     arch = str(config.get("model_type", ""))
-    template = _template(
-        spec, tok.get("chat_template") if isinstance(tok.get("chat_template"), str) else None, [], {}
-    )
+    own = tok.get("chat_template")
+    template = template_source(spec, own if isinstance(own, str) else None)
     eos = tok.get("eos_token")
     return FileFacts(
         size=size,
@@ -251,9 +264,9 @@ def _folder_facts(path: Path, digest: str, modified: float, spec: str | None) ->
         family=arch,
         quantization=str(config.get("torch_dtype", "")).upper(),
         context_length=int(config.get("max_position_embeddings", 0) or 0),
-        template=template.source if template else "",
+        template=template,
         eos_text=eos if isinstance(eos, str) else "",
-        supports_tools=bool(template and template.caps.supports_tools),
+        supports_tools=_mentions_tools(template),
         model_info={f"{arch}.{k}": v for k, v in config.items() if isinstance(v, int | float | str | bool)},
     )
 
@@ -296,12 +309,13 @@ def details(f: FileFacts, n_params: int | None = None) -> dict[str, Any]:
 def capabilities(preset: ModelPreset, f: FileFacts, meta: dict[str, Any] | None) -> list[str]:
     """As the model really supports them: `embedding` for an embedding model; else `completion`,
     `tools` when its chat template renders tools, `vision` when it takes images, `insert` when it
-    has fill-in-the-middle tokens (the loaded worker's word wins), `thinking` when its template
-    thinks."""
+    has fill-in-the-middle tokens, `thinking` when its template thinks. For tools and insert the
+    loaded worker's word (its card's meta) wins over what the file says."""
     if preset.embedding:
         return ["embedding"]
     caps = ["completion"]
-    if f.supports_tools:
+    tools = meta.get("tools") if meta else None
+    if tools if isinstance(tools, bool) else f.supports_tools:
         caps.append("tools")
     if modalities(preset).get("vision"):
         caps.append("vision")

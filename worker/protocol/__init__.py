@@ -9,6 +9,7 @@
     front        the CORS and API-key ASGI layers, llama-server's rules, used by both servers
     profile_log  profiling runs and their JSONL event format (/start_profile, /stop_profile)
     modalities   what an HF model folder takes as input (images: an Idefics3), for both sides
+    fim_tokens   the fill-in-the-middle token texts (the worker's tokenizers, the router's /api/show)
     speech       text to speech: /v1/audio/speech's body, a voice's description, the sentence splitter
     audio_encoding  speech samples -> wav, pcm, flac, mp3, opus (libsndfile), whole or piece by piece
 """

@@ -24,6 +24,8 @@ def model_card(state: WorkerState) -> dict[str, Any]:
             "size": m.size_bytes,
             "backend": state.backend_kind,
             "fim": not m.fim.missing(),  # fill in the middle (/infill): Ollama's `insert` capability
+            # the chat template renders tools (else the generic tool prompt: worker/text/generic_tools.py)
+            "tools": state.template is not None and state.template.caps.supports_tools,
         }
     return card
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker.protocol.fim_tokens import FIM_TOKEN_TEXTS
+
+__all__ = ["FIM_TOKEN_TEXTS", "FimTokens"]
+
 
 @dataclass(frozen=True, slots=True)
 class FimTokens:
@@ -22,13 +26,3 @@ class FimTokens:
         return [
             kind for kind, t in (("prefix", self.pre), ("suffix", self.suf), ("middle", self.mid)) if t < 0
         ]
-
-
-# llama.cpp's names for FIM tokens in a vocabulary without FIM metadata (llama-vocab.cpp)
-FIM_TOKEN_TEXTS: dict[str, tuple[str, ...]] = {
-    "pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<PRE>", "▁<PRE>", "<|fim▁begin|>"),
-    "suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<SUF>", "▁<SUF>", "<|fim▁hole|>"),
-    "mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<MID>", "▁<MID>", "<|fim▁end|>"),
-    "rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
-    "sep": ("<|file_sep|>",),
-}
