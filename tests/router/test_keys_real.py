@@ -54,6 +54,11 @@ sha256 = "{hash_key(TOK)}"
 models = ["tiny"]
 tpm = 40
 
+[keys.line]
+sha256 = "{hash_key("sk-line")}"
+models = ["tiny"]
+concurrency = 1
+
 [keys.conc]
 sha256 = "{hash_key(CONC)}"
 models = ["tiny"]
@@ -249,6 +254,36 @@ def test_a_key_past_its_tokens_per_minute_gets_429_counted_from_the_answers_usag
     # the debt (total - 40 tokens) at 40 a minute: the key waits that long, and is told so
     wait_s = (out.usage.total_tokens - 40) * 60 / 40
     assert int(e.value.response.headers["retry-after"]) == pytest.approx(wait_s, abs=2)
+
+
+def test_requests_that_waited_in_line_reach_the_translated_apis_whole(router: RouterProc) -> None:
+    """The body read while a request waits at its key's gate is replayed to the app: Anthropic's
+    and the Responses API's routes (Starlette) get it as the proxy does."""
+    out: list[str] = []
+    together = threading.Barrier(4)  # sent at once: three of them wait (concurrency 1)
+
+    def anthropic_call(stream: bool) -> None:
+        client = anthropic.Anthropic(base_url=router.base, api_key="sk-line", max_retries=0)
+        msgs: Any = [{"role": "user", "content": "hi"}]
+        together.wait(30)
+        if stream:
+            with client.messages.stream(model="tiny", max_tokens=8, messages=msgs) as s:
+                out.append(s.get_final_message().stop_reason or "")
+        else:
+            out.append(client.messages.create(model="tiny", max_tokens=8, messages=msgs).stop_reason or "")
+
+    def responses_call() -> None:
+        client = openai.OpenAI(base_url=f"{router.base}/v1", api_key="sk-line", max_retries=0)
+        together.wait(30)
+        out.append(client.responses.create(model="tiny", input="hi", max_output_tokens=8).status or "")
+
+    threads = [threading.Thread(target=anthropic_call, args=(s,)) for s in (True, False, True)]
+    threads.append(threading.Thread(target=responses_call))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(out) == 4 and all(out), out
 
 
 def key_usage(text: str, key: str) -> dict[str, float]:
