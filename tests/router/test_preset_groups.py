@@ -212,3 +212,28 @@ APPLY: list[tuple[str, dict[str, Any], str, dict[str, Any]]] = [
 @pytest.mark.parametrize(("body", "path", "expected"), [c[1:] for c in APPLY], ids=[c[0] for c in APPLY])
 def test_apply_defaults(body: dict[str, Any], path: str, expected: dict[str, Any]) -> None:
     assert variants.apply(body, D, path) == expected
+
+
+@pytest.mark.asyncio
+async def test_a_reload_adds_and_removes_variants_without_a_worker_of_their_own(tmp_path: Path) -> None:
+    from router.lifecycle.pool import Pool, PoolConfig
+    from tests.router.fake_effects import FakeEffects
+
+    first = load_presets(write(tmp_path, '[models.a]\nmodel = "{m}"\n'))
+    pool = Pool(first, PoolConfig(), effects=FakeEffects())
+    try:
+        assert pool.get("v") is None
+        text = '[models.a]\nmodel = "{m}"\n[models.v]\nvariant-of = "a"\nalias = ["vee"]\ntemp = 0\n'
+        pool.apply(load_presets(write(tmp_path, text)))
+        assert list(pool.handles) == ["a"] and pool.get("v") is pool.get("vee") is pool.handles["a"]
+        assert [(c["id"], c.get("variant_of")) for c in pool.models()] == [("a", None), ("v", "a")]
+        body = pool.with_defaults("vee", {"messages": [], "temperature": 0.5}, "/v1/chat/completions")
+        assert body == {"messages": [], "temperature": 0.5}  # the request's own field wins
+        assert pool.with_defaults("v", {"prompt": "p"}, "/v1/completions") == {
+            "prompt": "p",
+            "temperature": 0.0,
+        }
+        pool.apply(first)
+        assert pool.get("v") is None and pool.variant("v") is None
+    finally:
+        await pool.close()
