@@ -32,6 +32,7 @@ from typing import Any
 import psutil
 
 from router import worker_flags
+from router.lifecycle import swap
 from router.lifecycle.admission import Admission, Occupant, Slots, SlotsFull
 from router.lifecycle.effects import Effects, Process, WorkerEffects
 from router.lifecycle.estimate import GPU_CONTEXT_BYTES, cached_shape
@@ -233,7 +234,9 @@ class GpuAdmission:
                     log.warning("model %s: the GPUs cannot be read now: started without a placement", name)
                     return
                 holders = [h for h in self.slots.holders if h is not occupant]
-                occupancies = [h.occupancy() for h in holders]
+                # a persistent group's members count as pinned for a model of another group (swap.py)
+                occupancies = [replace(o, is_pinned=True) if swap.is_kept_for(o, preset.group) else o
+                               for o in (h.occupancy() for h in holders)]
                 devices = book.devices(inv, ours, {o.name for o in occupancies if o.is_up})
                 residents = book.residents(occupancies, asking=name)
                 oom = self.gpus.ooms.get(name)

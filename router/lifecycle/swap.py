@@ -252,9 +252,13 @@ def _why_conflict(o: Occupancy, c: Candidate) -> str:
 
 def _is_protected(o: Occupancy, c: Candidate) -> bool:
     """Never unloaded for `c`: pinned, or persistent and not in `c`'s group."""
-    return o.is_pinned or (
-        o.group is not None and o.group.persistent and (c.group is None or c.group.name != o.group.name)
-    )
+    return o.is_pinned or is_kept_for(o, c.group)
+
+
+def is_kept_for(o: Occupancy, group: GroupRule | None) -> bool:
+    """A persistent group's member, kept when a model of `group` (another one, or none) needs room
+    (GPU placement's evictions ask this too, router/lifecycle/gpu_admission.py)."""
+    return o.group is not None and o.group.persistent and (group is None or group.name != o.group.name)
 
 
 def _never_fits(holders: Sequence[Occupancy], c: Candidate, limits: Limits) -> str | None:

@@ -18,6 +18,7 @@ from router.lifecycle.swap import (
     Refuse,
     SwapRule,
     decide,
+    is_kept_for,
     ordered,
 )
 from router.presets import GroupRule
@@ -438,3 +439,13 @@ def test_the_simulation_makes_the_swaps_the_bench_measured(
     fifo = simulate(bench_trace(num_agents, rounds), loads, FIFO, service_s=0.1)
     fair = simulate(bench_trace(num_agents, rounds), loads, FAIR, service_s=0.1)
     assert (fifo.num_swaps, fair.num_swaps) == (fifo_swaps, fair_swaps), (fifo.loads, fair.loads)
+
+
+@pytest.mark.parametrize(
+    ("holder_group", "group", "is_kept"),
+    [(KEEP, None, True), (KEEP, SWAP, True), (KEEP, KEEP, False), (SWAP, None, False), (None, KEEP, False)],
+)
+def test_who_a_persistent_group_keeps_for_gpu_evictions_too(
+    holder_group: GroupRule | None, group: GroupRule | None, is_kept: bool
+) -> None:
+    assert is_kept_for(occ("k", group=holder_group), group) is is_kept
