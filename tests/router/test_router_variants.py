@@ -85,11 +85,14 @@ def test_a_variant_answers_with_its_own_defaults_from_its_base_worker(router_fac
             "messages": [{"role": "system", "content": SYSTEM}, *USER],
             "temperature": 0,
             "max_tokens": 12,
+            "cache_prompt": False,  # computed afresh, as `variant` (the first request) was: the same sums
         },
     )
     assert text(variant) == text(same_through_base)  # exactly what its defaults mean
     without = post(
-        r, "/v1/chat/completions", {"model": "tiny", "messages": USER, "temperature": 0, "max_tokens": 12}
+        r,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": USER, "temperature": 0, "max_tokens": 12, "cache_prompt": False},
     )
     assert text(without) != text(variant)  # the system prompt changed the answer
     assert variant["usage"]["prompt_tokens"] == same_through_base["usage"]["prompt_tokens"]
