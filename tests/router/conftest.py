@@ -8,16 +8,20 @@ free port and yields a `RouterProc` once /health answers; everything is stopped 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import resource
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import h11
 import httpx
 import psutil
 import pytest
@@ -104,6 +108,76 @@ def stream_chat(
                 if on_chunk:
                     on_chunk(len(out))
     return out
+
+
+class HeldStream:
+    """A streamed chat completion that stays in flight at the router until the test says so.
+
+    A test that needs a model *busy* must not bet on a long answer outlasting something else (a
+    fast machine ends 3000 tokens before another model loads). Here the client reads the first
+    event, then stops reading: it connected with a tiny receive buffer and small segments, so
+    the kernel buffers fill within ~100 KB (42 KB queued at the router's socket here, plus
+    uvicorn's 64 KB write buffer); then the router's next `send` waits (uvicorn's flow control)
+    and the request stays in flight, on any machine, until `finish()` reads the rest. The answer
+    is far bigger than those buffers: 3000 tokens with 20 top logprobs each, ~5 MB.
+    """
+
+    BODY: ClassVar[dict[str, object]] = {
+        "stream": True, "max_tokens": 3000, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
+
+    def __init__(self, r: RouterProc, model: str, timeout: float = 60, **extra: Any) -> None:
+        host, port = r.base.removeprefix("http://").rsplit(":", 1)
+        self.sock = socket.socket()
+        # Before connect, so the handshake already announces them (window scale, MSS).
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+        self.sock.settimeout(timeout)
+        self.http = h11.Connection(h11.CLIENT)
+        self.body = bytearray()
+        try:
+            self.sock.connect((host, int(port)))
+            payload = json.dumps({**chat(model), **self.BODY, **extra}).encode()
+            headers = [("host", "router"), ("content-type", "application/json"),
+                       ("content-length", str(len(payload))), *r.headers.items()]
+            for event in (h11.Request(method="POST", target="/v1/chat/completions", headers=headers),
+                          h11.Data(data=payload), h11.EndOfMessage()):
+                self.sock.sendall(self.http.send(event) or b"")
+            while b"data: " not in self.body:  # the first event: the model is serving it
+                if isinstance(self._next(), h11.EndOfMessage):
+                    raise AssertionError(f"the stream ended at once: {self.body[:2000]!r}")
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def _next(self) -> h11.Event | type[h11.PAUSED]:
+        while (event := self.http.next_event()) is h11.NEED_DATA:
+            self.http.receive_data(self.sock.recv(65536))
+        if isinstance(event, h11.Response):
+            assert event.status_code == 200, event
+        elif isinstance(event, h11.Data):
+            self.body += event.data
+        return event
+
+    def finish(self, timeout: float = 120) -> list[str]:
+        """Read the rest (the router may end the request now); the SSE data payloads."""
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        deadline = time.monotonic() + timeout
+        try:
+            while not isinstance(self._next(), h11.EndOfMessage):
+                assert time.monotonic() < deadline, f"the held stream did not end within {timeout}s"
+        finally:
+            self.sock.close()
+        return sse_events(iter(self.body.decode().splitlines()))
+
+    def close(self) -> None:
+        """Leave without reading the rest: the router sees the client go and cancels the request."""
+        self.sock.close()
+
+    def __enter__(self) -> HeldStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _descendants_by_env(marker: str) -> list[psutil.Process]:
