@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from tests.router.conftest import RouterProc, chat, kill_router_and_expect_no_workers, stream_chat
+from tests.router.conftest import HeldStream, RouterProc, chat, kill_router_and_expect_no_workers, stream_chat
 from tests.util import ROOT, preset_defaults, wait_until
 
 Factory = Callable[..., RouterProc]
@@ -86,31 +86,26 @@ def test_autoload_joins_one_worker_and_the_openai_sdk_works(router_factory: Fact
 def test_models_max_1_alternating_real_models_never_aborts_a_stream(router_factory: Factory) -> None:
     r = router_factory(PRESET, "--models-max", "1")
     for first, second in (("tiny-gguf", "tiny-hf"), ("tiny-hf", "tiny-gguf")):
-        started = threading.Event()
-        result: dict[str, Any] = {}
+        # first is in flight until finish() (max_tokens: within a slot's 512 of context)
+        with HeldStream(r, first, max_tokens=400) as held:
+            result: dict[str, Any] = {}
 
-        def run(
-            model: str = first, result: dict[str, Any] = result, started: threading.Event = started
-        ) -> None:
-            result["events"] = stream_chat(
-                r, model, on_chunk=lambda n: started.set(), timeout=60, max_tokens=40, ignore_eos=True
-            )
-            result["done_at"] = time.monotonic()
+            def ask_second(model: str = second, out: dict[str, Any] = result) -> None:
+                with r.client(timeout=60) as c:
+                    out["resp"] = c.post("/v1/chat/completions", json=chat(model, max_tokens=4))
 
-        t = threading.Thread(target=run)
-        t.start()
-        assert started.wait(60)
-        with r.client(timeout=60) as c:
-            resp = c.post("/v1/chat/completions", json=chat(second, max_tokens=4))
-        answered_at = time.monotonic()
+            t = threading.Thread(target=ask_second)
+            t.start()
+            r.wait_status(second, "loading", timeout=30)  # waits for the only slot, which first holds
+            assert t.is_alive() and r.models()[first]["in_flight"] == 1 and r.status(first) == "loaded"
+            events = held.finish()  # first drains: its stream ends in full, then second loads
         t.join(60)
-        assert resp.status_code == 200, resp.text
-        events = result["events"]
-        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events)
+        assert result["resp"].status_code == 200, result["resp"].text
+        assert events[-1] == "[DONE]" and not any("error" in json.loads(e) for e in events[:-1])
         finish = [
             json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1] if json.loads(e)["choices"]
         ]
-        assert finish[-1] == "length" and answered_at >= result["done_at"]
+        assert finish[-1] == "length"
         assert r.status(second) == "loaded" and r.status(first) == "unloaded"
         assert len(r.workers()) == 1
 
@@ -177,19 +172,9 @@ def test_lru_victim_queue_full_and_api_key_with_real_workers(router_factory: Fac
     states = {name: m["status"]["value"] for name, m in r.models().items()}
     assert states == {"a": "loaded", "b": "unloaded", "c": "loaded"}  # b was least recently used
 
-    # Both slots busy with long streams: one b request waits (the LRU busy model is drained),
-    # the next finds the queue full.
-    streams = [r.client(timeout=60, headers=auth) for _ in range(2)]
-    responses = [
-        s.stream("POST", "/v1/chat/completions", json=chat(m, stream=True, max_tokens=4000, ignore_eos=True))
-        for s, m in zip(streams, ("a", "c"), strict=True)
-    ]
-    opened = [cm.__enter__() for cm in responses]
-    # Keep each line iterator alive: a dropped one closes its connection (httpcore closes the
-    # stream on GeneratorExit), and the stream would end at once as a client disconnect.
-    lines = [resp.iter_lines() for resp in opened]
-    for it in lines:
-        next(it)
+    # Both slots busy, held in flight by their clients: one b request waits (the LRU busy model is
+    # drained), the next finds the queue full.
+    held = [HeldStream(r, m) for m in ("a", "c")]
     waiting: dict[str, int] = {}
     t = threading.Thread(target=lambda: waiting.update(code=r.client(timeout=60, headers=auth).post(
         "/v1/chat/completions", json=chat("b", max_tokens=2)).status_code))
@@ -201,11 +186,9 @@ def test_lru_victim_queue_full_and_api_key_with_real_workers(router_factory: Fac
         resp = c.post("/v1/chat/completions", json=chat("b", max_tokens=2))
     assert resp.status_code == 503 and resp.headers["retry-after"] == "1"
     # the victim drains: both streams go on
-    assert all(next(x for x in it if x).startswith("data: {") for it in lines)
-    for cm in responses:  # the clients leave: their streams are cancelled, a slot frees up
-        cm.__exit__(None, None, None)
-    for s in streams:
-        s.close()
+    assert all(r.models()[m]["in_flight"] == 1 for m in ("a", "c")) and t.is_alive()
+    for h in held:  # the clients leave: their streams are cancelled, a slot frees up
+        h.close()
     t.join(60)
     assert waiting["code"] == 200
     client = openai.OpenAI(base_url=f"{r.base}/v1", api_key="sekret")
