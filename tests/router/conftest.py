@@ -125,7 +125,9 @@ class HeldStream:
     BODY: ClassVar[dict[str, object]] = {
         "stream": True, "max_tokens": 3000, "ignore_eos": True, "logprobs": True, "top_logprobs": 20}
 
-    def __init__(self, r: RouterProc, model: str, timeout: float = 60, **extra: Any) -> None:
+    def __init__(self, r: RouterProc, model: str, timeout: float = 60, headers: dict[str, str] | None = None,
+                 **extra: Any) -> None:
+        """`headers`: instead of the router's own (another key); `extra`: fields of the request body."""
         host, port = r.base.removeprefix("http://").rsplit(":", 1)
         self.sock = socket.socket()
         # Before connect, so the handshake already announces them (window scale, MSS).
@@ -137,9 +139,10 @@ class HeldStream:
         try:
             self.sock.connect((host, int(port)))
             payload = json.dumps({**chat(model), **self.BODY, **extra}).encode()
-            headers = [("host", "router"), ("content-type", "application/json"),
-                       ("content-length", str(len(payload))), *r.headers.items()]
-            for event in (h11.Request(method="POST", target="/v1/chat/completions", headers=headers),
+            auth = r.headers if headers is None else headers
+            fields = [("host", "router"), ("content-type", "application/json"),
+                      ("content-length", str(len(payload))), *auth.items()]
+            for event in (h11.Request(method="POST", target="/v1/chat/completions", headers=fields),
                           h11.Data(data=payload), h11.EndOfMessage()):
                 self.sock.sendall(self.http.send(event) or b"")
             while b"data: " not in self.body:  # the first event: the model is serving it
