@@ -23,7 +23,7 @@ from router.keys.access import Access, classify
 from router.keys.keyfile import hash_key, load_keys
 from router.lifecycle.pool import Pool, PoolConfig
 from router.presets import load_presets
-from tests.router.conftest import PY, RouterProc, chat, fake_model, running_router
+from tests.router.conftest import PY, HeldStream, RouterProc, chat, fake_model, running_router
 from tests.util import ROOT, wait_until
 
 Factory = Callable[..., RouterProc]
@@ -204,44 +204,28 @@ def test_admin_actions_leave_an_audit_line_naming_the_key(team: RouterProc) -> N
 def test_reloading_the_keys_file_takes_effect_and_a_running_stream_goes_on(
     router_factory: Factory, tmp_path: Path
 ) -> None:
-    preset = fake_model("a", "--tokens", "80", "--token-delay", "0.05") + fake_model("b")
+    preset = fake_model("a") + fake_model("b")
     keys = tmp_path / "keys.toml"
     keys.write_text(keys_toml({**TEAM, "temp": ("sk-temp-4", "user", [])}))
     r = router_factory(preset, "--keys", str(keys))
-    chunks: list[str] = []
-    first = threading.Event()
-
-    def stream() -> None:
-        with (
-            httpx.Client(base_url=r.base, timeout=30) as c,
-            c.stream(
-                "POST", "/v1/chat/completions", json=chat("a", True), headers=bearer("sk-temp-4")
-            ) as resp,
-        ):
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if line.startswith("data: "):
-                    chunks.append(line[6:])
-                    first.set()
-
-    t = threading.Thread(target=stream)
-    t.start()
-    assert first.wait(20)
+    # In flight until finish(), however fast the machine (the fake answers max_tokens chunks, ~750 KB).
+    held = HeldStream(r, "a", headers=bearer("sk-temp-4"), max_tokens=5000)
     keys.write_text(
         keys_toml(
             {"root": (ADMIN, "admin", []), "user": (USER, "user", ["b"]), "carol": ("sk-carol-5", "user", [])}
         )
     )
-    with r.client() as c:
+    with held, r.client() as c:
         resp = c.post("/models/reload", headers=bearer(ADMIN))
         assert resp.status_code == 200, resp.text
-        assert len(chunks) < 80  # the stream was still running when the keys changed
+        cards = {m["id"]: m for m in c.get("/v1/models", headers=bearer(ADMIN)).json()["data"]}
+        assert cards["a"]["in_flight"] == 1  # the stream was still running when the keys changed
         assert c.post("/v1/chat/completions", json=chat("b"), headers=bearer("sk-temp-4")).status_code == 401
         assert c.post("/v1/chat/completions", json=chat("a"), headers=bearer(USER)).status_code == 404
         assert [m["id"] for m in c.get("/v1/models", headers=bearer(USER)).json()["data"]] == ["b"]
         assert c.post("/v1/chat/completions", json=chat("b"), headers=bearer("sk-carol-5")).status_code == 200
-        t.join(30)
-        assert chunks[-1] == "[DONE]" and len(chunks) == 82  # 80 tokens, the finish, [DONE]: not cut
+        chunks = held.finish()
+        assert chunks[-1] == "[DONE]" and len(chunks) == 5002  # 5000 tokens, the finish, [DONE]: not cut
 
         keys.write_text("[keys.root\n")  # broken: a 400 that says why, and nothing changes
         resp = c.post("/models/reload", headers=bearer(ADMIN))

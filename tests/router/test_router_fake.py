@@ -23,6 +23,7 @@ import pytest
 
 from tests.router.conftest import (
     FAKE,
+    HeldStream,
     RouterProc,
     chat,
     fake_model,
@@ -78,29 +79,25 @@ def test_no_autoload_requires_explicit_load(router_factory: Factory) -> None:
 
 
 def test_models_max_1_alternating_never_aborts_a_running_stream(router_factory: Factory) -> None:
-    slow = ("--tokens", "12", "--token-delay", "0.05")
-    r = router_factory(fake_model("a", *slow) + fake_model("b", *slow), "--models-max", "1")
+    r = router_factory(fake_model("a") + fake_model("b"), "--models-max", "1")
     for first, second in (("a", "b"), ("b", "a"), ("a", "b")):
-        started = threading.Event()
-        result: dict[str, Any] = {}
+        # first is in flight until finish(); the fake answers max_tokens chunks (~750 KB: past the buffers)
+        with HeldStream(r, first, max_tokens=5000) as held:
+            result: dict[str, Any] = {}
 
-        def run_stream(
-            model: str = first, result: dict[str, Any] = result, started: threading.Event = started
-        ) -> None:
-            result["events"] = stream_chat(r, model, on_chunk=lambda n: started.set())
-            result["done_at"] = time.monotonic()
+            def ask_second(model: str = second, out: dict[str, Any] = result) -> None:
+                with r.client() as c:
+                    out["resp"] = c.post("/v1/chat/completions", json=chat(model))  # needs `first` evicted
 
-        t = threading.Thread(target=run_stream)
-        t.start()
-        assert started.wait(30)
-        with r.client() as c:
-            resp = c.post("/v1/chat/completions", json=chat(second))  # needs `first` evicted
-            answered_at = time.monotonic()
+            t = threading.Thread(target=ask_second)
+            t.start()
+            r.wait_status(second, "loading", timeout=30)  # waits for the only slot, which first holds
+            assert t.is_alive() and r.models()[first]["in_flight"] == 1  # it waits instead of aborting
+            events = held.finish()
         t.join(30)
-        assert resp.status_code == 200, resp.text
-        events = result["events"]
-        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events
-        assert answered_at >= result["done_at"]  # it waited for the stream instead of aborting it
+        assert result["resp"].status_code == 200, result["resp"].text
+        assert events[-1] == "[DONE]" and len(events) == 5002, events[-3:]  # not cut
+        assert not any("error" in json.loads(e) for e in events[:-1])
         assert r.status(second) == "loaded" and r.status(first) == "unloaded"
 
 
