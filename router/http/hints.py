@@ -12,9 +12,8 @@ import json
 import re
 
 from router.presets import ModelPreset, canonical_key
+from worker.protocol.defaults import DEFAULT_CTX, DEFAULT_PARALLEL
 
-DEFAULT_PARALLEL = 4  # omni-worker's --parallel default
-DEFAULT_CTX = 4096  # omni-worker's --ctx-size default
 _START_WITH = re.compile(r"Start it with `--([\w-]+)`")
 _START_WITHOUT = re.compile(r"Start it without `--([\w-]+)`")
 _CTX = "try increasing --ctx-size"

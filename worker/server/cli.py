@@ -36,6 +36,7 @@ from worker.engine.disk_tier import SAVE_SECONDS, DiskCacheConfig
 from worker.engine.engine import Engine, Progress
 from worker.engine.metrics import WorkerMetrics
 from worker.engine.speculation import SPEC_TYPES, SpecConfig, SpecType
+from worker.protocol.defaults import DEFAULT_CTX, DEFAULT_PARALLEL
 from worker.protocol.sampling import SamplingParams
 from worker.protocol.speech import is_voice_file
 from worker.server.media import (
@@ -217,9 +218,9 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host"),
     port: int = typer.Option(8080, "--port"),
     uds: str | None = typer.Option(None, "--uds", help="listen on a unix socket instead of a port"),
-    parallel: int = typer.Option(4, "--parallel", "-np", min=1, help="number of slots"),
+    parallel: int = typer.Option(DEFAULT_PARALLEL, "--parallel", "-np", min=1, help="number of slots"),
     ctx_size: int = typer.Option(
-        4096,
+        DEFAULT_CTX,
         "--ctx-size",
         "-c",
         min=0,
