@@ -12,6 +12,10 @@ admission (`POST /v1/audio/speech`, raw samples), like any request a client send
 - Not streamed: `message.audio` is `{id, data, transcript, expires_at}`, the whole answer in one
   file of `audio.format`.
 
+The audio is encoded (and base64'd) off the event loop, by `AudioEncoder` (at most
+`DEFAULT_MAX_ENCODES` at once): LAME, libopus and FFmpeg take about a second a minute of audio,
+and every other stream of every model would stall that long.
+
 Unlike OpenAI, `content` keeps the text too (the transcript equals it), so a client that reads
 only `content` still works. Nothing is stored: `expires_at` is when the id stops meaning
 anything (an hour, as OpenAI), and a later turn sends the text back as the assistant's content.
@@ -20,7 +24,6 @@ anything (an hour, as OpenAI), and a later turn sends the text back as the assis
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import logging
@@ -37,7 +40,8 @@ from router.lifecycle.pool import Pool
 from router.presets import ModelPreset
 from router.responses.bridge import ChatBridge
 from router.speech.wire import CHAT_FORMATS, ChatAudio, SpokenRequest
-from worker.protocol.audio_encoding import Samples, encode, encode_piece
+from worker.media_encoding.audio import Samples
+from worker.media_encoding.offload import AudioEncoder
 from worker.protocol.errors import APIError, parse_model
 from worker.protocol.speech import MAX_INPUT_CHARS, VoiceInfo, check_format, read_voice, split_sentences
 
@@ -52,9 +56,10 @@ def asks_for_audio(data: dict[str, Any]) -> bool:
 
 
 class SpokenChat:
-    def __init__(self, pool: Pool, bridge: ChatBridge) -> None:
+    def __init__(self, pool: Pool, bridge: ChatBridge, encoder: AudioEncoder | None = None) -> None:
         self._pool = pool
         self._bridge = bridge
+        self.encoder = encoder or AudioEncoder()
 
     def takes(self, preset: ModelPreset, data: dict[str, Any]) -> bool:
         """Whether the router answers this chat request itself: it asks for audio and the model
@@ -91,7 +96,7 @@ class SpokenChat:
                            param="audio")
         info = self._voice(preset.speech_model)
         speaker = info.speaker_id(req.audio.voice, param="audio.voice")
-        speech = _Speech(self._bridge, preset.speech_model, req.audio, speaker, info)
+        speech = _Speech(self._bridge, self.encoder, preset.speech_model, req.audio, speaker, info)
         body = {k: v for k, v in data.items() if k not in ("modalities", "audio")}
         if req.stream:
             return await self._streamed(preset.name, body, speech)
@@ -113,9 +118,9 @@ class SpokenChat:
         text = message.get("content") or ""
         samples = [await speech.samples(s) for s in _speakable(text)]
         joined = np.concatenate(samples) if samples else np.zeros(0, dtype=np.int16)
-        audio = encode(joined, speech.info.sample_rate, speech.format)
-        message["audio"] = {"id": speech.audio_id, "data": base64.b64encode(audio).decode(),
-                            "transcript": text, "expires_at": speech.expires_at}
+        data = await speech.encoder.encode_base64(joined, speech.info.sample_rate, speech.format)
+        message["audio"] = {"id": speech.audio_id, "data": data, "transcript": text,
+                            "expires_at": speech.expires_at}
         return JSONResponse(answer)
 
     async def _streamed(self, model: str, body: dict[str, Any], speech: _Speech) -> Response:
@@ -128,9 +133,10 @@ class SpokenChat:
 class _Speech:
     """One answer's voice: its settings, and each sentence spoken through the voice's admission."""
 
-    def __init__(self, bridge: ChatBridge, model: str, audio: ChatAudio, speaker: int,
+    def __init__(self, bridge: ChatBridge, encoder: AudioEncoder, model: str, audio: ChatAudio, speaker: int,
                  info: VoiceInfo) -> None:
         self._bridge = bridge
+        self.encoder = encoder
         self.model = model
         self.voice = audio.voice
         fmt = CHAT_FORMATS.get(audio.format)
@@ -209,9 +215,10 @@ async def _stream(chunks: AsyncIterator[dict[str, Any]], speech: _Speech,
         while (sentence := await sentences.get()) is not None:
             for piece in _speakable(sentence) or [sentence]:
                 samples = await speech.samples(piece) if piece.strip() else np.zeros(0, dtype=np.int16)
-                data = encode_piece(samples, speech.info.sample_rate, speech.format, is_first)
+                data = await speech.encoder.encode_base64(samples, speech.info.sample_rate, speech.format,
+                                                          is_first)
                 is_first = False
-                audio = {"id": speech.audio_id, "data": base64.b64encode(data).decode(), "transcript": piece,
+                audio = {"id": speech.audio_id, "data": data, "transcript": piece,
                          "expires_at": speech.expires_at}
                 await out.put(_sse({**head, "object": "chat.completion.chunk", "choices": [
                     {"index": 0, "delta": {"audio": audio}, "finish_reason": None}]}))

@@ -1,10 +1,13 @@
-"""The import graph (issue 22): no cycles, no upward imports, and the router reaches into the
-worker only through its public protocol package. Read from the source with `ast`: every import,
-at module level or inside a function, counts (TYPE_CHECKING imports too)."""
+"""The import graph (issue 22): no cycles, no upward imports, the router reaches into the worker
+only through its public protocol package and its media encoding (on purpose: spoken chat
+answers), and the third-party packages the router pulls in are a stated list (issue 47). Read from
+the source with `ast`: every import, at module level or inside a function, counts (TYPE_CHECKING
+imports too)."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 from tests.util import ROOT
@@ -13,6 +16,7 @@ from tests.util import ROOT
 LAYERS: dict[str, list[tuple[str, ...]]] = {
     "worker": [
         ("worker.protocol",),
+        ("worker.media_encoding",),
         ("worker.text",),
         ("worker.torch_model",),
         ("worker.backends",),
@@ -35,12 +39,36 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
 }
 
 
+# What of the worker the router may import: the contract, and the media encoding it uses on purpose.
+ROUTER_MAY_USE = ("worker.protocol", "worker.media_encoding")
+# Every third-party package the router imports, itself or through the worker modules it may use,
+# and the modules that may import it (prefixes). A new one is a decision: add it here, with why.
+_ROUTER = ("router", *ROUTER_MAY_USE)
+ROUTER_THIRD_PARTY: dict[str, tuple[str, ...]] = {
+    "starlette": _ROUTER,  # the ASGI app, requests and responses
+    "uvicorn": ("router.cli",),  # serving it
+    "typer": ("router.cli",),  # the command line
+    "pydantic": _ROUTER,  # wire types at the edge
+    "httpx": _ROUTER,  # workers' admin routes, https remote upstreams
+    "httptools": ("router.upstream",),  # the proxy's hot-path HTTP/1.1 parser
+    "prometheus_client": _ROUTER,  # GET /metrics
+    "psutil": ("router.lifecycle", "router.placement"),  # a worker's process tree and its memory
+    "ray": ("router.placement",),  # `--ray`: workers on other nodes (optional)
+    "llguidance": ("worker.protocol.sampling",),  # a grammar's type, for type checking only
+    # spoken chat answers (router/speech/): samples joined and encoded
+    "numpy": ("router.speech", "worker.media_encoding"),
+    "soundfile": ("worker.media_encoding",),  # flac, mp3, opus (libsndfile)
+    "av": ("worker.media_encoding",),  # aac (FFmpeg)
+    "huggingface_hub": ("router",),  # pulling a model from a hub (issue 48)
+}
+
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(ROOT).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports() -> dict[str, set[str]]:
+def _raw_imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for top in ("router", "worker"):
         for path in sorted((ROOT / top).rglob("*.py")):
@@ -53,6 +81,11 @@ def _imports() -> dict[str, set[str]]:
                     found.add(node.module)
                     found.update(f"{node.module}.{a.name}" for a in node.names)
             graph[name] = found
+    return graph
+
+
+def _imports() -> dict[str, set[str]]:
+    graph = _raw_imports()
     modules = set(graph)
     return {m: {i for i in deps if i in modules and i != m} for m, deps in graph.items()}
 
@@ -81,10 +114,28 @@ def test_no_upward_imports() -> None:
     assert not upward, upward
 
 
-def test_the_router_imports_only_the_workers_protocol() -> None:
+def test_the_router_imports_only_the_workers_protocol_and_media_encoding() -> None:
     bad = [f"{m} -> {d}" for m, deps in _imports().items() if m.startswith("router")
-           for d in deps if d.startswith("worker") and not d.startswith("worker.protocol")]
+           for d in deps if d.startswith("worker") and not d.startswith(ROUTER_MAY_USE)]
     assert not bad, bad
+
+
+def test_the_router_imports_only_the_third_party_packages_it_states() -> None:
+    """The router's modules and the worker modules it may use import only ROUTER_THIRD_PARTY's
+    packages, each only where stated (numpy, soundfile and PyAV only for spoken answers)."""
+    raw = _raw_imports()
+    bad = []
+    for module, deps in raw.items():
+        if not module.startswith(_ROUTER):
+            continue
+        for dep in deps:
+            top = dep.split(".")[0]
+            if top in ("router", "worker", "__future__") or top in sys.stdlib_module_names:
+                continue
+            allowed = ROUTER_THIRD_PARTY.get(top)
+            if allowed is None or not module.startswith(allowed):
+                bad.append(f"{module} -> {top}")
+    assert not bad, f"state these in ROUTER_THIRD_PARTY (or do without them): {sorted(set(bad))}"
 
 
 def test_no_import_cycles() -> None:

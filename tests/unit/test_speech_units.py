@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from worker.protocol.audio_encoding import encode, encode_piece, resample, wav_header
+from worker.media_encoding.audio import encode, encode_piece, resample, wav_header
 from worker.protocol.errors import APIError
 from worker.protocol.speech import OPENAI_VOICES, read_voice, sentences, split_sentences
 

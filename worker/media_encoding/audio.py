@@ -1,5 +1,7 @@
 """Speech audio into the formats OpenAI's speech API names: 16-bit mono samples in, file bytes out.
-Shared by the speech worker (`/v1/audio/speech`) and the router's chat audio (router/speech/).
+Shared by the speech worker (`/v1/audio/speech`) and the router's chat audio (router/speech/),
+always through `worker.media_encoding.offload` (never on an event loop: LAME, libopus and FFmpeg
+take about a second a minute of audio).
 
 - pcm: the samples as they are (16-bit signed little-endian, the voice's rate).
 - wav: a RIFF header, then pcm. Streamed, the header's sizes are 0xFFFFFFFF ("until the end",
@@ -46,7 +48,7 @@ def resample(samples: Samples, rate: int, to: int) -> Samples:
 
 
 def encode(samples: Samples, rate: int, fmt: str) -> bytes:
-    """One whole file of `samples` in `fmt` (one of worker.protocol.speech.FORMATS)."""
+    """One whole file of `samples` in `fmt` (one of worker.protocol.speech.FORMATS). Blocking."""
     pcm = samples.astype("<i2", copy=False).tobytes()
     if fmt == "pcm":
         return pcm
@@ -71,13 +73,13 @@ def _aac(samples: Samples, rate: int) -> bytes:
     buf = io.BytesIO()
     with av.open(buf, "w", format="adts") as container:
         stream = container.add_stream("aac", rate=rate)
-        stream.layout = "mono"  # type: ignore[union-attr]  # an audio stream
+        stream.layout = "mono"
         if samples.size:
             frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")
             frame.rate = rate
-            for packet in stream.encode(frame):  # type: ignore[union-attr]
+            for packet in stream.encode(frame):
                 container.mux(packet)
-        for packet in stream.encode(None):  # type: ignore[union-attr]
+        for packet in stream.encode(None):
             container.mux(packet)
     return buf.getvalue()
 

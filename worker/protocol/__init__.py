@@ -11,5 +11,6 @@
     modalities   what an HF model folder takes as input (images: an Idefics3), for both sides
     fim_tokens   the fill-in-the-middle token texts (the worker's tokenizers, the router's /api/show)
     speech       text to speech: /v1/audio/speech's body, a voice's description, the sentence splitter
-    audio_encoding  speech samples -> wav, pcm, flac, mp3, opus (libsndfile), whole or piece by piece
+    model_names  "<model>:<adapter>": an adapter's default name, for the router's routing and the worker
+    defaults     the worker's command-line defaults the router relies on (--parallel, --ctx-size)
 """

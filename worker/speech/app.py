@@ -9,6 +9,9 @@
   wav's header in the first; a flac, mp3 or opus piece is a whole file for its sentence), then a
   `speech.audio.done` event carrying `finish_reason`, then `data: [DONE]`.
 
+Every encode (and its base64) runs off the event loop, in the state's `AudioEncoder` (at most
+`DEFAULT_MAX_ENCODES` at once, worker/media_encoding/offload.py).
+
 The status routes keep the router's worker contract: /health (503 with progress while loading,
 500 when the load failed, then `is_sleeping`), /v1/models, /props, /metrics, /sleep, /wake.
 Any other POST is a 400 naming the model: a speech model serves speech only.
@@ -17,11 +20,10 @@ Any other POST is a 400 naming the model: a speech model serves speech only.
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -30,7 +32,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from worker.protocol.audio_encoding import Samples, encode, encode_piece
+from worker.media_encoding.audio import Samples
+from worker.media_encoding.offload import AudioEncoder
 from worker.protocol.errors import APIError, api_error_handler, http_exception_handler, parse_model
 from worker.protocol.front import Cors, RequireAPIKey
 from worker.protocol.speech import (
@@ -52,6 +55,7 @@ class SpeechState:
     aliases: tuple[str, ...]
     is_metrics_on: bool
     created: int
+    encoder: AudioEncoder = field(default_factory=AudioEncoder)  # encodes off the loop, bounded
 
 
 def _state(request: Request) -> SpeechState:
@@ -89,15 +93,16 @@ async def speech(request: Request) -> Response:
         job.is_cancelled = True
         raise
     rate = state.synth.sample_rate
+    enc = state.encoder
     if req.stream_format == "sse":
-        return StreamingResponse(_sse(first, pieces, job, rate, fmt), media_type="text/event-stream",
+        return StreamingResponse(_sse(enc, first, pieces, job, rate, fmt), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     if fmt in STREAMABLE_FORMATS:
-        return StreamingResponse(_raw(first, pieces, job, rate, fmt), media_type=FORMATS[fmt])
+        return StreamingResponse(_raw(enc, first, pieces, job, rate, fmt), media_type=FORMATS[fmt])
     samples = [first[1]] if first else []
     async for _, s in pieces:
         samples.append(s)
-    return Response(encode(_join(samples), rate, fmt), media_type=FORMATS[fmt])
+    return Response(await enc.encode(_join(samples), rate, fmt), media_type=FORMATS[fmt])
 
 
 def _join(samples: list[Samples]) -> Samples:
@@ -113,15 +118,15 @@ async def _pieces(job: Job) -> AsyncIterator[Piece]:
         yield item
 
 
-async def _raw(first: Piece | None, rest: AsyncIterator[Piece], job: Job, rate: int,
+async def _raw(enc: AudioEncoder, first: Piece | None, rest: AsyncIterator[Piece], job: Job, rate: int,
                fmt: str) -> AsyncIterator[bytes]:
     try:
         if first is None:
-            yield encode_piece(_join([]), rate, fmt, True)
+            yield await enc.encode_piece(_join([]), rate, fmt, True)
             return
-        yield encode_piece(first[1], rate, fmt, True)
+        yield await enc.encode_piece(first[1], rate, fmt, True)
         async for _, samples in rest:
-            yield encode_piece(samples, rate, fmt, False)
+            yield await enc.encode_piece(samples, rate, fmt, False)
     finally:
         job.is_cancelled = True  # a client that left stops the job after its current sentence
 
@@ -130,17 +135,17 @@ def _event(data: object) -> bytes:
     return f"data: {json.dumps(data)}\n\n".encode()
 
 
-async def _sse(first: Piece | None, rest: AsyncIterator[Piece], job: Job, rate: int,
+async def _sse(enc: AudioEncoder, first: Piece | None, rest: AsyncIterator[Piece], job: Job, rate: int,
                fmt: str) -> AsyncIterator[bytes]:
-    def delta(samples: Samples, is_first: bool) -> bytes:
-        audio = base64.b64encode(encode_piece(samples, rate, fmt, is_first)).decode()
+    async def delta(samples: Samples, is_first: bool) -> bytes:
+        audio = await enc.encode_base64(samples, rate, fmt, is_first)
         return _event({"type": "speech.audio.delta", "audio": audio, "format": fmt})
 
     try:
         if first is not None:
-            yield delta(first[1], True)
+            yield await delta(first[1], True)
             async for _, samples in rest:
-                yield delta(samples, False)
+                yield await delta(samples, False)
         yield _event({"type": "speech.audio.done", "format": fmt, "finish_reason": "stop"})
     except APIError as e:
         yield _event(e.body())

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from worker.protocol.audio_encoding import Samples
+from worker.media_encoding.audio import Samples
 from worker.speech.metrics import SpeechMetrics
 from worker.speech.voice import Voice
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker.protocol.audio_encoding import Samples
+from worker.media_encoding.audio import Samples
 from worker.protocol.speech import config_path
 
 # Control characters carry no speech, and espeak-ng's bridge refuses a NUL: they become spaces.
