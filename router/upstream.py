@@ -26,9 +26,13 @@ _MAX_IDLE_PER_ADDRESS = 64
 
 
 class UpstreamError(Exception):
-    def __init__(self, message: str, *, retryable: bool = False) -> None:
+    """`retryable`: a reused connection closed before any response byte (retry on a fresh one);
+    `never_sent`: the connection itself failed (refused), so the worker provably got nothing."""
+
+    def __init__(self, message: str, *, retryable: bool = False, never_sent: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.never_sent = never_sent
 
 
 class _Conn(asyncio.Protocol):
@@ -192,7 +196,7 @@ class UpstreamClient:
         try:
             _, conn = await loop.create_connection(_Conn, host, port)
         except OSError as e:
-            raise UpstreamError(f"cannot connect to {host}:{port}: {e}") from None
+            raise UpstreamError(f"cannot connect to {host}:{port}: {e}", never_sent=True) from None
         return conn
 
     async def request(self, base_url: str, method: str, target: str, headers: list[tuple[bytes, bytes]],

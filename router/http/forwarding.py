@@ -21,7 +21,8 @@ from router.http.form import boundary, form_field
 from router.http.hints import reword_body
 from router.http.proxy import UpstreamUnavailable, forward, json_response_messages, request_headers
 from router.lifecycle.model import ModelHandle
-from router.lifecycle.pool import Pool
+from router.lifecycle.pool import Pool, upstream_model
+from router.lifecycle.request_queue import REQUEUES, WorkerGone, died_on_it, is_gone, is_slot_free
 from router.lifecycle.state import ModelState
 from router.observability.request_trace import REQUEST_ID_HEADER, request_id
 from router.observability.requests import ActiveRequests
@@ -61,8 +62,8 @@ class Forwarder:
                 body, scope.get("query_string", b""), header(scope["headers"], b"content-type")
             )
             handle = self.lookup(name, scope)
-            if (adapter := handle.preset.adapter_for(name)) is not None:
-                body = _with_model(body, adapter)  # a LoRA alias: the worker's "<model>:<adapter>"
+            if (upstream := upstream_model(handle.preset, name)) is not None:
+                body = _with_model(body, upstream)  # a LoRA alias ("<model>:<adapter>"), `name:latest`
             body = self._with_defaults(body, name, handle, upstream_path)
             if self.spoken is not None and upstream_path == "/v1/chat/completions" and b'"audio"' in body:
                 data = parse_json(body)  # a chat that asks for a spoken answer (router/speech/)
@@ -156,18 +157,20 @@ class Forwarder:
         send = trace.wrap(send)
         qs = scope.get("query_string", b"")
         target = upstream_path + ("?" + qs.decode("latin-1") if qs and method == "GET" else "")
+        occupies_slot = not is_slot_free(upstream_path)  # /metrics, /tokenize, ... skip the bound
         try:
             for attempt in range(1 + REQUEUES):
-                base = await self.requests.admit(handle, trace, requeued=attempt > 0)
+                base = await self.requests.admit(handle, trace, requeued=attempt > 0,
+                                                 occupies_slot=occupies_slot)
                 try:
                     trace.status = await self._forward_with_retry(
                         send, handle, method, base, target, scope, body, trace.request_id,
                         can_requeue=attempt < REQUEUES)
                     break
-                except _WorkerGone:
-                    continue  # back in the model's queue: served by the respawned worker
+                except WorkerGone:
+                    continue  # it never reached the worker: back in the queue for the respawned one
                 finally:
-                    handle.release()
+                    handle.release(occupies_slot)
         except APIError as e:
             trace.status = e.status_code
             await send_error(send, e)
@@ -190,6 +193,11 @@ class Forwarder:
 
     async def _forward_with_retry(self, send: Send, handle: ModelHandle, method: str, base: str, target: str,
                                   scope: Scope, body: bytes, rid: str, can_requeue: bool = False) -> int:
+        """Forward once, and once more on a fresh connection if a reused keep-alive connection
+        was closed before any response byte. The crash requeue (router.lifecycle.request_queue):
+        only a request whose first connection was refused provably never reached the worker; it
+        goes back to the queue (`WorkerGone`) once the worker is seen gone. Any other failure of a
+        worker that has gone (the body was sent: it may be what crashed it) is a 502, not replayed."""
         headers = [*request_headers(scope["headers"]), (REQUEST_ID_HEADER, rid.encode())]
         for attempt in (1, 2):
             try:
@@ -206,43 +214,21 @@ class Forwarder:
                     reword_error=lambda data: reword_body(data, handle.preset),
                 )
             except UpstreamUnavailable as e:
-                # A keep-alive connection the worker closed just as we reused it: retry once.
-                if (attempt == 2 or not e.retryable) and can_requeue and await _is_gone(handle, base):
-                    raise _WorkerGone from None  # it crashed: nothing was sent, wait for the respawn
-                if attempt == 2 or not e.retryable:
-                    raise APIError(
-                        str(e),
-                        status_code=503,
-                        type="unavailable_error",
-                        code=503,
-                        headers={"Retry-After": "1"},
-                    ) from None
+                if attempt == 1 and e.retryable:
+                    continue  # a keep-alive connection the worker closed just as we reused it
+                never_sent = attempt == 1 and e.never_sent
+                if never_sent and can_requeue and await is_gone(handle, base):
+                    raise WorkerGone from None  # wait for the respawn
+                if not never_sent and await is_gone(handle, base):
+                    raise died_on_it(handle.name, e) from None
+                raise APIError(
+                    str(e),
+                    status_code=503,
+                    type="unavailable_error",
+                    code=503,
+                    headers={"Retry-After": "1"},
+                ) from None
         raise AssertionError("unreachable")
-
-
-# A request whose worker died before answering it (nothing sent to the client yet: it was
-# admitted just as the worker was killed, or the worker died on it) goes back to the model's
-# queue this many times at most, and is served by the respawned worker. Bounded, so that a
-# request that itself crashes the worker ends (503) after that many respawns.
-REQUEUES = 2
-_GONE_WAIT_S = 2.0  # how long to wait for the model's owner to see the worker's exit
-
-
-class _WorkerGone(Exception):
-    pass
-
-
-async def _is_gone(handle: ModelHandle, base: str) -> bool:
-    """Whether the worker at `base` has gone: its model left READY or moved to another worker
-    (the exit is seen by the owner's watcher, a moment after the connection failed)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + _GONE_WAIT_S
-    while True:
-        if handle.state is not ModelState.READY or handle.base_url != base:
-            return True
-        if loop.time() >= deadline:
-            return False
-        await asyncio.sleep(0.02)
 
 
 def _with_model(body: bytes, model: str) -> bytes:

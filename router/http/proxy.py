@@ -51,11 +51,14 @@ FORCE_HTTPX = os.environ.get("OMNI_PROXY_CLIENT") == "httpx"
 
 
 class UpstreamUnavailable(Exception):
-    """The worker could not be reached before any response byte was sent to the client."""
+    """The worker could not be reached, or failed, before any response byte was sent to the
+    client. `retryable`: a reused keep-alive connection closed before any response byte;
+    `never_sent`: the connection was refused, so the worker provably never got the request."""
 
-    def __init__(self, message: str, *, retryable: bool = False) -> None:
+    def __init__(self, message: str, *, retryable: bool = False, never_sent: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.never_sent = never_sent
 
 
 def request_headers(raw: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -107,7 +110,7 @@ async def forward(
         conn = await upstream.request(base_url, method, target, headers, body)
     except UpstreamError as e:
         raise UpstreamUnavailable(
-            f"worker for model {model!r} is unreachable: {e}", retryable=e.retryable
+            f"worker for model {model!r} is unreachable: {e}", retryable=e.retryable, never_sent=e.never_sent
         ) from None
     try:
         hdrs = _response_headers(conn.headers)
@@ -155,7 +158,8 @@ async def _forward_httpx(client: httpx.AsyncClient, send: Send, method: str, url
     try:
         resp = await client.send(req, stream=True)
     except httpx.TransportError as e:
-        raise UpstreamUnavailable(f"upstream for model {model!r} is unreachable: {e!r}") from None
+        raise UpstreamUnavailable(f"upstream for model {model!r} is unreachable: {e!r}",
+                                  never_sent=isinstance(e, httpx.ConnectError)) from None
     try:
         hdrs = _response_headers(resp.headers.raw)
         await send({"type": "http.response.start", "status": resp.status_code, "headers": hdrs})

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from router.keys.context import can_see, sees_internals
+from router.lifecycle import views as lifecycle_views
 
 __all__ = ["card", "cards", "is_visible", "sees_internals", "shown_card", "shown_status", "visible"]
 
@@ -34,8 +35,8 @@ def visible(handles: Iterable[ModelHandle]) -> list[ModelHandle]:
 
 
 def card(handle: ModelHandle) -> dict[str, Any]:
-    """`handle.card()` as the current key may see it."""
-    return shown_card(handle.card())
+    """The model's card (router.lifecycle.views) as the current key may see it."""
+    return shown_card(lifecycle_views.card(handle))
 
 
 def shown_card(c: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,17 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from worker.protocol.errors import APIError
+
+# The crash backoff: a model that keeps failing waits longer before each respawn.
+STABLE_AFTER_S = 60.0  # a model READY this long before crashing starts its backoff afresh
+MAX_BACKOFF_S = 30.0
+KILLED_LOADS_KEPT = 3  # loads killed by a signal in a row that keep their queued requests waiting
+# A transient failure nobody waits on is shown `failed` this long (or its backoff, if longer), then
+# the model is unloaded again, the failure kept on its card; a pinned or load-on-startup model is
+# loaded again instead (KILLED_LOADS_KEPT times in a row at most).
+FAILED_SHOWN_S = 10.0
+
 # (pattern, does a match mean the worker reported a failed load?) in priority order
 _CAUSES: tuple[tuple[re.Pattern[str], bool], ...] = (
     (re.compile(r"error loading model: (?!llama_model_loader: failed to load model from)(.+)"), True),
@@ -27,6 +38,7 @@ _CAUSES: tuple[tuple[re.Pattern[str], bool], ...] = (
 )
 _TRACEBACK_LAST = re.compile(r"^(\w+(?:Error|Exception)\b.*)$")
 _CLI_USAGE_EXIT = 2
+_WORKER_LOADED = re.compile(r"model loaded in ([\d.]+) s")
 
 
 @dataclass(frozen=True)
@@ -73,3 +85,41 @@ def diagnose(log_tail: Sequence[str], exit_code: int | None, reason: str, *, was
     if last_exception is not None and not was_ready:
         return LoadFailure(f"{reason}: {last_exception}", exit_code not in (None, 0) and exit_code > 0)
     return LoadFailure(reason, exit_code == _CLI_USAGE_EXIT and not was_ready)
+
+
+def backoff_delay(failures: int) -> float:
+    """Seconds to wait before respawning after `failures` consecutive crashes (first: none)."""
+    return 0.0 if failures <= 1 else min(2.0 ** (failures - 2), MAX_BACKOFF_S)
+
+
+def worker_load_line(log_tail: Sequence[str]) -> str:
+    """The worker's own "model loaded in X s" from its log tail, for the router's one-line summary."""
+    for line in reversed(log_tail):
+        if (m := _WORKER_LOADED.search(line)) is not None:
+            return f"the worker's own load: {m.group(1)} s"
+    return "the worker did not log its load time"
+
+
+# ---- the answers a request gets from a model that failed, or went
+
+def unavailable(message: str, retry_after: float | None = None) -> APIError:
+    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return APIError(message, status_code=503, type="unavailable_error", code=503, headers=headers)
+
+
+def permanent_failure(name: str, cause: str, log_tail: list[str]) -> APIError:
+    """A load that fails the same way every time: 500 with `x-should-retry: false` (the openai and
+    anthropic SDKs obey it; they retry any other 5xx) and no Retry-After."""
+    return APIError(
+        f"model {name!r} failed to load: {cause} (not retried until its file or preset changes, "
+        "or POST /models/load asks for it)",
+        status_code=500,
+        type="server_error",
+        code="model_load_failed",
+        headers={"x-should-retry": "false"},
+        extra={"log_tail": log_tail[-20:]},
+    )
+
+
+def removed(message: str) -> APIError:
+    return APIError(message, status_code=404, type="not_found_error", code="model_not_found")

@@ -20,7 +20,8 @@ from router.presets import ModelPreset
 @dataclass
 class EnsureReady:
     reply: asyncio.Future[str]
-    requeued: bool = False  # sent back by a worker that died on it: it waits through the backoff
+    requeued: bool = False  # its worker died before it reached it: it waits through the backoff
+    occupies_slot: bool = True  # False: /tokenize, /metrics, ... (router.lifecycle.request_queue)
 
 
 @dataclass

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,64 +38,42 @@ from router.events import EventBus
 from router.hub.choice import Ref, parse_ref
 from router.hub.download import HubError, Progress, Pulled
 from router.hub.pulls import PULLS
+from router.lifecycle import idle
 from router.lifecycle import messages as msg
 from router.lifecycle.admission import Admission, SlotsFull
 from router.lifecycle.effects import Effects, Process
 from router.lifecycle.estimate import Estimate, MemoryBook
 from router.lifecycle.eviction import Need, Occupancy
-from router.lifecycle.load_failure import LoadFailure, diagnose
+from router.lifecycle.idle import IdleDefaults
+from router.lifecycle.load_failure import (
+    FAILED_SHOWN_S,
+    KILLED_LOADS_KEPT,
+    STABLE_AFTER_S,
+    LoadFailure,
+    backoff_delay,
+    diagnose,
+    permanent_failure,
+    removed,
+    unavailable,
+    worker_load_line,
+)
 from router.lifecycle.memory import SAMPLE_LOADING_S, SAMPLE_RUNNING_S, TreeMemory
-from router.lifecycle.modalities import modalities
+from router.lifecycle.preset_change import needs_restart
 from router.lifecycle.process import SpawnError
+from router.lifecycle.request_queue import (
+    FORWARD_MARGIN,
+    RequestQueue,
+    Waiting,
+    forward_limit,
+    keeps_queue_after_crash,
+)
 from router.lifecycle.state import ModelState, Phase
 from router.presets import ModelPreset
-from router.prompt_cache_dir import folder_bytes
-from router.variants import RequestDefaults
 from worker.protocol.errors import APIError
 
 log = logging.getLogger("omni.router.model")
-STABLE_AFTER_S = 60.0  # a model READY this long before crashing starts its backoff afresh
-MAX_BACKOFF_S = 30.0
 QUEUED_NOTICE_S = 0.2  # a load not granted a slot this soon shows "queued" (else straight to "spawning")
-WORKER_DEFAULT_SLOTS = 4  # omni-worker's --parallel default
-KILLED_LOADS_KEPT = 3  # loads killed by a signal in a row that keep their queued requests waiting
-# A transient failure nobody waits on is shown `failed` this long (or its backoff, if longer), then
-# the model is unloaded again, the failure kept on its card; a pinned or load-on-startup model is
-# loaded again instead (KILLED_LOADS_KEPT times in a row at most).
-FAILED_SHOWN_S = 10.0
-# Requests forwarded to one of our workers at most: its slots and this many more (the default of
-# --forward-margin), so that a slot that frees is refilled from the worker's own queue without a
-# round trip to the router.
-FORWARD_MARGIN = 2
-_WORKER_LOADED = re.compile(r"model loaded in ([\d.]+) s")
 _STRAYS: set[asyncio.Task[Any]] = set()
-
-
-def _worker_load_line(proc: Process | None) -> str:
-    """The worker's own "model loaded in X s" from its log tail, for the router's one-line summary."""
-    for line in reversed(list(proc.log_tail) if proc is not None else []):
-        if (m := _WORKER_LOADED.search(line)) is not None:
-            return f"the worker's own load: {m.group(1)} s"
-    return "the worker did not log its load time"
-
-
-def backoff_delay(failures: int) -> float:
-    """Seconds to wait before respawning after `failures` consecutive crashes (first: none)."""
-    return 0.0 if failures <= 1 else min(2.0 ** (failures - 2), MAX_BACKOFF_S)
-
-
-@dataclass
-class Waiting:
-    """`--max-queue`: requests allowed to wait for a model, all models together."""
-
-    max_queue: int = 256
-    num_waiting: int = 0
-
-
-@dataclass(frozen=True)
-class IdleDefaults:
-    sleep_idle_seconds: float = 0.0  # per-model `ttl` overrides; 0 = never
-    unload_idle_seconds: float = 0.0  # per-model `unload-after` overrides; 0 = never
 
 
 @dataclass
@@ -126,29 +102,6 @@ class _Pending:
 def _reply(fut: asyncio.Future[bool], value: bool) -> None:
     if not fut.done():  # the asker may have gone (client disconnect)
         fut.set_result(value)
-
-
-def _unavailable(message: str, retry_after: float | None = None) -> APIError:
-    headers = {"Retry-After": str(max(1, round(retry_after)))} if retry_after is not None else None
-    return APIError(message, status_code=503, type="unavailable_error", code=503, headers=headers)
-
-
-def _permanent(name: str, cause: str, log_tail: list[str]) -> APIError:
-    """A load that fails the same way every time: 500 with `x-should-retry: false` (the openai and
-    anthropic SDKs obey it; they retry any other 5xx) and no Retry-After."""
-    return APIError(
-        f"model {name!r} failed to load: {cause} (not retried until its file or preset changes, "
-        "or POST /models/load asks for it)",
-        status_code=500,
-        type="server_error",
-        code="model_load_failed",
-        headers={"x-should-retry": "false"},
-        extra={"log_tail": log_tail[-20:]},
-    )
-
-
-def _removed(message: str) -> APIError:
-    return APIError(message, status_code=404, type="not_found_error", code="model_not_found")
 
 
 @dataclass(eq=False)
@@ -185,7 +138,7 @@ class ModelHandle:
         False  # FAILED in a way that repeats: not retried until the file changes or a load is asked
     )
     _failed_stamp: tuple[int, int] | None = None  # the model file's (size, mtime) when it failed
-    _waiters: deque[asyncio.Future[str]] = field(default_factory=deque)  # in arrival order
+    _queue: RequestQueue = field(default_factory=RequestQueue)  # waiting requests, the forwarding bound
     _stop_waiters: list[asyncio.Future[bool]] = field(default_factory=list)
     _commands: asyncio.Queue[msg.Command] = field(default_factory=asyncio.Queue)
     _effect: asyncio.Task[Any] | None = None
@@ -227,34 +180,27 @@ class ModelHandle:
 
     @property
     def forward_limit(self) -> int | None:
-        """Requests forwarded to the worker at once at most (None: no bound, for a `cmd` or
-        remote upstream whose capacity we do not know). The rest wait here, in arrival order:
-        a worker that crashes fails only what it was running, and what waits here is served
-        after the respawn (`_fail`)."""
-        p = self.preset
-        if p.is_remote or p.backend == "cmd":
-            return p.concurrency_limit
-        limit = (p.parallel or WORKER_DEFAULT_SLOTS) + self.deps.forward_margin
-        return limit if p.concurrency_limit is None else min(limit, p.concurrency_limit)
+        """Slot-occupying requests forwarded to the worker at once at most (None: no bound); the
+        rest wait here, in arrival order (router.lifecycle.request_queue)."""
+        return forward_limit(self.preset, self.deps.forward_margin)
 
-    def _has_room(self) -> bool:
-        limit = self.forward_limit
-        return limit is None or self.num_in_flight < limit
-
-    def can_admit(self) -> bool:
+    def can_admit(self, occupies_slot: bool = True) -> bool:
         # FIFO: while requests wait here for room, a new one queues behind them
-        return self.phase is Phase.READY and not self._waiters and self._has_room()
+        return self.phase is Phase.READY and self._queue.can_admit(self.forward_limit, occupies_slot)
 
-    def admit(self) -> str:
+    def admit(self, occupies_slot: bool = True) -> str:
         self.num_in_flight += 1
+        self._queue.num_occupying += occupies_slot
         self.last_used = time.monotonic()
         assert self.base_url is not None
         return self.base_url
 
-    def release(self) -> None:
+    def release(self, occupies_slot: bool = True) -> None:
+        """The end of a request admitted with the same `occupies_slot`."""
         self.num_in_flight -= 1
+        self._queue.num_occupying -= occupies_slot
         self.last_used = time.monotonic()
-        if self._waiters and self.phase is Phase.READY:
+        if self._queue.has_slot_waiters() and self.phase is Phase.READY:
             self._commands.put_nowait(msg.Poke())  # room for the next waiting request
         if self.num_in_flight == 0 and not self.preset.is_remote:
             if self.phase is Phase.DRAINING or self._ttl() > 0 or self._unload_after() > 0:
@@ -296,25 +242,26 @@ class ModelHandle:
 
     # ---- public commands
 
-    async def ensure_ready(self, requeued: bool = False) -> str:
-        """Return the worker's base URL with one request admitted; the caller must `release()`.
-        `requeued`: a request whose worker died before answering it: it waits through the crash
-        backoff for the respawn instead of a 503."""
-        if self.can_admit():
-            return self.admit()
+    async def ensure_ready(self, requeued: bool = False, occupies_slot: bool = True) -> str:
+        """Return the worker's base URL with one request admitted; the caller must
+        `release(occupies_slot)`. `requeued`: a request whose worker died before it reached it:
+        it waits through the crash backoff for the respawn instead of a 503. `occupies_slot`
+        False: a request that bypasses the forwarding bound (router.lifecycle.request_queue)."""
+        if self.can_admit(occupies_slot):
+            return self.admit(occupies_slot)
         waiting = self.deps.waiting
         if waiting.num_waiting >= waiting.max_queue:
             self.load()  # the bound limits waiting requests, never loads: the retry finds it loaded
-            raise _unavailable("too many queued requests, retry later", retry_after=1)
+            raise unavailable("too many queued requests, retry later", retry_after=1)
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(self._on_waiter_done)
-        self._post(msg.EnsureReady(fut, requeued))
+        self._post(msg.EnsureReady(fut, requeued, occupies_slot))
         waiting.num_waiting += 1
         try:
             return await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                self.release()  # admitted just as the client left
+                self.release(occupies_slot)  # admitted just as the client left
             raise
         finally:
             waiting.num_waiting -= 1
@@ -402,7 +349,7 @@ class ModelHandle:
         while not self._commands.empty():
             match self._commands.get_nowait():
                 case msg.EnsureReady(reply) if not reply.done():
-                    reply.set_exception(_removed(f"model {self.name!r} was removed from the presets"))
+                    reply.set_exception(removed(f"model {self.name!r} was removed from the presets"))
                 case msg.Sleep(reply) | msg.Unload(reply) | msg.Evict(reply) | msg.Drain(_, reply):
                     _reply(reply, False)
                 case msg.Sync(reply):
@@ -410,8 +357,8 @@ class ModelHandle:
 
     def _handle(self, cmd: msg.Command) -> None:
         match cmd:
-            case msg.EnsureReady(reply, requeued):
-                self._on_ensure_ready(reply, requeued)
+            case msg.EnsureReady(reply, requeued, occupies_slot):
+                self._on_ensure_ready(reply, requeued, occupies_slot)
             case msg.Load():
                 self._on_load()
             case msg.Sleep(reply):
@@ -477,28 +424,29 @@ class ModelHandle:
 
     # ---- loading
 
-    def _on_ensure_ready(self, reply: asyncio.Future[str], requeued: bool = False) -> None:
+    def _on_ensure_ready(self, reply: asyncio.Future[str], requeued: bool = False,
+                         occupies_slot: bool = True) -> None:
         if reply.done():
             return
         phase = self.phase
         if requeued and phase is Phase.FAILED and not self.is_permanent and time.monotonic() < self.retry_at:
-            self._waiters.append(reply)  # its worker died on it: it waits for the respawn
+            self._queue.add(reply, occupies_slot)  # its worker died before it got it: wait for the respawn
             asyncio.get_running_loop().call_later(self.retry_at - time.monotonic(), self._respawn_if_failed)
             return
         if phase is Phase.READY:
-            self._waiters.append(reply)  # behind those already waiting for room
+            self._queue.add(reply, occupies_slot)  # behind those already waiting for room
             self._resolve_waiters()
             return
         if phase is Phase.FAILED and self.is_permanent and self._file_stamp() == self._failed_stamp:
-            reply.set_exception(_permanent(self.name, self.error or "", self.log_tail))
+            reply.set_exception(permanent_failure(self.name, self.error or "", self.log_tail))
             return
         if phase is Phase.FAILED and time.monotonic() < self.retry_at:
             wait = self.retry_at - time.monotonic()
-            reply.set_exception(_unavailable(
+            reply.set_exception(unavailable(
                 f"model {self.name!r} keeps crashing (exit code {self.exit_code}); retrying in {wait:.0f}s: "
                 f"{self.error or ''}", retry_after=wait))
             return
-        self._waiters.append(reply)
+        self._queue.add(reply, occupies_slot)
         if phase in (Phase.UNLOADED, Phase.FAILED):
             self._begin_queue()
         elif phase is Phase.SLEEPING:
@@ -649,8 +597,9 @@ class ModelHandle:
             self.ready_since = time.monotonic()
             self.load_seconds = self.ready_since - self._granted_at
             self._learn_peak()
+            tail = list(self.process.log_tail) if self.process is not None else []
             log.info("model %s: loaded in %.2f s (from the first request or load; %s)", self.name,
-                     self.ready_since - self._load_started, _worker_load_line(self.process))
+                     self.ready_since - self._load_started, worker_load_line(tail))
         self.last_used = time.monotonic()
         if self._pending is not None:  # a reload changed it while it loaded: restart, its requests wait
             self._begin_stop()
@@ -672,16 +621,10 @@ class ModelHandle:
 
     def _resolve_waiters(self) -> None:
         """Admit waiting requests in arrival order while the worker has room (`forward_limit`)."""
-        while self._waiters and self._has_room():
-            w = self._waiters.popleft()
-            if not w.done():
-                w.set_result(self.admit())
+        self._queue.admit_waiting(self.forward_limit, self.admit)
 
     def _fail_waiters(self, message: str, *, is_removed: bool = False, error: APIError | None = None) -> None:
-        waiters, self._waiters = self._waiters, deque()
-        for w in waiters:
-            if not w.done():
-                w.set_exception(error or (_removed(message) if is_removed else _unavailable(message)))
+        self._queue.fail_all(lambda: error or (removed(message) if is_removed else unavailable(message)))
 
     # ---- sleeping and waking
 
@@ -735,7 +678,7 @@ class ModelHandle:
         self._prune_waiters()
         if self._pending is not None:
             self._begin_stop()
-        elif self._waiters:
+        elif self._queue:
             self._begin_wake()
 
     # ---- draining, eviction, unload, reload
@@ -831,11 +774,11 @@ class ModelHandle:
         if self.preset.model_error is not None:
             self._fail_missing()
             self._set(Phase.FAILED)
-            self._fail_waiters("", error=_permanent(self.name, self.preset.model_error, []))
+            self._fail_waiters("", error=permanent_failure(self.name, self.preset.model_error, []))
             return
         self.need = None
         self._prune_waiters()
-        if self._waiters:
+        if self._queue:
             self._begin_queue()
 
     def _cancel_effect(self) -> None:
@@ -912,21 +855,21 @@ class ModelHandle:
             was_serving = self.phase is Phase.READY or self.phase is Phase.DRAINING
             # killed by a signal while loading (SIGKILL from outside, the OOM killer): transient,
             # but a load that kills itself again and again is a crash loop, cut off after a few
-            killed = code < 0 and self.failures < KILLED_LOADS_KEPT
             failure = diagnose(self.log_tail, code, reason, was_ready=self.ready_since > 0)
-            self._fail(code, failure, keep_waiters=was_serving or killed
-                       or (failure.is_the_box and self.failures < KILLED_LOADS_KEPT))
+            self._fail(code, failure, keep_waiters=keeps_queue_after_crash(
+                was_serving=was_serving, killed_by_signal=code < 0, is_the_box=failure.is_the_box,
+                failures=self.failures, killed_loads_kept=KILLED_LOADS_KEPT))
         self._resolve_stop_waiters(True)
         self._apply_pending()
         self._prune_waiters()
-        if self._waiters and self.phase is Phase.UNLOADED:
+        if self._queue and self.phase is Phase.UNLOADED:
             self._begin_queue()  # requests arrived while it was stopping
 
     def _fail(self, code: int | None, failure: LoadFailure, keep_waiters: bool = False) -> None:
         """FAILED, with a backoff before the next load. `keep_waiters`: the worker crashed while
         serving (or was killed while loading); the requests still waiting here were never
         forwarded to it, so they stay queued and the model loads again once the backoff is over
-        (a crash loop is still paced by the backoff, up to MAX_BACKOFF_S; a load that fails by
+        (a crash loop is still paced by the backoff, up to load_failure.MAX_BACKOFF_S; a load that fails by
         itself, or a permanent failure, fails them)."""
         self._cancel_effect()
         now = time.monotonic()
@@ -951,13 +894,13 @@ class ModelHandle:
         )
         self._set(Phase.FAILED)
         self._prune_waiters()
-        if keep_waiters and not failure.is_permanent and self._waiters:
+        if keep_waiters and not failure.is_permanent and self._queue:
             # Requests wait here that were never forwarded to it: it comes back for them after
             # the backoff. (With nobody waiting it stays FAILED, shown with its exit, and the next
             # request loads it: a crash is not permanent.)
             delay = self.retry_at - now
             log.info("model %s: %d queued requests wait for the respawn in %.1f s", self.name,
-                     len(self._waiters), delay)
+                     len(self._queue), delay)
             asyncio.get_running_loop().call_later(delay, self._respawn_if_failed)
             return
         if not failure.is_permanent:
@@ -970,9 +913,9 @@ class ModelHandle:
                                 lambda: self._commands.put_nowait(msg.Settle(attempt)))
         self._fail_waiters(
             "",
-            error=_permanent(self.name, failure.cause, self.log_tail)
+            error=permanent_failure(self.name, failure.cause, self.log_tail)
             if failure.is_permanent
-            else _unavailable(f"model {self.name!r} failed to load: {failure.cause}"),
+            else unavailable(f"model {self.name!r} failed to load: {failure.cause}"),
         )
 
     def _on_settle(self, attempt: int) -> None:
@@ -980,7 +923,7 @@ class ModelHandle:
         or Ollama's leaves a model, the next request loading it (the failure stays on the card as
         `last_failure`)."""
         if (self.phase is Phase.FAILED and attempt == self._attempt and not self.is_permanent
-                and not self._waiters and not self.is_removed):
+                and not self._queue and not self.is_removed):
             self.last_failure = {"exit_code": self.exit_code, "error": self.error}
             self._set(Phase.UNLOADED)
 
@@ -1006,8 +949,7 @@ class ModelHandle:
     # ---- idle tiers
 
     def _ttl(self) -> float:
-        ttl = self.preset.ttl if self.preset.ttl is not None else self.deps.idle.sleep_idle_seconds
-        return 0.0 if self.preset.is_remote else ttl
+        return idle.sleep_after(self.preset, self.deps.idle)
 
     def set_keep_alive(self, seconds: float | None) -> None:
         """Ollama's `keep_alive` (router/ollama/): unload once idle this long from now on (0: as
@@ -1026,38 +968,30 @@ class ModelHandle:
     def _unload_after(self) -> float:
         if self.keep_alive is not None and not (self.preset.is_remote or self.preset.pin):
             return 0.0 if self.keep_alive < 0 else max(self.keep_alive, 1e-3)  # 0 means now
-        after = self.preset.unload_after
-        after = after if after is not None else self.deps.idle.unload_idle_seconds
-        return 0.0 if self.preset.is_remote or self.preset.pin else after
+        return idle.unload_after(self.preset, self.deps.idle)
 
     def _idle_deadline(self) -> tuple[float, str] | None:
         """When the next idle step is due (monotonic) and what it is: "sleep" or "unload"."""
-        if self.num_in_flight or self._waiters:
+        if self.num_in_flight or self._queue:
             return None
-        ttl, after = self._ttl(), self._unload_after()
-        steps = []
-        if self.phase is Phase.READY and ttl > 0:
-            steps.append((self.last_used + ttl, "sleep"))
-        if self.phase in (Phase.READY, Phase.SLEEPING) and after > 0:
-            steps.append((self.last_used + after, "unload"))
-        return min(steps) if steps else None
+        return idle.next_step(self.phase, self.last_used, self._ttl(), self._unload_after())
 
     def _idle_timeout(self) -> float | None:
         due = self._idle_deadline()
         return None if due is None else max(0.0, due[0] - time.monotonic())
 
     def _prune_waiters(self) -> None:
-        self._waiters = deque(w for w in self._waiters if not w.done())
+        self._queue.prune()
 
     def _on_poke(self) -> None:
-        if self.phase is Phase.READY and self._waiters:
+        if self.phase is Phase.READY and self._queue:
             # A forwarded request ended: room for the next (those whose clients left are skipped
             # on the way). Still busy: nothing idle to check, and no O(queue) pruning per release.
             self._resolve_waiters()
-            if self._waiters:
+            if self._queue:
                 return
         self._prune_waiters()
-        if self.phase is Phase.QUEUED and not self._waiters:
+        if self.phase is Phase.QUEUED and not self._queue:
             self._cancel_effect()  # every client left while queued for a slot
             self._set(Phase.UNLOADED)
             self._apply_pending()
@@ -1087,65 +1021,3 @@ class ModelHandle:
         if self.progress is not None:
             st["progress"] = self.progress
         return st
-
-    def memory_view(self) -> dict[str, Any]:
-        """The estimate (RAM + VRAM) for this run, or the next; measured: the tree's USS, RSS and VRAM."""
-        m = self.memory
-        est = (
-            self.need
-            if self.process is not None and self.need is not None
-            else self.deps.book.peek(self.run_preset)
-        )
-        return {"estimated_bytes": est.total_bytes if est and est.source != "unknown" else None,
-                "ram_bytes": m.uss_bytes if m else None, "rss_bytes": m.rss_bytes if m else None,
-                "vram_bytes": m.vram_bytes if m else None}
-
-    def card(self) -> dict[str, Any]:
-        p = self.run_preset
-        card: dict[str, Any] = {
-            "id": p.name, "object": "model", "created": self.deps.created, "owned_by": "omni-router",
-            "aliases": list(p.aliases), "backend": p.backend, "resolved_backend": p.resolved_backend,
-            "status": self.status(),
-            "in_flight": self.num_in_flight, "pinned": p.pin, "memory": self.memory_view(),
-            "modalities": modalities(p),  # from the preset and its mmproj's header: no load needed
-        }
-        if p.model is not None:
-            card["path"] = str(p.model)
-        if p.upstream:
-            card["upstream"] = p.upstream
-        if p.speech_model is not None:
-            card["speech_model"] = p.speech_model  # the voice that speaks its chat answers
-        if p.group is not None:  # its preset group (docs/swaps.md)
-            card["group"] = {"name": p.group.name, "swap": p.group.swap, "exclusive": p.group.exclusive,
-                             "persistent": p.group.persistent}
-        if self.node is not None:
-            card["node"] = self.node
-        if self.info is not None and self.state is not ModelState.UNLOADED:
-            card["meta"] = self.info.get("meta", self.info)
-        if p.cache_dir is not None:
-            card["prompt_cache_disk"] = {"dir": p.cache_dir, "bytes": folder_bytes(p.cache_dir)}
-        if p.lora or p.lora_aliases:  # LoRA adapters: `model` reaches one as "<id>:<adapter>" or an alias
-            card["lora"] = {"files": [str(f) for f in p.lora],
-                            "aliases": {name: f"{p.name}:{adapter}" for name, adapter in p.lora_aliases}}
-        if p.hf_repo is not None:  # from a hub: the reference, and what its pull brought
-            card["hf_repo"] = p.hf_repo if p.hf_file is None else f"{p.hf_repo} ({p.hf_file})"
-            if self.pulled is not None:
-                card["hf"] = {"commit": self.pulled.commit, "files": list(self.pulled.files),
-                              "bytes": self.pulled.total_bytes, "sampling": dict(self.pulled.sampling)}
-        return card
-
-
-def settings(p: ModelPreset) -> ModelPreset:
-    """A preset without where it was written: two presets with equal settings compare equal."""
-    return replace(p, source="")
-
-
-def needs_restart(old: ModelPreset, new: ModelPreset) -> bool:
-    """Whether the worker's command line (or what it serves) differs; the router-side keys
-    (aliases, idle tiers, pin, memory, timeouts, load-on-startup) apply without a restart."""
-    def worker_side(p: ModelPreset) -> ModelPreset:
-        return replace(settings(p), aliases=(), load_on_startup=False, ttl=None, unload_after=None, pin=False,
-                       memory=None, stop_timeout=0.0, load_timeout=0.0, group=None,
-                       request_defaults=RequestDefaults(), priority=0, concurrency_limit=None, load_delay=0.0)
-
-    return worker_side(old) != worker_side(new)

@@ -25,11 +25,16 @@ from router.lifecycle.admission import Admission, Slots
 from router.lifecycle.effects import Effects, WorkerEffects
 from router.lifecycle.estimate import MemoryBook
 from router.lifecycle.eviction import Limits
+from router.lifecycle.idle import IdleDefaults
 from router.lifecycle.memory import has_gpu
-from router.lifecycle.model import IdleDefaults, ModelDeps, ModelHandle, Waiting, needs_restart, settings
+from router.lifecycle.model import ModelDeps, ModelHandle
+from router.lifecycle.preset_change import needs_restart, settings
+from router.lifecycle.request_queue import Waiting
 from router.lifecycle.swap import SwapRule
+from router.lifecycle.views import card
 from router.presets import ModelPreset, PresetError
 from router.upstream import UpstreamClient
+from worker.protocol.model_names import adapter_name
 
 log = logging.getLogger("omni.router.pool")
 
@@ -46,6 +51,29 @@ class PoolConfig:
     host: str = "127.0.0.1"
     forward_margin: int = 2  # requests forwarded to a worker beyond its slots (--forward-margin)
     swap: SwapRule = field(default_factory=SwapRule)  # --swap-policy, --swap-max-wait, --swap-max-passes
+
+
+def has_adapter(p: ModelPreset, adapter: str) -> bool:
+    """Whether `"<p.name>:<adapter>"` names one of the model's LoRA adapters: a `lora` file's (or
+    `lora-scaled`'s) default name, or an adapter a `lora-alias` names. With `lora-runtime` on,
+    any name may be an adapter loaded at run time: the worker decides (a 400 if it is not)."""
+    if p.worker_arg("lora-runtime") == "true":
+        return True
+    scaled = p.worker_arg("lora-scaled")
+    files = [*map(str, p.lora), *(f.rpartition(":")[0] for f in (scaled or "").split(",") if f)]
+    return adapter in {adapter_name(f) for f in files} | {a for _, a in p.lora_aliases}
+
+
+def upstream_model(p: ModelPreset, name: str) -> str | None:
+    """The `model` a request that named `name` must carry to the worker, when it differs: a LoRA
+    alias becomes "<model>:<adapter>", and `name:latest` of a model named `name` becomes `name`
+    (the worker would read `latest` as an adapter); None: `name` goes as it is."""
+    adapter = p.adapter_for(name)
+    if adapter is not None:
+        return adapter
+    if name.endswith(":latest") and name not in p.names:
+        return p.name
+    return None
 
 
 class Placement(Protocol):
@@ -118,17 +146,32 @@ class Pool:
         return self.deps.waiting.num_waiting
 
     def get(self, name: str) -> ModelHandle | None:
-        """The model `name` routes to: a name or alias, or "<name>:<adapter>" (a LoRA adapter of
-        that model: the worker resolves the adapter, router/presets.py). None too for a model
-        the request's API key may not use (router.keys.context): every API then answers 404. A
-        variant's name: its base's worker, for a key that may use the variant or its base."""
-        handle = self.by_name.get(name)
+        """The model `name` routes to (None: a 404 on every route), strictly:
+        1. a name or alias (LoRA aliases and variants included);
+        2. `name:latest` and `name` answer for each other (Ollama's naming: no tag is `latest`);
+        3. `"<model>:<adapter>"` when `<model>` really has that LoRA adapter per its preset
+           (`has_adapter`: the worker resolves it).
+        Any other suffix is no model: `llama3:70b` never reaches the `llama3` upstream. None too
+        for a model the request's API key may not use (router.keys.context): every API then
+        answers 404. A variant's name: its base's worker, for a key that may use the variant or
+        its base."""
+        handle = self._resolve(name)
         v = self.variants.get(name)
         if handle is not None and v is not None and can_see(v.names):
             return handle
-        if handle is None and ":" in name:
-            handle = self.by_name.get(name.rpartition(":")[0])
         return _if_visible(handle)
+
+    def _resolve(self, name: str) -> ModelHandle | None:
+        handle = self.by_name.get(name)
+        if handle is not None:
+            return handle
+        base, sep, suffix = name.rpartition(":")
+        if not sep:
+            return self.by_name.get(name + ":latest")
+        handle = self.by_name.get(base)
+        if handle is not None and (suffix == "latest" or has_adapter(handle.preset, suffix)):
+            return handle
+        return None
 
     def variant(self, name: str) -> ModelPreset | None:
         """The variant `name` is (its defaults go into each request: router/variants.py), or None."""
@@ -248,7 +291,7 @@ class Pool:
             by_base.setdefault(v.variant_of or "", []).append(v)
         out = []
         for h in self.handles.values():
-            base = h.card()
+            base = card(h)
             if self.placement is not None and (devices := self.placement.devices(base["id"])) is not None:
                 base["devices"] = devices  # [{index, uuid, name, vram_bytes}]
             out.append(base)

@@ -37,18 +37,20 @@ class ActiveRequests:
         self.active[id(trace)] = trace
         return trace
 
-    async def admit(self, handle: ModelHandle, trace: RequestTrace, requeued: bool = False) -> str:
+    async def admit(self, handle: ModelHandle, trace: RequestTrace, requeued: bool = False,
+                    occupies_slot: bool = True) -> str:
         """`handle.ensure_ready()`, marking whether (and in which model state) the request waited.
-        `requeued`: its worker died before answering it; it waits for the respawn."""
-        is_waiting = not handle.can_admit()
+        `requeued`: its worker died before it reached it; it waits for the respawn. The caller
+        releases with `handle.release(occupies_slot)`."""
+        is_waiting = not handle.can_admit(occupies_slot)
         if is_waiting:
             trace.queued(handle.state.value)
-        base = await handle.ensure_ready(requeued)
+        base = await handle.ensure_ready(requeued, occupies_slot)
         if is_waiting and self._profiling.profiler.is_active:
             try:
                 await self._profiling.joined(handle.name)  # a worker that just loaded joins the run first
             except BaseException:
-                handle.release()  # admitted, but the client left
+                handle.release(occupies_slot)  # admitted, but the client left
                 raise
         trace.ready()
         return base

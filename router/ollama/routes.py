@@ -29,7 +29,7 @@ from starlette.routing import Route
 from starlette.types import Scope
 
 from router.keys import views
-from router.lifecycle.model import WORKER_DEFAULT_SLOTS, ModelHandle
+from router.lifecycle.model import ModelHandle
 from router.lifecycle.pool import Pool
 from router.lifecycle.state import ModelState
 from router.ollama import catalog
@@ -46,6 +46,7 @@ from router.ollama.wire import (
     OllamaShowRequest,
     keep_alive_seconds,
 )
+from worker.protocol.defaults import DEFAULT_PARALLEL
 from worker.protocol.errors import APIError, not_found, parse_model
 
 Chunk = dict[str, Any]
@@ -400,7 +401,7 @@ def _num_ctx(h: ModelHandle, trained: int) -> int:
     if isinstance(loaded, int) and loaded > 0:
         return loaded
     if h.preset.ctx_size:
-        return h.preset.ctx_size // (h.preset.parallel or WORKER_DEFAULT_SLOTS)
+        return h.preset.ctx_size // (h.preset.parallel or DEFAULT_PARALLEL)
     return trained
 
 

@@ -20,7 +20,8 @@ from typing import Any, cast
 import httpx
 
 from router.lifecycle.model import ModelHandle
-from router.lifecycle.pool import Pool
+from router.lifecycle.pool import Pool, upstream_model
+from router.lifecycle.request_queue import is_slot_free
 from router.observability.request_trace import RequestTrace, request_id
 from router.observability.requests import ActiveRequests
 from worker.protocol.errors import APIError, ErrorType, not_found
@@ -45,8 +46,8 @@ class ChatBridge:
         handle = self._pool.get(model)
         if handle is None:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
-        if (adapter := handle.preset.adapter_for(model)) is not None:  # a LoRA alias (router/presets.py)
-            body = {**body, "model": adapter}
+        if (upstream := upstream_model(handle.preset, model)) is not None:  # a LoRA alias, `:latest`
+            body = {**body, "model": upstream}
         body = self._pool.with_defaults(model, body, "/v1/chat/completions")  # a variant's (router/variants)
         trace = self._requests.begin(rid or request_id([]), handle, route)
         try:
@@ -71,12 +72,13 @@ class ChatBridge:
         handle = self._pool.get(model)
         if handle is None:
             raise not_found(f"model {model!r} not found (see GET /v1/models)")
-        if (adapter := handle.preset.adapter_for(model)) is not None:  # a LoRA alias (router/presets.py)
-            body = {**body, "model": adapter}
+        if (upstream := upstream_model(handle.preset, model)) is not None:  # a LoRA alias, `:latest`
+            body = {**body, "model": upstream}
         body = self._pool.with_defaults(model, body, path)  # a variant's (router/variants.py)
         trace = self._requests.begin(rid or request_id([]), handle, path)
+        occupies_slot = not is_slot_free(path)  # a token count does not wait behind generations
         try:
-            base = await self._requests.admit(handle, trace)
+            base = await self._requests.admit(handle, trace, occupies_slot=occupies_slot)
             try:
                 resp = await self._pool.client.post(
                     base + path, json=body, headers={"x-request-id": trace.request_id}
@@ -89,7 +91,7 @@ class ChatBridge:
                     code=503,
                 ) from None
             finally:
-                handle.release()
+                handle.release(occupies_slot)
             trace.status = resp.status_code
             if resp.status_code != 200:
                 raise upstream_error(resp.status_code, resp.content)

@@ -163,6 +163,29 @@ def test_a_worker_exiting_at_once_in_a_loop_backs_off_and_the_router_stays_respo
            f"(backoff), max latency {max(latencies) * 1000:.0f} ms, `failed` shown, other model served")
 
 
+def test_a_request_that_kills_its_worker_kills_it_once_and_gets_a_502(router_factory: Factory,
+                                                                       tmp_path: Path) -> None:
+    """Regression (issue 47, item 4): a request whose body reached the worker, which then died, was
+    requeued and replayed on each respawn (three crashes, each failing every other request). Only
+    a request whose connection was refused is requeued; this one gets a 502 its SDK does not retry,
+    and the next request is served by one respawned worker."""
+    spawns = tmp_path / "spawns.txt"
+    r = router_factory(fake_model("a", "--crash-on", "POISON", "--spawn-log", str(spawns)))
+    with r.client(timeout=60) as c:
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200
+        assert len(spawns.read_text().split()) == 1
+        resp = c.post("/v1/chat/completions", json={**chat("a"), "messages": [
+            {"role": "user", "content": "POISON"}]})
+        assert resp.status_code == 502, resp.text
+        error = resp.json()["error"]
+        assert error["type"] == "server_error" and error["code"] == "worker_died", error
+        assert resp.headers["x-should-retry"] == "false"
+        assert len(spawns.read_text().split()) == 1  # killed once, never replayed
+        assert c.post("/v1/chat/completions", json=chat("a")).status_code == 200  # respawned for it
+    assert len(spawns.read_text().split()) == 2
+    report("a request that kills its worker: one crash, 502 with x-should-retry false, then served again")
+
+
 @needs_tiny
 def test_client_leaving_mid_stream_frees_its_slot(router_factory: Factory) -> None:
     r = router_factory(TINY_PRESET.replace("[models.tiny]", "[models.tiny]\n"))

@@ -1,9 +1,9 @@
 """A fake worker for router lifecycle edge cases: a real subprocess speaking the worker's HTTP
 contract (/health 503-with-progress while loading, /sleep, /wake, chat completions streaming or
 not, /v1/models, --parent-pid, SIGTERM), with flags that make the hard cases reproducible:
-slow start, failing load, crash mid-stream, ignoring SIGTERM, slow wake, and (`--no-sleep`) a
-server without the sleep contract, like llama-server: no `is_sleeping` in /health, and a
-/sleep and /wake that answer 404 (after `--sleep-time`).
+slow start, failing load, crash mid-stream or on a request (`--crash-on TEXT`), ignoring
+SIGTERM, slow wake, and (`--no-sleep`) a server without the sleep contract, like llama-server:
+no `is_sleeping` in /health, and a /sleep and /wake that answer 404 (after `--sleep-time`).
 
 Run as `python tests/router/fake_worker.py --port P [flags]` (presets use `backend = cmd`).
 """
@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=5, help="chunks per streamed answer")
     p.add_argument("--token-delay", type=float, default=0.0)
     p.add_argument("--crash-after", type=int, default=-1, help="SIGKILL itself after N streamed chunks")
+    p.add_argument("--crash-on", default=None,
+                   help="SIGKILL itself on a chat request whose body contains this text, before answering")
     p.add_argument("--spawn-log", default=None, help="append our pid to this file at start")
     p.add_argument("--event-log", default=None, help="append 'cancelled' here when a stream is cut short")
     args, _unknown = p.parse_known_args(argv)
@@ -135,7 +137,10 @@ class Fake:
         return JSONResponse({"role": "worker", "model_alias": self.name, "pid": os.getpid()})
 
     async def chat(self, request: Request) -> Response:
-        body = await request.json()
+        raw = await request.body()
+        if self.args.crash_on and self.args.crash_on.encode() in raw:
+            os.kill(os.getpid(), signal.SIGKILL)  # a request that crashes its worker (a kernel bug, say)
+        body = json.loads(raw)
         self.num_requests += 1
         if self.is_sleeping:
             await self.wake(request)

@@ -16,7 +16,7 @@ from router.lifecycle.eviction import (
     Wait,
     choose_victim,
 )
-from router.lifecycle.model import backoff_delay
+from router.lifecycle.load_failure import backoff_delay
 
 UP, LOADING, STOPPING = "up", "loading", "stopping"
 M = 1 << 20

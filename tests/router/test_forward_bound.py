@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.lifecycle.model import FORWARD_MARGIN
+from router.lifecycle.request_queue import FORWARD_MARGIN
 from tests.router.conftest import RouterProc
 from tests.util import ROOT, wait_until
 
@@ -95,3 +95,34 @@ def test_a_crash_fails_what_it_ran_and_the_queue_is_served_after_the_respawn(rou
     assert len(failed) <= 1 + FORWARD_MARGIN, results  # only what the killed worker was running
     assert len(served) >= N_REQUESTS - 1 - FORWARD_MARGIN and all(n == 1000 for _, n, _ in served), results
     assert r.status("tiny") == "loaded" and r.workers()[0].pid != worker.pid
+
+
+def test_calls_that_occupy_no_slot_pass_a_full_bound(router_factory: Factory) -> None:
+    """Regression (issue 47, item 2): /metrics?model=, /props, /slots, /lora-adapters, /tokenize,
+    /detokenize and token counts waited in the router's queue behind generations whenever every
+    slot and the margin were busy. They answer while the forwarded streams still run and more
+    wait in the queue (before the fix they came after at least two whole 1,500-token streams)."""
+    r = router_factory(PRESET)
+    assert _stream(r, 2)[0] == 200
+    n = 1 + FORWARD_MARGIN + 2  # the bound, and two more waiting in the router's queue
+    chat_body = {"model": "tiny", "messages": [{"role": "user", "content": "count"}]}
+    with ThreadPoolExecutor(n) as ex, r.client(timeout=120) as c:
+        streams = [ex.submit(_stream, r, 1500) for _ in range(n)]
+        wait_until(lambda: _in_flight(r) == 1 + FORWARD_MARGIN, 30, what="the bound full")
+        answers = {
+            "GET /metrics": c.get("/metrics", params={"model": "tiny"}).status_code,
+            "GET /props": c.get("/props", params={"model": "tiny"}).status_code,
+            "GET /slots": c.get("/slots", params={"model": "tiny"}).status_code,
+            "GET /lora-adapters": c.get("/lora-adapters", params={"model": "tiny"}).status_code,
+            "POST /tokenize": c.post("/tokenize", json={"model": "tiny", "content": "hello"}).status_code,
+            "POST /detokenize": c.post("/detokenize", json={"model": "tiny", "tokens": [1, 2]}).status_code,
+            "POST /v1/chat/completions/input_tokens": c.post(
+                "/v1/chat/completions/input_tokens", json=chat_body).status_code,
+            "POST /v1/messages/count_tokens": c.post(
+                "/v1/messages/count_tokens", json=chat_body).status_code,
+        }
+        still_running = sum(not f.done() for f in streams)
+        results = [f.result(timeout=300) for f in streams]
+    assert all(status in (200, 501) for status in answers.values()), answers  # 501: --metrics off
+    assert still_running == n, f"{n - still_running} streams ended before the cheap calls answered"
+    assert all(status == 200 and error is None for status, _, error in results), results

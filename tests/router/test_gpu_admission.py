@@ -22,8 +22,9 @@ from router.lifecycle.eviction import Limits
 from router.lifecycle.gpu_admission import GpuAdmission, GpuPlacement
 from router.lifecycle.gpu_book import DeviceBook, Reserve
 from router.lifecycle.gpus import Gpu, Inventory
-from router.lifecycle.model import ModelDeps, ModelHandle, Waiting
+from router.lifecycle.model import ModelDeps, ModelHandle
 from router.lifecycle.process import LoadError
+from router.lifecycle.request_queue import Waiting
 from router.lifecycle.state import Phase
 from router.presets import ModelPreset
 from tests.router.fake_effects import FakeEffects, FakeProc

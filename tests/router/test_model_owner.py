@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,11 +22,14 @@ from router.events import EventBus
 from router.lifecycle.admission import Slots
 from router.lifecycle.estimate import MemoryBook
 from router.lifecycle.eviction import Limits
+from router.lifecycle.idle import IdleDefaults
 from router.lifecycle.memory import TreeMemory
-from router.lifecycle.model import IdleDefaults, ModelDeps, ModelHandle, Waiting
+from router.lifecycle.model import ModelDeps, ModelHandle
 from router.lifecycle.process import LoadError
+from router.lifecycle.request_queue import FORWARD_MARGIN, Waiting
 from router.lifecycle.state import Phase
 from router.lifecycle.swap import SwapRule
+from router.lifecycle.views import card
 from router.presets import ModelPreset
 from tests.router.fake_effects import FakeEffects, FakeProc
 from worker.protocol.errors import APIError
@@ -143,7 +147,7 @@ async def test_load_goes_queued_spawning_starting_ready_and_the_wire_shows_loadi
                     [q.get_nowait() for _ in range(q.qsize())]]
         assert wire == [("loading", "estimating memory"), ("loading", "spawning"), ("loading", "starting"),
                         ("loading", "weights"), ("loaded", None)]
-        assert h.card()["meta"] == {"fake": True}
+        assert card(h)["meta"] == {"fake": True}
         r.check_slots()
 
 
@@ -450,7 +454,7 @@ async def test_memory_charge_is_what_was_measured_and_sleeping_frees_budget() ->
         proc = await r.up(a)
         proc.samples.put_nowait(TreeMemory(260 * M, 250 * M))
         await r.quiet()
-        assert a.charge() == (250 * M, 0) and a.card()["memory"]["ram_bytes"] == 250 * M
+        assert a.charge() == (250 * M, 0) and card(a)["memory"]["ram_bytes"] == 250 * M
         await a.sleep()
         await r.fx.answer(await r.fx.next("sleep"), True, a)
         proc.samples.put_nowait(TreeMemory(40 * M, 20 * M))  # asleep: weights and KV freed
@@ -474,7 +478,7 @@ async def test_the_peak_measured_while_up_is_the_next_loads_estimate() -> None:
         unload = asyncio.create_task(h.unload())
         await r.stop(h)
         assert await unload is True
-        assert h.card()["memory"] == {"estimated_bytes": 120 * M, "ram_bytes": None, "rss_bytes": None,
+        assert card(h)["memory"] == {"estimated_bytes": 120 * M, "ram_bytes": None, "rss_bytes": None,
                                       "vram_bytes": None}
 
 
@@ -562,4 +566,87 @@ async def test_concurrency_limit_queues_requests_past_it_in_arrival_order() -> N
         assert not second.done() and h.num_waiting == 1 and not h.can_admit()
         h.release()
         assert await asyncio.wait_for(second, 1) == first and h.num_in_flight == 1
+# ---- our own backends: the forwarding bound and the crash requeue (issue 47; `cmd` has no bound)
+
+
+def ours(name: str, parallel: int = 1) -> ModelPreset:
+    """A model on our own worker (llama_cpp): its slots bound what is forwarded to it."""
+    return ModelPreset(name, backend="llama_cpp", model=Path(f"/models/{name}.gguf"), parallel=parallel,
+                       memory=1 * M, stop_timeout=1.0)
+
+
+def add_ours(r: Rig, name: str, parallel: int = 1) -> ModelHandle:
+    h = ModelHandle(ours(name, parallel), r.deps)
+    h.start()
+    r.handles.append(h)
+    return h
+
+
+@pytest.mark.asyncio
+async def test_our_worker_gets_slots_plus_margin_and_slot_free_calls_pass_the_full_bound() -> None:
+    """Regression (issue 47, item 2): /metrics, /tokenize, token counts... (`occupies_slot=False`)
+    waited in the same queue as generations, behind slots + margin."""
+    async with rig() as r:
+        h = add_ours(r, "ours")
+        await r.up(h)
+        limit = h.forward_limit
+        assert limit == 1 + FORWARD_MARGIN
+        for _ in range(limit):
+            await asyncio.wait_for(h.ensure_ready(), 1)
+        waiting = asyncio.create_task(h.ensure_ready())
+        await r.quiet()
+        assert not waiting.done() and not h.can_admit()  # the bound is full: it waits here
+        for _ in range(3):  # slot-free calls: admitted at once, past the waiting generation
+            assert h.can_admit(occupies_slot=False)
+            await asyncio.wait_for(h.ensure_ready(occupies_slot=False), 1)
+        for _ in range(3):
+            h.release(occupies_slot=False)
+        await r.quiet()
+        assert not waiting.done()  # their end makes no room for a generation
+        h.release()
+        await asyncio.wait_for(waiting, 1)  # a generation's end does
+        for _ in range(limit):
+            h.release()
+        assert h.num_in_flight == 0
+
+
+@pytest.mark.asyncio
+async def test_a_slot_free_call_waits_for_the_load_then_passes_the_queue() -> None:
+    async with rig() as r:
+        h = add_ours(r, "ours")
+        gens = [asyncio.create_task(h.ensure_ready()) for _ in range(h.forward_limit or 0)]
+        extra = asyncio.create_task(h.ensure_ready())
+        free = asyncio.create_task(h.ensure_ready(occupies_slot=False))
+        await r.spawn(h)
+        await r.fx.answer(await r.fx.next("ready"), True, h)
+        await asyncio.wait_for(asyncio.gather(*gens, free), 1)
+        await r.quiet()
+        assert not extra.done()  # over the bound: it still waits; the slot-free call did not
+        h.release(occupies_slot=False)
+        for _ in gens:
+            h.release()
+        await asyncio.wait_for(extra, 1)
+        h.release()
+
+
+@pytest.mark.asyncio
+async def test_a_request_requeued_after_a_crash_of_our_worker_waits_for_the_respawn() -> None:
+    """The crash requeue (router.lifecycle.request_queue): a request whose connection was refused
+    goes back with `requeued=True`; it waits through the backoff and the respawn instead of a 503."""
+    async with rig() as r:
+        h = add_ours(r, "ours")
+        proc = await r.up(h)
+        h.failures = 1  # the next crash is a second one in a row: a backoff of a second
+        proc.exit_with(-9)
+        await r.quiet()
+        assert h.phase is Phase.FAILED and h.retry_at > time.monotonic()
+        requeued = asyncio.create_task(h.ensure_ready(requeued=True))
+        fresh = asyncio.create_task(h.ensure_ready())
+        await r.quiet()
+        assert not requeued.done()
+        with pytest.raises(APIError, match="keeps crashing"):  # a new request in the backoff: a 503
+            await fresh
+        await r.spawn(h)  # after the backoff
+        await r.fx.answer(await r.fx.next("ready"), True, h)
+        assert await asyncio.wait_for(requeued, 1) == h.base_url
         h.release()

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 
 class LoraError(ValueError):
@@ -47,12 +46,6 @@ class LoraAdapter:
     scale: float
     task_name: str = ""
     prompt_prefix: str = ""
-
-
-def adapter_name(path: str) -> str:
-    """An adapter's default name: its file name without .gguf, or its folder's name."""
-    p = Path(path.rstrip("/"))
-    return p.name[: -len(".gguf")] if p.name.lower().endswith(".gguf") else p.name
 
 
 def parse_scaled(spec: str) -> tuple[str, float]:

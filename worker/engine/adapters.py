@@ -20,7 +20,8 @@ import threading
 from collections.abc import Iterable
 
 from worker.backends.base import Backend
-from worker.backends.lora import LoraAdapter, LoraError, adapter_name, check_scale
+from worker.backends.lora import LoraAdapter, LoraError, check_scale
+from worker.protocol.model_names import adapter_name
 from worker.protocol.sampling import LoraKey, lora_key
 
 log = logging.getLogger("worker.engine.adapters")
