@@ -5,4 +5,5 @@ function, `PULLS.fetch(ref, on_progress)` (router.hub.pulls), so tests point it 
     choice.py     which files make a model (llama.cpp's -hf rules), pure
     download.py   list (huggingface_hub's HfApi), download, resume, verify, link into the cache
     pulls.py      one pull per reference in flight in the router, progress to every asker
+    pull_cli.py   `omni-router pull REPO[:TAG]`: a progress bar, where the model is, its preset lines
 """

@@ -4,6 +4,7 @@
     model      `ModelHandle`: the owner task, its commands and the hot-path admit/release
     request_queue  one model's waiting requests, the forwarding bound (slots + margin), the crash requeue
     preset_change  whether a reloaded preset needs the worker restarted
+    hub_files  an `hf-repo` model's download (an owner's effect) and the preset its worker runs
     idle       the idle tiers: when an idle model sleeps, then unloads
     views      a model's card (`GET /v1/models`) and its memory view
     messages   what an owner receives: commands and effect reports

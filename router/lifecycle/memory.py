@@ -32,6 +32,17 @@ class TreeMemory:
     uss_bytes: int
     vram_bytes: int | None = None  # None: no GPU to ask
 
+    def exceeds(self, other: TreeMemory) -> bool:
+        """More USS or more VRAM than `other`."""
+        return self.uss_bytes > other.uss_bytes or (self.vram_bytes or 0) > (other.vram_bytes or 0)
+
+    def peak_with(self, other: TreeMemory | None) -> TreeMemory:
+        """The larger of each figure (a run's peak so far)."""
+        if other is None:
+            return TreeMemory(self.rss_bytes, self.uss_bytes, self.vram_bytes or 0)
+        return TreeMemory(max(self.rss_bytes, other.rss_bytes), max(self.uss_bytes, other.uss_bytes),
+                          max(self.vram_bytes or 0, other.vram_bytes or 0))
+
 
 def tree_memory(pid: int) -> TreeMemory | None:
     """RSS and USS summed over `pid` and its descendants, and their VRAM; None if `pid` is gone."""

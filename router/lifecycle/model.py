@@ -22,7 +22,9 @@ bound, the idle defaults), never on the pool that holds it.
 Why one file of over 500 lines: the owner's handlers are one state machine over one set of
 fields (`phase`, process, waiters, attempt); split across modules they would read each other's
 private state. It is kept readable by sections (loading, sleeping, draining, the process, idle
-tiers, views), one handler per message.
+tiers), one handler per message; the policies it applies live beside it, pure: the request
+queue and crash requeue (`request_queue`), the idle tiers (`idle`), failures and their backoff
+(`load_failure`), a reload's change (`preset_change`); its card is `views`'.
 """
 
 from __future__ import annotations
@@ -30,15 +32,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from router.events import EventBus
-from router.hub.choice import Ref, parse_ref
-from router.hub.download import HubError, Progress, Pulled
+from router.hub.download import Pulled
 from router.hub.pulls import PULLS
-from router.lifecycle import idle
+from router.lifecycle import hub_files, idle
 from router.lifecycle import messages as msg
 from router.lifecycle.admission import Admission, SlotsFull
 from router.lifecycle.effects import Effects, Process
@@ -46,7 +47,6 @@ from router.lifecycle.estimate import Estimate, MemoryBook
 from router.lifecycle.eviction import Need, Occupancy
 from router.lifecycle.idle import IdleDefaults
 from router.lifecycle.load_failure import (
-    FAILED_SHOWN_S,
     KILLED_LOADS_KEPT,
     STABLE_AFTER_S,
     LoadFailure,
@@ -63,7 +63,10 @@ from router.lifecycle.process import SpawnError
 from router.lifecycle.request_queue import (
     FORWARD_MARGIN,
     RequestQueue,
+    RespawnFor,
+    ShowFailed,
     Waiting,
+    after_failure,
     forward_limit,
     keeps_queue_after_crash,
 )
@@ -89,7 +92,7 @@ class ModelDeps:
     created: int = 0
     forward_margin: int = FORWARD_MARGIN  # requests forwarded beyond a worker's slots
     # an `hf-repo` model's files from the hub (router/hub): the one function that goes outside
-    fetch: Callable[[Ref, Callable[[Progress], None]], Awaitable[Pulled]] = PULLS.fetch
+    fetch: hub_files.Fetch = PULLS.fetch
 
 
 @dataclass(frozen=True)
@@ -163,16 +166,8 @@ class ModelHandle:
 
     @property
     def run_preset(self) -> ModelPreset:
-        """The preset a worker runs: an `hf-repo` model's with the files its pull brought (the
-        model, its projector, the backend the repo calls for, the repo's recommended sampling
-        under the preset's own flags)."""
-        p, got = self.preset, self.pulled
-        if p.hf_repo is None or got is None:
-            return p
-        flags = dict(got.sampling) | dict(p.worker_args)
-        return replace(p, model=got.model, mmproj=p.mmproj or got.mmproj,
-                       backend=got.backend if p.backend == "auto" else p.backend,  # type: ignore[arg-type]
-                       worker_args=tuple(sorted(flags.items())))
+        """The preset a worker runs: an `hf-repo` model's with the files its pull brought."""
+        return hub_files.run_preset(self.preset, self.pulled)
 
     @property
     def is_draining(self) -> bool:
@@ -482,26 +477,9 @@ class ModelHandle:
         self._effect = asyncio.create_task(self._estimate(self._attempt), name=f"estimate:{self.name}")
 
     async def _download(self, attempt: int) -> None:
-        """The files of an `hf-repo` model into the hub cache (a pull under way for the same
-        reference is joined; leaving does not stop it: router.hub.pulls)."""
-        p = self.preset
-        assert p.hf_repo is not None
-
-        def report(done: Progress) -> None:
-            self._post(msg.Progress(attempt, {
-                "phase": "downloading", "file": done.file, "bytes_done": done.done,
-                "bytes_total": done.total,
-                "fraction": round(done.done / done.total, 4) if done.total else 0.0}))
-
-        try:
-            pulled = await self.deps.fetch(parse_ref(p.hf_repo, p.hf_file), report)
-        except HubError as e:
-            self._post(msg.FetchFailed(attempt, f"{p.hf_repo}: {e}", e.is_transient))
-            return
-        except Exception as e:  # a surprise: never stay downloading
-            self._post(msg.FetchFailed(attempt, f"{p.hf_repo}: {type(e).__name__}: {e}", True))
-            return
-        self._post(msg.Fetched(attempt, pulled))
+        """The files of an `hf-repo` model into the hub cache (router.lifecycle.hub_files)."""
+        self._post(await hub_files.download(attempt, self.preset, self.deps.fetch,
+                                            lambda p: self._post(msg.Progress(attempt, p))))
 
     def _on_fetched(self, pulled: Pulled) -> None:
         if self.phase is not Phase.QUEUED:
@@ -819,15 +797,8 @@ class ModelHandle:
         if proc is not self.process:
             return
         self.memory = memory
-        peak = self._peak
-        if (
-            peak is None
-            or memory.uss_bytes > peak.uss_bytes
-            or (memory.vram_bytes or 0) > (peak.vram_bytes or 0)
-        ):
-            self._peak = TreeMemory(max(memory.rss_bytes, peak.rss_bytes if peak else 0),
-                                    max(memory.uss_bytes, peak.uss_bytes if peak else 0),
-                                    max(memory.vram_bytes or 0, (peak.vram_bytes or 0) if peak else 0))
+        if self._peak is None or memory.exceeds(self._peak):
+            self._peak = memory.peak_with(self._peak)
             if self.phase.is_up or self.phase is Phase.WAKING:
                 self._learn_peak()
         if self.deps.slots.queued:
@@ -866,51 +837,35 @@ class ModelHandle:
             self._begin_queue()  # requests arrived while it was stopping
 
     def _fail(self, code: int | None, failure: LoadFailure, keep_waiters: bool = False) -> None:
-        """FAILED, with a backoff before the next load. `keep_waiters`: the worker crashed while
-        serving (or was killed while loading); the requests still waiting here were never
-        forwarded to it, so they stay queued and the model loads again once the backoff is over
-        (a crash loop is still paced by the backoff, up to load_failure.MAX_BACKOFF_S; a load that fails by
-        itself, or a permanent failure, fails them)."""
+        """FAILED, with a backoff before the next load; what follows (a respawn for the requests
+        still queued, or for the preset; or `failed` shown a while, then unloaded) is
+        `request_queue.after_failure`'s decision. `keep_waiters`: `keeps_queue_after_crash`."""
         self._cancel_effect()
         now = time.monotonic()
         if self.ready_since and now - self.ready_since > STABLE_AFTER_S:
             self.failures = 0
         self.failures += 1
         self.retry_at = now + backoff_delay(self.failures)
-        self.exit_code = code
-        self.error = failure.cause
-        self.is_permanent = failure.is_permanent
-        self._failed_stamp = self._file_stamp()
-        self.ready_since = 0.0
-        self._failure = None
-        log.error(
-            "model %s: failed (exit code %s)%s: %s",
-            self.name,
-            code,
-            ", not retried until its file or preset changes or POST /models/load asks"
-            if failure.is_permanent
-            else "",
-            failure.cause,
-        )
+        self.exit_code, self.error, self.is_permanent = code, failure.cause, failure.is_permanent
+        self._failed_stamp, self.ready_since, self._failure = self._file_stamp(), 0.0, None
+        log.error("model %s: failed (exit code %s)%s: %s", self.name, code, ", not retried until its "
+                  "file or preset changes or POST /models/load asks" if failure.is_permanent else "",
+                  failure.cause)
         self._set(Phase.FAILED)
         self._prune_waiters()
-        if keep_waiters and not failure.is_permanent and self._queue:
-            # Requests wait here that were never forwarded to it: it comes back for them after
-            # the backoff. (With nobody waiting it stays FAILED, shown with its exit, and the next
-            # request loads it: a crash is not permanent.)
-            delay = self.retry_at - now
-            log.info("model %s: %d queued requests wait for the respawn in %.1f s", self.name,
-                     len(self._queue), delay)
-            asyncio.get_running_loop().call_later(delay, self._respawn_if_failed)
-            return
-        if not failure.is_permanent:
-            loop = asyncio.get_running_loop()
-            if (self.preset.pin or self.preset.load_on_startup) and self.failures <= KILLED_LOADS_KEPT:
-                loop.call_later(self.retry_at - now, self._respawn_if_failed)  # the preset keeps it up
-            else:
+        loop, p = asyncio.get_running_loop(), self.preset
+        match after_failure(failure.is_permanent, keep_waiters and bool(self._queue),
+                            p.pin or p.load_on_startup, self.failures, self.retry_at - now):
+            case RespawnFor(delay, is_for_queue=True):
+                log.info("model %s: %d queued requests wait for the respawn in %.1f s", self.name,
+                         len(self._queue), delay)
+                loop.call_later(delay, self._respawn_if_failed)
+                return  # they were never forwarded to it: they stay queued
+            case RespawnFor(delay):
+                loop.call_later(delay, self._respawn_if_failed)  # the preset keeps it up
+            case ShowFailed(delay):
                 attempt = self._attempt
-                loop.call_later(max(self.retry_at - now, FAILED_SHOWN_S),
-                                lambda: self._commands.put_nowait(msg.Settle(attempt)))
+                loop.call_later(delay, lambda: self._commands.put_nowait(msg.Settle(attempt)))
         self._fail_waiters(
             "",
             error=permanent_failure(self.name, failure.cause, self.log_tail)

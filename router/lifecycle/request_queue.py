@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from router.lifecycle.load_failure import FAILED_SHOWN_S, KILLED_LOADS_KEPT
 from router.lifecycle.state import ModelState
 from router.presets import ModelPreset
 from worker.protocol.defaults import DEFAULT_PARALLEL
@@ -133,6 +134,37 @@ def keeps_queue_after_crash(*, was_serving: bool, killed_by_signal: bool, is_the
     serving, or a load killed by a signal or by the box (the OOM killer, a full disk) a few times
     in a row at most; a load that fails by itself fails them."""
     return was_serving or ((killed_by_signal or is_the_box) and failures < killed_loads_kept)
+
+
+@dataclass(frozen=True)
+class RespawnFor:
+    """Load again after `delay` s: for the requests still queued (`is_for_queue`), or because the
+    preset keeps the model up (pinned, load-on-startup)."""
+
+    delay: float
+    is_for_queue: bool = False
+
+
+@dataclass(frozen=True)
+class ShowFailed:
+    """Nobody waits: show `failed` for `delay` s, then unload (the next request loads it)."""
+
+    delay: float
+
+
+def after_failure(is_permanent: bool, has_kept_queue: bool, is_kept_up: bool, failures: int,
+                  backoff: float) -> RespawnFor | ShowFailed | None:
+    """What follows a model's failure (None: nothing until it is asked for, a permanent one).
+    `has_kept_queue`: requests wait here that were never forwarded (`keeps_queue_after_crash`);
+    a crash loop is still paced by the backoff. A model kept up by its preset is respawned
+    KILLED_LOADS_KEPT times in a row at most."""
+    if is_permanent:
+        return None
+    if has_kept_queue:
+        return RespawnFor(backoff, is_for_queue=True)
+    if is_kept_up and failures <= KILLED_LOADS_KEPT:
+        return RespawnFor(backoff)
+    return ShowFailed(max(backoff, FAILED_SHOWN_S))
 
 
 class WorkerGone(Exception):

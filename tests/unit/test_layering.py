@@ -27,7 +27,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
     ],
     "router": [
         ("router.presets", "router.worker_flags", "router.events", "router.log_ring", "router.upstream",
-         "router.prompt_cache_dir", "router.keys.keyfile", "router.keys.context"),
+         "router.prompt_cache_dir", "router.keys.keyfile", "router.keys.context", "router.hub"),
         ("router.lifecycle",),
         ("router.placement",),
         ("router.observability",),
@@ -47,7 +47,7 @@ _ROUTER = ("router", *ROUTER_MAY_USE)
 ROUTER_THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "starlette": _ROUTER,  # the ASGI app, requests and responses
     "uvicorn": ("router.cli",),  # serving it
-    "typer": ("router.cli",),  # the command line
+    "typer": ("router.cli", "router.hub.pull_cli"),  # the command line
     "pydantic": _ROUTER,  # wire types at the edge
     "httpx": _ROUTER,  # workers' admin routes, https remote upstreams
     "httptools": ("router.upstream",),  # the proxy's hot-path HTTP/1.1 parser
@@ -59,7 +59,8 @@ ROUTER_THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "numpy": ("router.speech", "worker.media_encoding"),
     "soundfile": ("worker.media_encoding",),  # flac, mp3, opus (libsndfile)
     "av": ("worker.media_encoding",),  # aac (FFmpeg)
-    "huggingface_hub": ("router",),  # pulling a model from a hub (issue 48)
+    "huggingface_hub": ("router.hub",),  # pulling a model from a hub (issue 48)
+    "filelock": ("router.hub",),  # one download per file across processes (huggingface_hub's own lock)
 }
 
 
