@@ -6,7 +6,7 @@ speech takes about 1.2 s as opus, 0.4 s as mp3 or aac on a laptop core).
 
 The bound keeps a burst of spoken answers from taking every core from the decode threads:
 `DEFAULT_MAX_ENCODES` (2) unless the owner says otherwise. The router and the speech worker each
-hold one encoder (docs/internals.md, "Audio encoding").
+hold one encoder (docs/speech.md).
 """
 
 from __future__ import annotations
