@@ -9,5 +9,6 @@
     openapi     /openapi.json, from the route table and worker.protocol.wire
     webui       the bundled chat page's files
     form        one field of a multipart body (the audio uploads' `model`)
+    unknown_routes  requests no route serves, logged once per (method, path) with the user-agent
     connection_budget  client connections held at once, from the open-files limit; uvicorn's 503 made ours
 """

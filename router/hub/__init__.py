@@ -5,5 +5,6 @@ function, `PULLS.fetch(ref, on_progress)` (router.hub.pulls), so tests point it 
     choice.py     which files make a model (llama.cpp's -hf rules), pure
     download.py   list (huggingface_hub's HfApi), download, resume, verify, link into the cache
     pulls.py      one pull per reference in flight in the router, progress to every asker
+    routes.py     pulling while serving: `POST /models/pull` and Ollama's `POST /api/pull`
     pull_cli.py   `omni-router pull REPO[:TAG]`: a progress bar, where the model is, its preset lines
 """

@@ -6,4 +6,5 @@
     logs            GET /logs and /logs/stream, and the one-line request log
     profiling       /start_profile and /stop_profile across the router and its workers
     profile_report  `omni-router profile-report DIR`
+    gpu_metrics     `/metrics` gauges per GPU, from the GPU placement's latest figures
 """

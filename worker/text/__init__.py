@@ -9,4 +9,5 @@ tool_calls         tool calls in generated text (Hermes, Llama 3, Mistral, ...),
 reasoning          `<think>...</think>` split from the answer, whole or streamed
 fim                a code model's fill-in-the-middle tokens
 rerank             the Qwen3-Reranker look-alike's prompt and head
+generic_tools      tools for a model whose chat template cannot render them (SmolLM2's)
 """
