@@ -48,7 +48,7 @@ _ROUTER = ("router", *ROUTER_MAY_USE)
 ROUTER_THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "starlette": _ROUTER,  # the ASGI app, requests and responses
     "uvicorn": ("router.cli",),  # serving it
-    "typer": ("router.cli", "router.hub.pull_cli"),  # the command line
+    "typer": ("router.cli", "router.hub.pull_cli", "router.keys.cli"),  # the command lines
     "pydantic": _ROUTER,  # wire types at the edge
     "httpx": _ROUTER,  # workers' admin routes, https remote upstreams
     "httptools": ("router.upstream",),  # the proxy's hot-path HTTP/1.1 parser
