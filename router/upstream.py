@@ -15,6 +15,7 @@ Backpressure: reading pauses while more than `_HIGH_WATER` bytes wait for a slow
 from __future__ import annotations
 
 import asyncio
+import select
 from collections import deque
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -27,7 +28,8 @@ _MAX_IDLE_PER_ADDRESS = 64
 
 class UpstreamError(Exception):
     """`retryable`: a reused connection closed before any response byte (retry on a fresh one);
-    `never_sent`: the connection itself failed (refused), so the worker provably got nothing."""
+    `never_sent`: the worker provably never read the request: the connection was refused, or it
+    was reset before any response byte (the worker's socket closed with the request unread)."""
 
     def __init__(self, message: str, *, retryable: bool = False, never_sent: bool = False) -> None:
         super().__init__(message)
@@ -70,7 +72,12 @@ class _Conn(asyncio.Protocol):
         self.is_closed = True
         if not self._is_complete:
             why = f"connection lost ({exc!r})" if exc else "connection closed by the worker"
-            self._fail(UpstreamError(why, retryable=self.is_reused and not self._got_bytes))
+            # A reset (or a broken pipe) before any response byte: the worker's side closed with
+            # the request unread (a socket closed with unread data, or still in a dead listener's
+            # backlog, is reset, where one whose request was read ends with a FIN): it never got it.
+            unread = isinstance(exc, ConnectionResetError | BrokenPipeError) and not self._got_bytes
+            self._fail(UpstreamError(why, retryable=self.is_reused and not self._got_bytes,
+                                     never_sent=unread))
 
     # ---- httptools callbacks
 
@@ -109,6 +116,21 @@ class _Conn(asyncio.Protocol):
         w = self._waiter
         if w is not None and not w.done():
             w.set_exception(err)
+
+    def is_dropped(self) -> bool:
+        """Whether the worker closed this idle connection (or the worker died) and the loop has
+        not read that yet: its socket polled without waiting (urllib3's is_connection_dropped). A
+        request is then never sent on it, so a connection to a dead worker fails as refused (the
+        crash requeue tells "never sent" from "sent to a worker that died": router.http.forwarding)."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return False
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))  # an idle keep-alive connection has nothing to read
+        except (OSError, ValueError):
+            return True
 
     def close(self) -> None:
         self.is_closed = True
@@ -189,9 +211,10 @@ class UpstreamClient:
         idle = self._idle.get((host, port))
         while idle:
             conn = idle.pop()
-            if not conn.is_closed:
+            if not conn.is_closed and not conn.is_dropped():
                 conn.is_reused = True
                 return conn
+            conn.close()
         loop = asyncio.get_running_loop()
         try:
             _, conn = await loop.create_connection(_Conn, host, port)

@@ -195,10 +195,12 @@ class Forwarder:
                                   scope: Scope, body: bytes, rid: str, can_requeue: bool = False) -> int:
         """Forward once, and once more on a fresh connection if a reused keep-alive connection
         was closed before any response byte. The crash requeue (router.lifecycle.request_queue):
-        only a request whose first connection was refused provably never reached the worker; it
-        goes back to the queue (`WorkerGone`) once the worker is seen gone. Any other failure of a
-        worker that has gone (the body was sent: it may be what crashed it) is a 502, not replayed."""
+        only a request the worker provably never read (every attempt refused, or reset with the
+        request unread: `never_sent`) goes back to the queue (`WorkerGone`) once the worker is
+        seen gone. Any other failure of a worker that has gone (it read the request: it may be what
+        crashed it) is a 502, not replayed."""
         headers = [*request_headers(scope["headers"]), (REQUEST_ID_HEADER, rid.encode())]
+        may_have_reached = False  # a failed attempt may have reached the worker
         for attempt in (1, 2):
             try:
                 return await forward(
@@ -214,9 +216,10 @@ class Forwarder:
                     reword_error=lambda data: reword_body(data, handle.preset),
                 )
             except UpstreamUnavailable as e:
+                may_have_reached = may_have_reached or not e.never_sent
                 if attempt == 1 and e.retryable:
                     continue  # a keep-alive connection the worker closed just as we reused it
-                never_sent = attempt == 1 and e.never_sent
+                never_sent = not may_have_reached
                 if never_sent and can_requeue and await is_gone(handle, base):
                     raise WorkerGone from None  # wait for the respawn
                 if not never_sent and await is_gone(handle, base):

@@ -53,7 +53,7 @@ FORCE_HTTPX = os.environ.get("OMNI_PROXY_CLIENT") == "httpx"
 class UpstreamUnavailable(Exception):
     """The worker could not be reached, or failed, before any response byte was sent to the
     client. `retryable`: a reused keep-alive connection closed before any response byte;
-    `never_sent`: the connection was refused, so the worker provably never got the request."""
+    `never_sent`: the worker provably never read the request (refused, or reset with it unread)."""
 
     def __init__(self, message: str, *, retryable: bool = False, never_sent: bool = False) -> None:
         super().__init__(message)

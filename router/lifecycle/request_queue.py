@@ -8,10 +8,11 @@ occupies no slot (`/metrics?model=`, `/props`, `/slots`, `/lora-adapters`, `/tok
 `/detokenize`, token counting: `is_slot_free`) never counts against that bound and never waits
 behind it: it waits only for the model to be up.
 
-The crash requeue (`REQUEUES`, `WorkerGone`): a request goes back to this queue only when it
-provably never reached the worker (its connection was refused: `never_sent`), to be served by
-the respawned worker. A request whose body was sent to a worker that then died is failed (502),
-never replayed: it may be the request that crashed it, and a replay would crash it again.
+The crash requeue (`REQUEUES`, `WorkerGone`): a request goes back to this queue only when the
+worker provably never read it (its connection was refused, or reset with the request unread:
+`never_sent`, router.upstream), to be served by the respawned worker. A request the worker read
+before it died is failed (502), never replayed: it may be the request that crashed it, and a
+replay would crash it again.
 
 The queue is state of the model's owner (`router.lifecycle.model.ModelHandle`): only the owner
 task (and the synchronous hot path, `can_admit`/`admit`) touches it.
