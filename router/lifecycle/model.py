@@ -208,7 +208,7 @@ class ModelHandle:
     @property
     def num_waiting(self) -> int:
         """Requests waiting here (not yet forwarded): what a load or an undrain would serve."""
-        return sum(1 for w in self._waiters if not w.done())
+        return self._queue.num_waiting()
 
     def occupancy(self) -> Occupancy:
         ram, vram = self.charge()

@@ -124,6 +124,10 @@ class RequestQueue:
             if not w.done():
                 w.set_exception(error())
 
+    def num_waiting(self) -> int:
+        """Requests still waiting (those whose clients left are not counted)."""
+        return sum(1 for w in (*self._slot, *self._free) if not w.done())
+
     def has_slot_waiters(self) -> bool:
         return bool(self._slot)
 

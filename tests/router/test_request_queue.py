@@ -36,6 +36,8 @@ def test_which_calls_occupy_a_slot(path: str, free: bool) -> None:
      DEFAULT_PARALLEL + FORWARD_MARGIN),
     (ModelPreset("a", backend="torch", model=Path("a"), parallel=1), 0, 1),
     (ModelPreset("a", backend="cmd", cmd="x"), FORWARD_MARGIN, None),
+    (ModelPreset("a", backend="cmd", cmd="x", concurrency_limit=2), FORWARD_MARGIN, 2),  # stated
+    (ModelPreset("a", backend="llama_cpp", model=Path("a.gguf"), parallel=4, concurrency_limit=3), 2, 3),
     (ModelPreset("a", backend="remote", upstream="http://h:1"), FORWARD_MARGIN, None),
 ])
 def test_the_forwarding_bound_is_our_workers_slots_plus_the_margin(preset: ModelPreset, margin: int,
