@@ -3,6 +3,7 @@
     cli            `omni-router --preset FILE ...` (and `profile-report`)
     banner         the startup summary: models found, UI and API URLs, where the logs are
     presets        INI/TOML presets -> validated `ModelPreset`s (errors name file:line / key path)
+    variants       request defaults a preset sets per request, and the variants (`variant-of`) built on them
     worker_flags   every omni-worker flag as a preset key (read from `omni-worker --flags-json`)
     events         the one place lifecycle and request events are emitted (/models/sse, metrics listen)
     log_ring       bounded line rings: each worker's output and the router's own log
@@ -21,7 +22,7 @@
     http/          the ASGI app: the front (auth, CORS, body limit), proxying, the router's own routes
 
 Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
-presets/worker_flags/events/log_ring/upstream/prompt_cache_dir/hub/discovery (and keys' keyfile
+presets/variants/worker_flags/events/log_ring/upstream/prompt_cache_dir/hub/discovery (and keys' keyfile
 and context), lifecycle, placement, observability, keys, responses, anthropic, ollama and speech,
 http, cli/banner. From `worker` the router imports `worker.protocol` and `worker.media_encoding`
 (spoken answers) only, and it launches workers by command line.

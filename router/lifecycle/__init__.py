@@ -13,6 +13,7 @@
     pool       every model by name and alias, wired together; reload
     admission  `--models-max` slots, memory, the FIFO of models waiting for one
     eviction   the pure eviction policy
+    swap       the swap scheduler: which waiting model gets a slot next, and what makes room (pure)
     estimate   a model's memory need before it loads, and what measuring taught
     gguf_header  the few GGUF header keys the estimate needs (no vocabulary)
     modalities what a model takes as input (its mmproj's header) and whether it speaks, without loading it

@@ -28,7 +28,7 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
     "router": [
         ("router.presets", "router.worker_flags", "router.events", "router.log_ring", "router.upstream",
          "router.prompt_cache_dir", "router.keys.keyfile", "router.keys.context", "router.hub",
-         "router.discovery"),
+         "router.discovery", "router.variants"),
         ("router.lifecycle",),
         ("router.placement",),
         ("router.observability",),
