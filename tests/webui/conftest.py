@@ -26,6 +26,12 @@ if not os.access(CHROMIUM, os.X_OK):
     CHROMIUM = shutil.which("chromium") or CHROMIUM
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 API_KEY = "webui-test-key"
+# The tiny model's context in test_webui's router: 131072 cells a slot (2 slots; 64 MiB of KV
+# cache for this 2-layer model, flash attention needs no n_ctx-sized score buffer), so the stop
+# test's 100000-token answer cannot end by itself (~880 tok/s here: ~2 minutes) before Escape,
+# on a fast machine or a loaded one. At 1024 (512 a slot) it ran out after ~475 tokens, in
+# under half a second, racing the browser's reaction.
+STOP_TEST_CTX = 2 * 131072
 
 try:
     from playwright.sync_api import Browser, BrowserContext, Page, sync_playwright
@@ -96,6 +102,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
 model = "{GGUF}"
 backend = "llama_cpp"
 alias = ["tiny-alias"]
+ctx-size = {STOP_TEST_CTX}
 
 [models.broken]
 model = "{broken}"

@@ -103,13 +103,16 @@ def test_send_streams_a_reply_with_its_stats(page: Page) -> None:
 
 
 def test_stop_cancels_a_long_generation(page: Page, router: Router) -> None:
+    # 100000 tokens fit the tiny model's slot (conftest.STOP_TEST_CTX): the answer cannot end by
+    # itself (length) before Escape lands, however fast or loaded the machine
     configure(page, max_tokens="100000", extra='{"ignore_eos": true}')
     send(page, "write forever")
     expect(page.locator("#stop")).to_be_visible()
     expect(last_assistant(page).locator(".markdown")).not_to_be_empty()
+    assert router.models()["tiny"]["in_flight"] == 1  # tokens are streaming and it is still running
     page.keyboard.press("Escape")  # Esc stops, as the Stop button does
     wait_idle(page)
-    expect(last_assistant(page).locator(".stats")).to_contain_text("stopped")
+    expect(last_assistant(page).locator(".stats")).to_contain_text("stopped")  # the UI aborted it
     wait_until(lambda: router.models()["tiny"]["in_flight"] == 0, 10, what="the request to be cancelled")
 
 
