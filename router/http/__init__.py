@@ -4,6 +4,7 @@
     front       the raw ASGI front: body limit, dispatch
     forwarding  the proxied request flow: model from the body, admit, forward, release
     proxy       the byte pipe to a worker (JSON whole, SSE chunk by chunk, an error event on a crash)
+    error_envelope  error answers on one path prefix rewritten into another API's envelope (Anthropic, Ollama)
     hints       a worker's advice in a proxied error, reworded to name preset keys
     admin       the router's own routes: /v1/models, /models/load|unload|sleep|reload|sse, /props, /metrics
     openapi     /openapi.json, from the route table and worker.protocol.wire

@@ -1,8 +1,10 @@
 """The router's ASGI application: wiring only. Its layers, outside in:
 
     Cors                         worker.protocol.front (the same rules as the worker's)
-    AnthropicErrors              router.anthropic.errors: errors on /v1/messages in Anthropic's envelope
-    OllamaErrors                 router.ollama.errors: errors on /api/* in Ollama's {"error": "..."}
+    ErrorEnvelope                router.http.error_envelope with router.anthropic.errors: errors on
+                                 /v1/messages in Anthropic's envelope
+    ErrorEnvelope                router.http.error_envelope with router.ollama.errors: errors on
+                                 /api/* in Ollama's {"error": "..."}
     KeyGuard                     router.keys.guard: the route table's access, a key's limits
     Front                        router.http.front: body limit, dispatch
       proxied routes             router.http.forwarding (raw ASGI, the hot path)
@@ -34,9 +36,10 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.anthropic.errors import AnthropicErrors
+from router.anthropic import errors as anthropic_errors
 from router.anthropic.routes import MessagesRoutes
 from router.http.admin import AdminRoutes
+from router.http.error_envelope import ErrorEnvelope
 from router.http.forwarding import Forwarder
 from router.http.front import DEFAULT_MAX_BODY_SIZE, PROXY_GET, PROXY_POST, Front
 from router.http.unknown_routes import UnknownRoutes
@@ -56,7 +59,7 @@ from router.observability.logs import LogRoutes, log_requests
 from router.observability.metrics import RouterMetrics
 from router.observability.profiling import RouterProfiling
 from router.observability.requests import ActiveRequests
-from router.ollama.errors import OllamaErrors
+from router.ollama import errors as ollama_errors
 from router.ollama.routes import OllamaRoutes
 from router.presets import PresetError
 from router.responses.bridge import ChatBridge
@@ -134,8 +137,11 @@ class RouterApp:
         )
         inner: ASGIApp = Front(self.forwarder, self.webui, UnknownRoutes(self.admin), max_body_size)
         inner = KeyGuard(inner, self.keys)  # open when no key is configured
-        inner = AnthropicErrors(inner)  # errors on /v1/messages in Anthropic's envelope, the 401 too
-        inner = OllamaErrors(inner)  # errors on /api/* as Ollama writes them, the 401 too
+        # errors on /v1/messages in Anthropic's envelope, the 401 too
+        inner = ErrorEnvelope(inner, anthropic_errors.PATH_PREFIX, anthropic_errors.envelope)
+        # errors on /api/* as Ollama writes them, the 401 too
+        inner = ErrorEnvelope(inner, ollama_errors.PATH_PREFIX, ollama_errors.envelope,
+                              ollama_errors.CONTENT_TYPE)
         origins = cors_origins or []
         self._asgi = Cors(inner, "*" if "*" in origins else ",".join(origins))
 
