@@ -121,6 +121,33 @@ class WorkerEffects:
         self.upstream.forget(base_url)
 
 
+
+class LayeredEffects:
+    """Effects over another `Effects` (`local`): what a layer does not change (waiting for
+    readiness, the card, sleep, wake, forgetting connections) is the local one's. The GPU
+    placement (router.lifecycle.gpu_admission) and Ray's (router.placement.ray_cluster) add to
+    spawn and samples."""
+
+    def __init__(self, local: Effects) -> None:
+        self.local = local
+
+    async def wait_ready(self, proc: Process, base_url: str, timeout: float,
+                         on_progress: Callable[[dict[str, Any]], None]) -> bool:
+        return await self.local.wait_ready(proc, base_url, timeout, on_progress)
+
+    async def info(self, base_url: str) -> dict[str, Any] | None:
+        return await self.local.info(base_url)
+
+    async def sleep(self, base_url: str) -> bool:
+        return await self.local.sleep(base_url)
+
+    async def wake(self, base_url: str, timeout: float) -> None:
+        await self.local.wake(base_url, timeout)
+
+    def forget(self, base_url: str) -> None:
+        self.local.forget(base_url)
+
+
 def worker_env(preset: ModelPreset) -> dict[str, str] | None:
     """The worker's environment: ours with this checkout importable (a `cmd` server: inherited),
     and the preset's own `env` (with the GPU placement's CUDA_VISIBLE_DEVICES) over it."""

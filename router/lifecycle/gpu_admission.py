@@ -34,7 +34,7 @@ import psutil
 from router import worker_flags
 from router.lifecycle import swap
 from router.lifecycle.admission import Admission, Occupant, Slots, SlotsFull
-from router.lifecycle.effects import Effects, Process, WorkerEffects
+from router.lifecycle.effects import Effects, LayeredEffects, Process, WorkerEffects
 from router.lifecycle.estimate import GPU_CONTEXT_BYTES, cached_shape
 from router.lifecycle.eviction import Need, format_size
 from router.lifecycle.gpu_book import DeviceBook
@@ -287,11 +287,11 @@ class GpuAdmission:
                 await asyncio.wait_for(self._changed.wait(), RECHECK_S)
 
 
-class GpuEffects:
+class GpuEffects(LayeredEffects):
     """The local effects, with the worker started on its devices (see the module docstring)."""
 
     def __init__(self, local: Effects, gpus: GpuPlacement) -> None:
-        self.local = local
+        super().__init__(local)
         self.gpus = gpus
 
     async def spawn(self, preset: ModelPreset) -> tuple[Process, str, list[str]]:
@@ -338,15 +338,6 @@ class GpuEffects:
                              f"{format_size(g.total_bytes)}, the model needed ~{format_size(share)} there")
         return "; ".join(parts)
 
-    async def info(self, base_url: str) -> dict[str, Any] | None:
-        return await self.local.info(base_url)
-
-    async def sleep(self, base_url: str) -> bool:
-        return await self.local.sleep(base_url)
-
-    async def wake(self, base_url: str, timeout: float) -> None:
-        await self.local.wake(base_url, timeout)
-
     async def samples(self, proc: Process, interval: Callable[[], float]) -> AsyncIterator[TreeMemory]:
         """The local samples; for a placed model, also its use on each device (into the book)."""
         async for memory in self.local.samples(proc, interval):
@@ -358,9 +349,6 @@ class GpuEffects:
                         self.gpus.book.measure(name, used)
             yield memory
         self.gpus.names.pop(proc.pid, None)
-
-    def forget(self, base_url: str) -> None:
-        self.local.forget(base_url)
 
 
 def _list(indices: Sequence[int]) -> str:

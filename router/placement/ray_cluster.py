@@ -30,7 +30,7 @@ from ray.exceptions import RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from router.lifecycle.admission import Admission, Occupant, Slots, SlotsFull
-from router.lifecycle.effects import Effects, Process, WorkerEffects
+from router.lifecycle.effects import Effects, LayeredEffects, Process, WorkerEffects
 from router.lifecycle.eviction import Admit, Decision, Drain, Evict, Full, Need, choose_victim
 from router.lifecycle.memory import TreeMemory
 from router.lifecycle.process import SpawnError
@@ -150,11 +150,11 @@ class NodeSlots:
         return out
 
 
-class RayEffects:
+class RayEffects(LayeredEffects):
     """Local effects for local models; a worker actor on the admitted node for the others."""
 
     def __init__(self, local: WorkerEffects, admission: NodeSlots) -> None:
-        self.local = local
+        super().__init__(local)
         self.admission = admission
         self.actor_class: Any = ray.remote(WorkerActor)
 
@@ -180,19 +180,6 @@ class RayEffects:
         log.info("model %s: worker pid %d on node %s", preset.name, proc.pid, node.short)
         return proc, f"http://{started['host']}:{started['port']}", list(started["argv"])
 
-    async def wait_ready(self, proc: Process, base_url: str, timeout: float,
-                         on_progress: Callable[[dict[str, Any]], None]) -> bool:
-        return await self.local.wait_ready(proc, base_url, timeout, on_progress)
-
-    async def info(self, base_url: str) -> dict[str, Any] | None:
-        return await self.local.info(base_url)
-
-    async def sleep(self, base_url: str) -> bool:
-        return await self.local.sleep(base_url)
-
-    async def wake(self, base_url: str, timeout: float) -> None:
-        await self.local.wake(base_url, timeout)
-
     async def samples(self, proc: Process, interval: Callable[[], float]) -> AsyncIterator[TreeMemory]:
         """As locally, measured by the actor on its node, until the worker or the actor is gone."""
         if not isinstance(proc, RayProcess):
@@ -208,9 +195,6 @@ class RayEffects:
                 return
             yield memory
             await asyncio.sleep(interval())
-
-    def forget(self, base_url: str) -> None:
-        self.local.forget(base_url)
 
 
 class RayPlacement:
