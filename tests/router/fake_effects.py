@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.lifecycle.admission import Slots
 from router.lifecycle.memory import TreeMemory
-from router.lifecycle.model import ModelHandle
+from router.lifecycle.model import ModelDeps, ModelHandle
+from router.lifecycle.state import Phase
 from router.presets import ModelPreset
 
 _pids = itertools.count(10_000)
@@ -122,3 +124,47 @@ class FakeEffects:
 
     def forget(self, base_url: str) -> None:
         self.forgotten.append(base_url)
+
+
+@dataclass
+class OwnerRig:
+    """Model owners over one `FakeEffects` and their `ModelDeps`, driven by a test (the owner's
+    and the GPU placement's tests extend it)."""
+
+    fx: FakeEffects
+    slots: Slots
+    deps: ModelDeps
+    handles: list[ModelHandle] = field(default_factory=list)
+
+    def start(self, preset: ModelPreset) -> ModelHandle:
+        h = ModelHandle(preset, self.deps)
+        h.start()
+        self.handles.append(h)
+        return h
+
+    async def quiet(self) -> None:
+        """Let the owners and the admission task handle everything already sent (no timers)."""
+        for _ in range(5):
+            for h in self.handles:
+                if not h.is_removed:
+                    await h.settled()
+            await asyncio.sleep(0)
+
+    async def up(self, h: ModelHandle, can_sleep: bool = True) -> FakeProc:
+        """UNLOADED -> QUEUED -> SPAWNING -> STARTING -> READY, with no request left in flight."""
+        asked = asyncio.create_task(h.ensure_ready())
+        proc = await self.spawn(h)
+        await self.fx.answer(await self.fx.next("ready"), can_sleep, h)
+        await asked
+        h.release()
+        await h.settled()
+        assert h.phase is Phase.READY
+        return proc
+
+    async def spawn(self, h: ModelHandle) -> FakeProc:
+        """Answer `h`'s spawn with a new process."""
+        call = await self.fx.next("spawn")
+        assert call.args[0].name == h.name
+        proc, base, argv = self.fx.new_proc()
+        await self.fx.answer(call, (proc, base, argv), h)
+        return proc

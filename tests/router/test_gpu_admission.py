@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from router.lifecycle.process import LoadError
 from router.lifecycle.request_queue import Waiting
 from router.lifecycle.state import Phase
 from router.presets import ModelPreset
-from tests.router.fake_effects import FakeEffects, FakeProc
+from tests.router.fake_effects import FakeEffects, OwnerRig
 from worker.protocol.errors import APIError
 
 G = 1 << 30
@@ -38,46 +38,15 @@ def gpus(*free_gib: float, total_gib: float = 24) -> Inventory:
                            for i, f in enumerate(free_gib)), (), "test")
 
 
-@dataclass
-class GpuRig:
-    fx: FakeEffects
-    slots: Slots
+@dataclass(kw_only=True)
+class GpuRig(OwnerRig):
     admission: GpuAdmission
     gpus: GpuPlacement
-    deps: ModelDeps
     inventory: list[Inventory]
-    handles: list[ModelHandle] = field(default_factory=list)
 
     def add(self, name: str, vram_gib: float, **kw: Any) -> ModelHandle:
-        p = ModelPreset(name, backend="llama_cpp", model=Path(f"/nowhere/{name}.gguf"),
-                        vram=int(vram_gib * G), stop_timeout=1.0, **kw)
-        h = ModelHandle(p, self.deps)
-        h.start()
-        self.handles.append(h)
-        return h
-
-    async def quiet(self) -> None:
-        for _ in range(5):
-            for h in self.handles:
-                await h.settled()
-            await asyncio.sleep(0)
-
-    async def up(self, h: ModelHandle) -> FakeProc:
-        asked = asyncio.create_task(h.ensure_ready())
-        proc = await self.spawned(h)
-        await self.fx.answer(await self.fx.next("ready"), True, h)
-        await asked
-        h.release()
-        await h.settled()
-        assert h.phase is Phase.READY
-        return proc
-
-    async def spawned(self, h: ModelHandle) -> FakeProc:
-        call = await self.fx.next("spawn")
-        assert call.args[0].name == h.name
-        proc, base, argv = self.fx.new_proc()
-        await self.fx.answer(call, (proc, base, argv), h)
-        return proc
+        return self.start(ModelPreset(name, backend="llama_cpp", model=Path(f"/nowhere/{name}.gguf"),
+                                      vram=int(vram_gib * G), stop_timeout=1.0, **kw))
 
     def env_of_spawn(self, call_preset: ModelPreset) -> str | None:
         return dict(call_preset.env).get("CUDA_VISIBLE_DEVICES")
@@ -92,7 +61,7 @@ async def rig(*free_gib: float, reserve: Reserve | None = None) -> AsyncIterator
     effects, admission = placement.wire(fx, slots)
     assert isinstance(admission, GpuAdmission)
     deps = ModelDeps(admission, EventBus(), effects, MemoryBook(has_gpu=True), Waiting(16))
-    r = GpuRig(fx, slots, admission, placement, deps, inventory)
+    r = GpuRig(fx, slots, deps, admission=admission, gpus=placement, inventory=inventory)
     task = asyncio.create_task(admission.run())
     try:
         yield r
@@ -208,7 +177,7 @@ async def test_an_out_of_memory_at_load_evicts_on_that_device_then_retries_once_
         r.inventory[0] = gpus(5, 3)  # ... and so on; the estimate below still fits GPU 0
         h = r.add("m", 4, devices=(0,))
         asked = asyncio.create_task(h.ensure_ready())
-        proc = await r.spawned(h)
+        proc = await r.spawn(h)
         proc.log_tail.append("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 4096.00 MiB on device "
                              "0: cudaMalloc failed: out of memory")
         await r.fx.answer(await r.fx.next("ready"), LoadError("exited with code 1 while loading"), h)
@@ -218,7 +187,7 @@ async def test_an_out_of_memory_at_load_evicts_on_that_device_then_retries_once_
         assert {s.args[0] for s in stops} == {idle.process, elsewhere.process}
         for s in stops:
             await r.fx.answer(s, 0, *r.handles)
-        proc = await r.spawned(h)
+        proc = await r.spawn(h)
         proc.log_tail.append("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
         await r.fx.answer(await r.fx.next("ready"), LoadError("exited with code 1 while loading"), h)
         await r.fx.answer(await r.fx.next("stop"), 1, *r.handles)

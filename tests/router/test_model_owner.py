@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,32 +31,15 @@ from router.lifecycle.state import Phase
 from router.lifecycle.swap import SwapRule
 from router.lifecycle.views import card
 from router.presets import ModelPreset
-from tests.router.fake_effects import FakeEffects, FakeProc
+from tests.router.fake_effects import FakeEffects, FakeProc, OwnerRig
 from worker.protocol.errors import APIError
 
 M = 1 << 20
 
 
-@dataclass
-class Rig:
-    fx: FakeEffects
-    slots: Slots
-    deps: ModelDeps
-    handles: list[ModelHandle] = field(default_factory=list)
-
+class Rig(OwnerRig):
     def add(self, name: str, **kw: Any) -> ModelHandle:
-        h = ModelHandle(preset(name, **kw), self.deps)
-        h.start()
-        self.handles.append(h)
-        return h
-
-    async def quiet(self) -> None:
-        """Let the owners and the admission task handle everything already sent (no timers)."""
-        for _ in range(5):
-            for h in self.handles:
-                if not h.is_removed:
-                    await h.settled()
-            await asyncio.sleep(0)
+        return self.start(preset(name, **kw))
 
     async def until(self, pred: Callable[[], bool]) -> None:
         for _ in range(200):
@@ -69,24 +52,6 @@ class Rig:
         """A slot is held exactly while the phase says so (given back in one place)."""
         for h in self.handles:
             assert (h in self.slots.holders) == h.phase.holds_slot, (h.name, h.phase)
-
-    async def up(self, h: ModelHandle, can_sleep: bool = True) -> FakeProc:
-        """UNLOADED -> QUEUED -> SPAWNING -> STARTING -> READY, with no request left in flight."""
-        asked = asyncio.create_task(h.ensure_ready())
-        proc = await self.spawn(h)
-        await self.fx.answer(await self.fx.next("ready"), can_sleep, h)
-        await asked
-        h.release()
-        await h.settled()
-        assert h.phase is Phase.READY
-        return proc
-
-    async def spawn(self, h: ModelHandle) -> FakeProc:
-        call = await self.fx.next("spawn")
-        assert call.args[0].name == h.name
-        proc, base, argv = self.fx.new_proc()
-        await self.fx.answer(call, (proc, base, argv), h)
-        return proc
 
     async def stop(self, h: ModelHandle, code: int = 0) -> FakeProc:
         call = await self.fx.next("stop")
