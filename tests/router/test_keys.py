@@ -242,20 +242,19 @@ def test_reloading_the_keys_file_takes_effect_and_a_running_stream_goes_on(
         assert c.get("/v1/models", headers=bearer("sk-carol-5")).status_code == 401
 
 
+def omni_router(*args: str) -> subprocess.CompletedProcess[str]:
+    """`omni-router ARGS` run to its end, its output captured."""
+    return subprocess.run([PY, "-m", "router.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+
+
 def test_keys_add_prints_a_key_once_and_the_file_holds_only_its_hash(
     router_factory: Factory, tmp_path: Path
 ) -> None:
     keys = tmp_path / "team.toml"
 
     def add(*args: str) -> str:
-        out = subprocess.run(
-            [PY, "-m", "router.cli", "keys", "add", *args, "--file", str(keys)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            timeout=60,
-        )
+        out = omni_router("keys", "add", *args, "--file", str(keys))
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
@@ -267,14 +266,7 @@ def test_keys_add_prints_a_key_once_and_the_file_holds_only_its_hash(
         ("ops", "admin", (), None),
         ("ann", "user", ("a",), 100),
     ]
-    bad = subprocess.run(
-        [PY, "-m", "router.cli", "keys", "add", "ann", "--file", str(keys)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=60,
-    )
+    bad = omni_router("keys", "add", "ann", "--file", str(keys))
     assert bad.returncode == 2 and "already there" in bad.stderr
     r = router_factory(PRESET, "--keys", str(keys))
     with r.client() as c:
@@ -288,14 +280,7 @@ def test_a_bad_keys_file_stops_the_router_with_one_line(tmp_path: Path) -> None:
     keys.write_text('[keys.a]\nkey = "sk-plain"\n')
     preset = tmp_path / "p.toml"
     preset.write_text(PRESET)
-    out = subprocess.run(
-        [PY, "-m", "router.cli", "--preset", str(preset), "--keys", str(keys)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=60,
-    )
+    out = omni_router("--preset", str(preset), "--keys", str(keys))
     assert out.returncode == 2 and "keys.a.key: the file holds no plain keys" in out.stderr
 
 
