@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,8 +34,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import percentile  # noqa: E402  # after the sys.path insert above
-from tests.util import free_port, wait_until  # noqa: E402
+from bench.common import percentile, router_server  # noqa: E402  # after the sys.path insert above
 
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 CHAIN = ("A", "B", "A", "C")
@@ -84,34 +80,18 @@ class Run:
 
 
 class Router:
+    """`omni-router` on `preset` with `args` (warnings only), healthy; its log in a temporary folder."""
+
     def __init__(self, preset: Path, *args: str) -> None:
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.TemporaryFile()  # noqa: SIM115  # the child's output, for a failure's tail
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "router.cli",
-                "--preset",
-                str(preset),
-                "--port",
-                str(self.port),
-                "--log-level",
-                "warning",
-                *args,
-            ],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        wait_until(lambda: httpx.get(f"{self.base}/health").status_code == 200, 30, what="router up")
+        self.log_dir = tempfile.TemporaryDirectory()
+        log_path = Path(self.log_dir.name) / "router.log"
+        self.server = router_server(preset, log_path, "--log-level", "warning", *args)
+        self.base = self.server.base_url
+        self.server.start(30)
 
     def close(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        self.proc.wait(30)
+        self.server.stop(30)
+        self.log_dir.cleanup()
 
 
 def count_loads(r: Router, run: Run, stop: threading.Event, ready: threading.Event) -> None:

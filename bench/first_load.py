@@ -29,6 +29,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.common import router_server
 from tests.util import ROOT, free_port, stop_process
 
 
@@ -118,45 +119,15 @@ def one_run(model: Path) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         preset = Path(tmp) / "p.toml"
         preset.write_text(f'[models.smol]\nmodel = "{model}"\nctx-size = 2048\nparallel = 1\n')
-        port = free_port()
-        log = open(Path(tmp) / "router.log", "w")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "router.cli",
-                "--preset",
-                str(preset),
-                "--port",
-                str(port),
-                "--data-dir",
-                tmp,
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        base = f"http://127.0.0.1:{port}"
+        server = router_server(preset, Path(tmp) / "router.log", "--data-dir", tmp)
+        base = server.base_url
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit(
-                        f"router did not start: {(Path(tmp) / 'router.log').read_text()[-2000:]}"
-                    )
-                time.sleep(0.05)
+            server.start(60)
             ttft = _first_token(base, "smol")
             worker_log = httpx.get(f"{base}/logs", params={"model": "smol", "lines": 500}).text
             router_log = (Path(tmp) / "router.log").read_text()
         finally:
-            stop_process(proc)
-            log.close()
+            server.stop()
     m = re.search(r"model loaded in ([\d.]+) s", worker_log)
     ready = re.search(r"smol: loaded in ([\d.]+) s", router_log)
     return {"ttft_s": ttft, "worker_load_s": float(m.group(1)) if m else float("nan"),

@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,14 +67,14 @@ class Router:
 
 @contextlib.contextmanager
 def start_router(tmp: Path, preset: Path, api_key: str | None = API_KEY,
-                 env: dict[str, str] | None = None) -> Iterator[Router]:
-    """A real router on `preset` (the API key set, unless None; `env` over ours), healthy;
-    stopped on leaving."""
+                 env: dict[str, str] | None = None, args: Sequence[str] = ()) -> Iterator[Router]:
+    """A real router on `preset` with `args` (the API key set, unless None; `env` over ours),
+    healthy; stopped on leaving."""
     port = free_port()
     log_path = tmp / "router.log"
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     cmd = [sys.executable, "-m", "router.cli", "--preset", str(preset), "--port", str(port),
-           *(["--api-key", api_key] if api_key else [])]
+           *(["--api-key", api_key] if api_key else []), *args]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

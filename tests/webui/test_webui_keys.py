@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 
 from router.keys.keyfile import hash_key
-from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_healthy
-from tests.webui.conftest import GGUF, Router, _why_no_browser
+from tests.util import preset_defaults
+from tests.webui.conftest import GGUF, Router, _why_no_browser, start_router
 
 pytest.importorskip("playwright")
 from playwright.sync_api import Page, expect
@@ -20,10 +20,6 @@ USER_KEY = "sk-webui-user"
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
-    import os
-    import subprocess
-    import sys
-
     reason = _why_no_browser()
     if reason:
         pytest.skip(reason)
@@ -39,33 +35,8 @@ model = "{GGUF}"
 """)
     keys = tmp / "keys.toml"
     keys.write_text(f'[keys.ann]\nsha256 = "{hash_key(USER_KEY)}"\nrole = "user"\nmodels = ["tiny"]\n')
-    port = free_port()
-    log_path = tmp / "router.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "router.cli",
-                "--preset",
-                str(preset),
-                "--port",
-                str(port),
-                "--keys",
-                str(keys),
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            start_new_session=True,
-        )
-    r = Router(proc, f"http://127.0.0.1:{port}", log_path)
-    try:
-        wait_healthy(proc, r.base, 30, lambda: r.log()[-3000:])
+    with start_router(tmp, preset, api_key=None, args=("--keys", str(keys))) as r:
         yield r
-    finally:
-        stop_process(proc)
 
 
 def test_a_user_key_entered_in_the_web_ui_sees_its_models_and_chats(page: Page, router: Router) -> None:
