@@ -129,9 +129,7 @@ async def test_eviction_on_the_device_that_needs_room_and_no_other() -> None:
         # ... but 7.5 GiB on one device (torch) fits only GPU 0 once `old` is gone (GPU 1 would have 7)
         torch = ModelPreset("t", backend="torch", model=Path("/nowhere/t"), vram=int(7.5 * G),
                             stop_timeout=1.0)
-        t = ModelHandle(torch, r.deps)
-        t.start()
-        r.handles.append(t)
+        t = r.start(torch)
         asked = asyncio.create_task(t.ensure_ready())
         stop = await r.fx.next("stop")
         assert stop.args[0] is old.process and other.phase is Phase.READY

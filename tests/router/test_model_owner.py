@@ -541,10 +541,7 @@ def ours(name: str, parallel: int = 1) -> ModelPreset:
 
 
 def add_ours(r: Rig, name: str, parallel: int = 1) -> ModelHandle:
-    h = ModelHandle(ours(name, parallel), r.deps)
-    h.start()
-    r.handles.append(h)
-    return h
+    return r.start(ours(name, parallel))
 
 
 @pytest.mark.asyncio
