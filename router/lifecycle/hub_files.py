@@ -41,7 +41,7 @@ async def download(attempt: int, p: ModelPreset, fetch: Fetch,
     try:
         pulled = await fetch(parse_ref(p.hf_repo, p.hf_file), report)
     except HubError as e:
-        return msg.FetchFailed(attempt, f"{p.hf_repo}: {e}", e.is_transient)
+        return msg.FetchFailed(attempt, f"{p.hf_repo}: {e}", e.is_transient, is_misconfigured=e.status == 404)
     except Exception as e:  # a surprise: never stay downloading
         return msg.FetchFailed(attempt, f"{p.hf_repo}: {type(e).__name__}: {e}", True)
     return msg.Fetched(attempt, pulled)

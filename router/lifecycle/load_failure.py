@@ -6,6 +6,13 @@ preset changes: it is *permanent*, answered at once with a status clients do not
 process that died on its own (killed, out of memory, a crash after it served) or never became
 ready in time may do better next time: it is retried, with backoff.
 
+A permanent failure whose cause is the configuration, not the model or the box (the preset's model
+file is not there; its `hf-repo` names a repo, tag or file the hub does not have) is no server
+crash: it is a 503 (the model is unavailable until the operator fixes the preset), with
+`x-should-retry: false` (the SDKs obey it before Retry-After, which every 503 carries), its
+message naming what is missing (the hub's tags).
+Every other permanent failure (llama.cpp cannot read the file, a bad flag) stays a 500.
+
 The cause is picked from the log tail by priority (llama.cpp's own words first, they name the
 real problem, e.g. "tensor 'token_embd.weight' data is not within the file bounds"), so the
 message is the same whichever the router noticed first: `/health` answering 500 or the exit.
@@ -46,6 +53,7 @@ class LoadFailure:
     cause: str  # one line, for the API error and the Models tab
     is_permanent: bool  # the same load will fail again: no retry until the file or preset changes
     is_the_box: bool = False  # the box, not the model (its port was taken): requests keep waiting
+    is_misconfigured: bool = False  # the preset names what is not there (a file, a hub tag): a 503
 
 
 # A device that ran out of memory while the model loaded (llama.cpp's CUDA build, ggml, torch; the
@@ -107,15 +115,17 @@ def unavailable(message: str, retry_after: float | None = None) -> APIError:
     return APIError(message, status_code=503, type="unavailable_error", code=503, headers=headers)
 
 
-def permanent_failure(name: str, cause: str, log_tail: list[str]) -> APIError:
+def permanent_failure(name: str, cause: str, log_tail: list[str], *,
+                      is_misconfigured: bool = False) -> APIError:
     """A load that fails the same way every time: 500 with `x-should-retry: false` (the openai and
-    anthropic SDKs obey it; they retry any other 5xx) and no Retry-After."""
+    anthropic SDKs obey it; they retry any other 5xx) and no Retry-After. `is_misconfigured` (the
+    preset names a file or a hub tag that is not there): 503 `model_misconfigured`, likewise."""
     return APIError(
-        f"model {name!r} failed to load: {cause} (not retried until its file or preset changes, "
-        "or POST /models/load asks for it)",
-        status_code=500,
-        type="server_error",
-        code="model_load_failed",
+        f"model {name!r} {'is misconfigured' if is_misconfigured else 'failed to load'}: {cause} "
+        "(not retried until its file or preset changes, or POST /models/load asks for it)",
+        status_code=503 if is_misconfigured else 500,
+        type="unavailable_error" if is_misconfigured else "server_error",
+        code="model_misconfigured" if is_misconfigured else "model_load_failed",
         headers={"x-should-retry": "false"},
         extra={"log_tail": log_tail[-20:]},
     )

@@ -137,6 +137,7 @@ class FetchFailed:
     attempt: int
     error: str
     is_transient: bool  # the hub down, the disk full: a later load tries again
+    is_misconfigured: bool = False  # the hub has no such repo, tag or file (its 404): the preset is wrong
 
 
 @dataclass

@@ -140,6 +140,7 @@ class ModelHandle:
     is_permanent: bool = (
         False  # FAILED in a way that repeats: not retried until the file changes or a load is asked
     )
+    is_misconfigured: bool = False  # (with is_permanent) its preset names a file or hub tag not there: 503
     _failed_stamp: tuple[int, int] | None = None  # the model file's (size, mtime) when it failed
     _queue: RequestQueue = field(default_factory=RequestQueue)  # waiting requests, the forwarding bound
     _stop_waiters: list[asyncio.Future[bool]] = field(default_factory=list)
@@ -390,9 +391,10 @@ class ModelHandle:
                 self._on_load_failed(error, can_retry)
             case msg.Fetched(attempt, pulled) if attempt == self._attempt:
                 self._on_fetched(pulled)
-            case msg.FetchFailed(attempt, error, is_transient) if attempt == self._attempt:
+            case msg.FetchFailed(attempt, error, is_transient, is_misconfigured) if attempt == self._attempt:
                 if self.phase is Phase.QUEUED:
-                    self._fail(None, LoadFailure(error, is_permanent=not is_transient))
+                    self._fail(None, LoadFailure(error, is_permanent=not is_transient,
+                                                 is_misconfigured=is_misconfigured))
             case msg.SleepDone(attempt, ok) if attempt == self._attempt:
                 self._on_sleep_done(ok)
             case msg.Exited(proc, code):
@@ -433,7 +435,8 @@ class ModelHandle:
             self._resolve_waiters()
             return
         if phase is Phase.FAILED and self.is_permanent and self._file_stamp() == self._failed_stamp:
-            reply.set_exception(permanent_failure(self.name, self.error or "", self.log_tail))
+            reply.set_exception(permanent_failure(self.name, self.error or "", self.log_tail,
+                                                  is_misconfigured=self.is_misconfigured))
             return
         if phase is Phase.FAILED and time.monotonic() < self.retry_at:
             wait = self.retry_at - time.monotonic()
@@ -752,7 +755,8 @@ class ModelHandle:
         if self.preset.model_error is not None:
             self._fail_missing()
             self._set(Phase.FAILED)
-            self._fail_waiters("", error=permanent_failure(self.name, self.preset.model_error, []))
+            self._fail_waiters("", error=permanent_failure(self.name, self.preset.model_error, [],
+                                                           is_misconfigured=True))
             return
         self.need = None
         self._prune_waiters()
@@ -847,6 +851,7 @@ class ModelHandle:
         self.failures += 1
         self.retry_at = now + backoff_delay(self.failures)
         self.exit_code, self.error, self.is_permanent = code, failure.cause, failure.is_permanent
+        self.is_misconfigured = failure.is_misconfigured
         self._failed_stamp, self.ready_since, self._failure = self._file_stamp(), 0.0, None
         log.error("model %s: failed (exit code %s)%s: %s", self.name, code, ", not retried until its "
                   "file or preset changes or POST /models/load asks" if failure.is_permanent else "",
@@ -868,7 +873,8 @@ class ModelHandle:
                 loop.call_later(delay, lambda: self._commands.put_nowait(msg.Settle(attempt)))
         self._fail_waiters(
             "",
-            error=permanent_failure(self.name, failure.cause, self.log_tail)
+            error=permanent_failure(self.name, failure.cause, self.log_tail,
+                                    is_misconfigured=failure.is_misconfigured)
             if failure.is_permanent
             else unavailable(f"model {self.name!r} failed to load: {failure.cause}"),
         )
@@ -892,6 +898,7 @@ class ModelHandle:
         """The preset's model file does not exist: FAILED, permanent until the file is there."""
         self.exit_code, self.error = None, self.preset.model_error
         self.is_permanent, self._failed_stamp, self.log_tail = True, None, []
+        self.is_misconfigured = True
 
     def _file_stamp(self) -> tuple[int, int] | None:
         """The model file's (size, mtime): a permanent failure is tried again once it changes."""

@@ -68,6 +68,11 @@ def test_pull_while_serving_and_discovered_stores(router_factory: Callable[..., 
         assert ollama_model.status_code == 200, ollama_model.text
         args = r.models()["tiny:latest"]["status"]["args"]
         assert args[args.index("--temp") + 1] == "0.3" and args[args.index("--ctx-size") + 1] == "1024"
+        lm_studio = c.post("/v1/chat/completions", json={**chat, "model": "omni-lab/tiny-GGUF:F16"})
+        assert lm_studio.status_code == 200 and lm_studio.json()["usage"]["completion_tokens"], lm_studio.text
+        card = r.models()["omni-lab/tiny-GGUF:F16"]  # the LM Studio folder's file, loaded by its worker
+        assert card["status"]["value"] == "loaded", card
+        assert card["path"] == str(tiny_models.gguf_f16.resolve()), card
 
         # ours: NDJSON progress, then what it pulled and the name it is served under now
         pulled = c.post("/models/pull", json={"model": f"{GGUF_REPO}:Q8_0"})

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from tests.hub.conftest import GGUF_REPO, HF_REPO, VLM_REPO, hub_env
+from tests.hub.conftest import GGUF_REPO, HF_REPO, SPLIT_REPO, VLM_REPO, hub_env
 from tests.router.conftest import RouterProc
 from tests.util import preset_defaults, wait_until
 from worker.testing.stand_in_hub import StandInHub
@@ -101,8 +101,11 @@ def test_a_router_of_hub_models_downloads_at_first_load_and_serves(
 
 def test_hub_down_fails_the_model_transiently_and_a_later_request_loads_it(
         router_factory: Callable[..., RouterProc], model_hub: StandInHub, tmp_path: Path) -> None:
+    """The hub down fails the model transiently; an unknown tag is the preset's fault (a 503 naming
+    the tags); a real split GGUF (three parts, as gguf-split writes them) comes whole and serves."""
     r = router_factory(f'{preset_defaults(512)}\n[models.tiny]\nhf-repo = "{GGUF_REPO}:F16"\n'
-                       f'\n[models.nope]\nhf-repo = "{GGUF_REPO}:Q2_K"\n',
+                       f'\n[models.nope]\nhf-repo = "{GGUF_REPO}:Q2_K"\n'
+                       f'\n[models.split]\nhf-repo = "{SPLIT_REPO}"\n',
                        env=hub_env(model_hub, tmp_path / "hub"))
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     model_hub.fail_with = 503
@@ -114,7 +117,18 @@ def test_hub_down_fails_the_model_transiently_and_a_later_request_loads_it(
     model_hub.fail_with = None
     up = httpx.post(f"{r.base}/v1/chat/completions", json=body, timeout=120)
     assert up.status_code == 200, up.text
-    # an unknown tag: permanent, and the message lists the tags there are
-    nope = httpx.post(f"{r.base}/v1/chat/completions", json={**body, "model": "nope"}, timeout=60)
-    assert nope.status_code == 500 and "tags: F16, Q4_K_M, Q8_0" in nope.json()["error"]["message"], nope.text
+    # an unknown tag: permanent, the preset's fault (503, not retried), the message lists the tags there are
+    for _ in range(2):  # the first ask fails the load; the second is answered from the failure
+        nope = httpx.post(f"{r.base}/v1/chat/completions", json={**body, "model": "nope"}, timeout=60)
+        err = nope.json()["error"]
+        assert nope.status_code == 503 and nope.headers["x-should-retry"] == "false", nope.text
+        assert err["type"] == "unavailable_error" and err["code"] == "model_misconfigured", nope.text
+        assert "is misconfigured" in err["message"] and "tags: F16, Q4_K_M, Q8_0" in err["message"], nope.text
     assert r.models()["nope"]["status"]["permanent"] is True
+    # a real split: llama.cpp loads parts 2 and 3 from the first part's name
+    split = httpx.post(f"{r.base}/v1/chat/completions", json={**body, "model": "split"}, timeout=120)
+    assert split.status_code == 200 and split.json()["usage"]["completion_tokens"] > 0, split.text
+    path = Path(r.models()["split"]["path"])
+    assert path.name == "tiny-split-Q8_0-00001-of-00003.gguf", path
+    assert sorted(p.name for p in path.parent.glob("tiny-split-*")) == [
+        f"tiny-split-Q8_0-0000{i}-of-00003.gguf" for i in (1, 2, 3)]

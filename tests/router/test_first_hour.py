@@ -165,8 +165,9 @@ def test_worker_flags_in_a_preset_reach_the_worker(router_factory: Factory) -> N
 def test_a_missing_model_file_fails_that_model_only_bug_it_stopped_the_router(router_factory: Factory,
                                                                              tmp_path: Path) -> None:
     """Bug: `models.ghost.model: ... does not exist` stopped the whole router. Now the router
-    starts, prints a banner naming it, serves the others, answers for it at once (a 500 the SDK
-    does not retry) and loads it once the file is there. With --log-level debug, polling
+    starts, prints a banner naming it, serves the others, answers for it at once (a 503
+    `model_misconfigured` the SDK does not retry: the configuration's fault, no server crash)
+    and loads it once the file is there. With --log-level debug, polling
     /health during a load writes no httpcore lines."""
     ghost = tmp_path / "later" / "ghost.gguf"
     r = router_factory(f'{preset_defaults(256)}[models.ghost]\nmodel = "later/ghost.gguf"\n'
@@ -182,7 +183,7 @@ def test_a_missing_model_file_fails_that_model_only_bug_it_stopped_the_router(ro
         client.chat.completions.create(
             model="ghost", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
-    assert attempts == [500] and _spawns(r, "ghost") == 0
+    assert attempts == [503] and _spawns(r, "ghost") == 0
     assert client.chat.completions.create(
         model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=2
     )

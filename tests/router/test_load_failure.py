@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.lifecycle.load_failure import diagnose
+from router.lifecycle.load_failure import diagnose, permanent_failure
 
 TRUNCATED = [
     "06:50:50.200 WARNING worker.llama_cpp: llama.cpp: llama_model_load: error loading model: tensor "
@@ -103,3 +103,16 @@ def test_a_worker_port_is_picked_below_the_ephemeral_range() -> None:
     if low <= 2048:
         pytest.skip(f"no room below this kernel's ephemeral range (it starts at {low})")
     assert all(1024 <= free_port() < low for _ in range(20))
+
+
+@pytest.mark.parametrize(("is_misconfigured", "status", "type_", "code"), [
+    (False, 500, "server_error", "model_load_failed"),  # llama.cpp cannot read it, a bad flag
+    (True, 503, "unavailable_error", "model_misconfigured"),  # the preset names a file or hub tag not there
+])
+def test_a_permanent_failure_is_a_503_when_the_configuration_is_at_fault(
+        is_misconfigured: bool, status: int, type_: str, code: str) -> None:
+    e = permanent_failure("m", "org/x has no 'Q2_K' model (tags: F16, Q8_0)", [],
+                          is_misconfigured=is_misconfigured)
+    assert (e.status_code, e.type, e.code) == (status, type_, code)
+    assert e.headers is not None and e.headers["x-should-retry"] == "false"  # neither is retried
+    assert "tags: F16, Q8_0" in e.message

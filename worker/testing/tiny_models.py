@@ -319,10 +319,12 @@ def write_hf(out_dir: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, 
 
 
 def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, np.ndarray], f16: bool,
-               fim: dict[str, int] | None = None, extra_tokens: tuple[str, ...] = ()) -> None:
+               fim: dict[str, int] | None = None, extra_tokens: tuple[str, ...] = (),
+               split_max_tensors: int = 0) -> None:
     """`fim`: {"pre"|"suf"|"mid"|...: token id} written as tokenizer.ggml.fim_*_token_id
     (FIM variant only). `extra_tokens`: appended to the vocabulary (no merge leads to them: the
-    tokenizer never makes them, a model may generate them; worker/testing/tiny_lora.py)."""
+    tokenizer never makes them, a model may generate them; worker/testing/tiny_lora.py).
+    `split_max_tensors`: split as llama.cpp's gguf-split does (`write_split_variant`)."""
     import gguf
 
     tokens, merges = _vocab_and_merges(tok)
@@ -330,9 +332,11 @@ def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, n
     ids = _special_ids(tok)
     specials = set(spec.special_tokens)
     types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens]
-    tmp = path.with_suffix(".gguf.tmp")
+    # (a split is written in place: gguf names its parts after `path`, `-00001-of-0000N.gguf`)
+    tmp = path if split_max_tensors else path.with_suffix(".gguf.tmp")
     is_qwen3 = spec.arch == "qwen3"
-    w = gguf.GGUFWriter(str(tmp), "llama" if spec.arch == "idefics3" else spec.arch)  # a VLM's text model
+    w = gguf.GGUFWriter(str(tmp), "llama" if spec.arch == "idefics3" else spec.arch,  # a VLM's text model
+                        split_max_tensors=split_max_tensors)
     w.add_name(spec.name)
     w.add_context_length(spec.max_positions)
     w.add_embedding_length(spec.hidden)
@@ -397,7 +401,8 @@ def write_gguf(path: Path, spec: ModelSpec, tok: Tokenizer, weights: dict[str, n
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    os.replace(tmp, path)
+    if not split_max_tensors:
+        os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- entry points
@@ -443,6 +448,21 @@ def write_fim_variant(path: Path, size: str = "tiny") -> dict[str, int]:
     fim = {"pre": n - 3, "suf": n - 2, "mid": n - 1}
     write_gguf(path, spec, tok, make_weights(spec, n), f16=False, fim=fim)
     return fim
+
+
+def write_split_variant(path: Path, parts: int, size: str = "tiny") -> list[Path]:
+    """The `size` model as an F16 GGUF split in `parts` files the way llama.cpp's gguf-split
+    writes them: `<path's stem>-0000i-of-0000N.gguf`, each a valid GGUF with the `split.no`,
+    `split.count` and `split.tensors.count` keys, the first holding all the metadata (llama.cpp
+    loads the others from the first's name). Returns the parts, in order."""
+    spec = SPECS[size]
+    tok = train_tokenizer(spec)
+    n_tensors = 2 + 9 * spec.layers + (0 if spec.tie_embeddings else 1)  # as write_gguf puts them
+    write_gguf(path, spec, tok, make_weights(spec, tok.get_vocab_size()), f16=True,
+               split_max_tensors=-(-n_tensors // parts))
+    written = sorted(path.parent.glob(f"{path.stem}-0*-of-0*.gguf"))
+    assert len(written) == parts, written
+    return written
 
 
 def main(argv: list[str] | None = None) -> None:
