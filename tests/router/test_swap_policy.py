@@ -3,6 +3,7 @@ simulated agent trace (simulated load times) where the fair rule is measured aga
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -449,3 +450,40 @@ def test_who_a_persistent_group_keeps_for_gpu_evictions_too(
     holder_group: GroupRule | None, group: GroupRule | None, is_kept: bool
 ) -> None:
     assert is_kept_for(occ("k", group=holder_group), group) is is_kept
+
+
+def fewest_loads(chains: list[tuple[str, ...]], models: str = "ABC") -> tuple[int, str]:
+    """The fewest loads (with models-max 1) any policy, even one that knows the future, can serve
+    `chains` in: a chain never calls one model twice in a row, so each of its calls needs a load of
+    its own, and the sequence of loads must hold every chain as a subsequence (the shortest common
+    supersequence, found by trying every sequence without a repeat, shortest first)."""
+
+    def holds(chain: tuple[str, ...], loads: tuple[str, ...]) -> bool:
+        it = iter(loads)
+        return all(m in it for m in chain)
+
+    for length in itertools.count(max(len(c) for c in chains)):
+        for first in models:
+            seqs: list[tuple[str, ...]] = [(first,)]
+            for _ in range(length - 1):
+                seqs = [(*s, m) for s in seqs for m in models if m != s[-1]]
+            for s in seqs:
+                if all(holds(c, s) for c in chains):
+                    return length, "".join(s)
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize(("rounds", "floor"), [(1, 7), (2, 11)])
+def test_the_bench_trace_has_a_floor_of_loads_that_half_of_fifo_is_below(rounds: int, floor: int) -> None:
+    """docs/swaps.md "The floor": the bench's agents start at the four points of A, B, A, C, so no
+    schedule makes fewer than 7 loads (1 round) or 11 (2 rounds); FIFO makes 7-12 and 12-21 there,
+    so "half of FIFO's swaps" is out of reach of any policy. Fair makes the floor on 1 round."""
+    chains = [(CHAIN[i:] + CHAIN[:i]) * rounds for i in range(4)]
+    assert fewest_loads(chains)[0] == floor
+    loads = {"A": 2.5, "B": 2.5, "C": 2.5}
+    for num_agents in (4, 8):
+        fifo = simulate(bench_trace(num_agents, rounds), loads, FIFO, service_s=0.1)
+        fair = simulate(bench_trace(num_agents, rounds), loads, FAIR, service_s=0.1)
+        assert fifo.num_swaps < 2 * floor and fair.num_swaps >= floor, (fifo.loads, fair.loads)
+        if rounds == 1:
+            assert fair.num_swaps == floor, fair.loads
