@@ -23,6 +23,7 @@ from starlette.types import Scope
 from router.anthropic.builder import MessageBuilder, sse
 from router.anthropic.translate import chat_body, count_body
 from router.anthropic.wire import CountTokensRequest, CreateMessage, parse_request
+from router.responses.bridge import chunk_error
 from worker.protocol.errors import APIError
 
 Chunk = dict[str, Any]
@@ -43,12 +44,6 @@ async def _pump(chunks: AsyncIterator[Chunk], queue: asyncio.Queue[Chunk | None]
         await queue.put({"error": {"message": f"reading the upstream failed: {e!r}"}})
     await queue.put(None)
 
-
-def _upstream_failed(chunk: Chunk) -> str | None:
-    err = chunk.get("error")
-    if err is None:
-        return None
-    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
 
 
 class MessagesRoutes:
@@ -73,7 +68,7 @@ class MessagesRoutes:
                                      headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
         async with stack:
             async for chunk in chunks:
-                failed = _upstream_failed(chunk)
+                failed = chunk_error(chunk)
                 if failed is not None:
                     raise APIError(failed, status_code=500, type="server_error")
                 builder.feed(chunk)
@@ -104,7 +99,7 @@ class MessagesRoutes:
                         continue
                     if chunk is None:
                         break
-                    failed = _upstream_failed(chunk)
+                    failed = chunk_error(chunk)
                     if failed is not None:
                         yield sse({"type": "error", "error": {"type": "api_error", "message": failed}})
                         return

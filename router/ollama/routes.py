@@ -46,6 +46,7 @@ from router.ollama.wire import (
     OllamaShowRequest,
     keep_alive_seconds,
 )
+from router.responses.bridge import chunk_error
 from worker.protocol.defaults import DEFAULT_PARALLEL
 from worker.protocol.errors import APIError, not_found, parse_model
 
@@ -264,7 +265,7 @@ class OllamaRoutes:
             return StreamingResponse(self._ndjson(answer, stack, chunks), media_type="application/x-ndjson")
         async with stack:
             async for chunk in chunks:
-                failed = _failed(chunk)
+                failed = chunk_error(chunk)
                 if failed is not None:
                     raise APIError(failed, status_code=500, type="server_error")
                 answer.feed(chunk)
@@ -275,7 +276,7 @@ class OllamaRoutes:
     ) -> AsyncIterator[bytes]:
         async with stack:
             async for chunk in chunks:
-                failed = _failed(chunk)
+                failed = chunk_error(chunk)
                 if failed is not None:
                     yield _line({"error": failed})  # as Ollama ends a stream that fails midway
                     return
@@ -443,12 +444,6 @@ def _input_limit(e: APIError) -> int | None:
     m = _BATCH.search(e.message)
     return int(m.group(1)) if m else None
 
-
-def _failed(chunk: Chunk) -> str | None:
-    err = chunk.get("error")
-    if err is None:
-        return None
-    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
 
 
 def _line(obj: Chunk) -> bytes:

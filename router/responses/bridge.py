@@ -129,6 +129,14 @@ class ChatBridge:
             handle.release()
 
 
+def chunk_error(chunk: dict[str, Any]) -> str | None:
+    """The message of a chunk `open_chat` yields for a failed upstream (a final `{"error"}`), else None."""
+    err = chunk.get("error")
+    if err is None:
+        return None
+    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+
+
 def upstream_error(status: int, raw: bytes) -> APIError:
     """An upstream's error answer, as the same envelope (a non-JSON body becomes the message)."""
     try:
