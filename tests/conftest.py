@@ -52,8 +52,10 @@ def _no_model_stores_of_this_box(tmp_path_factory: pytest.TempPathFactory) -> It
     the tests start see empty stores of this session's own instead (a test that wants one sets
     its own), so what this box happens to hold never changes what they serve."""
     empty = tmp_path_factory.mktemp("no-stores")
+    # HF_ENDPOINT: a closed port on loopback, so a test that forgets its stand-in hub
+    # (worker/testing/stand_in_hub.py) fails here at once instead of reaching a real hub.
     names = {"HF_HUB_CACHE": empty / "hub", "OLLAMA_MODELS": empty / "ollama",
-             "LMSTUDIO_MODELS_DIR": empty / "lmstudio"}
+             "LMSTUDIO_MODELS_DIR": empty / "lmstudio", "HF_ENDPOINT": "http://127.0.0.1:9"}
     old = {k: os.environ.get(k) for k in names}
     os.environ.update({k: str(v) for k, v in names.items()})
     yield
