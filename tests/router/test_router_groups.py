@@ -9,9 +9,10 @@ The states come from /models/sse, every change in order, so no poll can miss an 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import httpx
@@ -45,10 +46,12 @@ def watching(r: RouterProc) -> Iterator[Watch]:
     w = Watch()
     stop = threading.Event()
     client = r.client(timeout=None)
+    sock: list[socket.socket] = []
 
     def listen() -> None:
         try:
             with client.stream("GET", "/models/sse") as resp:
+                sock.append(resp.extensions["network_stream"].get_extra_info("socket"))
                 for line in resp.iter_lines():
                     if stop.is_set():
                         return
@@ -67,8 +70,15 @@ def watching(r: RouterProc) -> Iterator[Watch]:
         yield w
     finally:
         stop.set()
-        client.close()  # ends the stream now: the router's shutdown does not wait for it
+        # Ends the stream now, so the router's shutdown does not wait for it. Not client.close():
+        # a close() from this thread leaves the listener blocked in recv() and the connection
+        # open (the join then waited 5 s, and the router's stop its 3 s graceful bound); a
+        # shutdown() wakes the recv and sends the FIN.
+        with suppress(OSError):  # the router may have closed it already
+            sock[0].shutdown(socket.SHUT_RDWR)
         t.join(5)
+        client.close()
+        assert not t.is_alive(), "the /models/sse listener did not end"
 
 
 def complete(r: RouterProc, model: str, **extra: Any) -> None:
