@@ -7,6 +7,7 @@
     worker_flags   every omni-worker flag as a preset key (read from `omni-worker --flags-json`)
     events         the one place lifecycle and request events are emitted (/models/sse, metrics listen)
     log_ring       bounded line rings: each worker's output and the router's own log
+    endless        the event streams that never end by themselves (/models/sse, /logs/stream), ended at a stop
     upstream       the lean keep-alive HTTP/1.1 client to the workers (the hot path)
     prompt_cache_dir  each model's disk prompt-cache folder (default under the data dir) and its size
     discovery/     models already on this disk for other tools (the hub cache, Ollama's store, LM Studio)
@@ -22,8 +23,8 @@
     http/          the ASGI app: the front (auth, CORS, body limit), proxying, the router's own routes
 
 Layers, lowest first (a module imports its own layer or a lower one; tests/unit/test_layering.py):
-presets/variants/worker_flags/events/log_ring/upstream/prompt_cache_dir/hub/discovery (and keys' keyfile
-and context), lifecycle, placement, observability, keys, responses, anthropic, ollama and speech,
+presets/variants/worker_flags/events/endless/log_ring/upstream/prompt_cache_dir/hub/discovery (and keys'
+keyfile and context), lifecycle, placement, observability, keys, responses, anthropic, ollama and speech,
 http, cli/banner. From `worker` the router imports `worker.protocol` and `worker.media_encoding`
 (spoken answers) only, and it launches workers by command line.
 """

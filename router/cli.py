@@ -6,6 +6,7 @@ Bad arguments or a bad preset: one line on stderr (`omni-router: error: ...`) an
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -22,6 +23,8 @@ from router.keys.keyfile import KeyFileError
 from router.presets import ModelPreset, PresetError, check_unique, load_presets, merge, scan_models_dir
 
 if TYPE_CHECKING:
+    import socket
+
     from router.lifecycle.gpu_admission import GpuPlacement
     from router.lifecycle.pool import Placement
 
@@ -293,10 +296,24 @@ def serve(
         pool, api_keys=api_key, cors_origins=cors_origin, responses=responses, max_body_size=max_body_size,
         keys_file=keys,
     )
-    uvicorn.run(app, host=host, port=port, loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"),
-                log_level=log_level.lower(), access_log=False, timeout_keep_alive=75, lifespan="on",
-                proxy_headers=False, server_header=False, date_header=False, timeout_graceful_shutdown=3,
-                limit_concurrency=max_connections)
+    import uvicorn.config
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # The event streams end first (router.endless): the graceful wait that follows
+            # is then for the requests that end by themselves, not a fixed 3 s per open web UI.
+            app.endless.close()
+            await super().shutdown(sockets)
+
+    server = Server(uvicorn.Config(
+        app, host=host, port=port, loop=_best("uvloop", "asyncio"), http=_best("httptools", "h11"),
+        log_level=log_level.lower(), access_log=False, timeout_keep_alive=75, lifespan="on",
+        proxy_headers=False, server_header=False, date_header=False, timeout_graceful_shutdown=3,
+        limit_concurrency=max_connections))
+    with contextlib.suppress(KeyboardInterrupt):  # what uvicorn.run does around it
+        server.run()
+    if not server.started:
+        sys.exit(uvicorn.config.STARTUP_FAILURE)
 
 
 report_cli = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)

@@ -14,9 +14,10 @@ from typing import Any
 
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from router.endless import EndlessStreams
 from router.http.forwarding import Forwarder
 from router.http.openapi import openapi_document
 from router.keys import views
@@ -40,8 +41,10 @@ class ModelRef(StrictModel):
 class AdminRoutes:
     def __init__(self, pool: Pool, forwarder: Forwarder, metrics: RouterMetrics,
                  route_table: Callable[[], list[tuple[str, str]]],
-                 reload_keys: Callable[[], Awaitable[Callable[[], None]]] | None = None) -> None:
+                 reload_keys: Callable[[], Awaitable[Callable[[], None]]] | None = None,
+                 endless: EndlessStreams | None = None) -> None:
         self.pool = pool
+        self._endless = endless or EndlessStreams()  # /models/sse ends when the router stops
         self._reload_keys = reload_keys  # parses the keys file, returns what swaps it in (router.keys.book)
         self._forwarder = forwarder
         self._metrics = metrics
@@ -170,8 +173,7 @@ class AdminRoutes:
                     if shown is not None:
                         yield _sse(event, shown)
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        return self._endless.response(stream())
 
     def _shown_event(self, data: dict[str, Any]) -> dict[str, Any] | None:
         """A status event as the request's key may see it (None: not one of its models)."""

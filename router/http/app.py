@@ -38,6 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.anthropic import errors as anthropic_errors
 from router.anthropic.routes import MessagesRoutes
+from router.endless import EndlessStreams
 from router.http.admin import AdminRoutes
 from router.http.error_envelope import ErrorEnvelope
 from router.http.forwarding import Forwarder
@@ -115,10 +116,11 @@ class RouterApp:
         if isinstance(pool.placement, GpuPlacement):  # per-GPU gauges (router/observability/gpu_metrics.py)
             self.metrics.registry.register(GpuCollector(pool.placement.figures))
         self.metrics.registry.register(self.keys.usage)  # requests and tokens by key and model
-        self.logs = LogRoutes(self._canonical_name)
+        self.endless = EndlessStreams()  # router.cli's server closes them as its shutdown begins
+        self.logs = LogRoutes(self._canonical_name, endless=self.endless)
         self.webui = WebUI()  # the bundled chat page (webui/), if present
         self.admin_routes = AdminRoutes(pool, self.forwarder, self.metrics, self.route_table,
-                                        reload_keys=self.keys.prepare_reload)
+                                        reload_keys=self.keys.prepare_reload, endless=self.endless)
         self.admin = Starlette(
             routes=[
                 *self.admin_routes.routes(),

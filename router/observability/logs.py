@@ -15,9 +15,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from router.endless import EndlessStreams
 from router.events import EventBus
 from router.log_ring import RING_LINES, ROUTER_LOG, WORKER_LOGS, LogBook, LogRing
 from worker.protocol.errors import APIError, not_found
@@ -58,8 +59,9 @@ class LogRoutes:
     """`resolve(name)`: the model's canonical name (aliases allowed), or None if unknown."""
 
     def __init__(self, resolve: Callable[[str], str | None], book: LogBook = WORKER_LOGS,
-                 router_ring: LogRing = ROUTER_LOG) -> None:
+                 router_ring: LogRing = ROUTER_LOG, endless: EndlessStreams | None = None) -> None:
         self._resolve = resolve
+        self._endless = endless or EndlessStreams()  # /logs/stream ends when the router stops
         self._book = book
         self._router = router_ring
 
@@ -100,5 +102,4 @@ class LogRoutes:
                         continue
                     yield b"data: " + line.encode() + b"\n\n"
 
-        return StreamingResponse(lines(), media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        return self._endless.response(lines())

@@ -231,6 +231,29 @@ def test_router_exit_leaves_no_worker(router_factory: Factory, sig: signal.Signa
     kill_router_and_expect_no_workers(r, sig, n_workers=2, timeout=5)
 
 
+def test_a_stop_ends_the_event_streams_bug_an_open_web_ui_held_it_3_s_and_logged_an_error(
+    router_factory: Factory,
+) -> None:
+    """/models/sse and /logs/stream never end by themselves: uvicorn's graceful shutdown waited out
+    its whole bound (3 s) for them, then cancelled them mid-body with an ERROR traceback in the
+    log. Reproduced by stopping a router while both are open (the web UI keeps /models/sse open)."""
+    r = router_factory(fake_model("a"))
+    with (
+        httpx.stream("GET", f"{r.base}/models/sse", timeout=30) as models,
+        httpx.stream("GET", f"{r.base}/logs/stream", timeout=30) as logs,
+    ):
+        models_lines, logs_lines = models.iter_lines(), logs.iter_lines()
+        assert next(line for line in models_lines if line.startswith("data: "))  # a's snapshot
+        assert next(logs_lines) == ": connected"
+        r.proc.send_signal(signal.SIGTERM)
+        # Each body ends whole (a cancelled one is an incomplete chunked read: RemoteProtocolError).
+        list(models_lines)
+        list(logs_lines)
+        r.proc.wait(30)
+    assert "graceful shutdown exceeded" not in r.log()
+    assert "Exception in ASGI application" not in r.log()
+
+
 def test_api_key_cors_and_error_envelopes(router_factory: Factory) -> None:
     r = router_factory(fake_model("a") + fake_model("b"), "--api-key", "k1", "--api-key", "k2",
                        "--cors-origin", "http://ui.example")

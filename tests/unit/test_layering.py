@@ -26,7 +26,8 @@ LAYERS: dict[str, list[tuple[str, ...]]] = {
         ("worker.testing",),
     ],
     "router": [
-        ("router.presets", "router.worker_flags", "router.events", "router.log_ring", "router.upstream",
+        ("router.presets", "router.worker_flags", "router.events", "router.endless", "router.log_ring",
+         "router.upstream",
          "router.prompt_cache_dir", "router.keys.keyfile", "router.keys.context", "router.hub",
          "router.discovery", "router.variants"),
         ("router.lifecycle",),
