@@ -35,6 +35,10 @@ class Watch:
         self.ready = threading.Event()
         self.lock = threading.Lock()
 
+    def saw(self, model: str, value: str) -> bool:
+        with self.lock:
+            return any(s.get(model) == value for s in self.history)
+
     def seen(self, model: str, value: str) -> None:
         with self.lock:
             self.now[model] = value
@@ -110,6 +114,8 @@ def test_a_swap_group_never_has_two_members_up_and_a_persistent_model_stays_thro
         for t in threads:
             t.join(180)
         complete(r, "keep")
+        # The events reach the watcher after the answers reach us: wait for the ones asserted below.
+        wait_until(lambda: w.saw("a", "loaded") and w.saw("b", "loaded"), 10, what="a, b loaded events")
     both = [s for s in w.history if s.get("a") in UP and s.get("b") in UP]
     assert not both, both[:3]
     assert {s.get("a") for s in w.history} >= {"loaded"} and {s.get("b") for s in w.history} >= {"loaded"}
@@ -143,6 +149,7 @@ def test_an_exclusive_load_unloads_other_groups_idle_models_and_waits_for_busy_o
         wait_until(lambda: r.models()["busy"]["in_flight"] == 1, 10, what="busy's stream to start")
         complete(r, "x")  # returns once x is loaded: busy's stream has ended by then
         streaming.join(30)
+        wait_until(lambda: w.saw("x", "loaded"), 10, what="x loaded on /models/sse")  # (it trails the answer)
     assert out["chunks"][-1] == "[DONE]" and len(out["chunks"]) > 20  # never cut for the exclusive load
     x_loaded = next(i for i, s in enumerate(w.history) if s.get("x") == "loaded")
     busy_gone = next(i for i, s in enumerate(w.history) if s.get("busy") == "unloaded")
