@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.util import ROOT, free_port, stop_process, wait_healthy, wait_until
+from tests.util import HTTP, ROOT, free_port, stop_process, wait_healthy, wait_until
 
 FAKE = Path(__file__).with_name("fake_worker.py")
 PY = sys.executable
@@ -56,7 +56,7 @@ class RouterProc:
         return self.log_path.read_text(errors="replace")
 
     def models(self) -> dict[str, dict[str, Any]]:
-        data = httpx.get(f"{self.base}/v1/models", headers=self.headers, timeout=10).json()["data"]
+        data = HTTP.get(f"{self.base}/v1/models", headers=self.headers, timeout=10).json()["data"]
         return {m["id"]: m for m in data}
 
     def status(self, name: str) -> str:
