@@ -2,8 +2,11 @@
 side in one run (router/lifecycle/swap.py; docs/internals.md "Swaps between models").
 
     .venv/bin/python bench/bench_swap.py [--agents 8] [--rounds 1] [--load-delay 1.5] [--json out.json]
+        [--policies fifo,fifo-batch,fair]
 
-One router per policy (`--swap-policy fifo`, then `fair`), the same trace, `--models-max 1`,
+One router per policy (`--swap-policy fifo`: requests in arrival order, a swap for each head of
+the queue, as llama-swap; `fifo-batch`: the router's rule before the scheduler, each load serving
+every request queued for its model; `fair`: ours), the same trace, `--models-max 1`,
 three tiny GGUF models A, B, C whose loads are made realistic by the preset's `load-delay`.
 The trace: `--agents` clients, each a chain of calls A, B, A, C (`--rounds` times; client i
 starts i steps into the chain) with its own think time between calls (seeded, 0.3-1.5 s), plus
@@ -189,34 +192,39 @@ def main() -> None:
     ap.add_argument("--swap-max-wait", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--policies", default="fifo,fifo-batch,fair", help="--swap-policy values, in order")
     args = ap.parse_args()
+    policies = args.policies.split(",")
     if not GGUF.exists():
         sys.exit(f"{GGUF} is missing: make models")
     with tempfile.TemporaryDirectory() as tmp:
         preset = Path(tmp) / "swap.toml"
         preset.write_text(preset_text(args.load_delay))
-        runs = [one_policy(p, args, preset) for p in ("fifo", "fair")]
+        runs = [one_policy(p, args, preset) for p in policies]
     results = [run.summary(args.swap_max_wait) for run in runs]
     print(
         f"swap bench: {args.agents} agents x {args.rounds} rounds of A, B, A, C (+ a background chat on A), "
         f"--models-max 1, load-delay {args.load_delay} s, --swap-max-wait {args.swap_max_wait} s"
     )
     print(
-        f"{'policy':7} {'swaps':>5} {'wall s':>7} {'calls':>5}  "
+        f"{'policy':10} {'swaps':>5} {'wall s':>7} {'calls':>5}  "
         + "  ".join(f"{m} p50/p99 s" for m in ("A", "B", "C"))
         + "  longest s  errors"
     )
     for s in results:
         cols = "  ".join(f"{s[m]['p50_s']:5.2f}/{s[m]['p99_s']:5.2f} " for m in ("A", "B", "C"))
         print(
-            f"{s['policy']:7} {s['swaps']:5d} {s['wall_s']:7.1f} {s['calls']:5d}  {cols} "
+            f"{s['policy']:10} {s['swaps']:5d} {s['wall_s']:7.1f} {s['calls']:5d}  {cols} "
             f"{s['longest_s']:9.2f}  {s['errors']:6d}"
         )
-    fifo, fair = results
-    print(
-        f"fair/fifo: swaps {fair['swaps'] / max(1, fifo['swaps']):.2f}x, wall time "
-        f"{fair['wall_s'] / fifo['wall_s']:.2f}x"
-    )
+    by_policy = {s["policy"]: s for s in results}
+    if (fair := by_policy.get("fair")) is not None:
+        for name, base in by_policy.items():
+            if name != "fair":
+                print(
+                    f"fair/{name}: swaps {fair['swaps'] / max(1, base['swaps']):.2f}x, wall time "
+                    f"{fair['wall_s'] / base['wall_s']:.2f}x"
+                )
     for run in runs:
         print(f"  {run.policy} loads in order: {' '.join(run.sequence)}")
         for e in run.errors[:3]:

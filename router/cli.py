@@ -152,8 +152,10 @@ def serve(
     max_queue: Annotated[int, typer.Option(min=0, help="requests allowed to wait for a model")] = 256,
     # -- the swap scheduler (router/lifecycle/swap.py, docs/internals.md "Swaps")
     swap_policy: Annotated[str, typer.Option(
-        metavar="fair|fifo", help="which waiting model loads next and when a busy one is swapped out: fair "
-        "(serve the loaded model first, within the bounds below) or fifo (swap for each head of queue)",
+        metavar="fair|fifo|fifo-batch", help="which waiting model loads next and when a busy one is swapped "
+        "out: fair (serve the loaded model first, within the bounds below); fifo (requests in arrival order, "
+        "a swap for each head of the queue, as llama-swap); fifo-batch (the model of the oldest waiting "
+        "request loads and serves all of its queued requests) (docs/swaps.md)",
     )] = "fair",
     swap_max_wait: Annotated[float, typer.Option(
         min=0, help="seconds a waiting model may wait for a busy one before it is swapped out for it",

@@ -50,6 +50,8 @@ class Admission(Protocol):
 
     def poke(self) -> None: ...
 
+    def admits_before(self, name: str) -> float | None: ...
+
     async def run(self) -> None: ...
 
 
@@ -70,6 +72,11 @@ class Occupant(Protocol):
 
     @property
     def load_seconds(self) -> float | None: ...  # its last measured load, grant to ready
+
+    @property
+    def waiting_since(self) -> float | None: ...  # not ready: its oldest waiting request's arrival
+
+    def recheck(self) -> None: ...  # admission changed: admit the waiting requests that now may go
 
     def occupancy(self) -> Occupancy: ...
 
@@ -103,6 +110,7 @@ class Slots:
         self.snapshot = snapshot or (lambda h: h.occupancy())  # placement adds a node's reservations
         self.holders: list[Occupant] = []
         self._queue: list[_SlotRequest] = []
+        self._seen: dict[str, Occupant] = {}  # every model that asked for a slot, by name (the latest handle)
         self._changed = asyncio.Event()
         self._clock = clock
         self._order = itertools.count()
@@ -111,7 +119,11 @@ class Slots:
     async def acquire(self, occupant: Occupant, need: Need) -> None:
         """Wait for a slot and room in the budgets; `SlotsFull` if there never will be."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.append(_SlotRequest(occupant, need, fut, self._clock(), next(self._order)))
+        self._seen[occupant.name] = occupant
+        since = self._clock()
+        if self.rule.policy == "fifo":  # requests in arrival order: it waits as long as its oldest one
+            since = min(since, occupant.waiting_since or since)
+        self._queue.append(_SlotRequest(occupant, need, fut, since, next(self._order)))
         self.poke()
         try:
             await fut
@@ -131,6 +143,15 @@ class Slots:
     @property
     def queued(self) -> list[str]:
         return [r.occupant.name for r in self._queue if not r.granted.done()]
+
+    def admits_before(self, name: str) -> float | None:
+        """Model `name`, loaded, admits only the requests that arrived before this (monotonic)
+        time: the rule "fifo" (`swap.admits_before`, over every model that ever asked for a slot:
+        one evicted with requests waiting asks again only after its exit); None: no bound."""
+        if self.rule.policy != "fifo":
+            return None  # (on every admission: nothing to gather)
+        oldest = {o.name: at for o in self._seen.values() if (at := o.waiting_since) is not None}
+        return swap.admits_before(self.rule, name, oldest)
 
     async def run(self) -> None:
         until: float | None = None
@@ -155,12 +176,20 @@ class Slots:
             self._queue = [r for r in self._queue if not r.granted.done()]  # (cancelled loads)
             if not self._queue:
                 await self._undrain()
+                if self.rule.policy == "fifo":  # nobody waits: no bound on any model's admission
+                    for h in self.holders:
+                        if h.num_waiting:
+                            h.recheck()
                 return None
             holders = list(self.holders)
             by_name = {h.name: h for h in holders}
             entries = {r.occupant.name: r for r in self._queue}
             decision = swap.decide([self.snapshot(h) for h in holders], [r.candidate() for r in self._queue],
                                    self.limits, self.rule, self._clock())
+            if self.rule.policy == "fifo":  # the bound of `admits_before` may have moved
+                for h in holders:
+                    if h.num_waiting:
+                        h.recheck()
             match decision:
                 case swap.Load(name):
                     self._grant(entries[name])

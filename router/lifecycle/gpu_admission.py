@@ -188,6 +188,9 @@ class GpuAdmission:
         self.slots.poke()
         self._changed.set()
 
+    def admits_before(self, name: str) -> float | None:
+        return self.slots.admits_before(name)
+
     def release(self, occupant: Occupant) -> None:
         self.slots.release(occupant)
         if occupant.name not in self._placing:  # (a queued model's progress passes here too)

@@ -182,7 +182,8 @@ class ModelHandle:
 
     def can_admit(self, occupies_slot: bool = True) -> bool:
         # FIFO: while requests wait here for room, a new one queues behind them
-        return self.phase is Phase.READY and self._queue.can_admit(self.forward_limit, occupies_slot)
+        return self.phase is Phase.READY and self._queue.can_admit(
+            self.forward_limit, occupies_slot, self.deps.slots.admits_before(self.name))
 
     def admit(self, occupies_slot: bool = True) -> str:
         self.num_in_flight += 1
@@ -210,6 +211,16 @@ class ModelHandle:
     def num_waiting(self) -> int:
         """Requests waiting here (not yet forwarded): what a load or an undrain would serve."""
         return self._queue.num_waiting()
+
+    @property
+    def waiting_since(self) -> float | None:
+        """When its oldest request waiting for a load arrived (None when ready: its requests
+        wait for room in its own worker, not for a swap)."""
+        return None if self.phase is Phase.READY else self._queue.oldest_arrival()
+
+    def recheck(self) -> None:
+        """Admission changed (the swap rule "fifo"'s bound moved): admit who now may go."""
+        self._commands.put_nowait(msg.Poke())
 
     def occupancy(self) -> Occupancy:
         ram, vram = self.charge()
@@ -587,6 +598,7 @@ class ModelHandle:
             return
         self._set(Phase.READY)
         self._resolve_waiters()
+        self.deps.slots.poke()  # (the swap rule "fifo": its waiters no longer bound the others' admission)
 
     def _on_load_failed(self, error: str, can_retry: bool = False) -> None:
         if (
@@ -602,7 +614,7 @@ class ModelHandle:
 
     def _resolve_waiters(self) -> None:
         """Admit waiting requests in arrival order while the worker has room (`forward_limit`)."""
-        self._queue.admit_waiting(self.forward_limit, self.admit)
+        self._queue.admit_waiting(self.forward_limit, self.admit, self.deps.slots.admits_before(self.name))
 
     def _fail_waiters(self, message: str, *, is_removed: bool = False, error: APIError | None = None) -> None:
         self._queue.fail_all(lambda: error or (removed(message) if is_removed else unavailable(message)))

@@ -21,6 +21,7 @@ task (and the synchronous hot path, `can_admit`/`admit`) touches it.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,11 +77,11 @@ class Waiting:
 
 @dataclass
 class RequestQueue:
-    """One model's waiting requests (slot-occupying ones in arrival order, slot-free ones apart)
-    and the count of slot-occupying requests forwarded."""
+    """One model's waiting requests (slot-occupying ones in arrival order, with their arrival
+    times, slot-free ones apart) and the count of slot-occupying requests forwarded."""
 
     num_occupying: int = 0  # forwarded requests that occupy a slot (bounded by `forward_limit`)
-    _slot: deque[asyncio.Future[str]] = field(default_factory=deque)
+    _slot: deque[tuple[float, asyncio.Future[str]]] = field(default_factory=deque)  # (arrival, reply)
     _free: deque[asyncio.Future[str]] = field(default_factory=deque)
 
     def __bool__(self) -> bool:
@@ -92,33 +93,43 @@ class RequestQueue:
     def has_room(self, limit: int | None) -> bool:
         return limit is None or self.num_occupying < limit
 
-    def can_admit(self, limit: int | None, occupies_slot: bool) -> bool:
+    def can_admit(self, limit: int | None, occupies_slot: bool, before: float | None = None) -> bool:
         """A new request may be admitted now (the model being up): a slot-free one always; a
-        slot-occupying one when nobody waits before it (FIFO) and the bound has room."""
-        return not occupies_slot or (not self._slot and self.has_room(limit))
+        slot-occupying one when nobody waits before it (FIFO), the bound has room, and no
+        admission bound holds it (`before`: the swap rule "fifo", `Slots.admits_before`)."""
+        return not occupies_slot or (not self._slot and self.has_room(limit) and before is None)
 
     def add(self, reply: asyncio.Future[str], occupies_slot: bool) -> None:
-        (self._slot if occupies_slot else self._free).append(reply)
+        if occupies_slot:
+            self._slot.append((time.monotonic(), reply))
+        else:
+            self._free.append(reply)
 
     def prune(self) -> None:
         """Drop the requests whose clients left."""
-        self._slot = deque(w for w in self._slot if not w.done())
+        self._slot = deque(w for w in self._slot if not w[1].done())
         self._free = deque(w for w in self._free if not w.done())
 
-    def admit_waiting(self, limit: int | None, admit: Callable[[bool], str]) -> None:
+    def admit_waiting(self, limit: int | None, admit: Callable[[bool], str],
+                      before: float | None = None) -> None:
         """Admit every slot-free request, then slot-occupying ones in arrival order while there
-        is room (`admit(occupies_slot)` counts it and returns the worker's base URL)."""
+        is room and they arrived before `before` (`admit(occupies_slot)` counts it and returns
+        the worker's base URL)."""
         while self._free:
             w = self._free.popleft()
             if not w.done():
                 w.set_result(admit(False))
-        while self._slot and self.has_room(limit):
-            w = self._slot.popleft()
+        while self._slot and self.has_room(limit) and (before is None or self._slot[0][0] < before):
+            _, w = self._slot.popleft()
             if not w.done():
                 w.set_result(admit(True))
 
+    def oldest_arrival(self) -> float | None:
+        """When the oldest slot-occupying request still waiting here arrived (monotonic)."""
+        return next((at for at, w in self._slot if not w.done()), None)
+
     def fail_all(self, error: Callable[[], BaseException]) -> None:
-        waiters = [*self._slot, *self._free]
+        waiters = [*(w for _, w in self._slot), *self._free]
         self._slot, self._free = deque(), deque()
         for w in waiters:
             if not w.done():
@@ -126,7 +137,7 @@ class RequestQueue:
 
     def num_waiting(self) -> int:
         """Requests still waiting (those whose clients left are not counted)."""
-        return sum(1 for w in (*self._slot, *self._free) if not w.done())
+        return sum(1 for _, w in self._slot if not w.done()) + sum(1 for w in self._free if not w.done())
 
     def has_slot_waiters(self) -> bool:
         return bool(self._slot)

@@ -39,8 +39,15 @@ The rule (`policy = "fair"`, the default; docs/internals.md has the figures behi
    `--models-max` then apply as they do without groups.
 5. `Refuse` when nothing will ever make room (pinned or persistent models hold it), at once.
 
-`policy = "fifo"` is the old rule, kept to measure against (bench/bench_swap.py): only the head
-of the queue is considered, and a busy model is drained for it at once (one swap per head).
+Two FIFO rules are kept to measure against (bench/bench_swap.py); in both only the head of the
+queue is considered, and a busy model is drained for it at once:
+- `policy = "fifo"`: requests in arrival order, one swap per head of the request queue (a
+  llama-swap-like proxy: each request that asks for another model than the one up swaps to it,
+  after the requests that arrived before it). A loaded model admits only its requests that arrived
+  before the oldest request waiting for another model to load (`admits_before`); the models wait
+  in the order of their oldest waiting request.
+- `policy = "fifo-batch"`: the router's rule before the scheduler (issue 51): the model of the
+  oldest queue entry loads and serves every request queued for it, whenever it arrived.
 
 A loading model is never a victim (its waiters would be aborted); while a model stops, the room
 it frees is waited for rather than another model evicted.
@@ -48,15 +55,15 @@ it frees is waited for rather than another model evicted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from router.lifecycle.eviction import Limits, Need, Occupancy, fits, format_size
 from router.presets import GroupRule
 
-Policy = Literal["fair", "fifo"]
-POLICIES: tuple[str, ...] = ("fair", "fifo")
+Policy = Literal["fair", "fifo", "fifo-batch"]
+POLICIES: tuple[str, ...] = ("fair", "fifo", "fifo-batch")
 DEFAULT_LOAD_S = 1.0  # a load time for the score when no model's load was measured yet
 MIN_LOAD_S = 0.25  # load times below this count as this (the score divides by it)
 
@@ -73,7 +80,7 @@ class Candidate:
     """A model waiting for a slot, as the policy sees it (a snapshot)."""
 
     name: str
-    since: float  # when it joined the queue (the caller's clock)
+    since: float  # when it joined the queue (the caller's clock); "fifo": its oldest request's arrival
     order: int  # arrival order in the queue
     need: Need = field(default_factory=Need)
     num_queued: int = 1  # requests waiting for it
@@ -124,9 +131,24 @@ def score(c: Candidate, now: float, load_s: float) -> float:
     return (c.num_queued + (now - c.since) / load) / load
 
 
+def is_fifo(rule: SwapRule) -> bool:
+    return rule.policy != "fair"
+
+
+def admits_before(rule: SwapRule, name: str, oldest: Mapping[str, float]) -> float | None:
+    """"fifo": model `name`, loaded, admits only the requests that arrived before this time: the
+    oldest request waiting for another model to load (`oldest`: per model that is not ready, when
+    its oldest waiting request arrived). None: no such bound (any other policy)."""
+    if rule.policy != "fifo":
+        return None
+    return min((at for n, at in oldest.items() if n != name), default=None)
+
+
 def ordered(waiting: Sequence[Candidate], rule: SwapRule, now: float) -> list[Candidate]:
     """The order in which waiting models get room (rule 2; FIFO: arrival)."""
     if rule.policy == "fifo":
+        return sorted(waiting, key=lambda c: (c.since, c.order))
+    if rule.policy == "fifo-batch":
         return sorted(waiting, key=lambda c: c.order)
 
     def key(c: Candidate) -> tuple[bool, float, int, float, int]:
@@ -157,14 +179,14 @@ def decide(
     if not waiting:
         return Hold("nobody waits")
     queue = ordered(waiting, rule, now)
-    first, rest = queue[0], queue[1:] if rule.policy == "fair" else []
+    first, rest = queue[0], [] if is_fifo(rule) else queue[1:]
     cost = _load_s(first, waiting)
     paid_at = first.since + cost / first.num_queued  # its requests have waited a load time, together
     is_paid = now >= paid_at
-    linger = 0.0 if rule.policy == "fifo" or is_paid else cost  # rule 1's rent-or-buy
+    linger = 0.0 if is_fifo(rule) or is_paid else cost  # rule 1's rent-or-buy
     step = _room_for(holders, first, limits, _Idle(now, linger))
     if isinstance(step, _Busy):
-        if rule.policy == "fifo" or is_overdue(
+        if is_fifo(rule) or is_overdue(
             first, rule, now
         ):  # a lingering one is evicted, a busy one drained
             step = _room_for(holders, first, limits, _Idle(now, 0.0))
@@ -177,7 +199,7 @@ def decide(
             return Load(c.name)
         if (reason := _never_fits(holders, c, limits)) is not None:
             return Refuse(c.name, reason)
-    if rule.policy == "fifo":
+    if is_fifo(rule):
         return step
     wake = [c.since + rule.max_wait for c in waiting if not is_overdue(c, rule, now)]
     kept = [

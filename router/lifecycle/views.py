@@ -30,7 +30,7 @@ def card(h: ModelHandle) -> dict[str, Any]:
         "id": p.name, "object": "model", "created": h.deps.created, "owned_by": "omni-router",
         "aliases": list(p.aliases), "backend": p.backend, "resolved_backend": p.resolved_backend,
         "status": h.status(),
-        "in_flight": h.num_in_flight, "pinned": p.pin, "memory": memory_view(h),
+        "in_flight": h.num_in_flight, "waiting": h.num_waiting, "pinned": p.pin, "memory": memory_view(h),
         "modalities": modalities(p),  # from the preset and its mmproj's header: no load needed
     }
     if p.model is not None:

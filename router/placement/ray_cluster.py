@@ -92,6 +92,12 @@ class NodeSlots:
         for s in self.by_node.values():
             s.poke()
 
+    def admits_before(self, name: str) -> float | None:
+        """The bound of the Slots the model was admitted by (its node's, or the local one)."""
+        node = self.placed.get(name)
+        slots = self.by_node.get(node.node_id) if node is not None else None
+        return (slots or self.local).admits_before(name)
+
     def release(self, occupant: Occupant) -> None:
         self.local.release(occupant)
         for s in self.by_node.values():

@@ -4,8 +4,10 @@ clock, simulated load and service times, and the same pure `decide` that `Slots`
 Each model serves `parallel` requests at once for `service_s` each; a load takes its load time,
 a stop `stop_s`. Agents are chains of calls with think time between them. The bookkeeping is a
 small copy of the owner's and `Slots`': a loaded model admits a request at once when it has
-room and is not draining; a model with waiting requests and no slot joins the queue; a drained
-model stops once idle; when the queue empties, drained models admit again.
+room and is not draining (under the rule "fifo", only the requests that arrived before the oldest
+request waiting for another model to load: `admits_before`); a model with waiting requests and no slot
+joins the queue (under "fifo" it waits as long as its oldest request, as `Slots.acquire` has it);
+a drained model stops once idle; when the queue empties, drained models admit again.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.lifecycle.eviction import Limits, Occupancy
-from router.lifecycle.swap import Candidate, Drain, Evict, Hold, Load, Refuse, SwapRule, decide
+from router.lifecycle.swap import Candidate, Drain, Evict, Hold, Load, Refuse, SwapRule, admits_before, decide
 
 
 @dataclass(frozen=True)
@@ -74,14 +76,18 @@ def simulate(
         waits[m.name] = max(waits[m.name], now - arrival)
 
     def admit(m: _Model) -> None:
+        oldest = {o.name: o.waiting[0][0] for o in models.values() if o.waiting and o.phase != "up"}
+        bound = admits_before(rule, m.name, oldest)
         while m.phase == "up" and m.waiting and len(m.running) < parallel:
+            if bound is not None and m.waiting[0][0] >= bound:
+                break
             arrival, agent = m.waiting.pop(0)
             start(m, arrival, agent)
 
     def enqueue(m: _Model) -> None:
         nonlocal order
         if m.phase == "down" and m.waiting and m.name not in queue:
-            queue[m.name] = [now, order, 0]
+            queue[m.name] = [min(now, m.waiting[0][0]) if rule.policy == "fifo" else now, order, 0]
             order += 1
 
     while True:

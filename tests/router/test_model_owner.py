@@ -69,7 +69,7 @@ def preset(name: str, **kw: Any) -> ModelPreset:
 @contextlib.asynccontextmanager
 async def rig(limits: Limits | None = None, idle: IdleDefaults | None = None) -> AsyncIterator[Rig]:
     fx = FakeEffects()
-    slots = Slots(limits or Limits(models_max=4), rule=SwapRule("fifo"))  # drains at once: each step is seen
+    slots = Slots(limits or Limits(models_max=4), rule=SwapRule("fifo-batch"))  # drains at once
     deps = ModelDeps(slots, EventBus(), fx, MemoryBook(has_gpu=False), Waiting(16), idle or IdleDefaults())
     r = Rig(fx, slots, deps)
     task = asyncio.create_task(slots.run())
