@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import percentile, router_server  # noqa: E402  # after the sys.path insert above
+from bench.llama_swap import BINARY, LlamaSwap, worker_commands  # noqa: E402
 
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 CHAIN = ("A", "B", "A", "C")
@@ -79,6 +80,8 @@ class Run:
                 "p99_s": round(percentile(xs, 99), 2),
             }
         out["longest_s"] = round(max(s for _, s in self.calls), 2) if self.calls else None
+        others = [s for n, s in self.calls if n != "A"]  # the models the chat on A keeps waiting
+        out["longest_bc_s"] = round(max(others), 2) if others else None
         return out
 
 
@@ -120,11 +123,11 @@ def count_loads(r: Router, run: Run, stop: threading.Event, ready: threading.Eve
             raise
 
 
-def call(c: httpx.Client, run: Run, model: str, n: int) -> None:
+def call(c: httpx.Client, run: Run, model: str, n: int, max_tokens: int = 4) -> None:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"step {n}"}],
-        "max_tokens": 4,
+        "max_tokens": max_tokens,
         "temperature": 0,
     }
     t0 = time.perf_counter()
@@ -136,24 +139,39 @@ def call(c: httpx.Client, run: Run, model: str, n: int) -> None:
             run.errors.append(f"{model}: {resp.status_code} {resp.text[:200]}")
 
 
-def agent(r: Router, run: Run, i: int, rounds: int, think_s: float) -> None:
+def agent(base: str, run: Run, i: int, rounds: int, think_s: float) -> None:
     chain = CHAIN[i % 4 :] + CHAIN[: i % 4]
-    with httpx.Client(base_url=r.base, timeout=600) as c:
+    with httpx.Client(base_url=base, timeout=600) as c:
         for n, model in enumerate(chain * rounds):
             call(c, run, model, n)
             time.sleep(think_s)  # the agent thinks (its own work), then calls again
 
 
-def background(r: Router, run: Run, done: threading.Event) -> None:
-    with httpx.Client(base_url=r.base, timeout=600) as c:
+def background(base: str, run: Run, done: threading.Event, args: argparse.Namespace) -> None:
+    """One client of the background chat on A: a call of `--chat-tokens`, `--chat-think` s, again;
+    until the agents are done, or `--chat-seconds` after the start."""
+    until = None if args.chat_seconds is None else time.monotonic() + args.chat_seconds
+    with httpx.Client(base_url=base, timeout=600) as c:
         n = 0
-        while not done.is_set():
-            call(c, run, "A", n)
+        while not done.is_set() and (until is None or time.monotonic() < until):
+            call(c, run, "A", n, args.chat_tokens)
             n += 1
-            done.wait(0.5)
+            done.wait(args.chat_think)
 
 
 def one_policy(policy: str, args: argparse.Namespace, preset: Path) -> Run:
+    """The trace through our router with `--swap-policy policy`, or through llama-swap ("llama-swap")."""
+    if policy == "llama-swap":
+        swap = LlamaSwap(worker_commands(preset), args.llama_swap)
+        swap.start(30)
+        try:
+            run = drive(swap.base_url, policy, args)
+            run.sequence = swap.loads()  # (its log goes with stop)
+        finally:
+            swap.stop()
+        for name in run.sequence:
+            run.loads[name] = run.loads.get(name, 0) + 1
+        return run
     r = Router(
         preset, "--models-max", "1", "--swap-policy", policy, "--swap-max-wait", str(args.swap_max_wait)
     )
@@ -162,15 +180,31 @@ def one_policy(policy: str, args: argparse.Namespace, preset: Path) -> Run:
     counter = threading.Thread(target=count_loads, args=(r, run, stop, ready), daemon=True)
     counter.start()
     ready.wait(10)
+    try:
+        drive(r.base, policy, args, run)
+    finally:
+        stop.set()
+        r.close()
+    return run
+
+
+def drive(base: str, policy: str, args: argparse.Namespace, run: Run | None = None) -> Run:
+    """Run the trace against `base`: the agents (client i starts 0.2 s after client i-1) and the
+    background chat, until every agent is done."""
+    run = run or Run(policy)
     rnd = random.Random(args.seed)
     thinks = [rnd.uniform(0.3, 1.5) for _ in range(args.agents)]
     done = threading.Event()
     t0 = time.perf_counter()
     agents = [
-        threading.Thread(target=agent, args=(r, run, i, args.rounds, thinks[i])) for i in range(args.agents)
+        threading.Thread(target=agent, args=(base, run, i, args.rounds, think))
+        for i, think in enumerate(thinks)
     ]
-    chat = threading.Thread(target=background, args=(r, run, done))
-    chat.start()
+    chats = [
+        threading.Thread(target=background, args=(base, run, done, args)) for _ in range(args.chat_clients)
+    ]
+    for chat in chats:
+        chat.start()
     for i, t in enumerate(agents):
         time.sleep(0.2 if i else 0.0)
         t.start()
@@ -178,9 +212,8 @@ def one_policy(policy: str, args: argparse.Namespace, preset: Path) -> Run:
         t.join()
     run.wall_s = time.perf_counter() - t0
     done.set()
-    chat.join()
-    stop.set()
-    r.close()
+    for chat in chats:
+        chat.join()
     return run
 
 
@@ -191,8 +224,18 @@ def main() -> None:
     ap.add_argument("--load-delay", type=float, default=1.5, help="seconds added to each tiny model's load")
     ap.add_argument("--swap-max-wait", type=float, default=10.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chat-clients", type=int, default=1, help="clients of the background chat on A")
+    ap.add_argument("--chat-think", type=float, default=0.5, help="seconds between a chat client's calls")
+    ap.add_argument("--chat-tokens", type=int, default=4, help="max_tokens of a chat call")
+    ap.add_argument(
+        "--chat-seconds", type=float, default=None, help="the chat stops then (default: with the agents)"
+    )
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--policies", default="fifo,fifo-batch,fair", help="--swap-policy values, in order")
+    ap.add_argument(
+        "--policies", default="fifo,fifo-batch,fair",
+        help="--swap-policy values, in order; llama-swap: the real llama-swap on the same workers",
+    )
+    ap.add_argument("--llama-swap", type=Path, default=BINARY, help="scripts/build_llama_swap.sh builds it")
     args = ap.parse_args()
     policies = args.policies.split(",")
     if not GGUF.exists():
@@ -203,19 +246,21 @@ def main() -> None:
         runs = [one_policy(p, args, preset) for p in policies]
     results = [run.summary(args.swap_max_wait) for run in runs]
     print(
-        f"swap bench: {args.agents} agents x {args.rounds} rounds of A, B, A, C (+ a background chat on A), "
-        f"--models-max 1, load-delay {args.load_delay} s, --swap-max-wait {args.swap_max_wait} s"
+        f"swap bench: {args.agents} agents x {args.rounds} rounds of A, B, A, C (+ a background chat on A: "
+        f"{args.chat_clients} client(s), {args.chat_tokens} tokens, {args.chat_think} s think"
+        + ("" if args.chat_seconds is None else f", for {args.chat_seconds} s")
+        + f"), --models-max 1, load-delay {args.load_delay} s, --swap-max-wait {args.swap_max_wait} s"
     )
     print(
         f"{'policy':10} {'swaps':>5} {'wall s':>7} {'calls':>5}  "
         + "  ".join(f"{m} p50/p99 s" for m in ("A", "B", "C"))
-        + "  longest s  errors"
+        + "  longest s (B, C)  errors"
     )
     for s in results:
         cols = "  ".join(f"{s[m]['p50_s']:5.2f}/{s[m]['p99_s']:5.2f} " for m in ("A", "B", "C"))
         print(
             f"{s['policy']:10} {s['swaps']:5d} {s['wall_s']:7.1f} {s['calls']:5d}  {cols} "
-            f"{s['longest_s']:9.2f}  {s['errors']:6d}"
+            f"{s['longest_s']:9.2f} ({s['longest_bc_s']:5.2f})  {s['errors']:6d}"
         )
     by_policy = {s["policy"]: s for s in results}
     if (fair := by_policy.get("fair")) is not None:

@@ -1,5 +1,6 @@
 """The swap scheduler (router/lifecycle/swap.py): table tests on a simulated clock, then a
-simulated agent trace (simulated load times) where the fair rule is measured against FIFO."""
+simulated agent trace (simulated load times) where the fair rule is measured against both FIFO
+rules ("fifo": requests in arrival order, as llama-swap; "fifo-batch": the router's rule before)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from router.lifecycle.swap import (
     Load,
     Refuse,
     SwapRule,
+    admits_before,
     decide,
     is_kept_for,
     ordered,
@@ -29,6 +31,7 @@ UP, LOADING, STOPPING = "up", "loading", "stopping"
 M = 1 << 20
 FAIR = SwapRule("fair", max_wait=10.0, max_passes=3)
 FIFO = SwapRule("fifo", max_wait=10.0, max_passes=3)
+BATCH = SwapRule("fifo-batch", max_wait=10.0, max_passes=3)
 SWAP = GroupRule("pair")  # swap, exclusive (llama-swap's defaults)
 OTHER = GroupRule("other")
 KEEP = GroupRule("keep", swap=False, exclusive=False, persistent=True)
@@ -135,13 +138,22 @@ CASES: list[tuple[str, list[Occupancy], list[Candidate], Limits, SwapRule, float
         Drain("a", "b"),
     ),
     (
-        "fifo: the head only, by arrival",
+        "fifo-batch: the head only, by arrival in the queue",
         [occ("a", in_flight=1)],
         [cand("c", order=2, queued=9), cand("b", order=1)],
         ONE,
-        FIFO,
+        BATCH,
         0,
         Drain("a", "b"),
+    ),
+    (
+        "fifo: the head only, by its oldest request (c's waited longer, though it queued later)",
+        [occ("a", in_flight=1)],
+        [cand("c", since=-3, order=2), cand("b", since=-1, order=1)],
+        ONE,
+        FIFO,
+        0,
+        Drain("a", "c"),
     ),
     (
         "fair: more queued requests first",
@@ -416,10 +428,10 @@ def test_with_one_busy_model_the_bound_still_serves_the_other() -> None:
     assert result.num_swaps == 3  # A, B once (when overdue), A again
 
 
-def bench_trace(num_agents: int, rounds: int) -> list[Agent]:
-    """bench/bench_swap.py's trace: its seed, think times and start offsets; the background chat
-    cut at 8 calls (the bench runs it until the agents are done)."""
-    rnd = random.Random(0)
+def bench_trace(num_agents: int, rounds: int, seed: int = 0) -> list[Agent]:
+    """bench/bench_swap.py's trace: its seed (0, the default), think times and start offsets; the
+    background chat cut at 8 calls (the bench runs it until the agents are done)."""
+    rnd = random.Random(seed)
     thinks = [rnd.uniform(0.3, 1.5) for _ in range(num_agents)]
     agents = [
         Agent(CHAIN[i % 4 :] + CHAIN[: i % 4], think_s=thinks[i], start_s=0.2 * i, rounds=rounds)
@@ -429,17 +441,41 @@ def bench_trace(num_agents: int, rounds: int) -> list[Agent]:
 
 
 @pytest.mark.parametrize(
-    ("num_agents", "rounds", "fifo_swaps", "fair_swaps"), [(8, 1, 11, 7), (4, 2, 12, 13)]
+    ("num_agents", "rounds", "swaps"), [(8, 1, (32, 11, 7)), (4, 2, (30, 12, 13))]
 )
 def test_the_simulation_makes_the_swaps_the_bench_measured(
-    num_agents: int, rounds: int, fifo_swaps: int, fair_swaps: int
+    num_agents: int, rounds: int, swaps: tuple[int, int, int]
 ) -> None:
-    """The bench's figures (bench/README.md, docs/swaps.md: 2.5 s loads, parallel 2 + margin 2),
-    reproduced by the simulation: a change of the rule that changes these changes those docs."""
+    """The bench's figures for fifo, fifo-batch and fair (bench/README.md, docs/swaps.md: 2.5 s
+    loads, parallel 2 + margin 2), reproduced by the simulation: a change of a rule that changes
+    these changes those docs."""
     loads = {"A": 2.5, "B": 2.5, "C": 2.5}
-    fifo = simulate(bench_trace(num_agents, rounds), loads, FIFO, service_s=0.1)
-    fair = simulate(bench_trace(num_agents, rounds), loads, FAIR, service_s=0.1)
-    assert (fifo.num_swaps, fair.num_swaps) == (fifo_swaps, fair_swaps), (fifo.loads, fair.loads)
+    trace = bench_trace(num_agents, rounds)
+    got = tuple(simulate(trace, loads, rule, service_s=0.1) for rule in (FIFO, BATCH, FAIR))
+    assert tuple(r.num_swaps for r in got) == swaps, [r.loads for r in got]
+
+
+@pytest.mark.parametrize(("num_agents", "rounds"), [(4, 1), (4, 2), (8, 1), (8, 2)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_on_the_bench_trace_fair_makes_at_most_half_the_swaps_of_fifo_sooner_within_the_bound(
+    num_agents: int, rounds: int, seed: int
+) -> None:
+    """Issue 51's target, on the bench's trace with --models-max 1: at most half of FIFO's swaps (a
+    swap per head of the request queue, as llama-swap), a lower total wall time, and no call waiting
+    past the bound (its wait for the busy model, then the swap it waited for: a stop and a load)."""
+    loads = {"A": 2.5, "B": 2.5, "C": 2.5}
+    trace = bench_trace(num_agents, rounds, seed)
+    fifo = simulate(trace, loads, FIFO, service_s=0.1)
+    fair = simulate(trace, loads, FAIR, service_s=0.1)
+    assert 2 * fair.num_swaps <= fifo.num_swaps and fair.wall_s < fifo.wall_s, (fair.loads, fifo.loads)
+    assert fair.longest_wait_s <= FAIR.max_wait + 2.5 + 0.1 + 0.1, fair
+
+
+def test_fifo_admits_only_what_arrived_before_the_oldest_request_waiting_for_another_model() -> None:
+    assert admits_before(FIFO, "a", {"b": 5.0, "c": 3.0, "a": 1.0}) == 3.0
+    assert admits_before(FIFO, "a", {"a": 1.0}) is None  # only its own: no bound
+    assert admits_before(BATCH, "a", {"b": 5.0}) is None
+    assert admits_before(FAIR, "a", {"b": 5.0}) is None
 
 
 @pytest.mark.parametrize(
@@ -474,16 +510,19 @@ def fewest_loads(chains: list[tuple[str, ...]], models: str = "ABC") -> tuple[in
 
 
 @pytest.mark.parametrize(("rounds", "floor"), [(1, 7), (2, 11)])
-def test_the_bench_trace_has_a_floor_of_loads_that_half_of_fifo_is_below(rounds: int, floor: int) -> None:
+def test_the_bench_trace_has_a_floor_of_loads_that_half_of_fifo_batch_is_below(
+    rounds: int, floor: int
+) -> None:
     """docs/swaps.md "The floor": the bench's agents start at the four points of A, B, A, C, so no
-    schedule makes fewer than 7 loads (1 round) or 11 (2 rounds); FIFO makes 7-12 and 12-21 there,
-    so "half of FIFO's swaps" is out of reach of any policy. Fair makes the floor on 1 round."""
+    schedule makes fewer than 7 loads (1 round) or 11 (2 rounds); fifo-batch (which already serves
+    every queued request of a model on each load) makes less than twice that, so "half of its
+    swaps" is out of reach of any policy; fair makes the floor on 1 round."""
     chains = [(CHAIN[i:] + CHAIN[:i]) * rounds for i in range(4)]
     assert fewest_loads(chains)[0] == floor
     loads = {"A": 2.5, "B": 2.5, "C": 2.5}
     for num_agents in (4, 8):
-        fifo = simulate(bench_trace(num_agents, rounds), loads, FIFO, service_s=0.1)
+        batch = simulate(bench_trace(num_agents, rounds), loads, BATCH, service_s=0.1)
         fair = simulate(bench_trace(num_agents, rounds), loads, FAIR, service_s=0.1)
-        assert fifo.num_swaps < 2 * floor and fair.num_swaps >= floor, (fifo.loads, fair.loads)
+        assert batch.num_swaps < 2 * floor and fair.num_swaps >= floor, (batch.loads, fair.loads)
         if rounds == 1:
             assert fair.num_swaps == floor, fair.loads
