@@ -4,6 +4,13 @@ The swap benchmark runs the same trace through both; this module is the llama-sw
 writes a llama-swap config whose models run *our* worker, starts the real llama-swap binary on
 it (built by scripts/build_llama_swap.sh), and reads back the sequence of model loads.
 
+Two versions run here, the same way (same config, same log line, one code path):
+- HEAD: the snapshot's newest commit (0bdb3720, v250+5; `scripts/build_llama_swap.sh SRC`,
+  /tmp/llama-swap/llama-swap, `BINARY`), with the pluggable scheduler of #823 (2026-06-10);
+- v224 (0cfe5a66; `scripts/build_llama_swap.sh SRC v224`, /tmp/llama-swap-v224/llama-swap,
+  `BINARY_V224`), the last release before #823, which replaced its request handling.
+Source references below are HEAD's, then v224's where they differ.
+
 - Worker commands (`worker_commands`): the exact argv the router would spawn for each model of a
   preset (router/lifecycle/process.py `worker_argv`), with llama-swap's `${PORT}` macro for the
   port. A preset's `load-delay` is applied by the router, not the worker (it sleeps after the
@@ -12,27 +19,52 @@ it (built by scripts/build_llama_swap.sh), and reads back the sequence of model 
   same floor on the load. `--parent-pid` names this process, so no worker outlives the benchmark.
 - Config (`config_text`): one entry per model with `cmd` and `checkEndpoint: /health` (our worker
   answers 200 once loaded, also llama-swap's default), everything else llama-swap's defaults.
+  Both versions read it alike (`models.<id>.cmd` with the `${PORT}` macro, `checkEndpoint`,
+  `healthCheckTimeout`; v224 internal/config/config.go:359-377 for `${PORT}`).
   No groups: llama-swap then puts every model in one "(default)" group with `swap: true,
-  exclusive: true` (internal/config/config.go `AddDefaultGroupToConfig`, applied in
-  internal/config/load.go when no `matrix` is set), so one model runs at a time, like our
-  `--models-max 1`. Its default scheduler is FIFO (internal/router/scheduler/fifo.go): requests
-  for the running model are served at once, the others queue in arrival order, one swap at a
-  time; at most 10 requests in flight per model (more get 429; `concurrencyLimit`).
+  exclusive: true` (internal/config/config.go:258 `AddDefaultGroupToConfig`, applied at
+  internal/config/load.go:227 when no `matrix` is set; v224: config.go:556, applied at
+  config.go:470), so one model runs at a time, like our `--models-max 1`: the group planner
+  evicts every other running member (internal/router/group.go `EvictionFor`; v224 :268-309).
+- Scheduling, HEAD: the FIFO scheduler (internal/router/scheduler/fifo.go, `OnRequest`).
+  v224: the same decision tree inlined in the router's run loop (the lines
+  below are v224's internal/router/base.go: `handleRequest` :254-299, `drainQueue` :341-378).
+  In both, one goroutine decides every request in
+  arrival order, with no lock held across a swap: a request for the ready model with nothing
+  to evict is served at once (:273), even past requests queued for other models; one for a
+  model being loaded joins that load (:264); one that would evict a model being loaded, or be
+  evicted by a load, waits in the queue (:280), as does one that would evict a model still
+  serving requests (:288): a swap waits for the running model's in-flight requests to finish
+  (:451-458), and is retried whenever that count drops to 0 (`handleServeDone` :329-335) or a
+  load ends (`handleSwapDone` :306-323). With the one default group that makes one swap at a
+  time. The queue is walked in order; each queued request gets the same tests, so those for
+  the model just loaded are served at once and those for other models stay queued, in order;
+  the first of them starts the next swap when the loaded model is idle. Nothing holds a
+  loaded model while requests for it keep overlapping: a steady overlap of requests for the
+  running model starves a queued one for another. Per model at most 10 requests (HEAD
+  fifo.go:17, `admit` :308; v224 internal/server/concurrency.go:16, a semaphore around the
+  whole router call, queued requests included, :47), more get 429 (`concurrencyLimit`).
+  What #823 added to this tree: a per-model queue `priority` (all 0 by default, so arrival
+  order; fifo.go `enqueue` :385) and dropping a request from the queue when its client goes
+  (`OnCancel`); with our config the two versions decide alike.
 - Loads (`LlamaSwap.loads`): llama-swap logs `<MODEL> Health check passed on URL` at info level
   once per load, when the new process first answers its check endpoint
-  (internal/process/process_command.go `doStart`); the log file's lines of that kind, in order,
-  are the loads. A load that never became healthy is not one (its requests fail instead). Its
-  health check waits 250 ms, then polls once a second, so a load takes 0.25 s + whole seconds.
+  (internal/process/process_command.go:545 `doStart`; v224 the same line at :498); the log
+  file's lines of that kind, in order, are the loads. A load that never became healthy is not
+  one (its requests fail instead). Its health check waits 250 ms, then polls once a second
+  (v224 :471-476, :509), so a load takes 0.25 s + whole seconds.
 - `LlamaSwap` is a `bench.common.Server` (llama-swap answers `GET /health` with 200 "OK"), run
   from the repository root so that `-m worker.server.cli` resolves, its output in a log file.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -46,6 +78,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import Server, free_port  # noqa: E402  # after the sys.path insert above
 
 BINARY = Path(os.environ.get("LLAMA_SWAP_BIN", "/tmp/llama-swap/llama-swap"))
+BINARY_V224 = Path(os.environ.get("LLAMA_SWAP_V224_BIN", "/tmp/llama-swap-v224/llama-swap"))
 _PORT_MARK = 65_535  # stands for ${PORT} while the router builds the argv
 _LOAD_LINE = re.compile(r"<(?P<model>[^>]+)> Health check passed on ")
 
@@ -78,12 +111,23 @@ def config_text(models: Mapping[str, list[str]], health_check_timeout: int = 120
     return json.dumps({"healthCheckTimeout": health_check_timeout, "models": entries}, indent=2) + "\n"
 
 
+def binary_version(binary: Path) -> str:
+    """`llama-swap --version`'s line, e.g. "version: v224 (0cfe5a66), built at ..."."""
+    out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=10)
+    return (out.stdout or out.stderr).strip()
+
+
 class LlamaSwap:
-    """The llama-swap binary on a free port with `config_text(models)`; its config and log in a temp dir."""
+    """The llama-swap binary on a free port with `config_text(models)`; its config and log in a temp dir.
+
+    `binary`: either version (`BINARY`, `BINARY_V224`; see the module doc), run the same way.
+    """
 
     def __init__(self, models: Mapping[str, list[str]], binary: Path = BINARY) -> None:
         if not binary.is_file():
-            raise FileNotFoundError(f"{binary}: build it with scripts/build_llama_swap.sh")
+            raise FileNotFoundError(f"{binary}: build it with scripts/build_llama_swap.sh SRC [REF]")
+        self.binary = binary
+        self.version = binary_version(binary)
         self._dir = tempfile.TemporaryDirectory(prefix="llama-swap-")
         config = Path(self._dir.name) / "config.yaml"
         config.write_text(config_text(models))
@@ -111,7 +155,7 @@ class LlamaSwap:
         return [m["model"] for m in _LOAD_LINE.finditer(text)]
 
 
-def _smoke() -> None:
+def _smoke(binary: Path = BINARY) -> None:
     """Models A and B (the tiny GGUF, bench_swap's settings); chat A, B, A; expect 3 loads."""
     gguf = ROOT / "models" / "tiny-llama-f32.gguf"
     if not gguf.exists():
@@ -125,7 +169,8 @@ def _smoke() -> None:
         preset.write_text(preset_toml)
         commands = worker_commands(preset)
     print("worker A:", shlex.join(commands["A"]))
-    swap = LlamaSwap(commands)
+    swap = LlamaSwap(commands, binary)
+    print(f"llama-swap: {binary}: {swap.version}")
     swap.start(30)
     try:
         with httpx.Client(base_url=swap.base_url, timeout=120) as c:
@@ -148,4 +193,11 @@ def _smoke() -> None:
 
 
 if __name__ == "__main__":
-    _smoke()
+    ap = argparse.ArgumentParser(description="Smoke: chat A, B, A through llama-swap; expect 3 loads.")
+    ap.add_argument(
+        "--binary",
+        type=Path,
+        default=BINARY,
+        help=f"the llama-swap binary (default {BINARY}; v224: {BINARY_V224})",
+    )
+    _smoke(ap.parse_args().binary)
