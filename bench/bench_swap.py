@@ -1,22 +1,28 @@
-"""Swap benchmark: agent-like traces over more models than fit, FIFO against our scheduler, side by
-side in one run (router/lifecycle/swap.py; docs/internals.md "Swaps between models").
+"""Swap benchmark: agent-like traces over more models than fit, FIFO against our scheduler and
+against the real llama-swap, side by side in one run (router/lifecycle/swap.py; docs/swaps.md).
 
     .venv/bin/python bench/bench_swap.py [--agents 8] [--rounds 1] [--load-delay 1.5] [--json out.json]
-        [--policies fifo,fifo-batch,fair]
+        [--policies llama-swap,fifo,fifo-batch,fair] [--chat-clients 1 --chat-think 0.5 --chat-tokens 4]
 
-One router per policy (`--swap-policy fifo`: requests in arrival order, a swap for each head of
-the queue, as llama-swap; `fifo-batch`: the router's rule before the scheduler, each load serving
-every request queued for its model; `fair`: ours), the same trace, `--models-max 1`,
-three tiny GGUF models A, B, C whose loads are made realistic by the preset's `load-delay`.
+One run per target, the same trace, one model at a time: our router with `--models-max 1` and
+`--swap-policy fifo` (requests in arrival order, a swap for each head of the queue), `fifo-batch`
+(the router's rule before the scheduler: each load serves every request queued for its model) or
+`fair` (ours); and `llama-swap`, the real one (its defaults: one model at a time), built by
+scripts/build_llama_swap.sh, running our worker with the argv the router would use
+(bench/llama_swap.py). Three tiny GGUF models A, B, C whose loads are made realistic by the
+preset's `load-delay`.
+
 The trace: `--agents` clients, each a chain of calls A, B, A, C (`--rounds` times; client i
 starts i steps into the chain) with its own think time between calls (seeded, 0.3-1.5 s), plus
-a background chat on A (a call every 0.5 s of think time) until every agent is done. Each call
-is a short greedy chat completion.
+a background chat on A: `--chat-clients` clients, each a call of `--chat-tokens` then
+`--chat-think` s, until every agent is done (or for `--chat-seconds`). Each call is a greedy
+chat completion.
 
-Reported per policy: swaps (loads, from /models/sse), total wall time (until the last agent's
-last answer), p50 / p99 latency per model (a call's whole time: its wait for the model and its
-answer), the longest one, and `--swap-max-wait` (the bound: no call should wait much past it,
-plus the swap it waited for).
+Reported per target: swaps (loads: from /models/sse, or llama-swap's log), total wall time (until
+the last agent's last answer), p50 / p99 latency per model (a call's whole time: its wait for the
+model and its answer), the longest call, the longest on B or C (the models the chat on A keeps
+waiting), and `--swap-max-wait` (the bound: no call should wait much past it, plus the swap it
+waited for).
 """
 
 from __future__ import annotations
@@ -44,10 +50,10 @@ GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 CHAIN = ("A", "B", "A", "C")
 
 
-def preset_text(load_delay: float) -> str:
+def preset_text(load_delay: float, ctx_size: int = 256) -> str:
     models = "".join(f'[models.{m}]\nmodel = "{GGUF}"\nbackend = "llama_cpp"\n' for m in ("A", "B", "C"))
     return (
-        f"[defaults]\nctx-size = 256\nparallel = 2\nthreads = 1\nstop-timeout = 5\n"
+        f"[defaults]\nctx-size = {ctx_size}\nparallel = 2\nthreads = 1\nstop-timeout = 5\n"
         f"load-delay = {load_delay}\n{models}"
     )
 
@@ -123,11 +129,12 @@ def count_loads(r: Router, run: Run, stop: threading.Event, ready: threading.Eve
             raise
 
 
-def call(c: httpx.Client, run: Run, model: str, n: int, max_tokens: int = 4) -> None:
+def call(c: httpx.Client, run: Run, model: str, n: int, max_tokens: int = 4, ignore_eos: bool = False) -> None:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"step {n}"}],
         "max_tokens": max_tokens,
+        "ignore_eos": ignore_eos,
         "temperature": 0,
     }
     t0 = time.perf_counter()
@@ -154,7 +161,7 @@ def background(base: str, run: Run, done: threading.Event, args: argparse.Namesp
     with httpx.Client(base_url=base, timeout=600) as c:
         n = 0
         while not done.is_set() and (until is None or time.monotonic() < until):
-            call(c, run, "A", n, args.chat_tokens)
+            call(c, run, "A", n, args.chat_tokens, ignore_eos=True)  # an answer of exactly --chat-tokens
             n += 1
             done.wait(args.chat_think)
 
@@ -226,7 +233,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chat-clients", type=int, default=1, help="clients of the background chat on A")
     ap.add_argument("--chat-think", type=float, default=0.5, help="seconds between a chat client's calls")
-    ap.add_argument("--chat-tokens", type=int, default=4, help="max_tokens of a chat call")
+    ap.add_argument("--chat-tokens", type=int, default=4, help="tokens of a chat call's answer (ignore_eos)")
+    ap.add_argument("--ctx-size", type=int, default=256, help="each model's context (2 slots share it)")
     ap.add_argument(
         "--chat-seconds", type=float, default=None, help="the chat stops then (default: with the agents)"
     )
@@ -242,7 +250,7 @@ def main() -> None:
         sys.exit(f"{GGUF} is missing: make models")
     with tempfile.TemporaryDirectory() as tmp:
         preset = Path(tmp) / "swap.toml"
-        preset.write_text(preset_text(args.load_delay))
+        preset.write_text(preset_text(args.load_delay, args.ctx_size))
         runs = [one_policy(p, args, preset) for p in policies]
     results = [run.summary(args.swap_max_wait) for run in runs]
     print(

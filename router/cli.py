@@ -154,7 +154,7 @@ def serve(
     swap_policy: Annotated[str, typer.Option(
         metavar="fair|fifo|fifo-batch", help="which waiting model loads next and when a busy one is swapped "
         "out: fair (serve the loaded model first, within the bounds below); fifo (requests in arrival order, "
-        "a swap for each head of the queue, as llama-swap); fifo-batch (the model of the oldest waiting "
+        "a swap for each head of the queue); fifo-batch (the model of the oldest waiting "
         "request loads and serves all of its queued requests) (docs/swaps.md)",
     )] = "fair",
     swap_max_wait: Annotated[float, typer.Option(

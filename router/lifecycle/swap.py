@@ -5,7 +5,7 @@ When more models are asked for than fit (`--models-max`, the memory budgets, a `
 requests wait per model and the models wait in `Slots`' queue (router/lifecycle/admission.py),
 which asks `decide` what to do after every change and at the time `Hold.until` names.
 
-The rule (`policy = "fair"`, the default; docs/internals.md has the figures behind it):
+The rule (`policy = "fair"`, the default; docs/swaps.md has the figures behind it):
 
 1. Requests for a loaded model are served before a swap away from it. A model with a request in
    flight is not drained for a waiting one, unless that one is *overdue*: it has waited
@@ -41,11 +41,11 @@ The rule (`policy = "fair"`, the default; docs/internals.md has the figures behi
 
 Two FIFO rules are kept to measure against (bench/bench_swap.py); in both only the head of the
 queue is considered, and a busy model is drained for it at once:
-- `policy = "fifo"`: requests in arrival order, one swap per head of the request queue (a
-  llama-swap-like proxy: each request that asks for another model than the one up swaps to it,
-  after the requests that arrived before it). A loaded model admits only its requests that arrived
-  before the oldest request waiting for another model to load (`admits_before`); the models wait
-  in the order of their oldest waiting request.
+- `policy = "fifo"`: requests in arrival order, one swap per head of the request queue (a naive
+  proxy: each request that asks for another model than the one up swaps to it, after the
+  requests that arrived before it; llama-swap does better, see docs/swaps.md). A loaded model
+  admits only its requests that arrived before the oldest request waiting for another model to
+  load (`admits_before`); the models wait in the order of their oldest waiting request.
 - `policy = "fifo-batch"`: the router's rule before the scheduler (issue 51): the model of the
   oldest queue entry loads and serves every request queued for it, whenever it arrived.
 

@@ -3,8 +3,8 @@ order that tells them apart, with `--models-max 1` and two fake workers a and b:
 
     a is busy (a stream held open); then, in this order, b1, a2 and b3 arrive.
 
-- fifo (requests in arrival order, as llama-swap): a2 arrived before b3, so b's first load serves
-  b1 alone, a loads again for a2, then b again for b3: loads b, a, b.
+- fifo (requests in arrival order, a swap per head of the queue): a2 arrived before b3, so b's
+  first load serves b1 alone, a loads again for a2, then b again for b3: loads b, a, b.
 - fifo-batch (the router's rule before the scheduler): b's load serves b1 and b3: loads b, a.
 - fair (serve the loaded model first): a is not swapped out while busy (within the bound), so a2
   is served by the a that is up, and one load of b serves b1 and b3: loads b.

@@ -1,6 +1,6 @@
 """The swap scheduler (router/lifecycle/swap.py): table tests on a simulated clock, then a
 simulated agent trace (simulated load times) where the fair rule is measured against both FIFO
-rules ("fifo": requests in arrival order, as llama-swap; "fifo-batch": the router's rule before)."""
+rules ("fifo": requests in arrival order; "fifo-batch": the router's rule before)."""
 
 from __future__ import annotations
 
@@ -461,7 +461,7 @@ def test_on_the_bench_trace_fair_makes_at_most_half_the_swaps_of_fifo_sooner_wit
     num_agents: int, rounds: int, seed: int
 ) -> None:
     """Issue 51's target, on the bench's trace with --models-max 1: at most half of FIFO's swaps (a
-    swap per head of the request queue, as llama-swap), a lower total wall time, and no call waiting
+    swap per head of the request queue), a lower total wall time, and no call waiting
     past the bound (its wait for the busy model, then the swap it waited for: a stop and a load)."""
     loads = {"A": 2.5, "B": 2.5, "C": 2.5}
     trace = bench_trace(num_agents, rounds, seed)
