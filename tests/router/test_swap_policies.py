@@ -34,7 +34,10 @@ LONG = ("--tokens", "20000")
 def test_each_swap_policy_loads_in_its_own_order(
     router_factory: Callable[..., RouterProc], policy: str, loads: list[str]
 ) -> None:
-    r = router_factory(fake_model("a", *LONG) + fake_model("b"), "--models-max", "1", "--swap-policy", policy)
+    # A bound far past the test's length: under fair, b must not become overdue while a is held
+    # (a loaded box may take seconds between the steps); the FIFO rules drain at once anyway.
+    r = router_factory(fake_model("a", *LONG) + fake_model("b"), "--models-max", "1", "--swap-policy", policy,
+                       "--swap-max-wait", "300", "--swap-max-passes", "100")
     complete(r, "a")
     threads: list[threading.Thread] = []
 
