@@ -129,7 +129,9 @@ def count_loads(r: Router, run: Run, stop: threading.Event, ready: threading.Eve
             raise
 
 
-def call(c: httpx.Client, run: Run, model: str, n: int, max_tokens: int = 4, ignore_eos: bool = False) -> None:
+def call(
+    c: httpx.Client, run: Run, model: str, n: int, max_tokens: int = 4, *, ignore_eos: bool = False
+) -> None:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": f"step {n}"}],

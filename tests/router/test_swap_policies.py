@@ -9,8 +9,9 @@ order that tells them apart, with `--models-max 1` and two fake workers a and b:
 - fair (serve the loaded model first): a is not swapped out while busy (within the bound), so a2
   is served by the a that is up, and one load of b serves b1 and b3: loads b.
 
-The loads come from /models/sse, every change in order; each arrival is waited for (the model's
-`waiting` count in /v1/models) before the next is sent, so the order is the test's, not the box's.
+The loads come from /models/sse, every change in order (a load of a third model, z, marks the
+end); each arrival is waited for (the model's `waiting` count in /v1/models) before the next is
+sent, so the order is the test's, not the box's.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ def test_each_swap_policy_loads_in_its_own_order(
 ) -> None:
     # A bound far past the test's length: under fair, b must not become overdue while a is held
     # (a loaded box may take seconds between the steps); the FIFO rules drain at once anyway.
-    r = router_factory(fake_model("a", *LONG) + fake_model("b"), "--models-max", "1", "--swap-policy", policy,
-                       "--swap-max-wait", "300", "--swap-max-passes", "100")
+    preset = fake_model("a", *LONG) + fake_model("b") + fake_model("z")
+    r = router_factory(preset, "--models-max", "1", "--swap-policy", policy, "--swap-max-wait", "300",
+                       "--swap-max-passes", "100")
     complete(r, "a")
     threads: list[threading.Thread] = []
 
@@ -60,11 +62,15 @@ def test_each_swap_policy_loads_in_its_own_order(
         for t in threads:
             t.join(120)
             assert not t.is_alive()
+        # The events trail the answers: a load of z, asked for now, is the last one, so once the
+        # watcher has it, it has every load before it.
+        complete(r, "z")
+        wait_until(lambda: w.saw("z", "loaded"), 30, what="z loaded on /models/sse")
     seen: list[str] = []
     last: dict[str, str] = {"a": "loaded"}
     for snapshot in w.history:
         for name, value in snapshot.items():
-            if value == "loaded" and last.get(name) != "loaded":
+            if value == "loaded" and last.get(name) != "loaded" and name != "z":
                 seen.append(name)
             last[name] = value
     assert seen == loads, w.history
