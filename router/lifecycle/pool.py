@@ -177,6 +177,11 @@ class Pool:
         """The variant `name` is (its defaults go into each request: router/variants.py), or None."""
         return self.variants.get(name)
 
+    def variant_names(self, base: str) -> list[str]:
+        """The names of `base`'s variants the request's API key may use (router.keys), in preset order."""
+        seen = {v.name: v for v in self.variants.values() if v.variant_of == base}
+        return [name for name, v in seen.items() if can_see(v.names)]
+
     def with_defaults(self, name: str, body: dict[str, Any], path: str) -> dict[str, Any]:
         """`body` (a request for `name`, to the worker route `path`) with the request defaults of
         `name` written under its own fields: a variant's over its base's (router/variants.py).

@@ -114,23 +114,24 @@ class OllamaRoutes:
         return JSONResponse({"version": VERSION})
 
     async def tags(self, request: Request) -> Response:
-        handles = views.visible(self.pool.handles.values())  # the request's key's models (router.keys)
+        """The request's key's models (router.keys), each variant (docs/swaps.md) right after its
+        base: a model of its own to a client, with its base's file (no load of its own)."""
+        shown = [([h.name] if views.is_visible(h) else []) + self.pool.variant_names(h.name)
+                 for h in self.pool.handles.values()]  # (a key may use a variant and not its base)
+        handles = [h for h, names in zip(self.pool.handles.values(), shown, strict=True) if names]
         facts = await asyncio.to_thread(lambda: [catalog.facts(h.preset) for h in handles])
-        return JSONResponse(
-            {
-                "models": [
-                    {
-                        "name": catalog.ollama_name(h.name),
-                        "model": catalog.ollama_name(h.name),
-                        "modified_at": catalog.iso(f.modified),
-                        "size": f.size,
-                        "digest": f.digest,
-                        "details": catalog.details(f, _meta(h).get("n_params")),
-                    }
-                    for h, f in zip(handles, facts, strict=True)
-                ]
-            }
-        )
+        models = []
+        for h, f, names in zip(handles, facts, [n for n in shown if n], strict=True):
+            for name in names:
+                models.append({
+                    "name": catalog.ollama_name(name),
+                    "model": catalog.ollama_name(name),
+                    "modified_at": catalog.iso(f.modified),
+                    "size": f.size,
+                    "digest": f.digest,
+                    "details": catalog.details(f, _meta(h).get("n_params")),
+                })
+        return JSONResponse({"models": models})
 
     async def ps(self, request: Request) -> Response:
         handles = [  # the request's key's models (router.keys)

@@ -69,6 +69,11 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
 model = "{GGUF}"
 backend = "llama_cpp"
 
+[models.tiny-terse]
+variant-of = "tiny"
+temp = 0
+system-prompt = "Answer in one word."
+
 [models.coder]
 model = "{coder}"
 backend = "llama_cpp"
@@ -132,7 +137,9 @@ def test_root_version_list_show_and_ps(router: tuple[str, Path], client: ollama.
     assert httpx.get(base + "/api/version", headers=AUTH).json()["version"].count(".") == 2
 
     listed = {m.model: m for m in client.list().models}
-    assert set(listed) == {"tiny:latest", "coder:latest", "vlm:latest", "thinker:latest", "embed:latest"}
+    assert list(listed) == [  # a variant right after its base, with its base's file
+        "tiny:latest", "tiny-terse:latest", "coder:latest", "vlm:latest", "thinker:latest", "embed:latest"]
+    assert listed["tiny-terse:latest"].digest == listed["tiny:latest"].digest
     tiny = listed["tiny:latest"]
     assert tiny.size == GGUF.stat().st_size and len(tiny.digest or "") == 64
     assert tiny.details is not None and tiny.details.format == "gguf" and tiny.details.family == "llama"
@@ -160,6 +167,14 @@ def test_root_version_list_show_and_ps(router: tuple[str, Path], client: ollama.
     assert (loaded.size or 0) > 0 and loaded.size_vram == 0 and loaded.expires_at is not None
     assert loaded.details is not None and loaded.details.family == "llama"
     assert client.show("tiny").parameters == shown.parameters  # the loaded worker says the same
+
+
+def test_a_variant_answers_with_its_defaults_on_its_base_worker(client: ollama.Client) -> None:
+    question = [{"role": "user", "content": "Name a colour."}]
+    terse = client.chat(model="tiny-terse", messages=question, options={"num_predict": 8})
+    system = [{"role": "system", "content": "Answer in one word."}]
+    base = client.chat(model="tiny", messages=system + question, options={"temperature": 0, "num_predict": 8})
+    assert terse.message.content == base.message.content and terse.model == "tiny-terse"
 
 
 def test_chat_and_generate_streamed_and_whole(client: ollama.Client) -> None:
