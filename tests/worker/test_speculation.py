@@ -7,10 +7,12 @@ refusals (a draft model's settings)."""
 from __future__ import annotations
 
 import random
+import shutil
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -212,3 +214,38 @@ def test_what_is_not_run_is_refused_at_start(flags: list[str], message: str, tin
     cmd = [sys.executable, "-m", "worker.server.cli", "-m", str(tiny_models.gguf_f32), *flags]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and message in r.stderr.replace("\n", " "), r.stderr
+
+
+def test_a_draft_model_gone_while_asleep_fails_the_wake_whole(
+    tiny_models: ModelPaths, tmp_path: Path
+) -> None:
+    """A wake is all or nothing with a draft model too: its file gone while asleep, the wake is a
+    clear error and the model stays asleep (half awake, the next speculative step would draft
+    with a freed model); once the file is back it wakes and drafts as before."""
+    from worker.backends import BackendOptions, load_backend
+    from worker.engine.engine import Engine
+    from worker.engine.metrics import WorkerMetrics
+    from worker.engine.speculation import SpecConfig
+
+    draft = tmp_path / "draft.gguf"
+    shutil.copyfile(tiny_models.gguf_f32, draft)
+    options = BackendOptions(n_ctx=2048, n_slots=2, threads=1, device="cpu")
+    eng = Engine(lambda progress: load_backend("llama_cpp", str(tiny_models.gguf_f32), options, progress), 2,
+                 WorkerMetrics(), spec=SpecConfig("draft-simple", n_max=4, max_generating=2),
+                 draft_factory=lambda progress: load_backend("llama_cpp", str(draft), options, progress))
+    eng.start()
+    try:
+        wait_until(lambda: eng.status.is_ready, 60, what="models loaded")
+        prompt = _prompts()[:1]
+        before = _generate(eng, prompt, 4)
+        eng.call_when_idle(eng.sleep).result(60)
+        hidden = draft.rename(tmp_path / "elsewhere.gguf")
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="draft model could not be loaded again"):
+                eng.call(eng.wake).result(60)
+            assert eng.call(lambda: eng._require_backend().is_sleeping).result(10)
+        hidden.rename(draft)
+        eng.call(eng.wake).result(60)
+        assert _generate(eng, prompt, 4) == before
+    finally:
+        eng.stop()

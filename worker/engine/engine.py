@@ -402,13 +402,22 @@ class Engine:
             self.sleep()
 
     def wake(self) -> None:
+        """Reload the model, and the draft model if there is one: all or nothing. A draft that
+        cannot load again (its file changed or went away while asleep) puts the model back to
+        sleep and raises RuntimeError: half awake, the next speculative step would draft with a
+        freed model."""
         backend = self._require_backend()
         if backend.is_sleeping:
             t0 = time.monotonic()
             self.last_busy = t0  # a fresh idle period: --sleep-idle-seconds counts from the wake
             backend.wake()
             if self._draft is not None:
-                self._draft.backend.wake()
+                try:
+                    self._draft.backend.wake()
+                except Exception as e:
+                    backend.sleep()
+                    raise RuntimeError(f"the draft model could not be loaded again at wake ({e}); the "
+                                       "model stays asleep: put the draft model's file back") from e
             log.info("awake: model reloaded in %.2f s", time.monotonic() - t0)
 
     # -- LoRA adapters (worker/engine/adapters.py) ------------------------------------------------
