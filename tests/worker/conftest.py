@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.util import ROOT, free_port, run_worker, stop_process
+from tests.util import HTTP, ROOT, free_port, run_worker, stop_process
 from tests.util import wait_healthy as wait_until_healthy
 from tests.worker.wire_models import ChatCompletion, ChatCompletionChunk, Completion, ModelList
 from worker.protocol.wire import OpenAIBaseModel
@@ -67,13 +67,13 @@ class Worker:
         return httpx.Client(base_url=self.url, timeout=timeout)
 
     def post(self, path: str, body: object, timeout: float = 30.0) -> httpx.Response:
-        r = httpx.post(self.url + path, json=body, timeout=timeout)
+        r = HTTP.post(self.url + path, json=body, timeout=timeout)
         if not (isinstance(body, dict) and body.get("stream")):
             _check_response(path, r)
         return r
 
     def get(self, path: str) -> httpx.Response:
-        r = httpx.get(self.url + path, timeout=10)
+        r = HTTP.get(self.url + path, timeout=10)
         _check_response(path, r)
         return r
 
