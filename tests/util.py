@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,8 @@ T = TypeVar("T")
 # (~0.3 ms a call), keeps no connection alive (each call connects afresh, as httpx.get did), and
 # is thread-safe. (No server here sets cookies, so its cookie jar stays empty.)
 HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+# A test's own clients (a base URL, a kept connection) share one SSL context for the same reason.
+TLS = ssl.create_default_context()
 
 
 def free_port() -> int:

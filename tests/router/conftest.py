@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.util import HTTP, ROOT, free_port, stop_process, wait_healthy, wait_until
+from tests.util import HTTP, ROOT, TLS, free_port, stop_process, wait_healthy, wait_until
 
 FAKE = Path(__file__).with_name("fake_worker.py")
 PY = sys.executable
@@ -50,7 +50,7 @@ class RouterProc:
     headers: dict[str, str]  # auth for the helpers below when the router has --api-key
 
     def client(self, **kw: Any) -> httpx.Client:
-        return httpx.Client(base_url=self.base, timeout=kw.pop("timeout", 30.0), **kw)
+        return httpx.Client(base_url=self.base, timeout=kw.pop("timeout", 30.0), verify=TLS, **kw)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.router.conftest import PY, fake_cmd
-from tests.util import ROOT, free_port, preset_defaults, stop_process, wait_healthy, wait_until
+from tests.util import HTTP, ROOT, free_port, preset_defaults, stop_process, wait_healthy, wait_until
 
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 pytestmark = pytest.mark.skipif(not GGUF.exists(), reason="tiny models not generated (make models)")
@@ -90,7 +90,7 @@ cmd = "{fake_cmd("--model", "other")}"
         wait_healthy(proc, url, 30)
 
         def both_loaded() -> bool:
-            data = httpx.get(f"{url}/v1/models", headers={"x-api-key": KEY}, timeout=10).json()["data"]
+            data = HTTP.get(f"{url}/v1/models", headers={"x-api-key": KEY}, timeout=10).json()["data"]
             return [m["status"]["value"] for m in data].count("loaded") == 2
 
         wait_until(both_loaded, 60, what="tiny and thinker to load")  # then `other` finds every slot pinned

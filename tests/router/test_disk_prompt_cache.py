@@ -23,7 +23,7 @@ import pytest
 from router.presets import ModelPreset
 from router.prompt_cache_dir import with_default_cache_dirs
 from tests.router.conftest import RouterProc
-from tests.util import ROOT, run_worker, wait_until
+from tests.util import HTTP, ROOT, run_worker, wait_until
 
 Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f16.gguf"
@@ -126,7 +126,7 @@ def test_prompt_cache_survives_eviction_restart_sleep_and_reload(
     _restored(r, QUESTIONS["restart"], expected["restart"])
     # the router reads the worker's output as it comes: the line may trail the answer on a busy box
     def log() -> str:
-        return httpx.get(f"{r.base}/logs", params={"model": "a"}, timeout=10).text
+        return HTTP.get(f"{r.base}/logs", params={"model": "a"}, timeout=10).text
 
     wait_until(lambda: f"skipping {bad.name}" in log(), 30, interval=0.2, what="the line on the damaged file")
     assert not bad.exists()

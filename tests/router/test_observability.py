@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.router.conftest import RouterProc, chat, fake_model
-from tests.util import ROOT, preset_defaults, wait_until
+from tests.util import HTTP, ROOT, preset_defaults, wait_until
 
 Factory = Callable[..., RouterProc]
 GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
@@ -202,7 +202,7 @@ def test_log_stream_delivers_worker_lines_as_written(router_factory: Factory) ->
     complete(r, "a", 4)
 
     def history() -> str:
-        return httpx.get(f"{r.base}/logs", params={"model": "a"}, headers=r.headers, timeout=10).text
+        return HTTP.get(f"{r.base}/logs", params={"model": "a"}, headers=r.headers, timeout=10).text
 
     # the router reads the worker's output as it comes: on a busy box a line may trail the answer
     wait_until(lambda: "model loaded in" in (h := history()) and "task 1 done" in h, timeout=15,

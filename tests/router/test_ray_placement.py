@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from tests.router.conftest import RouterProc, chat, stream_chat
-from tests.util import ROOT, wait_until
+from tests.util import HTTP, ROOT, wait_until
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
 Factory = Callable[..., RouterProc]
@@ -126,7 +126,7 @@ def test_models_land_by_resources_stream_a_node_budget_evicts_only_there_and_sto
     # The log tail streams back from the node: the line may trail the answer on a busy box (it
     # failed once read right after it, at load average 6), so wait for it.
     def log() -> str:
-        return httpx.get(f"{r.base}/logs", params={"model": "big"}, timeout=10).text
+        return HTTP.get(f"{r.base}/logs", params={"model": "big"}, timeout=10).text
 
     wait_until(lambda: "model loaded" in log(), 30, interval=0.2, what="'model loaded' in big's log tail")
 

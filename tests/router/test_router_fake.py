@@ -31,7 +31,7 @@ from tests.router.conftest import (
     sse_events,
     stream_chat,
 )
-from tests.util import free_port, stop_process, wait_until
+from tests.util import HTTP, free_port, stop_process, wait_until
 
 Factory = Callable[..., RouterProc]
 
@@ -349,7 +349,7 @@ def test_remote_upstream_is_proxied_without_a_process(router_factory: Factory) -
     fake = subprocess.Popen([sys.executable, str(FAKE), "--port", str(port), "--model", "far"],
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200, 20)
+        wait_until(lambda: HTTP.get(f"http://127.0.0.1:{port}/health").status_code == 200, 20)
         r = router_factory(f'[models.far]\nbackend = "remote"\nupstream = "http://127.0.0.1:{port}"\n')
         assert r.status("far") == "loaded"
         with r.client() as c:
