@@ -4,8 +4,11 @@ router.keys.guard sets it for the request's task (tasks it starts inherit it); n
 writes it. Unset (None): a router without keys, a public route, or work not done for a request
 (the models' owners, SIGHUP): everything is visible.
 
-Read in two places only: `Pool.get` (a model outside the key's list resolves to nothing, so
-every API answers 404 as if it were not there) and router.keys.views (listings and model cards).
+Read in these places only: `Pool.get` (a model outside the key's list resolves to nothing, so
+every API answers 404 as if it were not there), router.keys.views (listings and model cards),
+the request traces (the key's name), and router.responses.routes (whose stored responses and
+conversations a request sees; it passes them to the store's thread as a value, since a
+ContextVar does not cross `run_in_executor`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """The Responses API's HTTP routes, under `/v1`, without it, and under `/v3` (OpenVINO Model
-Server's path): `/responses[...]` and `/conversations[...]`."""
+Server's path): `/responses[...]` and `/conversations[...]`.
+
+Each handler reads the request's key here, on the event loop (router.keys.context), and hands
+the service its `Owner`: the store's thread never sees the ContextVar."""
 
 from __future__ import annotations
 
@@ -12,15 +15,23 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Scope
 
+from router.keys.context import current_key
 from router.observability.request_trace import request_id
 from router.responses.service import ResponsesService
-from router.responses.store import page
+from router.responses.store import ANYONE, Owner, page
 from router.responses.wire import AddItems, CreateConversation, CreateResponse
 from worker.protocol.errors import APIError, parse_model
 
 PREFIXES = ("/v1", "", "/v3")
 T = TypeVar("T")
 ResolveModel = Callable[[str | None, Scope], str]  # 404 / 400 for a model the router cannot serve
+
+
+def _owner() -> Owner:
+    """The request's key as an owner: its name goes on what it stores; an admin key (and a router
+    without keys) sees every stored object, a user key only its own."""
+    key = current_key()
+    return ANYONE if key is None else Owner(key.name, sees_all=key.is_admin)
 
 
 def _page_args(request: Request) -> dict[str, Any]:
@@ -100,7 +111,7 @@ class ResponsesRoutes:
         req = parse_model(CreateResponse, await request.body())
         model = self.resolve_model(req.model, request.scope)
         rid = request_id(request.scope["headers"])
-        prepared = await self.service.prepare(req, model, rid)
+        prepared = await self.service.prepare(req, model, rid, _owner())
         headers = {"x-request-id": rid}
         if req.stream:
             return _event_stream(await self.service.stream(prepared), headers)
@@ -119,54 +130,53 @@ class ResponsesRoutes:
             except ValueError:
                 raise APIError("Invalid value for 'starting_after': expected an integer",
                                param="starting_after") from None
-            return _event_stream(self.service.follow(rid, after))
-        return JSONResponse(await self.service.get(rid))
+            return _event_stream(self.service.follow(rid, after, _owner()))
+        return JSONResponse(await self.service.get(rid, _owner()))
 
     async def delete(self, request: Request) -> Response:
-        return JSONResponse(await self.service.delete(request.path_params["rid"]))
+        return JSONResponse(await self.service.delete(request.path_params["rid"], _owner()))
 
     async def cancel(self, request: Request) -> Response:
-        return JSONResponse(await self.service.cancel(request.path_params["rid"]))
+        return JSONResponse(await self.service.cancel(request.path_params["rid"], _owner()))
 
     async def input_items(self, request: Request) -> Response:
         args = _page_args(request)
-        return JSONResponse(page(await self.service.input_items(request.path_params["rid"]), **args))
+        items = await self.service.input_items(request.path_params["rid"], _owner())
+        return JSONResponse(page(items, **args))
 
     # ---- conversations
 
     async def create_conversation(self, request: Request) -> Response:
         body = await request.body()
         req = parse_model(CreateConversation, body or b"{}")
-        return JSONResponse(await self.service.create_conversation(req))
+        return JSONResponse(await self.service.create_conversation(req, _owner()))
 
     async def get_conversation(self, request: Request) -> Response:
-        return JSONResponse(await self.service.get_conversation(request.path_params["cid"]))
+        return JSONResponse(await self.service.get_conversation(request.path_params["cid"], _owner()))
 
     async def update_conversation(self, request: Request) -> Response:
         req = parse_model(CreateConversation, await request.body())
         return JSONResponse(
-            await self.service.update_conversation(request.path_params["cid"], req.metadata or {})
+            await self.service.update_conversation(request.path_params["cid"], req.metadata or {}, _owner())
         )
 
     async def delete_conversation(self, request: Request) -> Response:
-        return JSONResponse(await self.service.delete_conversation(request.path_params["cid"]))
+        return JSONResponse(await self.service.delete_conversation(request.path_params["cid"], _owner()))
 
     async def items(self, request: Request) -> Response:
         args = _page_args(request)
-        return JSONResponse(page(await self.service.items(request.path_params["cid"]), **args))
+        return JSONResponse(page(await self.service.items(request.path_params["cid"], _owner()), **args))
 
     async def add_items(self, request: Request) -> Response:
         req = parse_model(AddItems, await request.body())
-        added = await self.service.add_items(request.path_params["cid"], req)
+        added = await self.service.add_items(request.path_params["cid"], req, _owner())
         return JSONResponse({"object": "list", "data": added, "first_id": added[0]["id"],
                              "last_id": added[-1]["id"], "has_more": False})
 
     async def get_item(self, request: Request) -> Response:
-        return JSONResponse(
-            await self.service.get_item(request.path_params["cid"], request.path_params["item_id"])
-        )
+        cid, item_id = request.path_params["cid"], request.path_params["item_id"]
+        return JSONResponse(await self.service.get_item(cid, item_id, _owner()))
 
     async def delete_item(self, request: Request) -> Response:
-        return JSONResponse(
-            await self.service.delete_item(request.path_params["cid"], request.path_params["item_id"])
-        )
+        cid, item_id = request.path_params["cid"], request.path_params["item_id"]
+        return JSONResponse(await self.service.delete_item(cid, item_id, _owner()))

@@ -8,6 +8,10 @@ the stream (a 4xx/5xx) comes out of it as an `APIError` and reaches the client a
 
 Background responses are tasks owned here (`_live`); GET reads their live object, cancel
 cancels the task, which closes the upstream stream on its way out.
+
+Every call for a stored object takes the caller's `Owner` (router.responses.store), made from the
+request's key by the routes: a response or conversation another user key made is answered as one
+that does not exist, live ones included.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.responses.builder import ResponseBuilder
-from router.responses.store import ChainBroken, NotContinuable, Store
+from router.responses.store import ChainBroken, NotContinuable, Owner, Store
 from router.responses.translate import chat_body, chat_messages, drop_oldest, echo, is_call_forced
 from router.responses.wire import (
     AddItems,
@@ -63,6 +67,7 @@ class Prepared:
     builder: ResponseBuilder
     is_stored: bool
     request_id: str  # X-Request-Id: the client's or a new one; sent upstream and returned
+    owner: Owner  # whose it is (the request's key), for every store call it makes
 
 
 @dataclass
@@ -70,6 +75,7 @@ class _Live:
     """A background response while it runs: its events so far, for anyone following them."""
 
     builder: ResponseBuilder
+    owner: str | None  # the key that started it (Owner.name)
     task: asyncio.Task[None] | None = None
     events: list[Chunk] = field(default_factory=list)  # events[i]["sequence_number"] == i
     is_done: bool = False
@@ -123,7 +129,7 @@ class ResponsesService:
 
     # ------------------------------------------------------------------ create
 
-    async def prepare(self, req: CreateResponse, model: str, request_id: str) -> Prepared:
+    async def prepare(self, req: CreateResponse, model: str, request_id: str, owner: Owner) -> Prepared:
         req.check()
         req.function_tools()  # 400 for a built-in tool type before anything else
         input_items = [with_id(it) for it in req.input_items()]
@@ -131,7 +137,7 @@ class ResponsesService:
         if req.previous_response_id is not None:
             self._need_store("previous_response_id")
             try:
-                history = await self.store.call(self.store.chain, req.previous_response_id)
+                history = await self.store.call(self.store.chain, req.previous_response_id, owner)
             except ChainBroken as e:
                 raise _not_found("Previous response", str(e), "previous_response_id") from None
             except NotContinuable as e:
@@ -140,7 +146,7 @@ class ResponsesService:
                                param="previous_response_id") from None
         elif req.conversation_id is not None:
             self._need_store("conversation")
-            history = await self._conversation_items(req.conversation_id, "conversation")
+            history = await self._conversation_items(req.conversation_id, owner, "conversation")
         if req.background:
             self._need_store("background")
         messages = chat_messages(req.instructions, parse_items(history, "history") + input_items)
@@ -155,7 +161,7 @@ class ResponsesService:
                                   wants_summary=req.reasoning is not None and req.reasoning.wants_summary,
                                   num_choices=req.n)
         return Prepared(req, model, input_items, chat_body(req, model, messages), builder, is_stored,
-                        request_id)
+                        request_id, owner)
 
     async def _connect(self, p: Prepared) -> tuple[AsyncExitStack, AsyncIterator[Chunk]]:
         """Open the upstream stream; with `truncation: auto`, drop the oldest messages until it fits."""
@@ -204,7 +210,7 @@ class ResponsesService:
     async def _save(self, p: Prepared) -> None:
         if p.is_stored:
             await self.store.call(self.store.put_response, p.builder.snapshot(),
-                                  [dump_item(it) for it in p.input_items])
+                                  [dump_item(it) for it in p.input_items], p.owner)
         cid = p.req.conversation_id
         if cid is not None and p.builder.status != "queued":
             items = [dump_item(it) for it in p.input_items] + [
@@ -225,14 +231,14 @@ class ResponsesService:
         """Connect first (so an upstream 4xx is an HTTP error), then the SSE bytes."""
         if p.req.background:
             await self._start_background(p)
-            return self.follow(p.builder.id, -1)
+            return self.follow(p.builder.id, -1, p.owner)
         stack, chunks = await self._connect(p)
         return _sse(self._events(p, stack, chunks))
 
-    def follow(self, rid: str, after: int) -> AsyncIterator[bytes]:
+    def follow(self, rid: str, after: int, owner: Owner) -> AsyncIterator[bytes]:
         """A running background response's events after sequence number `after` (leaving
         does not cancel it)."""
-        live = self._live.get(rid)
+        live = self._live_for(rid, owner)
         if live is None:
             raise APIError(
                 f"Response with id '{rid}' is not running in the background: only those can be streamed "
@@ -245,7 +251,7 @@ class ResponsesService:
 
     async def _start_background(self, p: Prepared) -> dict[str, Any]:
         await self._save(p)  # queued: retrievable at once
-        live = self._live[p.builder.id] = _Live(p.builder)
+        live = self._live[p.builder.id] = _Live(p.builder, p.owner.name)
         live.task = asyncio.create_task(self._run_background(p, live), name=f"response {p.builder.id}")
         live.task.add_done_callback(lambda _: self._live.pop(p.builder.id, None))
         return p.builder.snapshot()
@@ -273,14 +279,19 @@ class ResponsesService:
         finally:
             live.end()
 
-    async def cancel(self, rid: str) -> dict[str, Any]:
+    def _live_for(self, rid: str, owner: Owner) -> _Live | None:
+        """The running background response `rid`, if `owner` may see it."""
         live = self._live.get(rid)
+        return live if live is not None and owner.can_see(live.owner) else None
+
+    async def cancel(self, rid: str, owner: Owner) -> dict[str, Any]:
+        live = self._live_for(rid, owner)
         if live is not None and live.task is not None:
             live.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(asyncio.shield(live.task), 10)
             return live.builder.snapshot()
-        body = await self.get(rid)
+        body = await self.get(rid, owner)
         if not body.get("background"):
             raise APIError(
                 "Only responses created with background=true can be cancelled.", param="response_id"
@@ -295,80 +306,83 @@ class ResponsesService:
 
     # ------------------------------------------------------------------ stored responses
 
-    async def _stored(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    async def _stored(self, rid: str, owner: Owner) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         self._need_store()
-        found = await self.store.call(self.store.get_response, rid)
+        found = await self.store.call(self.store.get_response, rid, owner)
         if found is None:
             raise _not_found("Response", rid, "response_id")
         return found
 
-    async def get(self, rid: str) -> dict[str, Any]:
-        live = self._live.get(rid)
+    async def get(self, rid: str, owner: Owner) -> dict[str, Any]:
+        live = self._live_for(rid, owner)
         if live is not None:
             return live.builder.snapshot()
-        return (await self._stored(rid))[0]
+        return (await self._stored(rid, owner))[0]
 
-    async def delete(self, rid: str) -> dict[str, Any]:
+    async def delete(self, rid: str, owner: Owner) -> dict[str, Any]:
         self._need_store()
-        if rid in self._live:
-            await self.cancel(rid)  # or its task would store it again when it ends
-        if not await self.store.call(self.store.delete_response, rid):
+        if self._live_for(rid, owner) is not None:
+            await self.cancel(rid, owner)  # or its task would store it again when it ends
+        if not await self.store.call(self.store.delete_response, rid, owner):
             raise _not_found("Response", rid, "response_id")
         return {"id": rid, "object": "response.deleted", "deleted": True}
 
-    async def input_items(self, rid: str) -> list[dict[str, Any]]:
-        return (await self._stored(rid))[1]
+    async def input_items(self, rid: str, owner: Owner) -> list[dict[str, Any]]:
+        return (await self._stored(rid, owner))[1]
 
     # ------------------------------------------------------------------ conversations
 
-    async def _conversation_items(self, cid: str, param: str | None = None) -> list[dict[str, Any]]:
-        await self.get_conversation(cid, param)
+    async def _conversation_items(
+        self, cid: str, owner: Owner, param: str | None = None
+    ) -> list[dict[str, Any]]:
+        await self.get_conversation(cid, owner, param)
         return await self.store.call(self.store.items, cid)
 
-    async def create_conversation(self, req: CreateConversation) -> dict[str, Any]:
+    async def create_conversation(self, req: CreateConversation, owner: Owner) -> dict[str, Any]:
         self._need_store()
         items = [dump_item(with_id(it)) for it in parse_items(req.items, "items")]
         cid = new_id("conv")
-        await self.store.call(self.store.put_conversation, cid, int(time.time()), req.metadata or {})
+        await self.store.call(self.store.put_conversation, cid, int(time.time()), req.metadata or {}, owner)
         if items:
             await self.store.call(self.store.add_items, cid, items)
-        return await self.get_conversation(cid)
+        return await self.get_conversation(cid, owner)
 
-    async def get_conversation(self, cid: str, param: str | None = None) -> dict[str, Any]:
+    async def get_conversation(self, cid: str, owner: Owner, param: str | None = None) -> dict[str, Any]:
         self._need_store(param)
-        conv = await self.store.call(self.store.get_conversation, cid)
+        conv = await self.store.call(self.store.get_conversation, cid, owner)
         if conv is None:
             raise _not_found("Conversation", cid, param)
         return conv
 
-    async def update_conversation(self, cid: str, metadata: dict[str, str]) -> dict[str, Any]:
-        conv = await self.get_conversation(cid)
-        await self.store.call(self.store.put_conversation, cid, conv["created_at"], metadata)
-        return await self.get_conversation(cid)
-
-    async def delete_conversation(self, cid: str) -> dict[str, Any]:
+    async def update_conversation(self, cid: str, metadata: dict[str, str], owner: Owner) -> dict[str, Any]:
         self._need_store()
-        if not await self.store.call(self.store.delete_conversation, cid):
+        if not await self.store.call(self.store.set_metadata, cid, metadata, owner):
+            raise _not_found("Conversation", cid)
+        return await self.get_conversation(cid, owner)
+
+    async def delete_conversation(self, cid: str, owner: Owner) -> dict[str, Any]:
+        self._need_store()
+        if not await self.store.call(self.store.delete_conversation, cid, owner):
             raise _not_found("Conversation", cid)
         return {"id": cid, "object": "conversation.deleted", "deleted": True}
 
-    async def items(self, cid: str) -> list[dict[str, Any]]:
-        return await self._conversation_items(cid)
+    async def items(self, cid: str, owner: Owner) -> list[dict[str, Any]]:
+        return await self._conversation_items(cid, owner)
 
-    async def add_items(self, cid: str, req: AddItems) -> list[dict[str, Any]]:
-        await self.get_conversation(cid)
+    async def add_items(self, cid: str, req: AddItems, owner: Owner) -> list[dict[str, Any]]:
+        await self.get_conversation(cid, owner)
         items = [dump_item(with_id(it)) for it in parse_items(req.items, "items")]
         await self.store.call(self.store.add_items, cid, items)
         return items
 
-    async def get_item(self, cid: str, item_id: str) -> dict[str, Any]:
-        for it in await self._conversation_items(cid):
+    async def get_item(self, cid: str, item_id: str, owner: Owner) -> dict[str, Any]:
+        for it in await self._conversation_items(cid, owner):
             if it.get("id") == item_id:
                 return it
         raise _not_found("Item", item_id)
 
-    async def delete_item(self, cid: str, item_id: str) -> dict[str, Any]:
-        conv = await self.get_conversation(cid)
+    async def delete_item(self, cid: str, item_id: str, owner: Owner) -> dict[str, Any]:
+        conv = await self.get_conversation(cid, owner)
         if not await self.store.call(self.store.delete_item, cid, item_id):
             raise _not_found("Item", item_id)
         return conv

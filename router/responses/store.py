@@ -5,6 +5,12 @@ replayed by walking the chain back. Conversations keep their items in order. Bot
 by entry count and age (each kind counted on its own), pruned on every write; an expired entry
 is invisible to reads at once. In the router every call runs on one thread of the store's own
 (`call()`), so the event loop never blocks on the disk and calls never interleave.
+
+Each response and conversation belongs to the key that created it (`owner`, the key's name from
+the keys file). Every call that reads, continues or deletes one is given the caller's `Owner`
+explicitly (the request's key lives in a ContextVar, which does not reach this thread): another
+user key finds nothing, exactly as for an id that does not exist. A file from before owners gets
+the column on open; its rows have none, so only admin keys (and a router without keys) see them.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import sqlite3
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,16 +32,42 @@ log = logging.getLogger("omni.router.responses")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, status TEXT NOT NULL,
-    previous_response_id TEXT, body TEXT NOT NULL, input TEXT NOT NULL);
+    previous_response_id TEXT, body TEXT NOT NULL, input TEXT NOT NULL, owner TEXT);
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
 CREATE TABLE IF NOT EXISTS conversations (
-    id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, metadata TEXT NOT NULL);
+    id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, metadata TEXT NOT NULL, owner TEXT);
 CREATE INDEX IF NOT EXISTS conversations_created ON conversations (created_at);
 CREATE TABLE IF NOT EXISTS conversation_items (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, conversation_id TEXT NOT NULL, item_id TEXT NOT NULL,
     item TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS conversation_items_conv ON conversation_items (conversation_id, seq);
 """
+# files written before owners: (table, the statement that adds its column)
+_OWNER_COLUMNS = (
+    ("responses", "ALTER TABLE responses ADD COLUMN owner TEXT"),
+    ("conversations", "ALTER TABLE conversations ADD COLUMN owner TEXT"),
+)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Whose stored responses and conversations a call is for. `name` is written on what it
+    creates (None: nobody's); `sees_all` (admin keys, a router without keys) reads every row,
+    otherwise only the rows owned by `name` (a row without an owner is then not there)."""
+
+    name: str | None = None
+    sees_all: bool = True
+
+    @property
+    def params(self) -> tuple[int, str | None]:
+        """The parameters of `(? OR owner = ?)`, the rows it may see (the SQL twin of can_see)."""
+        return int(self.sees_all), self.name
+
+    def can_see(self, owner: str | None) -> bool:
+        return self.sees_all or (owner is not None and owner == self.name)
+
+
+ANYONE = Owner()  # no keys, or work not done for a request: every row, and new ones are nobody's
 
 
 class ChainBroken(LookupError):
@@ -82,6 +115,10 @@ class Store:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.executescript(_SCHEMA)
+            for table, add_column in _OWNER_COLUMNS:
+                has_owner = db.execute("SELECT 1 FROM pragma_table_info(?) WHERE name = 'owner'", (table,))
+                if has_owner.fetchone() is None:
+                    db.execute(add_column)
             self._db = db
             self.num_recovered = self._recover()
         return self._db
@@ -138,29 +175,36 @@ class Store:
 
     # responses
 
-    def put_response(self, body: dict[str, Any], input_items: list[dict[str, Any]]) -> None:
+    def put_response(self, body: dict[str, Any], input_items: list[dict[str, Any]], owner: Owner) -> None:
         db = self._conn()
         is_new = db.execute("SELECT 1 FROM responses WHERE id = ?", (body["id"],)).fetchone() is None
-        db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+        db.execute("INSERT OR REPLACE INTO responses "
+                   "(id, created_at, status, previous_response_id, body, input, owner) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?)",
                    (body["id"], body["created_at"], body["status"], body.get("previous_response_id"),
-                    json.dumps(body), json.dumps(input_items)))
+                    json.dumps(body), json.dumps(input_items), owner.name))
         if is_new:
             self._prune()
 
-    def get_response(self, rid: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-        row = self._conn().execute("SELECT body, input FROM responses WHERE id = ? AND created_at >= ?",
-                                   (rid, self._cutoff())).fetchone()
+    def get_response(self, rid: str, owner: Owner) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        row = self._conn().execute(
+            "SELECT body, input FROM responses WHERE id = ? AND created_at >= ? AND (? OR owner = ?)",
+            (rid, self._cutoff(), *owner.params),
+        ).fetchone()
         return None if row is None else (json.loads(row[0]), json.loads(row[1]))
 
-    def delete_response(self, rid: str) -> bool:
-        return self._conn().execute("DELETE FROM responses WHERE id = ?", (rid,)).rowcount > 0
+    def delete_response(self, rid: str, owner: Owner) -> bool:
+        return self._conn().execute(
+            "DELETE FROM responses WHERE id = ? AND (? OR owner = ?)", (rid, *owner.params)
+        ).rowcount > 0
 
-    def chain(self, rid: str) -> list[dict[str, Any]]:
-        """Input and output items of `rid` and every response before it, oldest first."""
+    def chain(self, rid: str, owner: Owner) -> list[dict[str, Any]]:
+        """Input and output items of `rid` and every response before it, oldest first; each one
+        must be visible to `owner` (ChainBroken otherwise, as for a deleted one)."""
         segments: list[list[dict[str, Any]]] = []
         cur: str | None = rid
         while cur is not None:
-            found = self.get_response(cur)
+            found = self.get_response(cur, owner)
             if found is None:
                 raise ChainBroken(cur)
             body, input_items = found
@@ -172,17 +216,27 @@ class Store:
 
     # conversations
 
-    def put_conversation(self, cid: str, created_at: int, metadata: dict[str, str]) -> None:
-        self._conn().execute("INSERT OR REPLACE INTO conversations VALUES (?, ?, ?)",
-                             (cid, created_at, json.dumps(metadata)))
+    def put_conversation(self, cid: str, created_at: int, metadata: dict[str, str], owner: Owner) -> None:
+        self._conn().execute(
+            "INSERT INTO conversations (id, created_at, metadata, owner) VALUES (?, ?, ?, ?)",
+            (cid, created_at, json.dumps(metadata), owner.name),
+        )
         self._prune()
 
-    def get_conversation(self, cid: str) -> dict[str, Any] | None:
+    def set_metadata(self, cid: str, metadata: dict[str, str], owner: Owner) -> bool:
+        """Replace a conversation's metadata; its owner stays (an admin's edit does not take it)."""
+        return self._conn().execute(
+            "UPDATE conversations SET metadata = ? WHERE id = ? AND created_at >= ? AND (? OR owner = ?)",
+            (json.dumps(metadata), cid, self._cutoff(), *owner.params),
+        ).rowcount > 0
+
+    def get_conversation(self, cid: str, owner: Owner) -> dict[str, Any] | None:
         row = (
             self._conn()
             .execute(
-                "SELECT created_at, metadata FROM conversations WHERE id = ? AND created_at >= ?",
-                (cid, self._cutoff()),
+                "SELECT created_at, metadata FROM conversations "
+                "WHERE id = ? AND created_at >= ? AND (? OR owner = ?)",
+                (cid, self._cutoff(), *owner.params),
             )
             .fetchone()
         )
@@ -190,11 +244,15 @@ class Store:
             return None
         return {"id": cid, "object": "conversation", "created_at": row[0], "metadata": json.loads(row[1])}
 
-    def delete_conversation(self, cid: str) -> bool:
+    def delete_conversation(self, cid: str, owner: Owner) -> bool:
         db = self._conn()
         with db:
+            if db.execute(
+                "DELETE FROM conversations WHERE id = ? AND (? OR owner = ?)", (cid, *owner.params)
+            ).rowcount == 0:
+                return False
             db.execute("DELETE FROM conversation_items WHERE conversation_id = ?", (cid,))
-            return db.execute("DELETE FROM conversations WHERE id = ?", (cid,)).rowcount > 0
+            return True
 
     def add_items(self, cid: str, items: list[dict[str, Any]]) -> None:
         db = self._conn()

@@ -3,6 +3,8 @@ tables, and the SQLite store on a temp file."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -10,7 +12,7 @@ from typing import Any
 import pytest
 
 from router.responses.builder import ResponseBuilder
-from router.responses.store import ChainBroken, Store, page
+from router.responses.store import ANYONE, ChainBroken, Owner, Store, page
 from router.responses.translate import chat_body, chat_messages, drop_oldest
 from router.responses.wire import CreateResponse, parse_items
 from worker.protocol.errors import APIError
@@ -299,24 +301,100 @@ def test_store_chain_bounds_and_restart(tmp_path: Path) -> None:
     store = Store(tmp_path / "s.sqlite3", max_entries=3, ttl_s=100)
     try:
         store.open()
-        store.put_response(_response("a"), [{"id": "in-a"}])
-        store.put_response(_response("b", "a"), [{"id": "in-b"}])
-        assert [i["id"] for i in store.chain("b")] == ["in-a", "out-a", "in-b", "out-b"]
-        store.put_response(_response("old", age_s=200), [])  # past the TTL: pruned at once
-        assert store.get_response("old") is None
+        store.put_response(_response("a"), [{"id": "in-a"}], ANYONE)
+        store.put_response(_response("b", "a"), [{"id": "in-b"}], ANYONE)
+        assert [i["id"] for i in store.chain("b", ANYONE)] == ["in-a", "out-a", "in-b", "out-b"]
+        store.put_response(_response("old", age_s=200), [], ANYONE)  # past the TTL: pruned at once
+        assert store.get_response("old", ANYONE) is None
         for rid in ("c", "d"):
-            store.put_response(_response(rid), [])
-        assert store.get_response("a") is None and store.get_response("d") is not None  # 3 kept, oldest gone
+            store.put_response(_response(rid), [], ANYONE)
+        # 3 kept, oldest gone
+        assert store.get_response("a", ANYONE) is None and store.get_response("d", ANYONE) is not None
         with pytest.raises(ChainBroken):
-            store.chain("b")
-        store.put_response(_response("bg", status="in_progress"), [])
+            store.chain("b", ANYONE)
+        store.put_response(_response("bg", status="in_progress"), [], ANYONE)
     finally:
         store.close()
     again = Store(tmp_path / "s.sqlite3", max_entries=3, ttl_s=100)
     try:
         assert again.open() == 1
-        found = again.get_response("bg")
+        found = again.get_response("bg", ANYONE)
         assert found is not None and found[0]["status"] == "failed"
+    finally:
+        again.close()
+
+
+# the store's schema before owners, as an older router wrote it
+OLD_SCHEMA = """
+CREATE TABLE responses (
+    id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, status TEXT NOT NULL,
+    previous_response_id TEXT, body TEXT NOT NULL, input TEXT NOT NULL);
+CREATE INDEX responses_created ON responses (created_at);
+CREATE TABLE conversations (
+    id TEXT PRIMARY KEY, created_at INTEGER NOT NULL, metadata TEXT NOT NULL);
+CREATE INDEX conversations_created ON conversations (created_at);
+CREATE TABLE conversation_items (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, conversation_id TEXT NOT NULL, item_id TEXT NOT NULL,
+    item TEXT NOT NULL);
+CREATE INDEX conversation_items_conv ON conversation_items (conversation_id, seq);
+"""
+OLD_RESP, OLD_CONV = "resp_fromanolderrouter", "conv_fromanolderrouter"
+
+
+def write_old_store(path: Path) -> None:
+    """A store file as a router from before owners left it: one response, one conversation."""
+    now = int(time.time())
+    body = {"id": OLD_RESP, "object": "response", "created_at": now, "status": "completed", "n": 1,
+            "model": "tiny", "output": [], "previous_response_id": None}
+    item = {"id": "msg_old", "type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "x"}]}
+    path.parent.mkdir(parents=True)
+    db = sqlite3.connect(path)
+    db.executescript(OLD_SCHEMA)
+    db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?)",
+               (OLD_RESP, now, "completed", None, json.dumps(body), json.dumps([item])))
+    db.execute("INSERT INTO conversations VALUES (?, ?, ?)", (OLD_CONV, now, "{}"))
+    db.execute("INSERT INTO conversation_items (conversation_id, item_id, item) VALUES (?, ?, ?)",
+               (OLD_CONV, "msg_old", json.dumps(item)))
+    db.commit()
+    db.close()
+
+
+ANN, BOB, OPS = Owner("ann", sees_all=False), Owner("bob", sees_all=False), Owner("ops", sees_all=True)
+
+
+def test_store_rows_belong_to_their_owner_and_rows_from_before_owners_to_admins(tmp_path: Path) -> None:
+    """Each row is its creator's; another user's calls find nothing, admins (and ANYONE, a router
+    without keys) find all; a file from before the `owner` column opens, its rows owned by nobody."""
+    path = tmp_path / "data" / "responses.sqlite3"
+    write_old_store(path)
+    store = Store(path, max_entries=10, ttl_s=100)
+    try:
+        store.open()
+        store.put_response(_response("a"), [{"id": "in-a"}], ANN)
+        store.put_response(_response("b", "a"), [{"id": "in-b"}], ANN)
+        store.put_conversation("c", int(time.time()), {"k": "v"}, ANN)
+        everything = {"a", "b", "c", OLD_RESP, OLD_CONV}
+        for who, expected in ((ANN, {"a", "b", "c"}), (BOB, set()), (OPS, everything), (ANYONE, everything)):
+            seen = {rid for rid in ("a", "b", OLD_RESP) if store.get_response(rid, who) is not None}
+            seen |= {cid for cid in ("c", OLD_CONV) if store.get_conversation(cid, who) is not None}
+            assert seen == expected, who
+        with pytest.raises(ChainBroken):
+            store.chain("b", BOB)
+        assert len(store.chain("b", OPS)) == 4
+        assert not store.delete_response("a", BOB) and not store.delete_conversation("c", BOB)
+        assert not store.set_metadata("c", {"k": "bob"}, BOB)
+        assert store.set_metadata("c", {"k": "ops"}, OPS)
+        conv = store.get_conversation("c", ANN)  # an admin's edit leaves it ann's
+        assert conv is not None and conv["metadata"] == {"k": "ops"}
+        assert store.delete_response("a", ANN) and store.delete_conversation(OLD_CONV, OPS)
+    finally:
+        store.close()
+    again = Store(path, max_entries=10, ttl_s=100)  # the column is there now: opens as it is
+    try:
+        again.open()
+        assert again.get_response(OLD_RESP, BOB) is None and again.get_response(OLD_RESP, OPS) is not None
+        assert again.get_response("b", ANN) is not None
     finally:
         again.close()
 
