@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from tests.util import ROOT, run_worker
+from tests.util import HTTP, ROOT, run_worker
 from worker.testing.tiny_lora import lora_paths, merged_paths
 from worker.testing.tiny_models import ModelPaths
 
@@ -33,7 +33,7 @@ def complete(base: str, lora: list[dict[str, Any]] | None = None, **extra: Any) 
     body: dict[str, Any] = {"prompt": PROMPT, "n_predict": 12, "temperature": 0, **extra}
     if lora is not None:
         body["lora"] = lora
-    return httpx.post(f"{base}/completion", json=body, timeout=120)
+    return HTTP.post(f"{base}/completion", json=body, timeout=120)
 
 
 def text(base: str, lora: list[dict[str, Any]] | None = None, **extra: Any) -> str:
@@ -71,15 +71,15 @@ def test_llama_cpp_adapters_scales_burst_and_bad_input(tiny_loras: ModelPaths) -
         merged = text(base)
     with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora", f"{A.gguf},{B.gguf}",
                     "--lora-init-without-apply") as base:
-        listed = httpx.get(f"{base}/lora-adapters").json()
+        listed = HTTP.get(f"{base}/lora-adapters").json()
         want = [(0, str(A.gguf), 0.0), (1, str(B.gguf), 0.0)]
         assert [(x["id"], x["path"], x["scale"]) for x in listed] == want
         alone = check_burst(base, "base")
         assert alone["a"] == merged, "scale 1: the merged-weights model's greedy text"
         assert alone["base"] == plain, "scale 0: the base model's"
         # the global scales: a request without `lora` runs with them; not listed -> 0
-        assert httpx.post(f"{base}/lora-adapters", json=[{"id": 0, "scale": 1.0}]).json() == {"success": True}
-        assert [x["scale"] for x in httpx.get(f"{base}/lora-adapters").json()] == [1.0, 0.0]
+        assert HTTP.post(f"{base}/lora-adapters", json=[{"id": 0, "scale": 1.0}]).json() == {"success": True}
+        assert [x["scale"] for x in HTTP.get(f"{base}/lora-adapters").json()] == [1.0, 0.0]
         assert text(base) == merged
         # bad input: a 400 naming the field
         for lora, what in (([{"id": 7, "scale": 1.0}], "no adapter with id 7"),
@@ -87,9 +87,9 @@ def test_llama_cpp_adapters_scales_burst_and_bad_input(tiny_loras: ModelPaths) -
             r = complete(base, lora)
             assert r.status_code == 400 and r.json()["error"]["param"].startswith("lora"), r.text
             assert what in r.json()["error"]["message"]
-        r = httpx.post(f"{base}/lora-adapters", json=[{"id": 3, "scale": 1.0}])
+        r = HTTP.post(f"{base}/lora-adapters", json=[{"id": 3, "scale": 1.0}])
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
-        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(B.gguf)})
+        r = HTTP.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(B.gguf)})
         assert r.status_code == 501, "run-time loading is off without --lora-runtime"
 
 
@@ -116,25 +116,25 @@ def test_an_adapter_deleted_while_asleep_fails_the_wake_whole_and_the_worker_liv
     with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora", str(lora), "--lora-runtime",
                     "--lora-allowed-path", str(tmp_path)) as base:
         adapted = text(base, [{"id": 0, "scale": 1.0}])
-        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "b.gguf"})
+        r = HTTP.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "b.gguf"})
         assert r.status_code == 200 and r.json()["id"] == 1, r.text
-        assert httpx.post(f"{base}/sleep", timeout=60).status_code == 200
+        assert HTTP.post(f"{base}/sleep", timeout=60).status_code == 200
         lora.unlink()
         runtime.unlink()
         for _ in range(2):
-            r = httpx.post(f"{base}/wake", timeout=60)
+            r = HTTP.post(f"{base}/wake", timeout=60)
             assert r.status_code == 500 and str(lora) in r.text, r.text
             assert r.json()["error"]["message"].startswith("the model could not wake: LoRA adapter 0")
-            assert httpx.get(f"{base}/health", timeout=10).json()["is_sleeping"] is True
+            assert HTTP.get(f"{base}/health", timeout=10).json()["is_sleeping"] is True
         r = complete(base)
         assert r.status_code == 500, r.text
         message = r.json()["error"]["message"]
         assert "could not wake" in message and str(lora) in message
-        assert httpx.get(f"{base}/health", timeout=10).json() == {"status": "ok", "is_sleeping": True}
+        assert HTTP.get(f"{base}/health", timeout=10).json() == {"status": "ok", "is_sleeping": True}
         shutil.copyfile(A.gguf, lora)  # the first is back; the second is not
-        r = httpx.post(f"{base}/wake", timeout=60)
+        r = HTTP.post(f"{base}/wake", timeout=60)
         assert r.status_code == 500 and "LoRA adapter 1" in r.text and str(runtime) in r.text, r.text
-        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)  # while asleep
+        r = HTTP.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)  # while asleep
         assert r.status_code == 200, r.text
         assert text(base) == text(base, [{"id": 0, "scale": 1.0}]) == adapted
 
@@ -145,36 +145,36 @@ def test_adapters_loaded_at_run_time_and_reached_by_model_name(
     with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora-runtime", "--lora-allowed-path", str(MODELS),
                     "-a", "tiny", "--slot-save-path", str(tmp_path)) as base:
         plain = text(base)
-        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(BAD.gguf)})
+        r = HTTP.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(BAD.gguf)})
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
         assert "made for another base model" in r.json()["error"]["message"]
-        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": str(A.gguf)})
+        r = HTTP.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "poet", "lora_path": str(A.gguf)})
         assert r.status_code == 200, r.text
         assert r.json()["id"] == 0 and r.json()["scale"] == 1.0
         adapted = text(base, [{"id": 0, "scale": 1.0}], id_slot=0)
         assert adapted != plain
-        r = httpx.post(f"{base}/slots/0?action=save", json={"filename": "s.bin"})
+        r = HTTP.post(f"{base}/slots/0?action=save", json={"filename": "s.bin"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "id_slot", r.text  # adapter rows
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="none")
         for model, want in (("tiny:poet", adapted), ("tiny", adapted)):  # global scale 1: on for all
             out = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
             assert out.choices[0].text == want, model
-        assert httpx.post(f"{base}/sleep", timeout=60).status_code == 200  # adapters reload at wake
+        assert HTTP.post(f"{base}/sleep", timeout=60).status_code == 200  # adapters reload at wake
         assert text(base, [{"id": 0, "scale": 1.0}]) == adapted
-        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "poet"})
+        r = HTTP.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "poet"})
         assert r.status_code == 200, r.text
-        assert httpx.get(f"{base}/lora-adapters").json() == []
+        assert HTTP.get(f"{base}/lora-adapters").json() == []
         assert text(base) == plain
         r = complete(base, [{"id": 0, "scale": 1.0}])
         assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
-        r = httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "poet"})
+        r = HTTP.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "poet"})
         assert r.status_code == 404
         # a global scale at load; unloaded by id (lora_int_id); ids are not reused
-        r = httpx.post(f"{base}/v1/load_lora_adapter",
+        r = HTTP.post(f"{base}/v1/load_lora_adapter",
                        json={"lora_name": "half", "lora_path": str(A.gguf), "scale": 0.5})
         assert r.json()["id"] == 1 and r.json()["scale"] == 0.5
         assert text(base) == text(base, [{"id": 1, "scale": 0.5}]) != plain
-        assert httpx.post(f"{base}/v1/unload_lora_adapter", json={"lora_int_id": 1}).status_code == 200
+        assert HTTP.post(f"{base}/v1/unload_lora_adapter", json={"lora_int_id": 1}).status_code == 200
         assert text(base) == plain
 
 
@@ -202,18 +202,18 @@ def test_run_time_adapters_come_only_from_the_allowed_folder_with_one_refusal_fo
     with run_worker(tiny_loras.gguf_f32, *ARGS, "--lora-runtime", "--lora-allowed-path", str(root)) as base:
         answers = set()
         for i, path in enumerate(refused):
-            r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": f"x{i}", "lora_path": path})
+            r = HTTP.post(f"{base}/v1/load_lora_adapter", json={"lora_name": f"x{i}", "lora_path": path})
             assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", (path, r.text)
             answers.add(r.text)
         assert len(answers) == 1, answers
         assert "--lora-allowed-path" in answers.pop()
-        r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "bad.gguf"})
+        r = HTTP.post(f"{base}/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "bad.gguf"})
         assert r.status_code == 400 and "made for another base model" in r.json()["error"]["message"]
         for name, path in (("a", "sub/a.gguf"), ("inner", str(root / "inner.gguf"))):
-            r = httpx.post(f"{base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
+            r = HTTP.post(f"{base}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path})
             assert r.status_code == 200, r.text
             assert r.json()["path"] == str((root / "sub" / "a.gguf").resolve())
-        assert [a["name"] for a in httpx.get(f"{base}/lora-adapters").json()] == ["a", "inner"]
+        assert [a["name"] for a in HTTP.get(f"{base}/lora-adapters").json()] == ["a", "inner"]
 
 
 @pytest.mark.parametrize("kind", ["torch"])
@@ -221,5 +221,5 @@ def test_torch_peft_adapters_burst(tiny_loras: ModelPaths, kind: str) -> None:
     """The burst on the torch backend (its logits against the merged model's and the base's are
     tests/lora/test_torch_lora.py's); the answers alone equal the GGUF twin's on llama.cpp."""
     with run_worker(tiny_loras.hf_dir, *ARGS, "--lora", str(A.peft), "--lora-scaled", f"{B.peft}:0") as base:
-        assert [x["scale"] for x in httpx.get(f"{base}/lora-adapters").json()] == [1.0, 0.0]
+        assert [x["scale"] for x in HTTP.get(f"{base}/lora-adapters").json()] == [1.0, 0.0]
         check_burst(base, "a", rounds=2)  # --lora: scale 1 for all

@@ -14,13 +14,13 @@ from typing import Any
 
 import httpx
 
-from tests.util import wait_until
+from tests.util import HTTP, wait_until
 from tests.worker.conftest import EXACT_GGUF_ARGS, worker_process
 from worker.testing.tiny_models import ModelPaths
 
 
 def _complete(url: str, **body: Any) -> dict[str, Any]:
-    r = httpx.post(url + "/v1/completions", json={"temperature": 0, "ignore_eos": True, **body}, timeout=60)
+    r = HTTP.post(url + "/v1/completions", json={"temperature": 0, "ignore_eos": True, **body}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
@@ -35,7 +35,7 @@ def test_load_failure_reports_500_and_exits_nonzero(tmp_path: Path) -> None:
             if proc.poll() is not None:
                 return True
             try:
-                r = httpx.get(url + "/health", timeout=1)
+                r = HTTP.get(url + "/health", timeout=1)
             except httpx.HTTPError:
                 return False
             seen.append(r.status_code)
@@ -52,23 +52,23 @@ def test_sleep_and_wake(tiny_models: ModelPaths) -> None:
     with worker_process(tiny_models.gguf_f32, *EXACT_GGUF_ARGS) as (_, url):
         before = _complete(url, prompt="sleepy", max_tokens=8)["choices"][0]["text"]
         _complete(url, prompt="another prompt, so the first one goes to the RAM prompt cache", max_tokens=2)
-        assert "omni:prompt_cache_entries 1.0" in httpx.get(url + "/metrics").text
-        assert httpx.post(url + "/sleep").json() == {"status": "sleeping"}
-        assert "omni:prompt_cache_entries 0.0" in httpx.get(url + "/metrics").text  # sleep frees it too
-        assert httpx.get(url + "/health").json() == {"status": "ok", "is_sleeping": True}
-        assert httpx.get(url + "/props").json()["is_sleeping"] is True
+        assert "omni:prompt_cache_entries 1.0" in HTTP.get(url + "/metrics").text
+        assert HTTP.post(url + "/sleep").json() == {"status": "sleeping"}
+        assert "omni:prompt_cache_entries 0.0" in HTTP.get(url + "/metrics").text  # sleep frees it too
+        assert HTTP.get(url + "/health").json() == {"status": "ok", "is_sleeping": True}
+        assert HTTP.get(url + "/props").json()["is_sleeping"] is True
         # Any inference request wakes the model transparently.
         assert _complete(url, prompt="sleepy", max_tokens=8)["choices"][0]["text"] == before
-        assert httpx.get(url + "/health").json()["is_sleeping"] is False
-        httpx.post(url + "/sleep")
-        assert httpx.post(url + "/wake").json()["status"] == "ok"
-        assert httpx.get(url + "/health").json()["is_sleeping"] is False
+        assert HTTP.get(url + "/health").json()["is_sleeping"] is False
+        HTTP.post(url + "/sleep")
+        assert HTTP.post(url + "/wake").json()["status"] == "ok"
+        assert HTTP.get(url + "/health").json()["is_sleeping"] is False
 
 
 def test_sigterm_during_stream_exits_zero_fast(tiny_models: ModelPaths) -> None:
     with worker_process(tiny_models.gguf_f32) as (proc, url):
         body = {"prompt": "long", "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        with HTTP.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
             t0 = time.monotonic()
@@ -108,7 +108,7 @@ def test_full_kv_cache_preempts_instead_of_failing(tiny_models: ModelPaths) -> N
         together = _complete(url, prompt=prompts, max_tokens=100, cache_prompt=False)
         assert [c["text"] for c in together["choices"]] == solo
         assert together["usage"]["completion_tokens"] == 400
-        metrics = httpx.get(url + "/metrics").text
+        metrics = HTTP.get(url + "/metrics").text
         preemptions = next(line for line in metrics.splitlines() if line.startswith("omni:preemptions_total"))
         assert float(preemptions.split()[1]) > 0
 
@@ -121,6 +121,6 @@ def test_context_full_finishes_with_length(tiny_models: ModelPaths) -> None:
         assert data["usage"]["completion_tokens"] == 256 - 200
         # A streamed request that hits the limit ends cleanly too.
         body = {"prompt": [7] * 250, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        with HTTP.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"

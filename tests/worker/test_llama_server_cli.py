@@ -13,10 +13,9 @@ import sys
 import tempfile
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
-from tests.util import ROOT, free_port, stop_process, wait_healthy, wait_until
+from tests.util import HTTP, ROOT, free_port, stop_process, wait_healthy, wait_until
 from worker.testing.tiny_models import ModelPaths
 
 KEY = "s3cret"
@@ -89,7 +88,7 @@ def url(tiny_models: ModelPaths) -> Iterator[str]:
 
 
 def _complete(url: str, **body: object) -> dict[str, object]:
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hello world", "ignore_eos": True, **body},
+    r = HTTP.post(f"{url}/v1/completions", json={"prompt": "hello world", "ignore_eos": True, **body},
                    headers=AUTH, timeout=30)
     assert r.status_code == 200, r.text
     out: dict[str, object] = r.json()
@@ -97,7 +96,7 @@ def _complete(url: str, **body: object) -> dict[str, object]:
 
 
 def test_props_report_the_command_line_defaults(url: str) -> None:
-    props = httpx.get(f"{url}/props", headers=AUTH, timeout=10).json()
+    props = HTTP.get(f"{url}/props", headers=AUTH, timeout=10).json()
     params = props["default_generation_settings"]["params"]
     assert (params["temperature"], params["n_predict"], params["top_k"], params["seed"]) == (0.0, 5, 3, 7)
     assert props["total_slots"] == 2 and props["model_alias"] == "tiny"
@@ -116,31 +115,31 @@ def test_temp_0_default_is_greedy_and_reproducible(url: str) -> None:
 
 
 def test_api_key_guards_every_route_but_health(url: str) -> None:
-    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
-    r = httpx.get(f"{url}/v1/models", timeout=10)
+    assert HTTP.get(f"{url}/health", timeout=10).status_code == 200
+    r = HTTP.get(f"{url}/v1/models", timeout=10)
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
-    assert httpx.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 401
+    assert HTTP.post(f"{url}/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 401
     assert (
-        httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code
+        HTTP.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10).status_code
         == 401
     )
-    card = httpx.get(f"{url}/v1/models", headers={"X-Api-Key": KEY}, timeout=10).json()["data"][0]
+    card = HTTP.get(f"{url}/v1/models", headers={"X-Api-Key": KEY}, timeout=10).json()["data"][0]
     assert card["id"] == "tiny" and card["tags"] == ["a", "b"]
 
 
 def test_slots_and_metrics_are_501_when_off(url: str) -> None:
     for path, flag in (("/slots", "--slots"), ("/metrics", "--metrics")):
-        r = httpx.get(url + path, headers=AUTH, timeout=10)
+        r = HTTP.get(url + path, headers=AUTH, timeout=10)
         assert r.status_code == 501, path
         assert r.json()["error"]["type"] == "not_supported_error" and flag in r.json()["error"]["message"]
 
 
 def test_sleep_idle_seconds_sleeps_and_a_request_wakes(url: str) -> None:
     wait_until(
-        lambda: httpx.get(f"{url}/health", timeout=10).json()["is_sleeping"], 10, what="the idle sleep"
+        lambda: HTTP.get(f"{url}/health", timeout=10).json()["is_sleeping"], 10, what="the idle sleep"
     )
     assert _complete(url)["usage"]["completion_tokens"] == 5  # type: ignore[index]
-    assert httpx.get(f"{url}/health", timeout=10).json()["is_sleeping"] is False
+    assert HTTP.get(f"{url}/health", timeout=10).json()["is_sleeping"] is False
 
 
 @pytest.mark.parametrize(

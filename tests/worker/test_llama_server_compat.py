@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.util import wait_until
+from tests.util import HTTP, wait_until
 from tests.worker.test_llama_server_cli import serve as serve_as_given
 from worker.testing.tiny_models import ModelPaths, write_fim_variant
 
@@ -45,7 +45,7 @@ def url(tiny_models: ModelPaths, save_dir: Path) -> Iterator[str]:
 
 
 def post(url: str, path: str, body: object, **kw: object) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=60, **kw)  # type: ignore[arg-type]
+    return HTTP.post(url + path, json=body, timeout=60, **kw)  # type: ignore[arg-type]
 
 
 def native(url: str, **body: object) -> dict[str, object]:
@@ -165,8 +165,8 @@ def test_slot_actions_and_props_are_501_without_their_flags(tiny_models: ModelPa
 
 def test_fail_on_no_slot_is_503_while_every_slot_is_busy(tiny_models: ModelPaths) -> None:
     with serve("-m", str(tiny_models.gguf_f32), "-c", "2048", "-np", "1", "--slots") as u:
-        assert httpx.get(f"{u}/slots?fail_on_no_slot=1", timeout=10).status_code == 200
-        with httpx.stream(
+        assert HTTP.get(f"{u}/slots?fail_on_no_slot=1", timeout=10).status_code == 200
+        with HTTP.stream(
             "POST",
             f"{u}/completion",
             json={"prompt": "a", "n_predict": 2000, "ignore_eos": True, "stream": True},
@@ -175,7 +175,7 @@ def test_fail_on_no_slot_is_503_while_every_slot_is_busy(tiny_models: ModelPaths
             lines = stream.iter_lines()  # kept: a dropped iterator closes the stream (and cancels the task)
             next(lines)  # generating now
             r = wait_until(
-                lambda: (r := httpx.get(f"{u}/slots?fail_on_no_slot=1", timeout=10)).status_code == 503 and r,
+                lambda: (r := HTTP.get(f"{u}/slots?fail_on_no_slot=1", timeout=10)).status_code == 503 and r,
                 10,
                 what="GET /slots?fail_on_no_slot=1 to see the busy slot",
             )
@@ -194,13 +194,13 @@ def test_cors_localhost_only_and_preflight_without_api_key(url: str) -> None:
         f"{url}/completion", headers={"Origin": "http://localhost.evil.com", **pre}, timeout=10
     )
     assert evil.status_code == 200 and "access-control-allow-origin" not in evil.headers
-    got = httpx.get(f"{url}/health", headers={"Origin": "http://[::1]:8080"}, timeout=10)
+    got = HTTP.get(f"{url}/health", headers={"Origin": "http://[::1]:8080"}, timeout=10)
     assert got.headers["access-control-allow-origin"] == "http://[::1]:8080"
 
 
 def test_metrics_are_llama_servers(url: str) -> None:
     native(url, prompt="hello there", n_predict=4)
-    r = httpx.get(f"{url}/metrics", timeout=10)
+    r = HTTP.get(f"{url}/metrics", timeout=10)
     assert b"Process-Start-Time-Unix" in [k for k, _ in r.headers.raw]  # llama-server's casing
     text = r.text
     for name, kind in (
@@ -213,11 +213,11 @@ def test_metrics_are_llama_servers(url: str) -> None:
         assert f"# TYPE {name} {kind}\n" in text and f"# HELP {name} " in text
     assert "omni:requests_total" in text
     # the throughput gauges cover the time since the last scrape: nothing ran since
-    assert "\nllamacpp:predicted_tokens_seconds 0\n" in httpx.get(f"{url}/metrics", timeout=10).text
+    assert "\nllamacpp:predicted_tokens_seconds 0\n" in HTTP.get(f"{url}/metrics", timeout=10).text
 
 
 def test_aliases_and_tags(url: str) -> None:
-    card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+    card = HTTP.get(f"{url}/v1/models", timeout=10).json()["data"][0]
     assert (card["id"], card["aliases"], card["tags"]) == ("alpha", ["alpha", "zeta"], ["t1"])
 
 
@@ -229,8 +229,8 @@ def test_several_listen_addresses(tiny_models: ModelPaths) -> None:
         pytest.skip("no IPv6 loopback")
     with serve("-m", str(tiny_models.gguf_f32), "-c", "256", "-np", "1", host="127.0.0.1,::1") as u:
         port = u.rsplit(":", 1)[1]
-        assert httpx.get(f"http://[::1]:{port}/health", timeout=10).status_code == 200
-        assert httpx.get(f"{u}/health", timeout=10).status_code == 200
+        assert HTTP.get(f"http://[::1]:{port}/health", timeout=10).status_code == 200
+        assert HTTP.get(f"{u}/health", timeout=10).status_code == 200
 
 
 # --------------------------------------------------------------------------- chat
@@ -268,7 +268,7 @@ def test_continuation_errors(url: str, extra: dict[str, object], messages: list[
 def test_first_stream_chunk_has_null_content_and_progress(url: str) -> None:
     body = {"max_tokens": 2, "messages": _messages(("user", "a fairly long prompt " * 20)), "stream": True,
             "return_progress": True, "timings_per_token": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     progress = [e["prompt_progress"] for e in events if "prompt_progress" in e]
@@ -330,7 +330,7 @@ def test_request_n_predict_wins_over_the_server_default(tiny_models: ModelPaths)
 
 def test_context_full_stops_at_n_ctx_and_says_truncated(tiny_models: ModelPaths) -> None:
     with serve("-m", str(tiny_models.gguf_f32), "-c", "256", "-np", "1") as u:
-        n_ctx = httpx.get(f"{u}/props", timeout=10).json()["default_generation_settings"]["n_ctx"]
+        n_ctx = HTTP.get(f"{u}/props", timeout=10).json()["default_generation_settings"]["n_ctx"]
         out = native(u, prompt="hello world", n_predict=-1, ignore_eos=True)
         assert out["tokens_evaluated"] + out["tokens_predicted"] == n_ctx  # type: ignore[operator]
         assert out["truncated"] is True and native(u, prompt="hello", n_predict=2)["truncated"] is False
@@ -366,11 +366,11 @@ def test_cors_proxy_forwards_only_the_named_headers(tiny_models: ModelPaths, url
     Thread(target=target.serve_forever, daemon=True).start()
     try:
         proxy = f"/cors-proxy?url=http://127.0.0.1:{target.server_port}/x"
-        assert httpx.get(url + proxy, timeout=10).status_code == 403  # off by default
+        assert HTTP.get(url + proxy, timeout=10).status_code == 403  # off by default
         with serve(
             "-m", str(tiny_models.gguf_f32), "-c", "256", "-np", "1", "--ui-mcp-proxy", "--api-key", "k"
         ) as u:
-            r = httpx.get(
+            r = HTTP.get(
                 u + proxy,
                 timeout=10,
                 headers={
@@ -386,7 +386,7 @@ def test_cors_proxy_forwards_only_the_named_headers(tiny_models: ModelPaths, url
                 and seen["accept"] == "application/json"
                 and "cookie" not in seen
             )
-            assert httpx.get(u + "/cors-proxy?url=file:///etc/passwd", headers={"X-Api-Key": "k"},
+            assert HTTP.get(u + "/cors-proxy?url=file:///etc/passwd", headers={"X-Api-Key": "k"},
                              timeout=10).status_code == 400
     finally:
         target.shutdown()
