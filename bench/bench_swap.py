@@ -50,8 +50,8 @@ GGUF = ROOT / "models" / "tiny-llama-f32.gguf"
 CHAIN = ("A", "B", "A", "C")
 
 
-def preset_text(load_delay: float, ctx_size: int = 256) -> str:
-    models = "".join(f'[models.{m}]\nmodel = "{GGUF}"\nbackend = "llama_cpp"\n' for m in ("A", "B", "C"))
+def preset_text(load_delay: float, ctx_size: int = 256, gguf: Path = GGUF) -> str:
+    models = "".join(f'[models.{m}]\nmodel = "{gguf}"\nbackend = "llama_cpp"\n' for m in ("A", "B", "C"))
     return (
         f"[defaults]\nctx-size = {ctx_size}\nparallel = 2\nthreads = 1\nstop-timeout = 5\n"
         f"load-delay = {load_delay}\n{models}"
@@ -237,6 +237,7 @@ def main() -> None:
     ap.add_argument("--chat-think", type=float, default=0.5, help="seconds between a chat client's calls")
     ap.add_argument("--chat-tokens", type=int, default=4, help="tokens of a chat call's answer (ignore_eos)")
     ap.add_argument("--ctx-size", type=int, default=256, help="each model's context (2 slots share it)")
+    ap.add_argument("--model", type=Path, default=GGUF, help="the GGUF file models A, B and C run")
     ap.add_argument(
         "--chat-seconds", type=float, default=None, help="the chat stops then (default: with the agents)"
     )
@@ -248,18 +249,19 @@ def main() -> None:
     ap.add_argument("--llama-swap", type=Path, default=BINARY, help="scripts/build_llama_swap.sh builds it")
     args = ap.parse_args()
     policies = args.policies.split(",")
-    if not GGUF.exists():
-        sys.exit(f"{GGUF} is missing: make models")
+    if not args.model.exists():
+        sys.exit(f"{args.model} is missing: make models")
     with tempfile.TemporaryDirectory() as tmp:
         preset = Path(tmp) / "swap.toml"
-        preset.write_text(preset_text(args.load_delay, args.ctx_size))
+        preset.write_text(preset_text(args.load_delay, args.ctx_size, args.model))
         runs = [one_policy(p, args, preset) for p in policies]
     results = [run.summary(args.swap_max_wait) for run in runs]
     print(
         f"swap bench: {args.agents} agents x {args.rounds} rounds of A, B, A, C (+ a background chat on A: "
         f"{args.chat_clients} client(s), {args.chat_tokens} tokens, {args.chat_think} s think"
         + ("" if args.chat_seconds is None else f", for {args.chat_seconds} s")
-        + f"), --models-max 1, load-delay {args.load_delay} s, --swap-max-wait {args.swap_max_wait} s"
+        + f"), --models-max 1, {args.model.name}, load-delay {args.load_delay} s, "
+        f"--swap-max-wait {args.swap_max_wait} s"
     )
     print(
         f"{'policy':10} {'swaps':>5} {'wall s':>7} {'calls':>5}  "
