@@ -48,9 +48,11 @@ def _n_fds(pid: int) -> int:
 @contextlib.contextmanager
 def _sockets_until(r: RouterProc, n_fds: int) -> Iterator[list[socket.socket]]:
     """Idle sockets opened one by one until the router holds `n_fds` descriptors (counted after
-    each is accepted, so that one of its own that closes meanwhile is made up for)."""
+    each is accepted, so that one of its own that closes meanwhile is made up for); closed at the
+    end, and waited for until the router has let them go."""
     host, port = r.base.removeprefix("http://").split(":")
     held: list[socket.socket] = []
+    before = _n_fds(r.proc.pid)
     deadline = time.monotonic() + 60
     try:
         while (count := _n_fds(r.proc.pid)) < n_fds:
@@ -63,6 +65,9 @@ def _sockets_until(r: RouterProc, n_fds: int) -> Iterator[list[socket.socket]]:
     finally:
         for s in held:
             s.close()
+    # The router closes its ends on its loop, a moment later: until then a new connection finds
+    # no descriptor and is reset.
+    wait_until(lambda: _n_fds(r.proc.pid) <= before + 5, 30, what="the router to let the sockets go")
 
 
 def test_past_the_connection_budget_a_new_connection_gets_503_and_the_running_stream_finishes(
