@@ -148,11 +148,11 @@ def call(
             run.errors.append(f"{model}: {resp.status_code} {resp.text[:200]}")
 
 
-def agent(base: str, run: Run, i: int, rounds: int, think_s: float) -> None:
+def agent(base: str, run: Run, i: int, rounds: int, think_s: float, max_tokens: int) -> None:
     chain = CHAIN[i % 4 :] + CHAIN[: i % 4]
     with httpx.Client(base_url=base, timeout=600) as c:
         for n, model in enumerate(chain * rounds):
-            call(c, run, model, n)
+            call(c, run, model, n, max_tokens)  # an answer that stops at EOS or max_tokens
             time.sleep(think_s)  # the agent thinks (its own work), then calls again
 
 
@@ -206,7 +206,7 @@ def drive(base: str, policy: str, args: argparse.Namespace, run: Run | None = No
     done = threading.Event()
     t0 = time.perf_counter()
     agents = [
-        threading.Thread(target=agent, args=(base, run, i, args.rounds, think))
+        threading.Thread(target=agent, args=(base, run, i, args.rounds, think, args.answer_tokens))
         for i, think in enumerate(thinks)
     ]
     chats = [
@@ -236,6 +236,7 @@ def main() -> None:
     ap.add_argument("--chat-clients", type=int, default=1, help="clients of the background chat on A")
     ap.add_argument("--chat-think", type=float, default=0.5, help="seconds between a chat client's calls")
     ap.add_argument("--chat-tokens", type=int, default=4, help="tokens of a chat call's answer (ignore_eos)")
+    ap.add_argument("--answer-tokens", type=int, default=4, help="an agent call's max_tokens (EOS ends it)")
     ap.add_argument("--ctx-size", type=int, default=256, help="each model's context (2 slots share it)")
     ap.add_argument("--model", type=Path, default=GGUF, help="the GGUF file models A, B and C run")
     ap.add_argument(

@@ -176,20 +176,14 @@ class Slots:
             self._queue = [r for r in self._queue if not r.granted.done()]  # (cancelled loads)
             if not self._queue:
                 await self._undrain()
-                if self.rule.policy == "fifo":  # nobody waits: no bound on any model's admission
-                    for h in self.holders:
-                        if h.num_waiting:
-                            h.recheck()
+                self._recheck(self.holders)  # nobody waits: no bound on any model's admission
                 return None
             holders = list(self.holders)
             by_name = {h.name: h for h in holders}
             entries = {r.occupant.name: r for r in self._queue}
             decision = swap.decide([self.snapshot(h) for h in holders], [r.candidate() for r in self._queue],
                                    self.limits, self.rule, self._clock())
-            if self.rule.policy == "fifo":  # the bound of `admits_before` may have moved
-                for h in holders:
-                    if h.num_waiting:
-                        h.recheck()
+            self._recheck(holders)  # the bound of `admits_before` may have moved
             match decision:
                 case swap.Load(name):
                     self._grant(entries[name])
@@ -209,6 +203,13 @@ class Slots:
                     entry.granted.set_exception(SlotsFull(reason))
                 case swap.Hold(_, until):
                     return until
+
+    def _recheck(self, holders: list[Occupant]) -> None:
+        """The rule "fifo": holders with requests waiting admit those that `admits_before` now lets go."""
+        if self.rule.policy == "fifo":
+            for h in holders:
+                if h.num_waiting:
+                    h.recheck()
 
     def _grant(self, entry: _SlotRequest) -> None:
         self._queue.remove(entry)
